@@ -1,0 +1,5 @@
+import sys
+
+from flashsgd.cli import main
+
+sys.exit(main())

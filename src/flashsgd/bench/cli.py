@@ -1,0 +1,44 @@
+"""`flashsgd bench NAME`: measurements in the field's conventions.
+
+Each benchmark is a module exposing ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``;
+register it in ``BENCHMARKS`` below (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+HELP = "measure all-reduce, sparse exchange, optimizer and training-step speed"
+
+BENCHMARKS = {
+    "allreduce": "flashsgd.bench.allreduce",
+    "sparse": "flashsgd.bench.sparse",
+    "lars": "flashsgd.bench.lars",
+    "recipe": "flashsgd.bench.recipe",
+    "train": "flashsgd.bench.train",
+}
+
+
+def _available() -> dict[str, object]:
+    modules = {}
+    for name, module_name in BENCHMARKS.items():
+        try:
+            modules[name] = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:  # a real missing dependency, not a benchmark not yet written
+                raise
+    return modules
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", required=True)
+    for name, module in _available().items():
+        p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_bench_run=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._bench_run(args) or 0)

@@ -1,0 +1,191 @@
+"""`flashsgd bench recipe`: does the large-batch recipe close the accuracy gap? (MNIST-1D proxy)
+
+The Evidence experiment of issue 4 (REFERENCES.md "Small-scale proxy"): the small 1D CNN
+(:class:`~flashsgd.train.mnist1d.MNIST1DCNN`) on MNIST-1D (32,000 train / 8,000 test), single
+process, the same number of epochs at every batch size:
+
+1. baseline: batch 128, ``base`` recipe (momentum SGD, LR per 256, poly decay, no warmup).
+2. For each large batch B (default 4096 and 8192), three variants:
+   (a) ``sgd``: the baseline recipe with the LR linearly scaled to B;
+   (b) ``sgd+warmup``: (a) plus gradual warmup;
+   (c) ``full``: the tuned fujitsu-style recipe (LARS, warmup, poly decay, label smoothing, no
+       decay/adaptation on bias and BN) - see :data:`FULL` for every number.
+3. Each run is repeated over ``--seeds`` (model init + shuffling); the table reports the mean and
+   min..max test accuracy, the gap to the baseline, steps and seconds; a PNG plots the test
+   accuracy per epoch.
+
+Example::
+
+    flashsgd bench recipe --out runs/recipe                     # full evidence run, ~minutes
+    flashsgd bench recipe --epochs 1 --batches 512 --seeds 0 --num-samples 2000 --out /tmp/r
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from flashsgd.optim.recipes import Recipe, prepare
+from flashsgd.train.mnist1d import MNIST1DCNN, load_mnist1d
+
+HELP = "MNIST-1D accuracy at batch 128 vs large batches: plain SGD, + warmup, full recipe"
+
+BASE_BATCH = 128
+
+# The baseline recipe: momentum SGD, LR 0.1 per 256 (Goyal's rule), decayed with poly power 2 to 0.
+BASE = Recipe(name="base", optimizer="sgd", lr_per_256=0.1, momentum=0.9, nesterov=False,
+              weight_decay=5e-4, exclude_bias_and_norm=False, epochs=15.0, warmup_epochs=0.0,
+              decay="poly", power=2.0, source="bench baseline (ours)")
+# (b): plus linear warmup over the first 3 of 15 epochs from 0 (Goyal's gradual warmup).
+WARMUP = dataclasses.replace(BASE, name="base+warmup", warmup_epochs=3.0)
+# (c): the full recipe, fujitsu-style, tuned on this proxy (docs/recipe.md lists what was tried).
+FULL = Recipe(name="full", optimizer="lars", lr_per_256=0.1, momentum=0.9, nesterov=True,
+              weight_decay=5e-4, exclude_bias_and_norm=True, epochs=15.0, warmup_epochs=3.0,
+              decay="poly", power=2.0, label_smoothing=0.1, trust_coefficient=0.02,
+              source="fujitsu recipe structure, eta/LR/warmup tuned on MNIST-1D (ours)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--epochs", type=int, default=15, help="epochs for every run (default 15)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[4096, 8192],
+                        help="large global batches to compare with batch 128")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds per run")
+    parser.add_argument("--variants", nargs="+", default=["sgd", "sgd+warmup", "full"],
+                        choices=["sgd", "sgd+warmup", "full"], help="large-batch variants to run")
+    parser.add_argument("--num-samples", type=int, default=40000,
+                        help="MNIST-1D samples (80%% train), default 40000")
+    parser.add_argument("--channels", type=int, default=32, help="CNN width")
+    parser.add_argument("--out", default="runs/bench-recipe", help="output folder for table + plot")
+    parser.add_argument("--json", default=None, help="also write all results to this JSON file")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+
+
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 4096) -> float:
+    """Test accuracy in percent (eval mode: BN running statistics)."""
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(x), chunk):
+            correct += (model(x[i:i + chunk]).argmax(1) == y[i:i + chunk]).sum().item()
+    model.train()
+    return 100.0 * correct / len(x)
+
+
+def train_once(data, recipe: Recipe, global_batch: int, epochs: int, seed: int,
+               channels: int = 32) -> dict:
+    """Train the CNN with ``recipe`` at ``global_batch`` for ``epochs``; test accuracy per epoch."""
+    x, y, xt, yt = data
+    recipe = recipe.for_epochs(epochs)
+    torch.manual_seed(seed)
+    model = MNIST1DCNN(channels=channels)
+    plan = prepare(recipe, model, global_batch, num_samples=len(x))
+    gen = torch.Generator().manual_seed(seed + 1000)
+    step, accs, t0, last_loss = 0, [], time.perf_counter(), float("nan")
+    for epoch in range(plan.epochs):
+        b = plan.batch_at(epoch)
+        perm = torch.randperm(len(x), generator=gen)
+        for i in range(0, len(x), b):  # keep the last partial batch (drop_last=False)
+            idx = perm[i:i + b]
+            plan.set_lr(step)
+            loss = plan.loss_fn(model(x[idx]), y[idx])
+            plan.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            plan.optimizer.step()
+            step += 1
+        last_loss = loss.item()
+        accs.append(evaluate(model, xt, yt))
+    return {"recipe": recipe.name, "batch": global_batch, "seed": seed, "epochs": epochs,
+            "steps": step, "final_train_loss": last_loss, "test_acc": accs[-1],
+            "acc_per_epoch": accs, "seconds": time.perf_counter() - t0, "plan": plan.describe()}
+
+
+def _variant(name: str) -> Recipe:
+    return {"sgd": BASE, "sgd+warmup": WARMUP, "full": FULL}[name]
+
+
+def _summary(rows: list[dict]) -> dict:
+    accs = [r["test_acc"] for r in rows]
+    return {"mean": statistics.fmean(accs), "min": min(accs), "max": max(accs),
+            "steps": rows[0]["steps"], "seconds": statistics.fmean(r["seconds"] for r in rows)}
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (variant, batch), rows in results.items():
+        curves = torch.tensor([r["acc_per_epoch"] for r in rows]).mean(0)
+        style = "-" if variant == "full" else ("--" if variant == "sgd+warmup" else ":")
+        if batch == BASE_BATCH:
+            style = "-"
+        ax.plot(range(1, len(curves) + 1), curves.tolist(), style, label=f"{variant} @ {batch}",
+                linewidth=2.5 if batch == BASE_BATCH else 1.5)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title("MNIST-1D 1D-CNN: large-batch recipe (mean over seeds)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("epochs", "num_samples", "channels"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if any(b <= 0 for b in args.batches):
+        raise ValueError(f"--batches must be > 0, got {args.batches}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    data = load_mnist1d(args.num_samples)
+    print(f"# flashsgd bench recipe: torch {torch.__version__}, {platform.machine()}, "
+          f"{torch.get_num_threads()} threads, python {platform.python_version()}")
+    print(f"# MNIST-1D {len(data[0])} train / {len(data[2])} test, epochs {args.epochs}, "
+          f"seeds {args.seeds}, CNN channels {args.channels}")
+    results: dict[tuple[str, int], list[dict]] = {}
+    runs = [("baseline", BASE_BATCH, BASE)] + [(v, b, _variant(v)) for b in args.batches
+                                               for v in args.variants]
+    for variant, batch, recipe in runs:
+        rows = []
+        for seed in args.seeds:
+            r = train_once(data, recipe, batch, args.epochs, seed, args.channels)
+            r["variant"] = variant
+            rows.append(r)
+            print(f"{variant:>11} batch {batch:>5} seed {seed}: test acc {r['test_acc']:6.2f}%  "
+                  f"({r['steps']} steps, {r['seconds']:.1f} s)  {r['plan']}", flush=True)
+        results[(variant, batch)] = rows
+    base = _summary(results[("baseline", BASE_BATCH)])["mean"]
+    lines = ["| batch | variant | test acc % (mean) | min..max | gap to batch 128 (points) | steps | s/run |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for (variant, batch), rows in results.items():
+        s = _summary(rows)
+        lines.append(f"| {batch} | {variant} | {s['mean']:.2f} | {s['min']:.2f}..{s['max']:.2f} | "
+                     f"{s['mean'] - base:+.2f} | {s['steps']} | {s['seconds']:.1f} |")
+    table = "\n".join(lines)
+    print(table)
+    (out / "recipe.md").write_text(
+        f"MNIST-1D, {len(data[0])} train / {len(data[2])} test, {args.epochs} epochs, "
+        f"seeds {args.seeds}, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
+        + table + "\n")
+    _plot(results, out / "recipe.png")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+             "runs": [r for rows in results.values() for r in rows]}, indent=1, default=str))
+    print(f"# wrote {out / 'recipe.md'} and {out / 'recipe.png'} in {time.perf_counter() - t_start:.0f} s")
+    return 0

@@ -1,0 +1,217 @@
+"""`flashsgd simulate`: predict iteration time, exposed communication and scaling efficiency.
+
+Examples:
+  flashsgd simulate --cluster abci --gpus 1024 --model resnet50 --batch-per-gpu 32 \\
+      --algorithm torus2d --grid 32x32 --precision fp16
+  flashsgd simulate --cluster abci --sweep-gpus 8,64,512,4096 --algorithm all --plot eff.png
+  flashsgd simulate --cluster local --calibration ar.json --gpus 8 --algorithm ring
+  flashsgd simulate --calibration ar.json --validate        # fit on half the sizes, predict the rest
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+
+from flashsgd.sim.costs import ALGORITHMS
+from flashsgd.sim.engine import SimConfig, SimResult, simulate, sweep
+from flashsgd.sim.network import CLUSTERS, get_cluster
+from flashsgd.sim.workload import get_workload
+
+HELP = "predict iteration time and scaling efficiency on 1,000s of GPUs (alpha-beta-gamma model)"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        out = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return out
+
+
+def _grid(text: str) -> tuple[int, int]:
+    try:
+        x, y = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--grid must look like 4x256, got {text!r}") from None
+    return x, y
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", default="abci",
+                   help=f"preset ({', '.join(CLUSTERS.names())}) or 'local' (needs --calibration)")
+    p.add_argument("--calibration", metavar="PATH", help="`flashsgd bench allreduce --json` file")
+    p.add_argument("--fit", choices=("joint", "per-algorithm"), default="joint",
+                   help="calibration fit: one (alpha, beta, gamma) for all, or per algorithm")
+    p.add_argument("--validate", action="store_true",
+                   help="with --calibration: fit on every other size, predict the others, and exit")
+    p.add_argument("--show", action="store_true", help="print the cluster parameters")
+    p.add_argument("--gpus", type=int, default=256, help="number of GPUs (default 256)")
+    p.add_argument("--sweep-gpus", type=_ints, metavar="N,N,...", help="simulate each GPU count")
+    p.add_argument("--model", default="resnet50",
+                   help="built-in workload (resnet50, vgg16) or package.module:factory")
+    p.add_argument("--batch-per-gpu", type=int, default=32)
+    p.add_argument("--images-per-s", type=float,
+                   help="single-GPU training throughput at --batch-per-gpu (default: the cluster's "
+                        "ResNet-50 figure for --precision)")
+    p.add_argument("--algorithm", action="append", metavar="NAME",
+                   help=f"repeatable or comma list, or 'all': {', '.join(ALGORITHMS.names())}")
+    p.add_argument("--grid", type=_grid, help="torus2d grid XxY (default: near-square, X per node)")
+    p.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP-style bucket cap (MB)")
+    p.add_argument("--groups", type=_ints, metavar="N,N,...",
+                   help="fixed fusion groups (tensor counts in backward order, e.g. 3,21,57,80)")
+    p.add_argument("--no-overlap", action="store_true", help="communicate only after backward")
+    p.add_argument("--density", type=float, default=0.001, help="topk/gtopk density (default 0.001)")
+    p.add_argument("--json", metavar="PATH", help="write inputs and results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="with --sweep-gpus: scaling-efficiency PNG")
+
+
+def _algorithms(values: list[str] | None) -> list[str]:
+    names = [n.strip() for v in (values or ["native"]) for n in v.split(",") if n.strip()]
+    if "all" in names:
+        return ALGORITHMS.names()
+    for n in names:
+        ALGORITHMS.get(n)  # ValueError listing the known names
+    return list(dict.fromkeys(names))
+
+
+def _cluster(args):
+    if args.calibration:
+        from flashsgd.sim.calibrate import fit, load_bench
+
+        bench = load_bench(args.calibration)
+        f = fit(bench, args.fit)
+        print(f"calibration {args.calibration}: {len(bench.measurements)} points, fit {args.fit}, "
+              f"rms rel error {f.rms_rel_error:.1%}, max {f.max_rel_error:.1%}"
+              + (f"; skipped {bench.skipped}" if bench.skipped else ""))
+        for algo, (a, b, g) in f.params.items():
+            print(f"  {algo:>14}: alpha={a * 1e6:9.2f} us  beta={b * 1e9:8.4f} ns/B "
+                  f"({1 / b / 1e9 if b else float('inf'):.3g} GB/s)  gamma={g * 1e9:.4f} ns/B")
+        if args.cluster not in ("local", "abci"):
+            raise ValueError("--calibration builds the 'local' cluster; drop --cluster or use --cluster local")
+        return f.cluster, bench
+    return get_cluster(args.cluster), None
+
+
+def _validate(bench, mode: str) -> dict:
+    from flashsgd.sim.calibrate import validate
+
+    v = validate(bench, mode)
+    print(f"validation ({mode} fit on sizes {[int(s) for s in v.fit_sizes]}; predicting the others):")
+    print(f"{'algorithm':>14} {'size_B':>10} {'measured_us':>12} {'predicted_us':>12} {'error':>8}")
+    for r in v.rows:
+        print(f"{r['algorithm']:>14} {int(r['size_bytes']):>10} {r['measured_us']:>12.1f} "
+              f"{r['predicted_us']:>12.1f} {r['rel_error']:>+8.1%}")
+    print(f"max |error| for messages >= 1 MB: {v.max_error(1 << 20):.1%} (target 25%); "
+          f"all sizes: {v.max_error():.1%}")
+    return {"mode": mode, "fit_sizes": v.fit_sizes, "rows": v.rows,
+            "max_error_ge_1MB": v.max_error(1 << 20), "max_error": v.max_error()}
+
+
+def _print_breakdown(r: SimResult) -> None:
+    ms = 1e3
+    print(f"algorithm {r.algorithm}, {r.gpus} GPUs, {r.buckets} buckets (largest {r.bucket_bytes_max / 1e6:.1f} MB)")
+    print(f"  iteration        {r.iteration_s * ms:9.2f} ms")
+    print(f"  compute          {r.compute_s * ms:9.2f} ms  (forward + backward + update, one GPU)")
+    print(f"  communication    {r.comm_s * ms:9.2f} ms  (latency {r.latency_s * ms:.2f}, bandwidth "
+          f"{r.bandwidth_s * ms:.2f}, compute {r.comm_compute_s * ms:.2f}, overhead {r.overhead_s * ms:.2f})")
+    print(f"  exposed comm     {r.exposed_comm_s * ms:9.2f} ms")
+    print(f"  throughput       {r.images_per_s:9.0f} images/s")
+    print(f"  efficiency       {r.efficiency:9.1%}  (throughput / (GPUs x single-GPU throughput))")
+
+
+def _print_table(results: list[SimResult], algos: list[str], gpus: list[int]) -> None:
+    print("scaling efficiency (iteration ms):")
+    print(f"{'GPUs':>6} " + " ".join(f"{a:>20}" for a in algos))
+    by = {(r.algorithm, r.gpus): r for r in results}
+    for p in gpus:
+        cells = (f"{by[a, p].efficiency:6.1%} ({by[a, p].iteration_s * 1e3:8.2f})" for a in algos)
+        print(f"{p:>6} " + " ".join(f"{c:>20}" for c in cells))
+
+
+def plot_efficiency(results: list[SimResult], path: str, title: str) -> None:
+    """Scaling efficiency vs GPUs, one line per algorithm (log2 x axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    algos = list(dict.fromkeys(r.algorithm for r in results))
+    styles = ["-o", "--s", "-^", "-.v", ":D", "-x", "--P", "-.*", ":h"]
+    for i, a in enumerate(algos):
+        rs = [r for r in results if r.algorithm == a]
+        ax.plot([r.gpus for r in rs], [100 * r.efficiency for r in rs], styles[i % len(styles)],
+                label=a, markersize=5, linewidth=1.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("scaling efficiency (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster, bench = _cluster(args)
+    report: dict = {"cluster": cluster.describe()}
+    if args.show:
+        print(cluster.describe())
+        print(f"  source: {cluster.source}")
+    if args.validate:
+        if bench is None:
+            raise ValueError("--validate needs --calibration PATH")
+        report["validation"] = _validate(bench, args.fit)
+        _write_json(args.json, report)
+        return 0
+    workload = get_workload(args.model)
+    ips = args.images_per_s
+    if ips is None:
+        ips = cluster.resnet50_images_per_s.get(args.precision) if workload.name == "resnet50" else None
+        if ips is None:
+            raise ValueError(f"--images-per-s is required for model {args.model!r} on cluster "
+                             f"{cluster.name!r} at {args.precision}")
+    algos = _algorithms(args.algorithm)
+    base = SimConfig(algorithm=algos[0], gpus=args.gpus, images_per_s=ips,
+                     batch_per_gpu=args.batch_per_gpu, precision=args.precision,
+                     bucket_mb=args.bucket_mb, groups=tuple(args.groups) if args.groups else None,
+                     overlap=not args.no_overlap, grid=args.grid, density=args.density)
+    print(f"{cluster.describe()}\nworkload {workload.name}: {workload.num_tensors} tensors, "
+          f"{workload.num_params:,} params, {workload.num_params * (2 if args.precision == 'fp16' else 4) / 1e6:.1f} "
+          f"MB of {args.precision} gradients; {ips:g} images/s/GPU at batch {args.batch_per_gpu}")
+    report["inputs"] = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    report["workload"] = {"name": workload.name, "tensors": workload.num_tensors,
+                          "params": workload.num_params, "note": workload.note}
+    if args.sweep_gpus:
+        t0 = time.perf_counter()
+        results = sweep(workload, cluster, base, algos, args.sweep_gpus)
+        elapsed = time.perf_counter() - t0
+        _print_table(results, algos, args.sweep_gpus)
+        print(f"simulated {len(results)} configurations in {elapsed:.3f} s")
+        if args.plot:
+            plot_efficiency(results, args.plot, f"{workload.name}, {args.precision}, batch "
+                            f"{args.batch_per_gpu}/GPU, {ips:g} img/s/GPU, cluster {cluster.name}")
+            print(f"wrote {args.plot}")
+        report["sweep_seconds"] = elapsed
+    else:
+        results = [simulate(workload, cluster, replace(base, algorithm=a)) for a in algos]
+        for r in results:
+            _print_breakdown(r)
+    report["results"] = [r.to_dict() for r in results]
+    _write_json(args.json, report)
+    return 0
+
+
+def _write_json(path: str | None, report: dict) -> None:
+    if path:
+        with open(path, "w") as fh:
+            json.dump(report, fh, indent=2, default=str)
+        print(f"wrote {path}")

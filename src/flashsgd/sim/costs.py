@@ -1,0 +1,355 @@
+"""Closed-form alpha-beta-gamma costs of one gradient exchange, per flashsgd algorithm.
+
+Every function here has the signature ``cost(n_bytes, setup) -> Cost``: the time for all ``P``
+ranks to exchange a message of ``n_bytes`` per rank (a scalar or a numpy array of bucket sizes),
+split into latency (alpha), bandwidth (beta), compute (gamma: reductions, top-k selection) and fixed
+per-call overhead. Algorithm names are the ones used across flashsgd (``comm/dense.py``,
+``comm/sparse.py``); ``recursive_doubling``, ``rabenseifner`` and ``binomial`` are simulator-only.
+
+Placement: ranks ``0..L-1`` are on node 0, ``L..2L-1`` on node 1, ... A message step between two
+ranks of one node uses the ``intra`` link; between nodes the ``inter`` link, whose node bandwidth is
+shared by the ``flows`` ranks of that node that cross at the same time (beta_eff = beta * flows). A
+ring step that has both kinds of hops takes as long as its slowest hop.
+
+Costs (a: alpha, b: beta, g: gamma, n bytes per rank, P ranks; REFERENCES.md "Cost models"):
+
+=================== ==========================================================================
+ring / native       2(P-1) a + 2(P-1)/P n b + (P-1)/P n g  (native: what NCCL/Gloo do for
+                    large messages, taken to be the ring)
+recursive_doubling  lgP a + n lgP b + n lgP g
+rabenseifner        2 lgP a + 2(P-1)/P n b + (P-1)/P n g (halving reduce-scatter + doubling gather)
+binomial            2 lgP a + 2 n lgP b + n lgP g (binomial reduce then broadcast)
+hierarchical        ring reduce-scatter in node (L) + ring all-reduce of n/L across N nodes (L
+                    concurrent rings per node) + ring all-gather in node
+torus2d (X x Y)     2(X-1) a_x + 2(Y-1) a_y + 2(X-1)/X n b_x + 2(Y-1)/(XY) n b_y + (P-1)/P n g
+topk                select(m) + Bruck all-gather of k (value, index) pairs: lgP a + (P-1) k s b
+                    + scatter-add of P k values
+gtopk               select(m) + lgP tree rounds of k pairs (merge 2k -> k each) + lgP broadcast
+                    rounds: 2 lgP a + 2 k s lgP b   (s = value + index bytes: 4 k lgP b_elem)
+=================== ==========================================================================
+
+Non-powers of two: recursive doubling and Rabenseifner fold the extra ``P - 2^floor(lgP)`` ranks in
+with one step before and one after (MPICH); binomial trees and Bruck use ceil(lgP) steps.
+
+Example::
+
+    >>> from flashsgd.sim.network import CLUSTERS
+    >>> setup = CommSetup(gpus=64, cluster=CLUSTERS.get("abci"))
+    >>> round(float(ALGORITHMS.get("ring")(100e6, setup).total) * 1e3, 2)  # ms for 100 MB
+    10.34
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from flashsgd.registry import Registry
+from flashsgd.sim.network import Cluster
+
+DENSE = ("native", "ring", "hierarchical", "torus2d", "recursive_doubling", "rabenseifner", "binomial")
+SPARSE = ("topk", "gtopk")
+
+
+@dataclass(frozen=True)
+class CommSetup:
+    """Who exchanges: how many GPUs on which cluster, with which grid, density and element sizes."""
+
+    gpus: int
+    """Number of ranks P (one per GPU)."""
+    cluster: Cluster
+    """Link levels and per-call costs."""
+    grid: tuple[int, int] | None = None
+    """torus2d grid (X, Y), X horizontal (contiguous ranks); None: :func:`auto_grid`."""
+    density: float = 0.001
+    """Sparse algorithms: fraction of gradient elements sent, k = ceil(density * m)."""
+    value_bytes: int = 4
+    """Bytes per gradient element: 4 (fp32) or 2 (fp16)."""
+    index_bytes: int = 4
+    """Bytes per sparse index (int32)."""
+
+    def __post_init__(self) -> None:
+        p, lpn = self.gpus, self.cluster.ranks_per_node
+        if not isinstance(p, int) or p < 1:
+            raise ValueError(f"gpus must be an int >= 1, got {p!r}")
+        if p > lpn and p % lpn:
+            raise ValueError(
+                f"gpus={p} must be <= ranks_per_node={lpn} or a multiple of it (full nodes) "
+                f"on cluster {self.cluster.name!r}"
+            )
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {self.density!r}")
+        if self.value_bytes not in (2, 4, 8) or self.index_bytes not in (4, 8):
+            raise ValueError(
+                f"value_bytes must be 2, 4 or 8 and index_bytes 4 or 8, got {self.value_bytes}, "
+                f"{self.index_bytes}"
+            )
+        if self.grid is not None:
+            x, y = self.grid
+            if x < 1 or y < 1 or x * y != p:
+                raise ValueError(f"grid {x}x{y} does not match gpus={p}: need X*Y == gpus")
+            lr = self.local_ranks
+            if p > lpn and x % lr and lr % x:
+                raise ValueError(
+                    f"grid {x}x{y}: X={x} must divide or be a multiple of ranks_per_node={lr} "
+                    "so that horizontal rings do not straddle nodes unevenly"
+                )
+
+    @property
+    def local_ranks(self) -> int:
+        """Ranks per node actually used: L = min(P, ranks_per_node)."""
+        return min(self.gpus, self.cluster.ranks_per_node)
+
+    @property
+    def torus_grid(self) -> tuple[int, int]:
+        return self.grid if self.grid is not None else auto_grid(self.gpus, self.local_ranks)
+
+
+def auto_grid(gpus: int, ranks_per_node: int) -> tuple[int, int]:
+    """Near-square torus grid X x Y with X a multiple of the node size: the fewest latency steps.
+
+    X is the multiple of ``ranks_per_node`` dividing ``gpus`` closest to sqrt(gpus) (X = gpus when
+    everything fits in a node). Example: 1024 GPUs, 4 per node -> 32 x 32.
+    """
+    if gpus <= ranks_per_node:
+        return gpus, 1
+    cands = [x for x in range(ranks_per_node, gpus + 1, ranks_per_node) if gpus % x == 0]
+    x = min(cands, key=lambda c: (abs(math.log(c / math.sqrt(gpus))), c))
+    return x, gpus // x
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Time of one exchange by component (seconds; arrays shaped like ``n_bytes``)."""
+
+    latency_s: np.ndarray
+    bandwidth_s: np.ndarray
+    compute_s: np.ndarray
+    overhead_s: np.ndarray
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.latency_s + self.bandwidth_s + self.compute_s + self.overhead_s
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.latency_s + other.latency_s, self.bandwidth_s + other.bandwidth_s,
+                    self.compute_s + other.compute_s, self.overhead_s + other.overhead_s)
+
+
+def _zero(n: np.ndarray) -> Cost:
+    z = np.zeros_like(n)
+    return Cost(z, z, z, z)
+
+
+CostFn = Callable[[object, CommSetup], Cost]
+ALGORITHMS: Registry[CostFn] = Registry("simulated algorithm")
+
+
+# ---------------------------------------------------------------- link selection ------------------
+
+
+def _step(chunk: np.ndarray, steps: float, levels: list[tuple[float, float]]) -> tuple:
+    """``steps`` steps moving ``chunk`` bytes, each as slow as the slowest of ``levels`` (a, b)."""
+    best_lat, best_bw = None, None
+    for alpha, beta in levels:
+        lat, bw = np.full_like(chunk, steps * alpha), steps * chunk * beta
+        if best_lat is None:
+            best_lat, best_bw = lat, bw
+        else:
+            slower = lat + bw > best_lat + best_bw
+            best_lat, best_bw = np.where(slower, lat, best_lat), np.where(slower, bw, best_bw)
+    return best_lat, best_bw
+
+
+def _ring_levels(members: int, stride: int, setup: CommSetup) -> list[tuple[float, float]]:
+    """Links of a ring of ``members`` ranks ``stride`` apart, all such rings running at once."""
+    c, lr = setup.cluster, setup.local_ranks
+    intra = (c.intra.alpha_s, c.intra.beta_s_per_byte)
+    if members * stride <= lr:  # the whole ring lives inside one node
+        return [intra]
+    per_node = max(1, lr // stride)  # ring members on one node (consecutive in the ring)
+    flows = lr // per_node  # concurrent rings on a node, one outgoing NIC hop each
+    levels = [(c.inter.alpha_s, c.inter.beta_s_per_byte * flows)]
+    return levels + [intra] if per_node > 1 else levels
+
+
+def _pair_levels(distance: int, flows: int, setup: CommSetup) -> list[tuple[float, float]]:
+    """Link between partners ``distance`` ranks apart; ``flows`` ranks per node cross at once."""
+    c = setup.cluster
+    if distance < setup.local_ranks:
+        return [(c.intra.alpha_s, c.intra.beta_s_per_byte)]
+    return [(c.inter.alpha_s, c.inter.beta_s_per_byte * flows)]
+
+
+# ---------------------------------------------------------------- ring building blocks ------------
+
+
+def _ring(n: np.ndarray, members: int, stride: int, setup: CommSetup, phases: int, reduce: bool) -> Cost:
+    """Ring reduce-scatter (phases=1, reduce), all-gather (1, no reduce) or all-reduce (2, reduce)."""
+    if members == 1:
+        return _zero(n)
+    # Each of the (members-1) steps per phase moves one chunk of n/members bytes on every hop.
+    lat, bw = _step(n / members, phases * (members - 1), _ring_levels(members, stride, setup))
+    red = (members - 1) / members * n * setup.cluster.gamma_s_per_byte if reduce else np.zeros_like(n)
+    return Cost(lat, bw, red, np.full_like(n, setup.cluster.call_overhead_s))
+
+
+@ALGORITHMS.register("ring")
+def ring(n_bytes, setup: CommSetup) -> Cost:
+    """Ring all-reduce over all P ranks: 2(P-1) a + 2(P-1)/P n b + (P-1)/P n g (bandwidth-optimal)."""
+    n = np.asarray(n_bytes, dtype=float)
+    return _ring(n, setup.gpus, 1, setup, phases=2, reduce=True)
+
+
+ALGORITHMS.add("native", ring)  # NCCL/Gloo pick a ring for large messages (stated assumption)
+
+
+@ALGORITHMS.register("hierarchical")
+def hierarchical(n_bytes, setup: CommSetup) -> Cost:
+    """Reduce-scatter in node, all-reduce of n/L across nodes, all-gather in node (3 calls)."""
+    n = np.asarray(n_bytes, dtype=float)
+    lr = setup.local_ranks
+    nodes = setup.gpus // lr
+    # Step 1: ring reduce-scatter among the L ranks of each node -> each holds n/L reduced bytes.
+    cost = _ring(n, lr, 1, setup, phases=1, reduce=True)
+    # Step 2: L concurrent ring all-reduces of n/L bytes across nodes (ranks L apart).
+    cost = cost + _ring(n / lr, nodes, lr, setup, phases=2, reduce=True)
+    # Step 3: ring all-gather inside each node.
+    return cost + _ring(n, lr, 1, setup, phases=1, reduce=False)
+
+
+@ALGORITHMS.register("torus2d")
+def torus2d(n_bytes, setup: CommSetup) -> Cost:
+    """2D-Torus (Mikami et al. 2018): horizontal RS, vertical all-reduce of n/X, horizontal AG."""
+    n = np.asarray(n_bytes, dtype=float)
+    x, y = setup.torus_grid
+    # Step 1: reduce-scatter along the X contiguous ranks of a row -> n/X bytes each.
+    cost = _ring(n, x, 1, setup, phases=1, reduce=True)
+    # Step 2: all-reduce the n/X shard along the column (Y ranks, X apart).
+    cost = cost + _ring(n / x, y, x, setup, phases=2, reduce=True)
+    # Step 3: all-gather along the row.
+    return cost + _ring(n, x, 1, setup, phases=1, reduce=False)
+
+
+# ---------------------------------------------------------------- log-depth algorithms ------------
+
+
+def _fold(n: np.ndarray, setup: CommSetup) -> tuple[int, Cost]:
+    """MPICH fold for non-powers of two: P' = 2^floor(lgP); one step in, one step out."""
+    p = setup.gpus
+    p2 = 1 << (p.bit_length() - 1)
+    if p2 == p:
+        return p2, _zero(n)
+    lat, bw = _step(n, 2, _pair_levels(p2, 1, setup))
+    return p2, Cost(lat, bw, n * setup.cluster.gamma_s_per_byte, np.zeros_like(n))
+
+
+@ALGORITHMS.register("recursive_doubling")
+def recursive_doubling(n_bytes, setup: CommSetup) -> Cost:
+    """Recursive doubling: lgP steps exchanging the full n with partner rank XOR 2^i."""
+    n = np.asarray(n_bytes, dtype=float)
+    if setup.gpus == 1:
+        return _zero(n)
+    p2, cost = _fold(n, setup)
+    g = setup.cluster.gamma_s_per_byte
+    for i in range(p2.bit_length() - 1):
+        lat, bw = _step(n, 1, _pair_levels(1 << i, setup.local_ranks, setup))  # every rank sends
+        cost = cost + Cost(lat, bw, n * g, np.zeros_like(n))
+    return cost + Cost(*(np.zeros_like(n),) * 3, np.full_like(n, setup.cluster.call_overhead_s))
+
+
+@ALGORITHMS.register("rabenseifner")
+def rabenseifner(n_bytes, setup: CommSetup) -> Cost:
+    """Recursive-halving reduce-scatter then recursive-doubling all-gather (Rabenseifner 2004)."""
+    n = np.asarray(n_bytes, dtype=float)
+    if setup.gpus == 1:
+        return _zero(n)
+    p2, cost = _fold(n, setup)
+    g = setup.cluster.gamma_s_per_byte
+    for i in range(p2.bit_length() - 1):
+        # Step 1 (halving): partner P'/2^(i+1) away, exchange and reduce n/2^(i+1) bytes.
+        # Step 2 (doubling) mirrors it with the same sizes and partners, without the reduction.
+        chunk = n / (1 << (i + 1))
+        lat, bw = _step(chunk, 2, _pair_levels(p2 >> (i + 1), setup.local_ranks, setup))
+        cost = cost + Cost(lat, bw, chunk * g, np.zeros_like(n))
+    return cost + Cost(*(np.zeros_like(n),) * 3, np.full_like(n, setup.cluster.call_overhead_s))
+
+
+@ALGORITHMS.register("binomial")
+def binomial(n_bytes, setup: CommSetup) -> Cost:
+    """Binomial-tree reduce to rank 0 then binomial broadcast: 2 ceil(lgP) full-size steps."""
+    n = np.asarray(n_bytes, dtype=float)
+    cost = _zero(n)
+    g = setup.cluster.gamma_s_per_byte
+    for i in range(math.ceil(math.log2(setup.gpus))):
+        # At round i the senders are ranks = 2^i mod 2^(i+1): L/2^(i+1) per node stay inside the
+        # node; once 2^i >= L at most one rank per node crosses.
+        lat, bw = _step(n, 2, _pair_levels(1 << i, 1, setup))  # reduce round + broadcast round
+        cost = cost + Cost(lat, bw, n * g, np.zeros_like(n))
+    return cost + Cost(*(np.zeros_like(n),) * 3, np.full_like(n, 2 * setup.cluster.call_overhead_s))
+
+
+# ---------------------------------------------------------------- sparse exchanges ----------------
+
+
+def _k(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarray]:
+    m = n / setup.value_bytes  # gradient elements in the message
+    return m, np.maximum(1.0, np.ceil(setup.density * m))
+
+
+@ALGORITHMS.register("topk")
+def topk(n_bytes, setup: CommSetup) -> Cost:
+    """Top-k S-SGD: local top-k, all-gather of k (value, index) pairs, scatter-add of P*k."""
+    n = np.asarray(n_bytes, dtype=float)
+    if setup.gpus == 1:
+        return _zero(n)
+    c, p = setup.cluster, setup.gpus
+    m, k = _k(n, setup)
+    pair = setup.value_bytes + setup.index_bytes
+    # Step 1: select the k largest |g| of m local elements (plus the residual add, a pass over m).
+    comp = m * c.select_s_per_elem + n * c.gamma_s_per_byte
+    cost = Cost(np.zeros_like(n), np.zeros_like(n), comp, np.full_like(n, c.sparse_overhead_s))
+    # Step 2: Bruck all-gather: round i sends min(2^i, P-2^i) blocks of k pairs to distance 2^i;
+    # sum over rounds = (P-1) k pairs.
+    for i in range(math.ceil(math.log2(p))):
+        blocks = min(1 << i, p - (1 << i))
+        lat, bw = _step(blocks * k * pair, 1, _pair_levels(1 << i, setup.local_ranks, setup))
+        cost = cost + Cost(lat, bw, np.zeros_like(n), np.zeros_like(n))
+    # Step 3: scatter-add the P*k received values into a dense buffer.
+    return cost + Cost(np.zeros_like(n), np.zeros_like(n), p * k * setup.value_bytes * c.gamma_s_per_byte,
+                       np.zeros_like(n))
+
+
+@ALGORITHMS.register("gtopk")
+def gtopk(n_bytes, setup: CommSetup) -> Cost:
+    """Global Top-k (Shi et al. 2019): tree of lgP pairwise merges, then broadcast of the k."""
+    n = np.asarray(n_bytes, dtype=float)
+    if setup.gpus == 1:
+        return _zero(n)
+    c = setup.cluster
+    m, k = _k(n, setup)
+    pair = setup.value_bytes + setup.index_bytes
+    # Step 1: local top-k of m elements (+ residual add).
+    comp = m * c.select_s_per_elem + n * c.gamma_s_per_byte
+    cost = Cost(np.zeros_like(n), np.zeros_like(n), comp, np.full_like(n, c.sparse_overhead_s))
+    for i in range(math.ceil(math.log2(setup.gpus))):
+        # Step 2: round i, receivers get k pairs from 2^i away and keep the top k of the 2k union;
+        # Step 3 (broadcast) sends the final k pairs back down the same tree: 2 messages per level.
+        lat, bw = _step(k * pair, 2, _pair_levels(1 << i, 1, setup))
+        merge = 2 * k * c.select_s_per_elem + k * setup.value_bytes * c.gamma_s_per_byte
+        cost = cost + Cost(lat, bw, merge, np.zeros_like(n))
+    return cost
+
+
+def exchange_cost(algorithm: str, n_bytes, setup: CommSetup) -> Cost:
+    """Cost of ``algorithm`` (a registered name) moving ``n_bytes`` per rank; zero for one GPU."""
+    fn = ALGORITHMS.get(algorithm)
+    n = np.asarray(n_bytes, dtype=float)
+    if np.any(n < 0):
+        raise ValueError(f"n_bytes must be >= 0, got min {float(n.min())}")
+    if setup.gpus == 1:
+        return _zero(n)
+    return fn(n, setup)

@@ -1,0 +1,191 @@
+"""Cluster descriptions for the simulator: link levels (alpha, beta), reduction speed, presets.
+
+A cluster has two link levels, the way every GPU cluster in the papers is built:
+
+* ``intra``: GPU <-> GPU inside a node (NVLink, PCIe, shared memory), per GPU and per direction;
+* ``inter``: the node's network interface(s), *aggregate over the node's NICs*, per direction.
+
+``alpha`` is the latency of one message step (seconds), ``beta = 1 / bandwidth`` (seconds per byte)
+and ``gamma`` the time to reduce one byte (seconds per byte). When several ranks of a node talk to
+other nodes at once they share the node's NICs: the cost functions in :mod:`flashsgd.sim.costs`
+divide the node bandwidth by the number of concurrent flows.
+
+Presets (``CLUSTERS``) carry the physical figures they were built from in ``source``; nothing is
+tuned to hit a published result. ``local`` is not a preset: it is fitted from a
+``flashsgd bench allreduce --json`` file by :func:`flashsgd.sim.calibrate.calibrate`.
+
+Example::
+
+    >>> c = CLUSTERS.get("abci")
+    >>> c.ranks_per_node, round(c.inter.bandwidth_gbps, 1)
+    (4, 24.0)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from flashsgd.registry import Registry
+
+GB = 1e9  # nccl-tests convention: GB/s = 1e9 bytes per second
+
+
+def _check_positive(owner: str, name: str, value: float, *, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{owner}.{name} must be a finite number {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link level: per-step latency and per-direction bandwidth."""
+
+    alpha_s: float
+    """Latency of one message step in seconds (software + wire)."""
+    bandwidth_gbps: float
+    """Bandwidth per direction in GB/s (1e9 bytes/s); for ``inter`` the node aggregate over NICs."""
+
+    def __post_init__(self) -> None:
+        _check_positive("Link", "alpha_s", self.alpha_s, allow_zero=True)
+        _check_positive("Link", "bandwidth_gbps", self.bandwidth_gbps)
+
+    @property
+    def beta_s_per_byte(self) -> float:
+        """Seconds per byte: 1 / bandwidth."""
+        return 1.0 / (self.bandwidth_gbps * GB)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A homogeneous GPU cluster: nodes of ``ranks_per_node`` GPUs, two link levels."""
+
+    name: str
+    """Preset name (``abci``, ``1gbe``, ...) or ``local``."""
+    ranks_per_node: int
+    """GPUs (ranks) per node; ranks 0..L-1 live on node 0, L..2L-1 on node 1, ..."""
+    intra: Link
+    """GPU <-> GPU inside a node, per GPU and direction."""
+    inter: Link
+    """Node <-> node, aggregate over the node's NICs, per direction."""
+    gamma_s_per_byte: float = 0.0
+    """Reduction (sum) time per byte of the message on one rank."""
+    call_overhead_s: float = 0.0
+    """Fixed cost of one collective call (kernel launch, synchronisation)."""
+    sparse_overhead_s: float = 0.0
+    """Fixed cost of one sparse exchange (top-k bookkeeping, index packing, host syncs)."""
+    select_s_per_elem: float = 0.0
+    """Top-k selection time per gradient element (a few passes over the gradient)."""
+    resnet50_images_per_s: dict[str, float] = field(default_factory=dict)
+    """Single-GPU ResNet-50 training throughput by precision (``fp16``/``fp32``), if known."""
+    source: str = ""
+    """Where every number above comes from (shown by ``flashsgd simulate --cluster X --show``)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"Cluster.ranks_per_node must be an int >= 1, got {self.ranks_per_node!r}")
+        for name in ("gamma_s_per_byte", "call_overhead_s", "sparse_overhead_s", "select_s_per_elem"):
+            _check_positive("Cluster", name, getattr(self, name), allow_zero=True)
+        for key, value in self.resnet50_images_per_s.items():
+            _check_positive("Cluster", f"resnet50_images_per_s[{key!r}]", value)
+
+    def describe(self) -> str:
+        """Human-readable summary of the cluster's parameters."""
+        return (
+            f"cluster {self.name}: {self.ranks_per_node} GPUs/node; "
+            f"intra alpha={self.intra.alpha_s * 1e6:.2f} us, {self.intra.bandwidth_gbps:.3g} GB/s; "
+            f"inter alpha={self.inter.alpha_s * 1e6:.2f} us, {self.inter.bandwidth_gbps:.3g} GB/s/node; "
+            f"gamma={self.gamma_s_per_byte * 1e12:.3g} ps/B; call overhead "
+            f"{self.call_overhead_s * 1e6:.3g} us; sparse overhead {self.sparse_overhead_s * 1e6:.3g} us; "
+            f"top-k select {self.select_s_per_elem * 1e9:.3g} ns/elem"
+        )
+
+
+CLUSTERS: Registry[Cluster] = Registry("cluster preset")
+
+# Latencies: NCCL's own tuning model (src/graph/tuning.cc) charges ~3.4 us per ring step on NVLink
+# and ~14 us per step over the network with the Simple protocol used for large messages, plus a
+# base latency of ~8-17 us per call. We use those orders of magnitude for every GPU preset.
+_NCCL_NVLINK_STEP_S = 3.4e-6
+_NCCL_NET_STEP_S = 14e-6
+_NCCL_CALL_S = 10e-6
+# Sparse exchange bookkeeping. ASSUMPTION (not measured here): one top-k exchange costs ~0.5 ms of
+# fixed overhead (several kernel launches, a host sync for the sizes, index packing), and top-k
+# selection costs ~0.5 ns per gradient element on a V100/P100-class GPU (~13 ms for ResNet-50's
+# 25.6M gradients; torch.topk is a multi-pass radix select, far from one memory pass).
+_SPARSE_CALL_S = 0.5e-3
+_SELECT_S_PER_ELEM = 0.5e-9
+
+
+def _gpu_gamma(mem_bw_gbps: float) -> float:
+    # a + b -> a reads 2 bytes and writes 1 per byte of message: 3 bytes of memory traffic per byte.
+    return 3.0 / (mem_bw_gbps * GB)
+
+
+CLUSTERS.add("abci", Cluster(
+    name="abci",
+    ranks_per_node=4,
+    # 4x V100 SXM2 fully connected by NVLink2, 2 links (2 x 25 GB/s) between each pair: a ring
+    # through the node moves 50 GB/s per direction per GPU.
+    intra=Link(alpha_s=_NCCL_NVLINK_STEP_S, bandwidth_gbps=50.0),
+    # 2x InfiniBand EDR 100 Gbit/s = 2 x 12.5 GB/s line rate; ~12 GB/s each is what RDMA achieves
+    # for large messages (96% of line rate after 64b/66b encoding and headers).
+    inter=Link(alpha_s=_NCCL_NET_STEP_S, bandwidth_gbps=24.0),
+    gamma_s_per_byte=_gpu_gamma(900.0),  # V100 HBM2: 900 GB/s
+    call_overhead_s=_NCCL_CALL_S,
+    sparse_overhead_s=_SPARSE_CALL_S,
+    select_s_per_elem=_SELECT_S_PER_ELEM,
+    # REFERENCES.md: V100 ResNet-50 ~1200 images/s mixed precision, ~370 fp32 (PyTorch, one GPU).
+    resnet50_images_per_s={"fp16": 1200.0, "fp32": 370.0},
+    source="ABCI node: 4x V100 SXM2 + NVLink2, 2x IB EDR; NCCL tuning-model latencies",
+))
+
+CLUSTERS.add("bigbasin-50gbe", Cluster(
+    name="bigbasin-50gbe",
+    ranks_per_node=8,
+    # Facebook Big Basin (Goyal et al. 2017): 8x P100 SXM2, NVLink1 hybrid cube mesh, 20 GB/s
+    # per link per direction; a ring uses one link per hop.
+    intra=Link(alpha_s=_NCCL_NVLINK_STEP_S, bandwidth_gbps=20.0),
+    # One 50 Gbit/s Ethernet port per server = 6.25 GB/s line rate; TCP/Gloo reaches ~90% of it
+    # (5.6 GB/s) for large messages. A TCP round costs ~15 us more than RDMA: alpha 30 us.
+    inter=Link(alpha_s=30e-6, bandwidth_gbps=5.6),
+    gamma_s_per_byte=_gpu_gamma(732.0),  # P100 HBM2: 732 GB/s
+    call_overhead_s=_NCCL_CALL_S,
+    sparse_overhead_s=_SPARSE_CALL_S,
+    select_s_per_elem=_SELECT_S_PER_ELEM,
+    # ASSUMPTION [unverified]: P100 ResNet-50 fp32 training ~220 images/s (tf_cnn_benchmarks-class
+    # figure); P100 has no tensor cores, so fp16 is taken as 1.5x at best.
+    resnet50_images_per_s={"fp32": 220.0, "fp16": 330.0},
+    source="Big Basin: 8x P100 + NVLink1, 50 Gbit Ethernet (Goyal et al. 2017)",
+))
+
+CLUSTERS.add("1gbe", Cluster(
+    name="1gbe",
+    ranks_per_node=1,
+    # One GPU per machine; there is no intra-node level in use (kept equal to inter for safety).
+    intra=Link(alpha_s=0.44e-3, bandwidth_gbps=0.111),
+    # REFERENCES.md (gTop-k setting): alpha ~0.44 ms, ~111 MB/s on 1 Gbit/s Ethernet.
+    inter=Link(alpha_s=0.44e-3, bandwidth_gbps=0.111),
+    # GTX 1080 Ti / P102-class GPU: ~480 GB/s memory bandwidth.
+    gamma_s_per_byte=_gpu_gamma(480.0),
+    call_overhead_s=50e-6,  # Gloo/MPI over TCP: a call is a few socket round trips of setup
+    sparse_overhead_s=_SPARSE_CALL_S,
+    select_s_per_elem=_SELECT_S_PER_ELEM,
+    # ASSUMPTION [unverified]: a 1080 Ti-class GPU trains ResNet-50 fp32 at ~200 images/s.
+    resnet50_images_per_s={"fp32": 200.0, "fp16": 300.0},
+    source="gTop-k paper setting: 32 machines x 1 GPU, 1 Gbit/s Ethernet (alpha 0.44 ms, 111 MB/s)",
+))
+
+
+def get_cluster(name: str) -> Cluster:
+    """The preset called ``name``; ValueError listing presets (and how to get ``local``) otherwise."""
+    if name == "local":
+        raise ValueError(
+            "cluster 'local' is fitted from a bench file: pass --calibration PATH "
+            "(written by `flashsgd bench allreduce --json PATH`)"
+        )
+    try:
+        return CLUSTERS.get(name)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; or 'local' with --calibration PATH") from None

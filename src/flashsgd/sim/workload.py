@@ -1,0 +1,178 @@
+"""Workloads for the simulator: per-tensor gradient sizes in backward order and backward-time shares.
+
+A workload is what the iteration engine needs to know about a model: the gradient tensors in the
+order backward produces them (the reverse of parameter registration, as DDP assumes) and each
+tensor's share of the backward time. Built-ins are generated from architecture arithmetic, so they
+need neither torchvision nor flashsgd's own model zoo:
+
+* ``resnet50``: ImageNet ResNet-50 v1.5 (bottlenecks [3, 4, 6, 3], stride on the 3x3 conv), 161
+  tensors, 25,557,032 parameters; backward share of a tensor = forward FLOPs of its layer at
+  224x224 (a conv's backward is ~2x its forward, a constant factor that cancels);
+* ``vgg16``: ImageNet VGG-16 (13 conv + 3 fc, with biases), 32 tensors, 138,357,544 parameters.
+
+Any ``torch.nn.Module`` works through :func:`from_module` (shares proportional to parameter count,
+a fallback stated in the output) or :func:`from_profile` (measured per-tensor backward times).
+
+Example::
+
+    >>> w = WORKLOADS.get("resnet50")()
+    >>> w.num_tensors, w.num_params
+    (161, 25557032)
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from flashsgd.registry import Registry
+
+# Batch norm is memory-bound; ASSUMPTION: its backward costs like 8 FLOPs per activation element.
+_BN_FLOPS_PER_ELEM = 8.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Gradient tensors in backward order with their share of the backward time."""
+
+    name: str
+    numels: np.ndarray
+    """(T,) elements per gradient tensor, in the order backward produces them."""
+    backward_share: np.ndarray
+    """(T,) relative backward cost of producing each tensor (any scale; normalised on use)."""
+    tensor_names: tuple[str, ...] = ()
+    note: str = ""
+    """How the shares were obtained (printed with results)."""
+
+    def __post_init__(self) -> None:
+        numels = np.asarray(self.numels, dtype=np.int64)
+        share = np.asarray(self.backward_share, dtype=float)
+        if numels.ndim != 1 or numels.size == 0 or np.any(numels <= 0):
+            raise ValueError(f"workload {self.name!r}: numels must be a non-empty 1-D array of positive ints")
+        if share.shape != numels.shape or np.any(share < 0) or share.sum() <= 0:
+            raise ValueError(
+                f"workload {self.name!r}: backward_share must have {numels.size} entries >= 0 "
+                "with a positive sum"
+            )
+        object.__setattr__(self, "numels", numels)
+        object.__setattr__(self, "backward_share", share / share.sum())
+
+    @property
+    def num_tensors(self) -> int:
+        return int(self.numels.size)
+
+    @property
+    def num_params(self) -> int:
+        return int(self.numels.sum())
+
+
+WORKLOADS: Registry = Registry("workload")
+
+
+def _conv(name: str, cin: int, cout: int, k: int, hout: int, bias: bool = False) -> list:
+    flops = 2.0 * cin * cout * k * k * hout * hout
+    rows = [(f"{name}.weight", cout * cin * k * k, flops)]
+    return rows + [(f"{name}.bias", cout, 0.0)] if bias else rows
+
+
+def _bn(name: str, c: int, h: int) -> list:
+    return [(f"{name}.weight", c, _BN_FLOPS_PER_ELEM * c * h * h), (f"{name}.bias", c, 0.0)]
+
+
+def resnet50_rows(num_classes: int = 1000, image: int = 224) -> list[tuple[str, int, float]]:
+    """(name, numel, forward FLOPs of its layer) per parameter tensor, in registration order."""
+    h = image // 2  # conv1 7x7 stride 2: 224 -> 112
+    rows = _conv("conv1", 3, 64, 7, h) + _bn("bn1", 64, h)
+    h //= 2  # max-pool stride 2: 112 -> 56
+    cin = 64
+    for stage, (planes, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3)), start=1):
+        for b in range(blocks):
+            stride = 2 if (b == 0 and stage > 1) else 1
+            hout = h // stride
+            p = f"layer{stage}.{b}"
+            rows += _conv(f"{p}.conv1", cin, planes, 1, h) + _bn(f"{p}.bn1", planes, h)
+            rows += _conv(f"{p}.conv2", planes, planes, 3, hout) + _bn(f"{p}.bn2", planes, hout)
+            rows += _conv(f"{p}.conv3", planes, 4 * planes, 1, hout) + _bn(f"{p}.bn3", 4 * planes, hout)
+            if b == 0:  # projection shortcut: channels (and stride) change
+                rows += _conv(f"{p}.downsample.0", cin, 4 * planes, 1, hout)
+                rows += _bn(f"{p}.downsample.1", 4 * planes, hout)
+            cin, h = 4 * planes, hout
+    return rows + [("fc.weight", num_classes * cin, 2.0 * num_classes * cin), ("fc.bias", num_classes, 0.0)]
+
+
+def vgg16_rows(num_classes: int = 1000, image: int = 224) -> list[tuple[str, int, float]]:
+    """(name, numel, forward FLOPs) per tensor of ImageNet VGG-16 (configuration D), registration order."""
+    cfg = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+    rows, cin, h, idx = [], 3, image, 0
+    for v in cfg:
+        if v == "M":
+            h //= 2
+        else:
+            rows += _conv(f"features.{idx}", cin, v, 3, h, bias=True)
+            cin = v
+        idx += 1
+    dims = (cin * h * h, 4096, 4096, num_classes)  # 512*7*7 = 25088 -> 4096 -> 4096 -> classes
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        rows += [(f"classifier.{i}.weight", a * b, 2.0 * a * b), (f"classifier.{i}.bias", b, 0.0)]
+    return rows
+
+
+def _from_rows(name: str, rows: list, note: str) -> Workload:
+    rows = rows[::-1]  # backward order: last registered parameter's gradient is ready first
+    return Workload(
+        name=name,
+        numels=np.array([r[1] for r in rows]),
+        backward_share=np.array([r[2] for r in rows]),
+        tensor_names=tuple(r[0] for r in rows),
+        note=note,
+    )
+
+
+@WORKLOADS.register("resnet50")
+def resnet50() -> Workload:
+    """Built-in ImageNet ResNet-50: 161 tensors, 25,557,032 parameters, FLOP-weighted backward."""
+    return _from_rows("resnet50", resnet50_rows(),
+                      "backward share per tensor = forward FLOPs of its layer at 224x224 (BN: 8/elem)")
+
+
+@WORKLOADS.register("vgg16")
+def vgg16() -> Workload:
+    """Built-in ImageNet VGG-16: 32 tensors, 138,357,544 parameters, FLOP-weighted backward."""
+    return _from_rows("vgg16", vgg16_rows(), "backward share per tensor = forward FLOPs at 224x224")
+
+
+def from_module(module, name: str | None = None) -> Workload:
+    """Workload of any ``torch.nn.Module``: trainable parameters in reverse registration order.
+
+    Backward shares are proportional to parameter counts (no FLOP information in a module); pass a
+    measured profile to :func:`from_profile` when the placement of gradients in time matters.
+    """
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad][::-1]
+    if not params:
+        raise ValueError(f"module {type(module).__name__} has no trainable parameters")
+    numels = np.array([p.numel() for _, p in params])
+    return Workload(name or type(module).__name__, numels, numels.astype(float),
+                    tuple(n for n, _ in params), "backward share per tensor = parameter count")
+
+
+def from_profile(name: str, numels, backward_s) -> Workload:
+    """Workload from measured per-tensor backward times (seconds, backward order)."""
+    return Workload(name, np.asarray(numels), np.asarray(backward_s, dtype=float),
+                    note="measured backward profile")
+
+
+def get_workload(spec: str) -> Workload:
+    """A built-in name (``resnet50``, ``vgg16``) or ``package.module:factory`` returning an nn.Module."""
+    if ":" in spec:
+        mod_name, _, fn_name = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(mod_name), fn_name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"model {spec!r}: cannot load {fn_name!r} from {mod_name!r} ({exc})") from None
+        return from_module(factory(), name=spec)
+    try:
+        return WORKLOADS.get(spec)()
+    except ValueError as exc:
+        raise ValueError(f"{exc}; or 'package.module:factory' for any torch model") from None

@@ -1,0 +1,176 @@
+"""Closed-form costs of flashsgd.sim.costs against hand-computed values and invariants."""
+
+import math
+
+import numpy as np
+import pytest
+
+from flashsgd.sim.costs import ALGORITHMS, CommSetup, auto_grid, exchange_cost
+from flashsgd.sim.network import CLUSTERS, Cluster, Link, get_cluster
+
+A, BW, G = 1e-5, 10.0, 1e-11  # alpha 10 us, 10 GB/s (beta 1e-10 s/B), gamma 1e-11 s/B
+BETA = 1e-10
+
+
+def flat(rpn=8, call=0.0, select=0.0, sparse=0.0):
+    link = Link(alpha_s=A, bandwidth_gbps=BW)
+    return Cluster("flat", rpn, link, link, gamma_s_per_byte=G, call_overhead_s=call,
+                   select_s_per_elem=select, sparse_overhead_s=sparse)
+
+
+def two_level(call=0.0):
+    return Cluster("two", 4, Link(2e-6, 40.0), Link(2e-5, 5.0), gamma_s_per_byte=G, call_overhead_s=call)
+
+
+def total(algo, n, setup):
+    return float(exchange_cost(algo, n, setup).total)
+
+
+# ------------------------------------------------------------------ hand-computed, one link level --
+
+@pytest.mark.parametrize("algo,expected", [
+    # 2(P-1) a + 2(P-1)/P n b + (P-1)/P n g, P=4, n=1e6
+    ("ring", 6 * A + 1.5 * 1e6 * BETA + 0.75 * 1e6 * G),
+    ("native", 6 * A + 1.5 * 1e6 * BETA + 0.75 * 1e6 * G),
+    # lgP a + n lgP b + n lgP g
+    ("recursive_doubling", 2 * A + 2e6 * BETA + 2e6 * G),
+    # 2 lgP a + 2(P-1)/P n b + (P-1)/P n g
+    ("rabenseifner", 4 * A + 1.5e6 * BETA + 0.75e6 * G),
+    # 2 lgP a + 2 n lgP b + n lgP g
+    ("binomial", 4 * A + 4e6 * BETA + 2e6 * G),
+])
+def test_dense_costs_match_hand_values(algo, expected):
+    setup = CommSetup(gpus=4, cluster=flat())
+    assert total(algo, 1e6, setup) == pytest.approx(expected, rel=1e-12)
+
+
+def test_sparse_costs_match_hand_values():
+    # m = 1e6 fp32 elements, density 0.01 -> k = 1e4 pairs of 8 bytes; selection and overhead off.
+    setup = CommSetup(gpus=4, cluster=flat(), density=0.01)
+    n = 4e6
+    k, pair = 1e4, 8
+    # Bruck all-gather: 2 rounds, (P-1) k pairs; + residual add n g + scatter-add P k values.
+    topk = 2 * A + 3 * k * pair * BETA + n * G + 4 * k * 4 * G
+    assert total("topk", n, setup) == pytest.approx(topk, rel=1e-12)
+    # gTop-k: 2 lgP a + 4 k lgP b_elem (b_elem: 4-byte element) + merges (k values each round).
+    gtopk = 4 * A + 4 * k * 2 * 4 * BETA + n * G + 2 * k * 4 * G
+    assert total("gtopk", n, setup) == pytest.approx(gtopk, rel=1e-12)
+
+
+def test_sparse_overhead_and_selection_are_charged_once_per_call():
+    base = CommSetup(gpus=8, cluster=flat(), density=0.001)
+    extra = CommSetup(gpus=8, cluster=flat(select=1e-9, sparse=1e-3), density=0.001)
+    n = 4e6  # 1e6 elements -> selection 1 ms on the local gradient
+    d = total("topk", n, extra) - total("topk", n, base)
+    assert d == pytest.approx(1e-3 + 1e6 * 1e-9, rel=1e-9)
+    d = total("gtopk", n, extra) - total("gtopk", n, base)
+    assert d == pytest.approx(1e-3 + 1e6 * 1e-9 + 3 * 2 * 1000 * 1e-9, rel=1e-9)  # + 3 merges of 2k
+
+
+def test_hierarchical_two_levels_hand_value():
+    # P=8, L=4, N=2: RS in node 3 a_i + 3/4 n b_i; 4 concurrent inter rings of n/4 over 2 nodes:
+    # 2 (a_e + n/8 * 4 b_e); AG in node 3 a_i + 3/4 n b_i; reductions 7/8 n g; 3 calls.
+    c = two_level(call=1e-5)
+    n = 1e7
+    bi, be = 1 / 40e9, 1 / 5e9
+    expected = 6 * 2e-6 + 1.5 * n * bi + 2 * (2e-5 + n / 8 * 4 * be) + 7 / 8 * n * G + 3e-5
+    assert total("hierarchical", n, CommSetup(gpus=8, cluster=c)) == pytest.approx(expected, rel=1e-12)
+
+
+# ------------------------------------------------------------------ invariants ---------------------
+
+@pytest.mark.parametrize("p", [2, 3, 8, 64, 1000])
+def test_ring_bandwidth_term_attains_lower_bound(p):
+    # Any point-to-point all-reduce moves >= 2(P-1)/P n bytes through each rank's link.
+    c = flat(rpn=p)
+    n = np.array([1e3, 1e6, 1e9])
+    cost = exchange_cost("ring", n, CommSetup(gpus=p, cluster=c))
+    np.testing.assert_allclose(cost.bandwidth_s, n * BETA * 2 * (p - 1) / p, rtol=1e-12)
+
+
+def test_ring_across_nodes_bandwidth_is_bounded_by_node_link():
+    c = two_level()
+    cost = exchange_cost("ring", 1e8, CommSetup(gpus=64, cluster=c))
+    assert float(cost.bandwidth_s) == pytest.approx(1e8 / 5e9 * 2 * 63 / 64, rel=1e-12)
+
+
+@pytest.mark.parametrize("gpus", [4, 16, 64, 256])
+def test_torus2d_degenerate_grids_reduce_to_ring(gpus):
+    c = two_level(call=0.0)
+    n = np.array([1e4, 3e6, 1e8])
+    ring = exchange_cost("ring", n, CommSetup(gpus=gpus, cluster=c)).total
+    for grid in ((1, gpus), (gpus, 1)):
+        torus = exchange_cost("torus2d", n, CommSetup(gpus=gpus, cluster=c, grid=grid)).total
+        np.testing.assert_allclose(torus, ring, rtol=1e-12)
+
+
+def test_torus2d_with_node_rows_equals_hierarchical():
+    c = two_level(call=1e-5)
+    for gpus in (8, 64, 1024):
+        h = total("hierarchical", 5e7, CommSetup(gpus=gpus, cluster=c))
+        t = total("torus2d", 5e7, CommSetup(gpus=gpus, cluster=c, grid=(4, gpus // 4)))
+        assert t == pytest.approx(h, rel=1e-12)
+
+
+def test_torus2d_cuts_latency_steps_at_scale():
+    c = CLUSTERS.get("abci")
+    setup = CommSetup(gpus=1024, cluster=c, grid=(32, 32))
+    t, r = exchange_cost("torus2d", 1e5, setup), exchange_cost("ring", 1e5, setup)
+    # 2(X-1) + 2(Y-1) = 124 steps instead of 2(P-1) = 2046.
+    assert float(t.latency_s) < float(r.latency_s) / 10
+
+
+def test_one_gpu_costs_nothing_and_costs_grow_with_size():
+    for algo in ALGORITHMS.names():
+        assert total(algo, 1e8, CommSetup(gpus=1, cluster=flat())) == 0.0
+        t = exchange_cost(algo, np.array([1e5, 1e6, 1e7, 1e8]), CommSetup(gpus=16, cluster=two_level())).total
+        assert np.all(np.diff(t) > 0), algo
+
+
+def test_non_power_of_two_adds_fold_steps():
+    c = flat(rpn=16)
+    t6, t4 = total("recursive_doubling", 1e6, CommSetup(gpus=6, cluster=c)), \
+        total("recursive_doubling", 1e6, CommSetup(gpus=4, cluster=c))
+    assert t6 == pytest.approx(t4 + 2 * (A + 1e6 * BETA) + 1e6 * G, rel=1e-12)
+
+
+def test_auto_grid_is_near_square_and_node_aligned():
+    assert auto_grid(1024, 4) == (32, 32)
+    assert auto_grid(1088, 4) == (32, 34)
+    assert auto_grid(4, 8) == (4, 1)
+    x, y = auto_grid(96, 8)
+    assert x * y == 96 and x % 8 == 0
+
+
+# ------------------------------------------------------------------ bad inputs ---------------------
+
+def test_bad_inputs_raise_clear_errors():
+    c = CLUSTERS.get("abci")
+    with pytest.raises(ValueError, match="grid 4x200 does not match gpus=1024"):
+        CommSetup(gpus=1024, cluster=c, grid=(4, 200))
+    with pytest.raises(ValueError, match="multiple of it"):
+        CommSetup(gpus=10, cluster=c)
+    with pytest.raises(ValueError, match="X=3 must divide"):
+        CommSetup(gpus=12, cluster=c, grid=(3, 4))
+    with pytest.raises(ValueError, match="density"):
+        CommSetup(gpus=8, cluster=c, density=0.0)
+    with pytest.raises(ValueError, match="bandwidth_gbps"):
+        Link(alpha_s=1e-6, bandwidth_gbps=-1.0)
+    with pytest.raises(ValueError, match="alpha_s"):
+        Link(alpha_s=-1e-6, bandwidth_gbps=1.0)
+    with pytest.raises(ValueError, match="unknown cluster preset 'abcd'.*abci"):
+        get_cluster("abcd")
+    with pytest.raises(ValueError, match="--calibration"):
+        get_cluster("local")
+    with pytest.raises(ValueError, match="unknown simulated algorithm 'rign'"):
+        exchange_cost("rign", 1e6, CommSetup(gpus=8, cluster=c))
+    with pytest.raises(ValueError, match="n_bytes"):
+        exchange_cost("ring", -1.0, CommSetup(gpus=8, cluster=c))
+
+
+def test_presets_are_physical():
+    for name in CLUSTERS:
+        c = CLUSTERS.get(name)
+        assert c.inter.bandwidth_gbps <= c.intra.bandwidth_gbps or c.ranks_per_node == 1
+        assert 0 < c.inter.alpha_s < 1e-3 and math.isfinite(c.gamma_s_per_byte)
+        assert c.source

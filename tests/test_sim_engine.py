@@ -1,0 +1,112 @@
+"""Workloads (ResNet-50 arithmetic, any nn.Module) and the iteration engine's invariants."""
+
+import importlib
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from flashsgd.sim.costs import ALGORITHMS, CommSetup, exchange_cost
+from flashsgd.sim.engine import SimConfig, bucket_bounds, simulate, sweep
+from flashsgd.sim.network import CLUSTERS
+from flashsgd.sim.workload import from_module, get_workload, resnet50, vgg16
+
+ABCI = CLUSTERS.get("abci")
+
+
+def test_resnet50_workload_has_161_tensors_and_25557032_params():
+    w = resnet50()
+    assert (w.num_tensors, w.num_params) == (161, 25_557_032)
+    # backward order: the classifier's gradients are ready first, the stem's last
+    assert w.tensor_names[:2] == ("fc.bias", "fc.weight") and w.tensor_names[-1] == "conv1.weight"
+    assert w.numels[1] == 2048 * 1000
+    assert w.backward_share.sum() == pytest.approx(1.0)
+
+
+def test_vgg16_workload_matches_known_parameter_count():
+    assert (vgg16().num_tensors, vgg16().num_params) == (32, 138_357_544)
+
+
+def test_from_module_walks_parameters_in_reverse_registration_order():
+    m = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2, bias=False))
+    m[0].bias.requires_grad_(False)
+    w = from_module(m)
+    assert w.tensor_names == ("2.weight", "0.weight")
+    assert w.numels.tolist() == [10, 15]
+
+
+def test_builtin_resnet50_agrees_with_train_models():
+    try:
+        models = importlib.import_module("flashsgd.train.models")
+        factory = models.resnet50
+    except (ImportError, AttributeError) as exc:
+        pytest.skip(f"flashsgd.train.models.resnet50 not available yet ({exc})")
+    w = from_module(factory())
+    assert w.numels.tolist() == resnet50().numels.tolist()
+
+
+def test_get_workload_errors_name_the_options():
+    with pytest.raises(ValueError, match="unknown workload 'resnet5'.*package.module:factory"):
+        get_workload("resnet5")
+    with pytest.raises(ValueError, match="cannot load"):
+        get_workload("torch.nn:NoSuchModel")
+
+
+def test_module_without_parameters_is_rejected():
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        get_workload("torch.nn:Identity")
+
+
+def test_bucket_bounds_ddp_style_and_fixed_groups():
+    numels = np.array([10, 10, 30, 5, 5, 40])  # fp32 bytes: 40, 40, 120, 20, 20, 160
+    assert bucket_bounds(numels, 4, 100e-6, None).tolist() == [3, 6]  # close at >= 100 B
+    assert bucket_bounds(numels, 4, 1e-9, None).tolist() == [1, 2, 3, 4, 5, 6]
+    assert bucket_bounds(numels, 4, 1.0, None).tolist() == [6]
+    assert bucket_bounds(numels, 4, 1.0, (1, 2, 3)).tolist() == [1, 3, 6]
+    with pytest.raises(ValueError, match="sum to 5, need 6"):
+        bucket_bounds(numels, 4, 1.0, (1, 4))
+    assert simulate(resnet50(), ABCI, SimConfig("ring", 64, 1200.0, groups=(3, 21, 57, 80))).buckets == 4
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS.names())
+def test_engine_invariants(algo):
+    w = resnet50()
+    for gpus in (1, 4, 64, 1024):
+        for overlap in (True, False):
+            r = simulate(w, ABCI, SimConfig(algo, gpus, 1200.0, precision="fp16", overlap=overlap))
+            assert r.iteration_s >= r.compute_s
+            assert r.exposed_comm_s >= 0
+            assert 0 < r.efficiency <= 1
+            assert r.images_per_s == pytest.approx(gpus * 32 / r.iteration_s)
+            assert r.exposed_comm_s <= r.comm_s + 1e-12
+        if gpus == 1:
+            assert r.efficiency == 1.0 and r.comm_s == 0.0
+
+
+def test_one_bucket_without_overlap_is_compute_plus_full_communication():
+    w = resnet50()
+    cfg = SimConfig("torus2d", 256, 1200.0, precision="fp16", bucket_mb=1e6, overlap=False)
+    r = simulate(w, ABCI, cfg)
+    full = float(exchange_cost("torus2d", w.num_params * 2.0, CommSetup(256, ABCI, value_bytes=2)).total)
+    assert r.buckets == 1
+    assert r.iteration_s == pytest.approx(r.compute_s + full, rel=1e-12)
+
+
+def test_overlap_never_hurts_and_hides_communication():
+    w = resnet50()
+    cfg = SimConfig("hierarchical", 256, 370.0, precision="fp32", bucket_mb=5.0)
+    on, off = simulate(w, ABCI, cfg), simulate(w, ABCI, replace(cfg, overlap=False))
+    assert on.iteration_s < off.iteration_s
+    assert off.exposed_comm_s == pytest.approx(off.comm_s)
+
+
+def test_sweep_covers_every_pair_and_bad_config_is_rejected():
+    rs = sweep(resnet50(), ABCI, SimConfig("ring", 1, 1200.0, grid=(4, 16)), ["ring", "torus2d"], [8, 64])
+    assert [(r.algorithm, r.gpus) for r in rs] == [("ring", 8), ("ring", 64), ("torus2d", 8), ("torus2d", 64)]
+    with pytest.raises(ValueError, match="images_per_s"):
+        SimConfig("ring", 8, 0.0)
+    with pytest.raises(ValueError, match="precision"):
+        SimConfig("ring", 8, 100.0, precision="bf8")
+    with pytest.raises(ValueError, match="grid 4x200 does not match gpus=1024"):
+        simulate(resnet50(), ABCI, SimConfig("torus2d", 1024, 1200.0, grid=(4, 200)))
