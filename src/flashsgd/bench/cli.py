@@ -17,6 +17,7 @@ BENCHMARKS = {
     "lars": "flashsgd.bench.lars",
     "recipe": "flashsgd.bench.recipe",
     "train": "flashsgd.bench.train",
+    "emulate": "flashsgd.bench.emulate",
 }
 
 

@@ -17,8 +17,9 @@ Algorithm:
 2. Build the (A, B, G) row of each measurement.
 3. Least squares on relative error (each row divided by its measured time), coefficients >= 0
    (a negative one is dropped and the rest refitted). ``joint``: one (alpha, beta, gamma) for all
-   algorithms; ``per-algorithm``: (alpha, beta) per algorithm with gamma folded into beta (they are
-   collinear when only the size varies).
+   algorithms (gamma folded into beta when the algorithms' B and G columns are proportional);
+   ``per-algorithm``: (alpha, beta) per algorithm with gamma folded into beta (they are collinear
+   when only the size varies).
 4. Report the fit error; :func:`validate` fits on every other size and predicts the sizes left out.
 
 Example::
@@ -60,8 +61,28 @@ class BenchFile:
     skipped: list[str] = field(default_factory=list)
 
 
-def load_bench(path: str | Path) -> BenchFile:
-    """Read a bench JSON file; ValueError naming the field that is missing or wrong."""
+def _parse_grid(value, world: int, path: Path) -> tuple[int, int] | None:
+    """meta.grid as written by the bench: "XxY", [X, Y] or null."""
+    if value in (None, "", []):
+        return None
+    try:
+        x, y = (int(v) for v in (value.lower().split("x") if isinstance(value, str) else value))
+    except (TypeError, ValueError, AttributeError):
+        raise ValueError(f"calibration file {str(path)!r}: meta.grid must be 'XxY' or [X, Y], "
+                         f"got {value!r}") from None
+    if x * y != world:
+        raise ValueError(f"calibration file {str(path)!r}: meta.grid {x}x{y} does not match world {world}")
+    return x, y
+
+
+def load_bench(path: str | Path, statistic: Literal["time_us", "time_us_min"] = "time_us") -> BenchFile:
+    """Read a bench JSON file; ValueError naming the field that is missing or wrong.
+
+    ``statistic``: the bench's median (``time_us``) or its fastest repetition (``time_us_min``), the
+    less contention-sensitive choice on a shared machine.
+    """
+    if statistic not in ("time_us", "time_us_min"):
+        raise ValueError(f"statistic must be 'time_us' or 'time_us_min', got {statistic!r}")
     path = Path(path)
     try:
         doc = json.loads(path.read_text())
@@ -78,14 +99,15 @@ def load_bench(path: str | Path) -> BenchFile:
     rpn = meta.get("ranks_per_node", world)
     if not isinstance(rpn, int) or rpn < 1:
         raise ValueError(f"calibration file {str(path)!r}: meta.ranks_per_node must be an int >= 1")
-    grid = tuple(meta["grid"]) if meta.get("grid") else None
+    grid = _parse_grid(meta.get("grid"), world, path)
     rows, skipped = [], set()
     for i, r in enumerate(doc["results"]):
         try:
-            algo, size, t_us = r["algorithm"], float(r["size_bytes"]), float(r["time_us"])
+            algo, size, t_us = r["algorithm"], float(r["size_bytes"]), float(r[statistic])
         except (KeyError, TypeError, ValueError):
             raise ValueError(
-                f"calibration file {str(path)!r}: results[{i}] needs 'algorithm', 'size_bytes', 'time_us'"
+                f"calibration file {str(path)!r}: results[{i}] needs 'algorithm', 'size_bytes', "
+                f"{statistic!r}"
             ) from None
         if algo not in ALGORITHMS:
             skipped.add(algo)
@@ -150,7 +172,14 @@ def fit(bench: BenchFile, mode: Literal["joint", "per-algorithm"] = "joint",
     t = np.array([m.time_s for m in ms])
     params: dict[str, tuple[float, float, float]] = {}
     if mode == "joint":
-        params["*"] = tuple(_nnls_rel(x, t))
+        # Ring-family algorithms on one level have B and G in a fixed ratio ((P-1)/P n : 2(P-1)/P n):
+        # then gamma is not identifiable and is folded into beta.
+        xn = x / np.maximum(np.linalg.norm(x, axis=0), 1e-300)
+        if np.linalg.matrix_rank(xn, tol=1e-6) < 3:
+            a, b = _nnls_rel(x[:, :2], t)
+            params["*"] = (a, b, 0.0)
+        else:
+            params["*"] = tuple(_nnls_rel(x, t))
     else:
         for algo in sorted({m.algorithm for m in ms}):
             idx = np.array([m.algorithm == algo for m in ms])

@@ -42,11 +42,14 @@ def _grid(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", default="abci",
-                   help=f"preset ({', '.join(CLUSTERS.names())}) or 'local' (needs --calibration)")
+    p.add_argument("--cluster", default=None,
+                   help=f"preset ({', '.join(CLUSTERS.names())}; default abci) or 'local' "
+                        "(implied by --calibration)")
     p.add_argument("--calibration", metavar="PATH", help="`flashsgd bench allreduce --json` file")
     p.add_argument("--fit", choices=("joint", "per-algorithm"), default="joint",
                    help="calibration fit: one (alpha, beta, gamma) for all, or per algorithm")
+    p.add_argument("--statistic", choices=("time_us", "time_us_min"), default="time_us",
+                   help="bench column to fit: median (default) or fastest repetition")
     p.add_argument("--validate", action="store_true",
                    help="with --calibration: fit on every other size, predict the others, and exit")
     p.add_argument("--show", action="store_true", help="print the cluster parameters")
@@ -68,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", action="store_true", help="communicate only after backward")
     p.add_argument("--density", type=float, default=0.001, help="topk/gtopk density (default 0.001)")
     p.add_argument("--json", metavar="PATH", help="write inputs and results as JSON")
-    p.add_argument("--plot", metavar="PATH", help="with --sweep-gpus: scaling-efficiency PNG")
+    p.add_argument("--plot", metavar="PATH", default="sim_sweep.png",
+                   help="with --sweep-gpus: scaling-efficiency PNG (default sim_sweep.png; '' for none)")
 
 
 def _algorithms(values: list[str] | None) -> list[str]:
@@ -84,7 +88,10 @@ def _cluster(args):
     if args.calibration:
         from flashsgd.sim.calibrate import fit, load_bench
 
-        bench = load_bench(args.calibration)
+        if args.cluster not in (None, "local"):
+            raise ValueError(f"--calibration builds the 'local' cluster, not {args.cluster!r}: "
+                             "drop --cluster or use --cluster local")
+        bench = load_bench(args.calibration, args.statistic)
         f = fit(bench, args.fit)
         print(f"calibration {args.calibration}: {len(bench.measurements)} points, fit {args.fit}, "
               f"rms rel error {f.rms_rel_error:.1%}, max {f.max_rel_error:.1%}"
@@ -92,10 +99,8 @@ def _cluster(args):
         for algo, (a, b, g) in f.params.items():
             print(f"  {algo:>14}: alpha={a * 1e6:9.2f} us  beta={b * 1e9:8.4f} ns/B "
                   f"({1 / b / 1e9 if b else float('inf'):.3g} GB/s)  gamma={g * 1e9:.4f} ns/B")
-        if args.cluster not in ("local", "abci"):
-            raise ValueError("--calibration builds the 'local' cluster; drop --cluster or use --cluster local")
         return f.cluster, bench
-    return get_cluster(args.cluster), None
+    return get_cluster(args.cluster or "abci"), None
 
 
 def _validate(bench, mode: str) -> dict:
@@ -115,7 +120,8 @@ def _validate(bench, mode: str) -> dict:
 
 def _print_breakdown(r: SimResult) -> None:
     ms = 1e3
-    print(f"algorithm {r.algorithm}, {r.gpus} GPUs, {r.buckets} buckets (largest {r.bucket_bytes_max / 1e6:.1f} MB)")
+    print(f"algorithm {r.algorithm}, {r.gpus} GPUs, {r.buckets} buckets "
+          f"(largest {r.bucket_bytes_max / 1e6:.1f} MB)")
     print(f"  iteration        {r.iteration_s * ms:9.2f} ms")
     print(f"  compute          {r.compute_s * ms:9.2f} ms  (forward + backward + update, one GPU)")
     print(f"  communication    {r.comm_s * ms:9.2f} ms  (latency {r.latency_s * ms:.2f}, bandwidth "
@@ -147,14 +153,18 @@ def plot_efficiency(results: list[SimResult], path: str, title: str) -> None:
     for i, a in enumerate(algos):
         rs = [r for r in results if r.algorithm == a]
         ax.plot([r.gpus for r in rs], [100 * r.efficiency for r in rs], styles[i % len(styles)],
-                label=a, markersize=5, linewidth=1.5)
+                label="native (ring model)" if a == "native" else a, markersize=5, linewidth=1.5,
+                alpha=0.6 if a == "native" else 1.0)
+    gpus = sorted({r.gpus for r in results})
     ax.set_xscale("log", base=2)
+    ax.set_xticks(gpus, [str(g) for g in gpus])
+    ax.minorticks_off()
     ax.set_xlabel("GPUs")
     ax.set_ylabel("scaling efficiency (%)")
     ax.set_ylim(0, 105)
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, ncol=2, loc="lower left")
+    ax.legend(fontsize=8, ncol=2, loc="best", framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -184,9 +194,10 @@ def run(args: argparse.Namespace) -> int:
                      batch_per_gpu=args.batch_per_gpu, precision=args.precision,
                      bucket_mb=args.bucket_mb, groups=tuple(args.groups) if args.groups else None,
                      overlap=not args.no_overlap, grid=args.grid, density=args.density)
+    grad_mb = workload.num_params * (2 if args.precision == "fp16" else 4) / 1e6
     print(f"{cluster.describe()}\nworkload {workload.name}: {workload.num_tensors} tensors, "
-          f"{workload.num_params:,} params, {workload.num_params * (2 if args.precision == 'fp16' else 4) / 1e6:.1f} "
-          f"MB of {args.precision} gradients; {ips:g} images/s/GPU at batch {args.batch_per_gpu}")
+          f"{workload.num_params:,} params, {grad_mb:.1f} MB of {args.precision} gradients; "
+          f"{ips:g} images/s/GPU at batch {args.batch_per_gpu}")
     report["inputs"] = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     report["workload"] = {"name": workload.name, "tensors": workload.num_tensors,
                           "params": workload.num_params, "note": workload.note}

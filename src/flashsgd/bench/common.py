@@ -1,0 +1,229 @@
+"""Shared pieces of the communication benchmarks: sizes, timing, nccl-tests columns, metadata.
+
+Conventions (nccl-tests, REFERENCES.md "Cost models"): a size is the bytes each rank contributes;
+``algbw = size / time`` and ``busbw = algbw * factor`` with factor 2(P-1)/P for all-reduce and
+(P-1)/P for reduce-scatter / all-gather, GB = 1e9 bytes. Timing (:func:`time_ops`): warm-up calls
+excluded, every repetition starts after a barrier, a repetition's time is the maximum over ranks
+(the collective is done when its slowest rank is), and the median over repetitions is reported
+with its min and max as the spread. :func:`time_ops` interleaves the compared calls repetition by
+repetition, so a drifting background load (a shared machine) biases none of them.
+
+Used by ``flashsgd bench allreduce`` and reusable by the other communication benchmarks: call
+:func:`time_ops` (or :func:`time_op`) inside an initialized process group, build rows as dicts,
+print them with :func:`format_row` under :func:`format_header` (extra columns are appended by
+passing a longer column list), and save with :func:`write_json` next to :func:`run_metadata`.
+
+Example::
+
+    >>> parse_sizes("4K:64K:4,1M")
+    [4096, 16384, 65536, 1048576]
+    >>> format_row({"size_bytes": 4096, "count": 1024, "dtype": "float32", "algorithm": "ring",
+    ...             "time_us": 80.0, "algbw_gbps": 0.0512, "busbw_gbps": 0.0896,
+    ...             "ratio_to_native": None}, ALLREDUCE_COLUMNS)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}  # binary units, as nccl-tests -b/-e
+
+
+def parse_size(text: str) -> int:
+    """``"4K"`` -> 4096, ``"128M"`` -> 134217728, ``"100"`` -> 100 (bytes; K/M/G are powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGB]?)\s*", str(text).upper())
+    if not m or int(m.group(1)) <= 0:
+        raise ValueError(f"size {text!r} must be a positive integer with an optional K/M/G suffix, "
+                         "e.g. 4K, 16M, 1G")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def parse_sizes(spec: str) -> list[int]:
+    """Comma-separated sizes and ranges: ``"4K,64K,1M"``; ``"4K:128M"`` (x2 steps); ``"4K:128M:4"``.
+
+    Returns sorted unique sizes in bytes.
+    """
+    sizes: set[int] = set()
+    for item in str(spec).split(","):
+        if not item.strip():
+            continue
+        parts = item.split(":")
+        if len(parts) == 1:
+            sizes.add(parse_size(parts[0]))
+            continue
+        if len(parts) not in (2, 3):
+            raise ValueError(f"size range {item!r} must be START:END or START:END:FACTOR")
+        lo, hi = parse_size(parts[0]), parse_size(parts[1])
+        factor = int(parts[2]) if len(parts) == 3 and parts[2].strip().isdigit() else None
+        if len(parts) == 2:
+            factor = 2
+        if factor is None or factor < 2 or lo > hi:
+            raise ValueError(f"size range {item!r}: need START <= END and an integer FACTOR >= 2")
+        s = lo
+        while s <= hi:
+            sizes.add(s)
+            s *= factor
+    if not sizes:
+        raise ValueError(f"--sizes {spec!r} names no size; e.g. '4K,64K,1M,16M' or '4K:128M'")
+    return sorted(sizes)
+
+
+def human_size(n_bytes: int) -> str:
+    """4096 -> '4K', 3 * 2**20 -> '3M', 1000 -> '1000'."""
+    for unit in ("G", "M", "K"):
+        if n_bytes >= _UNITS[unit] and n_bytes % _UNITS[unit] == 0:
+            return f"{n_bytes // _UNITS[unit]}{unit}"
+    return str(n_bytes)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"--dtype {name!r} is not supported; valid: {', '.join(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------- timing ------
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call over the repetitions (each the max over ranks)."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    reps: int
+
+
+def time_ops(fns: Sequence[Callable[[], Any]], iters: int, warmup: int,
+             group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> list[Timing]:
+    """Time several collective calls, interleaved: warm-up excluded, barrier before each call.
+
+    Must be called by every rank of ``group`` with the same ``fns`` (each is collective).
+
+    1. ``warmup`` untimed calls of each function.
+    2. For each of the ``iters`` repetitions, call every function once after a barrier and read
+       this rank's clock around it; the order rotates by one per repetition. Interleaving makes
+       background load on a shared machine hit every function alike (a comparison measured this
+       way is fair even when the load drifts), rotation removes any benefit of going first.
+    3. One MAX all-reduce of the (iters, len(fns)) times: a repetition's time is its slowest rank
+       (the collective is done when every rank is); no extra collective inside a timed region.
+    4. Median over repetitions, with min and max as the spread.
+
+    With a CUDA ``device`` the device is synchronized before each clock read.
+    """
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"iters must be >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
+    cuda = device is not None and device.type == "cuda"
+    # Step 1
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    # Step 2
+    k = len(fns)
+    times = [[0.0] * k for _ in range(iters)]
+    for i in range(iters):
+        for j in range(k):
+            j = (i + j) % k
+            dist.barrier(group)
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fns[j]()
+            if cuda:
+                torch.cuda.synchronize(device)
+            times[i][j] = time.perf_counter() - t0
+    # Step 3
+    reduced = torch.tensor(times, dtype=torch.float64, device=device)  # (iters, k)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    # Step 4
+    per_fn = reduced.t().tolist()  # (k, iters)
+    return [Timing(statistics.median(t), min(t), max(t), iters) for t in per_fn]
+
+
+def time_op(fn: Callable[[], Any], iters: int, warmup: int, group: dist.ProcessGroup | None = None,
+            device: torch.device | None = None) -> Timing:
+    """:func:`time_ops` for a single call."""
+    return time_ops([fn], iters, warmup, group, device)[0]
+
+
+def bus_factor(collective: str, world: int) -> float:
+    """nccl-tests' busbw factor: all-reduce 2(P-1)/P, reduce-scatter / all-gather (P-1)/P."""
+    if collective == "allreduce":
+        return 2 * (world - 1) / world
+    if collective in ("reduce_scatter", "all_gather"):
+        return (world - 1) / world
+    raise ValueError(f"collective must be allreduce, reduce_scatter or all_gather, got {collective!r}")
+
+
+def bandwidths(size_bytes: int, time_s: float, factor: float) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9 B/s): algbw = size / time, busbw = algbw * factor."""
+    algbw = size_bytes / time_s / 1e9 if time_s > 0 else float("inf")
+    return algbw, algbw * factor
+
+
+# ------------------------------------------------------------------------------- formatting -----
+
+# (key, header, width, format) of each printed column; benchmarks append their own.
+Column = tuple[str, str, int, str]
+ALLREDUCE_COLUMNS: list[Column] = [
+    ("size_bytes", "size(B)", 11, "d"), ("count", "count", 11, "d"), ("dtype", "type", 9, "s"),
+    ("algorithm", "algorithm", 13, "s"), ("time_us", "time(us)", 11, ".1f"),
+    ("time_us_min", "min(us)", 11, ".1f"), ("time_us_max", "max(us)", 11, ".1f"),
+    ("algbw_gbps", "algbw", 8, ".3f"), ("busbw_gbps", "busbw", 8, ".3f"),
+    ("ratio_to_native", "x native", 9, ".2f"),
+]
+
+
+def format_header(columns: Sequence[Column]) -> str:
+    return "".join(f"{h:>{w}}" for _, h, w, _ in columns)
+
+
+def format_row(row: dict, columns: Sequence[Column]) -> str:
+    """One fixed-width line; a missing or None value prints as '-'."""
+    out = []
+    for key, _, width, fmt in columns:
+        value = row.get(key)
+        out.append(f"{'-':>{width}}" if value is None else f"{value:>{width}{fmt}}")
+    return "".join(out)
+
+
+def run_metadata(**extra: Any) -> dict:
+    """Machine, versions, command and time of a benchmark run, plus the benchmark's own fields."""
+    meta = {
+        "torch": torch.__version__, "python": platform.python_version(),
+        "host": socket.gethostname(), "platform": platform.platform(),
+        "cpu_count": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
+        "command": " ".join(sys.argv),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    meta.update(extra)
+    return meta
+
+
+def write_json(path: str, meta: dict, results: list[dict]) -> None:
+    """Write ``{"meta": ..., "results": [...]}`` (parent folders created)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+        f.write("\n")

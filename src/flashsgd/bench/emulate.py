@@ -1,0 +1,171 @@
+"""`flashsgd bench emulate`: run a benchmark on an emulated cluster of bandwidth-limited nodes.
+
+Loopback on one machine has no network bottleneck. This command builds a cluster of network
+namespaces joined by a bridge, with each node's link capped by ``tbf`` (see
+:mod:`flashsgd.emulate.netns`), starts ``RANKS`` ranks in each node (one process per rank, torchrun's
+environment, ``GLOO_SOCKET_IFNAME`` = the node's interface), runs the benchmark given after ``--``
+and reads rank 0's JSON on the host. It always tears the cluster down (errors, Ctrl-C, SIGTERM; a
+setup left by a crashed run is removed at the next start). Needs root and iproute2.
+
+Steps:
+
+1. Parse the shape and link rate; check root, ``ip``, ``tc`` and namespaces (exit 2 if missing).
+2. Build the cluster.
+3. Run the benchmark (``python -m flashsgd.emulate <args> --json <tmp>``, i.e.
+   ``flashsgd bench <args>``) on every rank; without a benchmark,
+   run the built-in probe (all-reduce with a correctness check) as the benchmark.
+4. Probe: one all-reduce per dense algorithm at ``--probe-mb`` with the links' byte counters read
+   before and after, giving the link bytes each algorithm moves per message byte.
+5. Tear down; add the physical bound 2(N-1)/N * S / B, each row's fraction of it and the per-node /
+   per-link bandwidth used; print the table; write the JSON (``--json``).
+
+Example::
+
+    $ flashsgd bench emulate --cluster 4x2 --link 1gbit --json out.json -- \\
+          allreduce --algorithms native,ring,hierarchical,torus2d --sizes-mb 1,10,100
+    $ flashsgd bench emulate --cluster 2x2 --link 200mbit          # self-check only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_available,
+                                    emulated_cluster, parse_rate, parse_shape)
+from flashsgd.emulate.ranks import RankError, run_ranks
+from flashsgd.emulate.report import DENSE_NAMES, annotate, format_table
+
+HELP = "run a benchmark on an emulated cluster (network namespaces, tbf-capped links; needs root)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", default="2x2", help="NODESxRANKS, e.g. 4x2 (default 2x2)")
+    parser.add_argument("--link", default="1gbit", help="each node's link rate, e.g. 1gbit, 200mbit, 10gbit")
+    parser.add_argument("--subnet", default="10.213.0.0/24", help="private /24 for the namespaces")
+    parser.add_argument("--json", default=None, help="write the annotated results here")
+    parser.add_argument("--probe-mb", type=float, default=8.0,
+                        help="message size (MB) of the link-byte probe; 0 disables the probe")
+    parser.add_argument("--probe-algorithms", default=None,
+                        help="comma-separated dense algorithms to probe (default: those in the results, "
+                             "or 'native' without a benchmark)")
+    parser.add_argument("--sizes-mb", default="1,10",
+                        help="sizes of the built-in probe benchmark when no benchmark is given")
+    parser.add_argument("--timeout", type=float, default=900.0, help="deadline per launch, seconds")
+    parser.add_argument("--logs", default=None,
+                        help="keep per-rank logs here (default: a temp dir, removed after a successful run)")
+    parser.add_argument("bench", nargs=argparse.REMAINDER,
+                        help="-- BENCHMARK [ARGS...]: the flashsgd bench command to run on the cluster")
+
+
+def _launch(cluster, module_args: list[str], log_dir: Path, timeout_s: float) -> float:
+    return run_ranks(cluster, [sys.executable, "-m", *module_args], log_dir, timeout_s=timeout_s)
+
+
+def _probe(cluster, algorithms: str, sizes_mb: str, out: Path, log_dir: Path, timeout_s: float,
+           warmup: int, reps: int) -> dict:
+    _launch(cluster, ["flashsgd.emulate.probe", "--algorithms", algorithms, "--sizes-mb", sizes_mb,
+                      "--warmup", str(warmup), "--reps", str(reps), "--json", str(out)], log_dir, timeout_s)
+    return json.loads(out.read_text())
+
+
+def _measure(spec: ClusterSpec, bench: list[str], args: argparse.Namespace, work: Path,
+             log_dir: Path) -> tuple[dict, dict | None, float, list[dict]]:
+    """Steps 2-4: build, run the benchmark and the probe, tear down (always, by the context manager).
+
+    Returns (benchmark JSON, probe JSON or None, benchmark wall seconds, per-node link bytes).
+    """
+    # Step 2: build (torn down by the context manager, whatever happens)
+    with emulated_cluster(spec) as cluster:
+        before = cluster.link_bytes()
+        # Step 3: the benchmark
+        if bench:
+            out = work / "bench.json"
+            wall = _launch(cluster, ["flashsgd.emulate", *bench, "--json", str(out)], log_dir / "bench",
+                           args.timeout)
+            if not out.exists():
+                raise ValueError(f"'flashsgd bench {bench[0]}' wrote no JSON at {out} "
+                                 "(it must accept --json PATH and write it on rank 0)")
+            doc = json.loads(out.read_text())
+        else:
+            t0 = time.monotonic()
+            doc = _probe(cluster, args.probe_algorithms or "native", args.sizes_mb, work / "bench.json",
+                         log_dir / "bench", args.timeout, warmup=1, reps=3)
+            wall = time.monotonic() - t0
+        after = cluster.link_bytes()
+        run_bytes = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
+        # Step 4: link bytes per message byte of each dense algorithm
+        if not bench:
+            return doc, doc, wall, run_bytes
+        present = sorted({r.get("algorithm") for r in doc.get("results", [])} & set(DENSE_NAMES))
+        algos = args.probe_algorithms or ",".join(present)
+        probe_doc = None
+        if args.probe_mb > 0 and algos:
+            probe_doc = _probe(cluster, algos, f"{args.probe_mb:g}", work / "probe.json",
+                               log_dir / "probe", args.timeout, warmup=0, reps=1)
+        return doc, probe_doc, wall, run_bytes
+
+
+def run(args: argparse.Namespace) -> int:
+    # Step 1: inputs and preconditions
+    try:
+        nodes, rpn = parse_shape(args.cluster)
+        spec = ClusterSpec(nodes, rpn, parse_rate(args.link), subnet=args.subnet)
+    except ValueError as exc:
+        print(f"flashsgd bench emulate: {exc}", file=sys.stderr)
+        return 2
+    bench = list(args.bench)
+    if bench and bench[0] == "--":
+        bench = bench[1:]
+    if bench and bench[0] == "emulate":
+        print("flashsgd bench emulate: the benchmark to run cannot be 'emulate' itself", file=sys.stderr)
+        return 2
+    try:
+        check_available()
+    except EmulationUnavailable as exc:
+        print(f"flashsgd bench emulate: cannot emulate a cluster here: {exc}", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="flashsgd-emulate-"))
+    log_dir = Path(args.logs) if args.logs else work / "logs"
+    print(f"emulated cluster: {nodes} nodes x {rpn} ranks, links {spec.rate_bps / 1e9:g} Gbit/s "
+          f"(tbf burst {spec.burst_bytes} B)", flush=True)
+    started = time.time()
+    try:
+        doc, probe_doc, wall, run_bytes = _measure(spec, bench, args, work, log_dir)
+    except (RankError, ValueError) as exc:
+        print(f"flashsgd bench emulate: {exc}\n(per-rank logs kept in {log_dir})", file=sys.stderr)
+        return 1
+    shutil.rmtree(work, ignore_errors=True)  # success: only --logs, if given, is kept
+    # Step 5: annotate, report
+    bad = [r for r in (probe_doc or {}).get("results", []) if not r.get("correct", True)]
+    meta = doc.setdefault("meta", {})
+    meta.setdefault("ranks_per_node", rpn)
+    meta["emulated"] = {
+        "nodes": nodes, "ranks_per_node": rpn, "link_bps": spec.rate_bps, "link": args.link,
+        "shaping": f"tbf rate {spec.rate_bps}bit burst {spec.burst_bytes} latency {spec.latency_ms:g}ms "
+                   "on both ends of each node's veth",
+        "subnet": spec.subnet, "bench_argv": bench, "bench_wall_s": wall,
+        "run_link_bytes": run_bytes,
+        "probe_mb": args.probe_mb if bench else None,
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "kernel": platform.release(),
+                 "python": platform.python_version()},
+        "elapsed_s": time.time() - started,
+    }
+    annotate(doc, nodes, spec.rate_bps, probe_doc)
+    print(format_table(doc))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+        print(f"wrote {args.json}")
+    if bad:
+        print(f"flashsgd bench emulate: WRONG all-reduce result for {[r['algorithm'] for r in bad]}",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,403 @@
+"""Dense all-reduce over explicit groups: ``native``, ``ring``, ``hierarchical`` and ``torus2d``.
+
+Every algorithm is a plain function ``fn(tensor, topology, op="sum", check=True) -> tensor`` that
+reduces a contiguous floating tensor in place (any shape; it is treated as flat) and is registered
+by name in :data:`ALLREDUCE`, the names shared with the DDP hooks, the CLI and the simulator.
+
+All three flashsgd algorithms are built from two ring stages over an explicit list of ranks and its
+process group (:func:`reduce_scatter` and :func:`all_gather`), so the hierarchical and 2D-Torus
+variants reuse the flat ring on rows, columns and nodes:
+
+* ``ring``: reduce-scatter + all-gather over all P ranks (Patarasuk & Yuan 2009, "Bandwidth optimal
+  all-reduce algorithms for clusters of workstations").
+* ``hierarchical``: reduce-scatter inside the node (L ranks), all-reduce of the 1/L shard across the
+  N nodes (``cross`` group), all-gather inside the node (the three phases of Goyal et al. 2017,
+  arXiv 1706.02677, with a ring instead of halving/doubling between nodes).
+* ``torus2d``: reduce-scatter along the X direction (row), all-reduce of the 1/X shard along Y
+  (column), all-gather along X (Mikami et al. 2018, arXiv 1811.05233), for any X * Y = P.
+
+Chunking: a stage over P ranks splits n elements into P chunks ``[min(i c, n), min((i+1) c, n))``
+with ``c = ceil(n / P)``; after the reduce-scatter the rank at position p of the ranks list owns
+chunk p. This is exactly the split that NCCL's padded ``reduce_scatter_tensor`` produces, so the
+shard a rank owns does not depend on the backend; the largest chunk is ceil(n/P) either way (the
+step time of a ring is its largest chunk). Lengths < P leave some chunks empty: empty chunks are
+neither sent nor received, and an empty tensor communicates nothing.
+
+Backends (DESIGN.md "Hard facts"): on NCCL the stages are the native ``reduce_scatter_tensor`` /
+``all_gather_into_tensor`` (input padded to a multiple of the group size) and the inner all-reduce
+is ``all_reduce`` on the subgroup. On Gloo, whose reduce-scatter is an all-reduce plus a slice, the
+stages are our own rings of paired ``isend``/``irecv`` (every rank posts its send to the right and
+its receive from the left before waiting, so no step can deadlock).
+
+Precision: fp32, fp16 and bf16. Reduction happens in the tensor's dtype, as NCCL does: each ring
+hop adds the received chunk into the local one (torch computes the add in fp32 and rounds to the
+dtype once per hop), so a half-precision result carries up to P-1 roundings of partial sums, i.e.
+a relative error of order (P-1) * eps_dtype * sum|x_i| / |sum x_i| (eps = 2^-11 for fp16, 2^-8 for
+bf16). Upcasting chunks to fp32 would need fp32 on the wire (twice the bytes) to help. ``avg``
+divides the sum by the world size once at the end (DDP's averaging).
+
+Safety: with ``check=True`` (the default for direct calls) every rank first all-gathers a 4-integer
+descriptor (length, dtype, op, algorithm) on the world group, one tiny collective, and every rank
+raises the same :class:`ValueError` when they differ, instead of hanging or mis-reducing. The DDP
+hooks pass ``check=False``: DDP already guarantees identical buckets on every rank, and the extra
+latency would be paid per bucket. Without the check, mismatched inputs are undefined (Gloo may
+raise a size error or wait until the process-group timeout).
+
+Example::
+
+    >>> topo = get_topology(ranks_per_node=4, grid="2x4")          # on 8 ranks
+    >>> t = torch.full((1000,), float(dist.get_rank() + 1))
+    >>> ALLREDUCE.get("torus2d")(t, topo)[0].item()                  # 1 + 2 + ... + 8
+    36.0
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from flashsgd.comm.topology import Topology, get_topology
+from flashsgd.registry import Registry
+
+AllReduceFn = Callable[..., torch.Tensor]
+ALLREDUCE: Registry[AllReduceFn] = Registry("all-reduce algorithm")
+
+# torch >= 2.13 renames the tensor-in/tensor-out collectives (the old names warn); accept both.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+OPS = ("sum", "avg")
+
+
+# ------------------------------------------------------------------------------ validation ------
+
+def validate(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """Check dtype, op and layout; return the flat view that the algorithms reduce in place."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in DTYPES:
+        raise ValueError(f"tensor dtype {tensor.dtype} is not supported; valid dtypes: "
+                         f"{', '.join(DTYPES.values())}")
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous (the reduction is in place on its storage); "
+                         "call .contiguous() and copy the result back")
+    return tensor.view(-1)
+
+
+def check_consistent(flat: torch.Tensor, op: str, algorithm: str) -> None:
+    """Raise the same ValueError on every rank if ranks disagree on length, dtype, op or algorithm.
+
+    One all-gather of 4 int64 per rank on the world group: cost a * lgP-ish, negligible next to any
+    real message, but paid per call, hence opt-out (``check=False``) on the hook hot path.
+    """
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    names = ALLREDUCE.names()
+    mine = torch.tensor([flat.numel(), list(DTYPES).index(flat.dtype), OPS.index(op),
+                         names.index(algorithm) if algorithm in names else -1],
+                        dtype=torch.int64, device=flat.device)
+    every = torch.empty(world * 4, dtype=torch.int64, device=flat.device)
+    _all_gather_single(every, mine)
+    rows = every.view(world, 4).tolist()  # (W, 4)
+    if all(r == rows[0] for r in rows):
+        return
+    dtypes = list(DTYPES.values())
+    described = "; ".join(
+        f"rank {r}: {n} elements {dtypes[d]} op={OPS[o]} algorithm={names[a] if a >= 0 else '?'}"
+        for r, (n, d, o, a) in enumerate(rows))
+    raise ValueError("all-reduce inputs differ across ranks (every rank must pass the same length, "
+                     f"dtype, op and algorithm): {described}")
+
+
+def _prepare(tensor: torch.Tensor, op: str, check: bool, algorithm: str,
+             topology: Topology | None) -> tuple[torch.Tensor, Topology]:
+    flat = validate(tensor, op)
+    if not dist.is_initialized():
+        raise RuntimeError("all-reduce needs an initialized default process group "
+                           "(torch.distributed.init_process_group, torchrun, or flashsgd.launch)")
+    topo = topology if topology is not None else get_topology()
+    if topo.world_size != dist.get_world_size():
+        raise ValueError(f"topology describes {topo.world_size} ranks but the world size is "
+                         f"{dist.get_world_size()}; build it with get_topology() in this process group")
+    if check:
+        check_consistent(flat, op, algorithm)
+    return flat, topo
+
+
+def _finish(tensor: torch.Tensor, op: str, world: int) -> torch.Tensor:
+    if op == "avg" and world > 1 and tensor.numel():
+        tensor.div_(world)
+    return tensor
+
+
+# ------------------------------------------------------------------------------ ring stages -----
+
+def chunk_bounds(n: int, parts: int) -> list[int]:
+    """Boundaries of ``parts`` chunks of ``n`` elements: chunk i is ``[b[i], b[i+1])``.
+
+    c = ceil(n / parts) elements per chunk, the last ones shorter or empty: the split of NCCL's
+    reduce-scatter on an input padded to parts * c.
+    """
+    c = -(-n // parts)
+    return [min(i * c, n) for i in range(parts + 1)]
+
+
+def _native_stages(flat: torch.Tensor, group: ProcessGroup | None) -> bool:
+    """True for CUDA tensors on an NCCL group (also "cpu:gloo,cuda:nccl"): use NCCL's collectives."""
+    return flat.is_cuda and "nccl" in str(dist.get_backend(group))
+
+
+def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
+              group: ProcessGroup) -> None:
+    """One ring step: post the receive from ``src`` and the send to ``dst``, then wait for both."""
+    works = []
+    if recv.numel():
+        works.append(dist.irecv(recv, group=group, group_src=src))
+    if send.numel():
+        works.append(dist.isend(send, group=group, group_dst=dst))
+    for w in works:
+        w.wait()
+
+
+SEGMENT_BYTES = 1 << 20
+"""Ring reduce steps move their chunk in segments of at most this many bytes, so that the add of
+a received segment overlaps the transfer of the next ones (the pipelining of Gloo's and NCCL's own
+rings); chunks up to this size go as one message (no extra latency for small messages)."""
+
+
+def _exchange_add(send: torch.Tensor, dst: int, into: torch.Tensor, tmp: torch.Tensor, src: int,
+                  group: ProcessGroup) -> None:
+    """One reduce step: send ``send`` to ``dst``; receive ``into.numel()`` values from ``src`` and
+    add them into ``into``, segment by segment as they arrive."""
+    seg = max(1, SEGMENT_BYTES // max(1, into.element_size()))
+    tmp = tmp[:into.numel()]
+    recvs = [(dist.irecv(tmp[lo:lo + seg], group=group, group_src=src), lo)
+             for lo in range(0, into.numel(), seg)]
+    sends = [dist.isend(send[lo:lo + seg], group=group, group_dst=dst)
+             for lo in range(0, send.numel(), seg)]
+    for work, lo in recvs:
+        work.wait()
+        into[lo:lo + seg].add_(tmp[lo:lo + seg])  # reduction in the tensor's dtype
+    for work in sends:
+        work.wait()
+
+
+def reduce_scatter(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | None
+                   ) -> tuple[int, int]:
+    """Ring reduce-scatter of ``flat`` over ``ranks``; returns the ``[lo, hi)`` shard this rank owns.
+
+    Patarasuk & Yuan 2009. After the call ``flat[lo:hi]`` holds the sum over ``ranks``; the rest of
+    ``flat`` holds partial sums (overwritten by :func:`all_gather`). Cost over P ranks:
+    (P-1) a + (P-1)/P n b + (P-1)/P n g.
+
+    1. Split ``flat`` into P chunks (:func:`chunk_bounds`); position p will own chunk p.
+    2. For s = 0 .. P-2: send chunk (p-s-1) mod P to the right neighbour, receive chunk (p-s-2) mod
+       P from the left one and add it into the local copy (it is sent on at step s+1).
+    """
+    P = len(ranks)
+    if P == 1 or group is None:
+        return 0, flat.numel()
+    p = ranks.index(dist.get_rank())
+    n = flat.numel()
+    # Step 1
+    b = chunk_bounds(n, P)
+    if n == 0:
+        return 0, 0
+    if _native_stages(flat, group):  # native sub-collective on an input padded to P * c
+        c = b[1]
+        padded = flat.new_zeros(P * c)
+        padded[:n].copy_(flat)
+        out = flat.new_empty(c)
+        _reduce_scatter_single(out, padded, group=group)
+        flat[b[p]:b[p + 1]].copy_(out[:b[p + 1] - b[p]])
+        return b[p], b[p + 1]
+    # Step 2: (P-1) steps, each moving one chunk of <= n/P elements per rank.
+    right, left = (p + 1) % P, (p - 1) % P
+    tmp = flat.new_empty(b[1])
+    for s in range(P - 1):
+        k_send, k_recv = (p - s - 1) % P, (p - s - 2) % P
+        _exchange_add(flat[b[k_send]:b[k_send + 1]], right, flat[b[k_recv]:b[k_recv + 1]], tmp, left,
+                      group)
+    return b[p], b[p + 1]
+
+
+def all_gather(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | None) -> None:
+    """Ring all-gather: position p contributes chunk p of ``flat``; afterwards all of ``flat`` is filled.
+
+    The inverse stage of :func:`reduce_scatter`. Cost over P ranks: (P-1) a + (P-1)/P n b.
+
+    1. Split ``flat`` into the same P chunks as :func:`reduce_scatter`.
+    2. For s = 0 .. P-2: send chunk (p-s) mod P to the right neighbour and receive chunk (p-s-1)
+       mod P from the left one directly into place.
+    """
+    P = len(ranks)
+    n = flat.numel()
+    if P == 1 or group is None or n == 0:
+        return
+    p = ranks.index(dist.get_rank())
+    # Step 1
+    b = chunk_bounds(n, P)
+    if _native_stages(flat, group):
+        c = b[1]
+        shard = flat.new_zeros(c)
+        shard[:b[p + 1] - b[p]].copy_(flat[b[p]:b[p + 1]])
+        out = flat.new_empty(P * c)
+        _all_gather_single(out, shard, group=group)
+        flat.copy_(out[:n])
+        return
+    # Step 2
+    right, left = (p + 1) % P, (p - 1) % P
+    for s in range(P - 1):
+        k_send, k_recv = (p - s) % P, (p - s - 1) % P
+        _exchange(flat[b[k_send]:b[k_send + 1]], right, flat[b[k_recv]:b[k_recv + 1]], left, group)
+
+
+def ring_allreduce(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | None) -> None:
+    """Sum ``flat`` over ``ranks`` in place: :func:`reduce_scatter` then :func:`all_gather`.
+
+    Cost: 2(P-1) a + 2(P-1)/P n b + (P-1)/P n g (bandwidth-optimal). On NCCL a single native
+    ``all_reduce`` on the group.
+    """
+    if len(ranks) == 1 or group is None or flat.numel() == 0:
+        return
+    if _native_stages(flat, group):
+        dist.all_reduce(flat, group=group)
+        return
+    reduce_scatter(flat, ranks, group)
+    all_gather(flat, ranks, group)
+
+
+# ------------------------------------------------------------------------------ algorithms ------
+
+@ALLREDUCE.register("native")
+def native(tensor: torch.Tensor, topology: Topology | None = None, op: str = "sum",
+           check: bool = True) -> torch.Tensor:
+    """``torch.distributed.all_reduce`` on the world group: the baseline (NCCL's or Gloo's own choice).
+
+    Args:
+        tensor: contiguous fp32/fp16/bf16 tensor, reduced in place.
+        topology: unused except for validation (``None`` is fine).
+        op: ``"sum"`` or ``"avg"`` (sum, then divide by the world size).
+        check: verify that all ranks pass the same length/dtype/op first (one tiny all-gather).
+
+    Example::
+
+        >>> native(torch.ones(3), op="avg")  # tensor([1., 1., 1.]) on every rank
+    """
+    flat, _ = _prepare(tensor, op, check, "native", topology)
+    if flat.numel():  # Gloo rejects 0-element all-reduce
+        dist.all_reduce(flat)
+    return _finish(tensor, op, dist.get_world_size())
+
+
+@ALLREDUCE.register("ring")
+def ring(tensor: torch.Tensor, topology: Topology | None = None, op: str = "sum",
+         check: bool = True) -> torch.Tensor:
+    """Flat ring all-reduce over all P ranks (Patarasuk & Yuan 2009).
+
+    Cost: 2(P-1) a + 2(P-1)/P n b + (P-1)/P n g: the bandwidth term is optimal, the 2(P-1) latency
+    steps are what hierarchical and torus2d cut.
+
+    1. Ring reduce-scatter over the world: rank p ends with the sum of chunk p.
+    2. Ring all-gather over the world.
+
+    Args:
+        tensor: contiguous fp32/fp16/bf16 tensor, reduced in place.
+        topology: the :class:`Topology` (``None``: :func:`get_topology` defaults).
+        op: ``"sum"`` or ``"avg"``.
+        check: verify identical length/dtype/op on all ranks first.
+
+    Example::
+
+        >>> ring(torch.full((5,), float(dist.get_rank() + 1)), topo)  # 4 ranks: all 10.0
+    """
+    flat, topo = _prepare(tensor, op, check, "ring", topology)
+    world = list(range(topo.world_size))
+    group = dist.group.WORLD if topo.world_size > 1 else None
+    # Step 1
+    reduce_scatter(flat, world, group)
+    # Step 2
+    all_gather(flat, world, group)
+    return _finish(tensor, op, topo.world_size)
+
+
+@ALLREDUCE.register("hierarchical")
+def hierarchical(tensor: torch.Tensor, topology: Topology | None = None, op: str = "sum",
+                 check: bool = True) -> torch.Tensor:
+    """Three-phase all-reduce: inside the node, across nodes on a 1/L shard, inside the node.
+
+    Goyal et al. 2017 (arXiv 1706.02677, section 4: intra-server reduce, inter-server all-reduce,
+    intra-server broadcast), here with bandwidth-optimal rings in every phase. L ranks per node,
+    N = P / L nodes; only n/L bytes per rank cross the node boundary.
+    Cost: 2(L-1) a_intra + 2(L-1)/L n b_intra + 2(N-1) a_inter + 2(N-1)/(N L) n b_inter + (P-1)/P n g.
+
+    1. Reduce-scatter inside the node: local rank l owns the node's sum of shard l (n/L elements).
+    2. All-reduce shard l across the N nodes (the ``cross`` group of ranks with local rank l);
+       the L cross groups run concurrently.
+    3. All-gather inside the node.
+
+    Args:
+        tensor: contiguous fp32/fp16/bf16 tensor, reduced in place.
+        topology: the :class:`Topology`; ``ranks_per_node`` sets L.
+        op: ``"sum"`` or ``"avg"``.
+        check: verify identical length/dtype/op on all ranks first.
+
+    Example::
+
+        >>> hierarchical(t, get_topology(ranks_per_node=4))  # 8 ranks = 2 nodes x 4
+    """
+    flat, topo = _prepare(tensor, op, check, "hierarchical", topology)
+    # Step 1
+    lo, hi = reduce_scatter(flat, topo.node_ranks, topo.node_group)
+    # Step 2
+    ring_allreduce(flat[lo:hi], topo.cross_ranks, topo.cross_group)
+    # Step 3
+    all_gather(flat, topo.node_ranks, topo.node_group)
+    return _finish(tensor, op, topo.world_size)
+
+
+@ALLREDUCE.register("torus2d")
+def torus2d(tensor: torch.Tensor, topology: Topology | None = None, op: str = "sum",
+            check: bool = True) -> torch.Tensor:
+    """Sony's 2D-Torus all-reduce on an X x Y grid (Mikami et al. 2018, arXiv 1811.05233).
+
+    Rows are X consecutive ranks (the horizontal direction), columns the Y ranks sharing a
+    position in their row. Latency steps 2(X-1) + 2(Y-1) instead of the ring's 2(XY-1); the same
+    bandwidth term as the ring when the links are equal.
+    Cost: 2(X-1) a_x + 2(Y-1) a_y + 2(X-1)/X n b_x + 2(Y-1)/(XY) n b_y + (P-1)/P n g.
+
+    1. Reduce-scatter along the row: position x owns the row's sum of shard x (n/X elements).
+    2. All-reduce shard x along the column (Y ranks); the X columns run concurrently.
+    3. All-gather along the row.
+
+    Args:
+        tensor: contiguous fp32/fp16/bf16 tensor, reduced in place.
+        topology: the :class:`Topology`; its ``grid`` (X, Y) is used (any X * Y = P, incl. 1xP, Px1).
+        op: ``"sum"`` or ``"avg"``.
+        check: verify identical length/dtype/op on all ranks first.
+
+    Example::
+
+        >>> torus2d(t, get_topology(grid="2x4"))  # 8 ranks: rows of 2, columns of 4
+    """
+    flat, topo = _prepare(tensor, op, check, "torus2d", topology)
+    # Step 1
+    lo, hi = reduce_scatter(flat, topo.row_ranks, topo.row_group)
+    # Step 2
+    ring_allreduce(flat[lo:hi], topo.col_ranks, topo.col_group)
+    # Step 3
+    all_gather(flat, topo.row_ranks, topo.row_group)
+    return _finish(tensor, op, topo.world_size)
+
+
+def allreduce(tensor: torch.Tensor, algorithm: str = "ring", topology: Topology | None = None,
+              op: str = "sum", check: bool = True) -> torch.Tensor:
+    """Reduce ``tensor`` in place with the algorithm registered as ``algorithm`` (see ALLREDUCE)."""
+    return ALLREDUCE.get(algorithm)(tensor, topology, op=op, check=check)

@@ -1,0 +1,297 @@
+"""DDP communication hooks for flashsgd's all-reduce algorithms, and a name -> hook registry.
+
+Use::
+
+    state = register_hook(ddp_model, "torus2d", grid="2x4")     # on every rank, after DDP(...)
+    ...train...
+    ckpt["hook"] = state.state_dict(); state.load_state_dict(ckpt["hook"])
+
+Hooks (``HOOKS``; each entry is a factory ``make(ddp_model, **options) -> (state, hook | None)``;
+:func:`register_hook` validates the options and calls ``ddp_model.register_comm_hook(state, hook)``
+unless the hook is None):
+
+=============== ===============================================================================
+``native``      registers nothing: DDP's built-in all-reduce (grad / W, then a sum all-reduce on
+                DDP's process group). The baseline; same as ``default_hooks.allreduce_hook``.
+``ring``        :func:`flashsgd.comm.dense.ring` on each bucket, average over the world.
+``hierarchical`` :func:`~flashsgd.comm.dense.hierarchical`; option ``ranks_per_node`` (L).
+``torus2d``     :func:`~flashsgd.comm.dense.torus2d`; option ``grid`` ("XxY").
+``noop``        returns the bucket unchanged: gradients are NOT averaged, every rank steps on its
+                own gradient. The ceiling of the training benchmark (zero communication), never
+                for real training.
+``topk``/``gtopk`` sparse hooks, registered by ``flashsgd.comm.sparse_hooks`` (imported at the end).
+=============== ===============================================================================
+
+The three dense hooks take ``ranks_per_node``, ``grid`` (the :class:`Topology`, built once at
+registration, a collective call on every rank) and ``threaded``. They call the algorithm with
+``op="avg"`` (sum, then divide by the world size: DDP's default semantics) and ``check=False``
+(DDP gives every rank identical buckets; a per-bucket length check would add latency).
+
+Futures and overlap. DDP calls a hook when a bucket's gradients are ready, during backward, and
+waits for the returned futures at the end of backward. On NCCL the algorithm's collectives are
+enqueued on NCCL's stream and return at once, so the completed Future we return still overlaps
+the communication with the rest of backward on the GPU. Gloo gives no futures for send/recv
+(DESIGN.md "Hard facts"), so two modes:
+
+* ``threaded=False`` (default): the bucket is reduced synchronously inside the hook and a completed
+  Future is returned. Lost: overlap of this bucket's communication with the backward computation
+  of the layers that remain; the backward thread waits for each bucket's all-reduce.
+* ``threaded=True``: the bucket is handed to one communication thread per state (FIFO, so every
+  rank issues the same collectives in the same order, since DDP launches buckets in index order)
+  and the hook returns its pending Future at once; backward continues meanwhile.
+
+Measured on the shared 2-core machine (docs/benchmarks.md, "Dense all-reduce"), where compute and
+loopback communication compete for the same two cores, the thread did not pay for itself (see the
+numbers there), hence the synchronous default; on machines with spare cores or real NICs try
+``threaded=True``.
+
+bucket_cap_mb (DDP's knob, default 25 MB; the first bucket is 1 MB) sets the message size of
+each call: one bucket = one all-reduce. Large buckets put the algorithms in the bandwidth regime,
+where ring, hierarchical and torus2d move the same 2(P-1)/P n bytes per rank and differ little;
+small buckets are latency-bound, where torus2d's 2(X-1) + 2(Y-1) steps and hierarchical's
+2(L-1) + 2(N-1) beat the flat ring's 2(P-1). Fewer, larger buckets also start later in backward,
+which reduces overlap (with ``threaded=True`` or NCCL). A bucket shorter than P elements still
+works (empty chunks are skipped).
+
+Example::
+
+    >>> model = DDP(net, bucket_cap_mb=4)
+    >>> state = register_hook(model, "hierarchical", ranks_per_node=4)
+    >>> loss_fn(model(x), y).backward()      # gradients averaged by the hierarchical all-reduce
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import queue
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from flashsgd.comm.dense import ALLREDUCE, DTYPES
+from flashsgd.comm.topology import Topology, get_topology
+from flashsgd.registry import Registry
+
+HookFactory = Callable[..., tuple[Any, Callable | None]]
+HOOKS: Registry[HookFactory] = Registry("DDP communication hook")
+
+
+def completed_future(value: Any) -> torch.futures.Future:
+    """A Future already holding ``value`` (what a synchronous hook returns to DDP)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def ddp_hook(fn: Callable) -> Callable:
+    """Give a hook the real annotations DDP's ``register_comm_hook`` checks.
+
+    With ``from __future__ import annotations`` annotations are strings, and DDP refuses a hook
+    whose ``bucket`` annotation is not ``dist.GradBucket`` (or whose return is not
+    ``torch.futures.Future[torch.Tensor]``). Decorate every hook function with this.
+    """
+    fn.__annotations__["bucket"] = dist.GradBucket
+    fn.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+    return fn
+
+
+class CommThread:
+    """One daemon thread that runs submitted calls in FIFO order and completes their Futures.
+
+    FIFO on every rank + DDP launching buckets in index order = the same collective order on every
+    rank. Started lazily on first use (so it never exists across a fork).
+    """
+
+    __slots__ = ("_queue", "_thread")
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], Any]) -> torch.futures.Future:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="flashsgd-comm", daemon=True)
+            self._thread.start()
+        fut: torch.futures.Future = torch.futures.Future()
+        self._queue.put((fn, fut))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            fn, fut = self._queue.get()
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - DDP re-raises it from fut.wait()
+                fut.set_exception(exc)
+
+
+class StatelessHookState:
+    """State of a hook with nothing to checkpoint (``native``, ``noop``): empty state_dict."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"hook {self.name!r} has no state; got keys {sorted(state)}")
+
+
+class DenseHookState(StatelessHookState):
+    """State of the ``ring`` / ``hierarchical`` / ``torus2d`` hooks.
+
+    Nothing here changes the numerics across steps, so the checkpointed state is empty; the
+    process groups and the thread are dropped when pickled (``__getstate__``) and rebuilt lazily.
+
+    Args:
+        name: the algorithm (a name in :data:`flashsgd.comm.dense.ALLREDUCE`, not ``native``).
+        ranks_per_node: L (``None``: detected); used by hierarchical and the default grid.
+        grid: ``"XxY"`` for torus2d (``None``: X = L).
+        threaded: run the all-reduce on a communication thread (see the module docstring).
+    """
+
+    __slots__ = (
+        "ranks_per_node", "grid", "threaded",      # hyper-parameters
+        "topology", "comm",                         # internal (not checkpointed)
+        "buckets", "elements",                      # stats: calls and elements reduced
+    )
+
+    def __init__(self, name: str, ranks_per_node: int | None = None, grid: str | None = None,
+                 threaded: bool = False) -> None:
+        if name not in ALLREDUCE or name == "native":
+            raise ValueError(f"dense hook algorithm must be one of "
+                             f"{', '.join(n for n in ALLREDUCE.names() if n != 'native')}, got {name!r}")
+        if not isinstance(threaded, bool):
+            raise ValueError(f"threaded must be True or False, got {threaded!r}")
+        super().__init__(name)
+        self.ranks_per_node, self.grid, self.threaded = ranks_per_node, grid, threaded
+        self.topology: Topology | None = get_topology(ranks_per_node=ranks_per_node, grid=grid)
+        self.comm: CommThread | None = CommThread() if threaded else None
+        self.buckets = 0
+        self.elements = 0
+
+    def __getstate__(self) -> dict:
+        return {"name": self.name, "ranks_per_node": self.ranks_per_node, "grid": self.grid,
+                "threaded": self.threaded, "buckets": self.buckets, "elements": self.elements}
+
+    def __setstate__(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+        self.topology = None
+        self.comm = CommThread() if self.threaded else None
+
+
+@ddp_hook
+def dense_hook(state: DenseHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Average one DDP bucket with ``state.name``'s algorithm (in place on the bucket's buffer).
+
+    1. Take the bucket's flat buffer (DDP's gradients of several parameters, contiguous).
+    2. All-reduce it with ``op="avg"`` (sum, then / world size), on the calling thread or on the
+       state's communication thread.
+    3. Return a Future of the buffer (completed, or completed later by the thread).
+    """
+    # Step 1
+    buf = bucket.buffer()
+    if state.topology is None:  # unpickled state: rebuild (every rank does it at the same bucket)
+        state.topology = get_topology(ranks_per_node=state.ranks_per_node, grid=state.grid)
+    fn, topo = ALLREDUCE.get(state.name), state.topology
+    state.buckets += 1
+    state.elements += buf.numel()
+    # Step 2
+    if state.comm is not None:
+        # Step 3 (pending Future, completed by the thread)
+        return state.comm.submit(lambda: fn(buf, topo, op="avg", check=False))
+    fn(buf, topo, op="avg", check=False)
+    # Step 3
+    return completed_future(buf)
+
+
+@ddp_hook
+def noop_hook(state: StatelessHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Return the bucket untouched: no communication, gradients stay local (not averaged)."""
+    return completed_future(bucket.buffer())
+
+
+# ------------------------------------------------------------------------------- registry -------
+
+@HOOKS.register("native")
+def _make_native(ddp_model: Any) -> tuple[StatelessHookState, None]:
+    return StatelessHookState("native"), None
+
+
+@HOOKS.register("noop")
+def _make_noop(ddp_model: Any) -> tuple[StatelessHookState, Callable]:
+    return StatelessHookState("noop"), noop_hook
+
+
+def _dense_factory(name: str) -> HookFactory:
+    def make(ddp_model: Any, ranks_per_node: int | None = None, grid: str | None = None,
+             threaded: bool = False) -> tuple[DenseHookState, Callable]:
+        _check_model(ddp_model, name)
+        return DenseHookState(name, ranks_per_node, grid, threaded), dense_hook
+
+    make.__name__ = f"_make_{name}"
+    make.__doc__ = f"Hook averaging each bucket with the {name} all-reduce."
+    return make
+
+
+for _name in ("ring", "hierarchical", "torus2d"):
+    HOOKS.add(_name, _dense_factory(_name))
+
+
+def _check_model(ddp_model: Any, name: str) -> None:
+    """The dense hooks reduce over the default group, in fp32/fp16/bf16: refuse anything else early."""
+    pg = getattr(ddp_model, "process_group", None)
+    if pg is not None and dist.get_world_size(pg) != dist.get_world_size():
+        raise ValueError(f"hook {name!r} all-reduces over the default process group, but this DDP "
+                         f"model uses a group of {dist.get_world_size(pg)} of "
+                         f"{dist.get_world_size()} ranks; use hook 'native' for subgroup DDP")
+    for pname, p in ddp_model.module.named_parameters():
+        if p.requires_grad and p.dtype not in DTYPES:
+            raise ValueError(f"hook {name!r}: parameter {pname!r} is {p.dtype}; supported dtypes: "
+                             f"{', '.join(DTYPES.values())}")
+
+
+def register_hook(ddp_model: Any, name: str, **options: Any) -> Any:
+    """Attach the hook registered as ``name`` to a DDP model; return its state (for checkpoints).
+
+    Must be called on every rank, with the same name and options, before the first backward
+    (dense hooks build their process groups here). ``native`` registers nothing and leaves DDP's
+    built-in all-reduce in place.
+
+    Args:
+        ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` module.
+        name: a name in :data:`HOOKS` (unknown names raise ValueError listing the known ones).
+        **options: the hook's options (unknown options raise ValueError listing the valid ones).
+
+    Returns:
+        The hook state: ``state_dict()`` / ``load_state_dict()`` work for every hook.
+    """
+    factory = HOOKS.get(name)
+    params = list(inspect.signature(factory).parameters)[1:]  # after ddp_model
+    unknown = sorted(set(options) - set(params))
+    if unknown:
+        raise ValueError(f"hook {name!r} got unknown option(s) {', '.join(unknown)}; "
+                         f"valid: {', '.join(params) or '(none)'}")
+    state, hook = factory(ddp_model, **options)
+    if hook is not None:
+        ddp_model.register_comm_hook(state, hook)
+    return state
+
+
+# The sparse hooks register themselves into HOOKS; HOOKS and the helpers above exist already, so
+# `from flashsgd.comm.hooks import HOOKS` inside sparse_hooks works whichever module loads first.
+# (import_module, not `from flashsgd.comm import sparse_hooks`: a missing submodule must surface as
+# ModuleNotFoundError with .name set, which the `from` form turns into a bare ImportError.)
+try:
+    importlib.import_module("flashsgd.comm.sparse_hooks")  # registers topk, gtopk
+except ModuleNotFoundError as exc:
+    if exc.name != "flashsgd.comm.sparse_hooks":
+        raise

@@ -1,0 +1,537 @@
+"""Sparsified gradient exchange: top-k selection, Top-k all-gather, the gTop-k merge tree, residuals.
+
+Paper: Shi et al. 2019, "A Distributed Synchronous SGD Algorithm with Global Top-k Sparsification
+for Low Bandwidth Networks" (arXiv 1901.04359), REFERENCES.md item 4.
+
+Each rank keeps only the ``k = ceil(density * m)`` largest-magnitude entries of its (error-fed)
+gradient of ``m`` elements and exchanges them as (value, index) pairs:
+
+- ``topk`` (Top-k S-SGD): all-gather every rank's k pairs and scatter-add them; O(kP) volume.
+- ``gtopk``: log2(P) butterfly rounds; in round i, rank r swaps its current k pairs with
+  ``r XOR 2^i`` and both keep the k largest |sum| of the union (:func:`merge_topk`), so after the
+  last round every rank holds the same k pairs, the global top-k of the merge tree; O(k log P).
+
+Error feedback (the invariant every exchange here keeps, tested in tests/test_sparse.py)::
+
+    acc_r      = grad_r + residual_r                      (accumulated local gradient)
+    residual_r = acc_r with the entries in counted_r zeroed
+    sum_r acc_r == dense(global values) + sum_r residual_r      (exact in exact arithmetic)
+
+where ``counted_r`` are the local indices whose values are included in the global values. For
+``topk`` that is every local pick. For ``gtopk`` it is the local picks that survived *every* merge
+on the path from rank r to the root: a value dropped in round i is put back into the residual even
+if its index re-enters the result from another subtree later (then the global value at that index
+holds only the other subtree's mass), which is the precise form of "what was not sent locally plus
+local values that did not survive the global selection".
+
+Indices travel as int64 and values are bit-cast into the same int64 message (never converted to
+float32, which would corrupt indices >= 2^24).
+
+Example::
+
+    >>> x = torch.tensor([0.1, -3.0, 2.0, 0.5])
+    >>> topk_exact(x, 2)
+    (tensor([-3.,  2.]), tensor([1, 2]))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+# newer torch names it all_gather_single (all_gather_into_tensor warns as deprecated)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# ----------------------------------------------------------------------------- density ----------
+
+
+def validate_density(density: float, name: str = "density") -> float:
+    """Return ``density`` as a float if it lies in (0, 1], else raise ValueError naming ``name``."""
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1] (fraction of entries sent), "
+                         f"got {density!r}")
+    return float(density)
+
+
+def k_from_density(numel: int, density: float) -> int:
+    """k = ceil(density * numel), at least 1: the number of entries each rank sends."""
+    if not isinstance(numel, int) or numel < 1:
+        raise ValueError(f"numel must be an integer >= 1, got {numel!r}")
+    # ceil of a product that is an integer up to rounding (0.001 * 25_557_032 = 25557.032): round
+    # to 9 digits first so 0.01 * 1000 gives 10, not 11.
+    return max(1, min(numel, math.ceil(round(validate_density(density) * numel, 9))))
+
+
+def density_at(step: int, density: float, warmup_density: float | None = None,
+               warmup_steps: int = 0, mode: Literal["exponential", "linear"] = "exponential") -> float:
+    """Density at iteration ``step``: ``warmup_density`` -> ``density`` over ``warmup_steps``, then flat.
+
+    Shi et al. (and DGC) send more in the first epoch(s). ``exponential`` interpolates the log of
+    the density (0.25 -> 0.001 over 4 epochs gives 0.25, 0.063, 0.016, 0.004, 0.001 at the epoch
+    boundaries); ``linear`` interpolates the density itself. Pure function of ``step``.
+
+    Example::
+
+        >>> density_at(50, 0.001, warmup_density=0.25, warmup_steps=100)   # sqrt(0.25 * 0.001)
+        0.0158...
+    """
+    density = validate_density(density)
+    if warmup_density is None or warmup_steps <= 0 or step >= warmup_steps:
+        return density
+    start = validate_density(warmup_density, "warmup_density")
+    frac = max(step, 0) / warmup_steps
+    if mode == "exponential":
+        return start * (density / start) ** frac
+    if mode == "linear":
+        return start + (density - start) * frac
+    raise ValueError(f"mode must be 'exponential' or 'linear', got {mode!r}")
+
+
+@dataclass(frozen=True)
+class DensitySchedule:
+    """A fixed density, optionally after a denser warm-up (see :func:`density_at`)."""
+
+    density: float = 0.001
+    """Target fraction of entries each rank sends, in (0, 1]."""
+    warmup_density: float | None = None
+    """Density at step 0 of the warm-up (e.g. 0.25); None: no warm-up."""
+    warmup_steps: int = 0
+    """Iterations of the warm-up (the trainer converts epochs to iterations)."""
+    mode: Literal["exponential", "linear"] = "exponential"
+    """Interpolation between warmup_density and density."""
+
+    def __post_init__(self) -> None:
+        validate_density(self.density)
+        if self.warmup_density is not None:
+            validate_density(self.warmup_density, "warmup_density")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.mode not in ("exponential", "linear"):
+            raise ValueError(f"mode must be 'exponential' or 'linear', got {self.mode!r}")
+
+    def __call__(self, step: int) -> float:
+        return density_at(step, self.density, self.warmup_density, self.warmup_steps, self.mode)
+
+
+# --------------------------------------------------------------------------- selection ----------
+
+def _check_selection(x: torch.Tensor, k: int) -> int:
+    if x.dim() != 1 or not x.is_floating_point():
+        raise ValueError(f"x must be a flat floating-point tensor, got shape {tuple(x.shape)} {x.dtype}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= x.numel():
+        raise ValueError(f"k must be an integer in [1, {x.numel()}] (numel of x), got {k!r}")
+    return x.numel()
+
+
+def topk_exact(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k entries of flat ``x`` with the largest |value|: ``(values, int64 indices)``, by index.
+
+    ``torch.topk`` on |x|; ties at the k-th magnitude are resolved as torch.topk does
+    (deterministic for a given input). Output sorted by index (the canonical form used below).
+    """
+    _check_selection(x, k)
+    idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values
+    return x[idx], idx
+
+
+class SelectionWorkspace:
+    """Reusable |x| and mask buffers for :func:`topk_approx`.
+
+    A fresh 100 MB buffer per call costs more in page faults than the pass itself (~70 ms vs
+    ~15 ms for 25.6M fp32 here), so callers that select every step keep one of these.
+    """
+
+    __slots__ = ("_mag", "_mask")
+
+    def __init__(self) -> None:
+        self._mag = torch.empty(0)
+        self._mask = torch.empty(0, dtype=torch.bool)
+
+    def buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = x.numel()
+        if self._mag.numel() < n or self._mag.dtype != x.dtype:
+            self._mag = torch.empty(n, dtype=x.dtype)
+            self._mask = torch.empty(n, dtype=torch.bool)
+        return self._mag[:n], self._mask[:n]
+
+
+def topk_approx(x: torch.Tensor, k: int, *, tolerance: float = 0.25, sample_hits: int = 256,
+                max_passes: int = 3, generator: torch.Generator | None = None,
+                workspace: SelectionWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k by |value| through a threshold estimated from a random sample (one pass over x).
+
+    Algorithm:
+        1. Draw ``s = ceil(sample_hits * m / k)`` positions uniformly (with replacement), so that
+           about ``sample_hits`` sampled magnitudes lie above the k-th largest one.
+        2. Threshold t = the h-th largest sampled magnitude, h chosen so that the expected number
+           of candidates ``|x| >= t`` is ``(1 + tolerance/2) k``, the middle of the target window
+           ``[k, (1 + tolerance) k]`` (relative spread of the count ~ 1/sqrt(h) ~ 6%).
+        3. One pass over x: candidates = positions with |x| >= t.
+        4. Refine: if fewer than k candidates, t was too high: double h and repeat step 3 (at most
+           ``max_passes`` passes, then fall back to :func:`topk_exact`).
+        5. Trim the candidates to exactly k with torch.topk over them (O(candidates)).
+
+    Whenever step 3 finds >= k candidates they contain every entry of the exact top-k (all have
+    |x| >= k-th magnitude >= t), so the result equals the exact top-k up to ties; the saving is
+    that torch.topk runs over ~1.1k candidates instead of m entries.
+
+    Cost: one sample of s entries + 2-3 memory passes over m (|x|, compare, nonzero) per pass.
+
+    Args:
+        x: flat floating-point tensor of m entries.
+        k: entries to keep, 1 <= k <= m.
+        tolerance: candidate-count window above k (see step 2), > 0.
+        sample_hits: expected sampled entries above the threshold (accuracy of step 2), >= 16.
+        max_passes: passes over x before falling back to exact selection, >= 1.
+        generator: RNG of the sample (default: a fixed seed, so calls are deterministic).
+        workspace: reusable buffers (see :class:`SelectionWorkspace`).
+
+    Returns:
+        ``(values, indices)``: k values of x and their int64 indices, sorted by index.
+
+    Example::
+
+        >>> v, i = topk_approx(torch.randn(1_000_000), 1000)
+        >>> i.numel()
+        1000
+    """
+    m = _check_selection(x, k)
+    if not tolerance > 0:
+        raise ValueError(f"tolerance must be > 0, got {tolerance!r}")
+    if sample_hits < 16 or max_passes < 1:
+        raise ValueError(f"sample_hits must be >= 16 and max_passes >= 1, got {sample_hits}, {max_passes}")
+    s = math.ceil(sample_hits * m / k)
+    if s >= m // 4:  # the sample would cost about as much as the exact selection
+        return topk_exact(x, k)
+    # Step 1: uniform sample of magnitudes.
+    if generator is None:
+        generator = torch.Generator().manual_seed(0)
+    sample = x.index_select(0, torch.randint(0, m, (s,), generator=generator)).abs_()
+    mag, mask = (workspace or SelectionWorkspace()).buffers(x)
+    torch.abs(x, out=mag)
+    # Step 2: h-th largest sample magnitude; expected count above it = h * m / s.
+    h = max(1, round(s * k * (1 + tolerance / 2) / m))
+    for _ in range(max_passes):
+        if h >= s:
+            break
+        t = torch.topk(sample, h, sorted=False).values.min()
+        # Step 3: candidates |x| >= t.
+        torch.ge(mag, t, out=mask)
+        cand = mask.nonzero().squeeze(1)
+        if cand.numel() >= k:
+            # Step 5: exactly k; a mask over the (ascending) candidates keeps index order, O(c).
+            keep = torch.zeros(cand.numel(), dtype=torch.bool)
+            keep[torch.topk(mag[cand], k, sorted=False).indices] = True
+            idx = cand[keep]
+            return x[idx], idx
+        # Step 4: threshold too high: aim at twice as many sampled hits.
+        h *= 2
+    return topk_exact(x, k)
+
+
+SELECTIONS = {"exact": topk_exact, "approx": topk_approx}
+
+
+# ------------------------------------------------------------------------------- merge ----------
+
+def merge_topk(va: torch.Tensor, ia: torch.Tensor, vb: torch.Tensor, ib: torch.Tensor,
+               k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum two sparse vectors and keep the k entries of largest |sum|; ties go to the lower index.
+
+    Inputs: values and int64 indices, each side's indices distinct. Output sorted by index. The
+    result does not depend on the order of the two sides (the union is sorted, and at a common
+    index the sum has exactly two terms, and IEEE addition is commutative), so the two ranks of a
+    butterfly pair get bit-identical results. Cost: a sort of 2k indices, O(k log k).
+    """
+    idx = torch.cat([ia, ib])
+    val = torch.cat([va, vb])
+    uniq, inv = torch.unique(idx, sorted=True, return_inverse=True)
+    summed = torch.zeros(uniq.numel(), dtype=val.dtype).index_add_(0, inv, val)
+    if uniq.numel() <= k:
+        return summed, uniq
+    # stable descending sort keeps equal magnitudes in ascending index order
+    order = torch.sort(summed.abs(), descending=True, stable=True).indices[:k].sort().values
+    return summed[order], uniq[order]
+
+
+def _canonical(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate one rank's k pairs and sort them by index."""
+    if values.dim() != 1 or indices.dim() != 1 or values.numel() != indices.numel():
+        raise ValueError(f"values and indices must be flat and of equal length, got "
+                         f"{tuple(values.shape)} and {tuple(indices.shape)}")
+    if not values.is_floating_point():
+        raise ValueError(f"values must be floating point, got {values.dtype}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= numel:
+        raise ValueError(f"k must be an integer in [1, numel={numel}], got {k!r}")
+    if values.numel() != k:
+        raise ValueError(f"expected k={k} (value, index) pairs, got {values.numel()}")
+    indices = indices.to(torch.int64)
+    order = indices.argsort()
+    indices, values = indices[order], values[order]
+    if indices[0] < 0 or indices[-1] >= numel:
+        raise ValueError(f"indices must lie in [0, numel={numel}), got range "
+                         f"[{int(indices[0])}, {int(indices[-1])}]")
+    if k > 1 and bool((indices[1:] == indices[:-1]).any()):
+        raise ValueError("indices must be distinct")
+    return values, indices
+
+
+class GTopk(NamedTuple):
+    """Result of :func:`gtopk_allreduce` / :func:`gtopk_reference` (identical on every rank)."""
+
+    values: torch.Tensor   # (k,) summed values of the global top-k
+    indices: torch.Tensor  # (k,) int64 indices, ascending
+    counted: torch.Tensor  # this rank's local indices whose values are inside ``values``
+
+
+def gtopk_reference(values: list[torch.Tensor], indices: list[torch.Tensor], k: int, numel: int
+                    ) -> tuple[GTopk, list[torch.Tensor]]:
+    """Single-process gTop-k over P ranks' pairs with the merge tree of :func:`gtopk_allreduce`.
+
+    Returns ``(result, counted)``: the global result (``result.counted`` is rank 0's) and each
+    rank's counted local indices, for testing the distributed version bit for bit.
+    """
+    world = len(values)
+    pairs = [_canonical(v, i, k, numel) for v, i in zip(values, indices)]
+    # nodes: (values, indices, {rank: that rank's local indices still counted in this node})
+    nodes = [(v, i, {r: i}) for r, (v, i) in enumerate(pairs)]
+    p2 = 1 << (world.bit_length() - 1)
+
+    def join(a, b):
+        v, i = merge_topk(a[0], a[1], b[0], b[1], k)
+        alive = {r: c[torch.isin(c, i)] for r, c in (a[2] | b[2]).items()}
+        return v, i, alive
+
+    # fold-in: node r takes rank r + p2; then pairs of consecutive nodes, level by level
+    level = [join(nodes[r], nodes[r + p2]) if r + p2 < world else nodes[r] for r in range(p2)]
+    while len(level) > 1:
+        level = [join(level[j], level[j + 1]) for j in range(0, len(level), 2)]
+    v, i, alive = level[0]
+    counted = [alive[r] for r in range(world)]
+    return GTopk(v, i, counted[0]), counted
+
+
+# ------------------------------------------------------------------------- messages -------------
+
+def _pack(values: torch.Tensor, indices: torch.Tensor, extra: torch.Tensor | None = None
+          ) -> torch.Tensor:
+    """One int64 message: k indices, then the values' bytes bit-cast (and optional uint8 bytes)."""
+    parts = [indices, _bytes_as_int64(values.contiguous().view(torch.uint8))]
+    if extra is not None:
+        parts.append(_bytes_as_int64(extra))
+    return torch.cat(parts)
+
+
+def _bytes_as_int64(b: torch.Tensor) -> torch.Tensor:
+    pad = (-b.numel()) % 8
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad)])
+    return b.view(torch.int64)
+
+
+def _message_len(k: int, dtype: torch.dtype, extra_bytes: int = 0) -> int:
+    """int64 words of a message: k indices + ceil(k * itemsize / 8) + ceil(extra / 8)."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    return k + math.ceil(k * item / 8) + math.ceil(extra_bytes / 8)
+
+
+def _unpack(msg: torch.Tensor, k: int, dtype: torch.dtype, extra_bytes: int = 0):
+    item = torch.empty(0, dtype=dtype).element_size()
+    nv = math.ceil(k * item / 8)
+    indices = msg[:k]
+    values = msg[k:k + nv].view(torch.uint8)[:k * item].view(dtype)
+    if not extra_bytes:
+        return values, indices
+    return values, indices, msg[k + nv:].view(torch.uint8)[:extra_bytes]
+
+
+def message_bytes(k: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of one rank's k (value, index) pairs on the wire: 8 k (int64) + itemsize * k (padded)."""
+    return 8 * _message_len(k, dtype)
+
+
+# --------------------------------------------------------------------------- exchanges ----------
+
+def _group_info(group: ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def check_sizes(k: int, numel: int, n_pairs: int, group: ProcessGroup | None, what: str) -> None:
+    """Raise the same ValueError on every rank unless all ranks pass the same k, numel and #pairs.
+
+    One all-gather of 3 int64 per rank (log P alpha): mismatched sizes would otherwise make the
+    send/recv of the exchange hang or fail with an opaque transport error.
+    """
+    rank, world = _group_info(group)
+    if world == 1:
+        return
+    header = torch.tensor([k, numel, n_pairs], dtype=torch.int64)
+    out = torch.empty(world * 3, dtype=torch.int64)
+    _all_gather_single(out, header, group=group)
+    rows = out.view(world, 3).tolist()
+    if any(row != rows[0] for row in rows):
+        desc = ", ".join(f"rank {r}: k={a}, numel={b}, pairs={c}" for r, (a, b, c) in enumerate(rows))
+        raise ValueError(f"{what}: mismatched lengths across ranks ({desc}); every rank must pass "
+                         "the same k and numel")
+
+
+def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
+                   group: ProcessGroup | None = None, check: bool = True) -> torch.Tensor:
+    """Top-k S-SGD exchange: all-gather every rank's k pairs and sum them into a dense vector.
+
+    Algorithm:
+        1. Pack the k indices (int64) and the bit-cast values into one int64 message.
+        2. All-gather the P messages (Gloo/NCCL ring: (P-1) messages sent per rank).
+        3. Scatter-add the P k values into a zero vector of ``numel``, in rank order (the same
+           order on every rank, so the result is identical everywhere).
+
+    Cost: ring all-gather (P-1) a + (P-1) k s b with s = 12 bytes per fp32 pair, plus O(Pk) adds
+    and an O(numel) zero fill; bytes sent per rank: (P-1) * :func:`message_bytes`.
+
+    Args:
+        values, indices: this rank's k pairs (the same k on every rank).
+        numel: length of the dense gradient.
+        group: process group (None: the default group).
+        check: verify equal k and numel on all ranks first (one tiny all-gather).
+
+    Returns:
+        The dense sum over ranks (not averaged), dtype of ``values``.
+
+    Example::
+
+        >>> v, i = topk_exact(grad, k)
+        >>> total = topk_allgather(v, i, grad.numel())   # identical on every rank
+    """
+    k = values.numel()
+    values, indices = _canonical(values, indices, k, numel)
+    rank, world = _group_info(group)
+    if check:
+        check_sizes(k, numel, k, group, "topk_allgather")
+    # Step 1
+    msg = _pack(values, indices)
+    # Step 2
+    if world > 1:
+        gathered = torch.empty(world * msg.numel(), dtype=torch.int64)
+        _all_gather_single(gathered, msg, group=group)
+    else:
+        gathered = msg
+    # Step 3
+    out = torch.zeros(numel, dtype=values.dtype)
+    for part in gathered.view(world, msg.numel()):
+        v, i = _unpack(part, k, values.dtype)
+        out.index_add_(0, i, v)
+    return out
+
+
+def _swap(send: torch.Tensor, recv: torch.Tensor, peer: int, group: ProcessGroup | None) -> None:
+    """Send ``send`` to and receive ``recv`` from group rank ``peer`` at the same time."""
+    works = [dist.irecv(recv, group=group, group_src=peer), dist.isend(send, group=group, group_dst=peer)]
+    for w in works:
+        w.wait()
+
+
+def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int,
+                    group: ProcessGroup | None = None, check: bool = True) -> GTopk:
+    """Global Top-k of the sum over ranks by a butterfly of pairwise merges (gTop-k, Shi et al. 2019).
+
+    Algorithm (P ranks, P2 = largest power of two <= P, E = P - P2 extra ranks):
+        1. Fold in: extra rank r >= P2 sends its k pairs to r - P2, which merges them into its own.
+        2. Butterfly: for i in 0..log2(P2)-1, rank r < P2 swaps its k pairs with r XOR 2^i and both
+           keep :func:`merge_topk` of the two (bit-identical on both sides). After round i, the
+           2^(i+1) ranks of a block hold the same pairs, so after the last round all P2 do.
+        3. Fold out: rank r < E sends the final k pairs to r + P2, with a k-byte mask of which of
+           that rank's local indices survived (r tracked them for it).
+        Each rank intersects its own local indices with every merge result it holds (no extra
+        traffic) to know which of its values were counted (error feedback, module docstring).
+
+    Cost (s = bytes per pair, 12 for fp32 values + int64 indices; m_k = s k):
+        power of two:   log2(P) a + log2(P) m_k b + log2(P) merges of 2k (O(k log k) each);
+        otherwise:      (log2(P2) + 2) a + (log2(P2) + 2) m_k b on the critical path (the fold-in
+                        and fold-out steps; the E folded ranks send one message and wait).
+        Bytes sent per rank: log2(P2) m_k, plus m_k + k for the E ranks that fold out.
+        Compared with tree-reduce + broadcast (2 log2 P rounds) the butterfly halves rounds and
+        bytes. Gloo has no futures for send/recv, so the exchange runs synchronously.
+
+    Args:
+        values, indices: this rank's k pairs (e.g. from :func:`topk_exact`), distinct indices.
+        k: pairs per rank and in the result, the same on every rank.
+        numel: length of the dense gradient (indices in [0, numel)).
+        group: process group (None: the default group).
+        check: verify equal k and numel on all ranks first (one tiny all-gather).
+
+    Returns:
+        :class:`GTopk` ``(values, indices, counted)``: the k summed values and their indices,
+        identical on every rank, and this rank's local indices whose values are in the sum.
+
+    Example::
+
+        >>> v, i = topk_exact(acc, k)
+        >>> res = gtopk_allreduce(v, i, k, acc.numel())
+        >>> update = torch.zeros_like(acc).index_put_((res.indices,), res.values / world)
+        >>> residual = acc.index_fill_(0, res.counted, 0)
+    """
+    values, indices = _canonical(values, indices, k, numel)
+    rank, world = _group_info(group)
+    if check:
+        check_sizes(k, numel, values.numel(), group, "gtopk_allreduce")
+    if world == 1:
+        return GTopk(values, indices, indices)
+    dtype = values.dtype
+    p2 = 1 << (world.bit_length() - 1)
+    mine = indices  # my local indices still counted
+    # Step 1: fold in
+    if rank >= p2:
+        dist.send(_pack(values, indices), group=group, group_dst=rank - p2)
+        msg = torch.empty(_message_len(k, dtype, k), dtype=torch.int64)
+        dist.recv(msg, group=group, group_src=rank - p2)  # Step 3 (receiving side)
+        gv, gi, mask = _unpack(msg, k, dtype, k)
+        return GTopk(gv.clone(), gi.clone(), indices[mask.bool()])
+    guest = None  # the folded-in rank's local indices still counted
+    if rank + p2 < world:
+        msg = torch.empty(_message_len(k, dtype), dtype=torch.int64)
+        dist.recv(msg, group=group, group_src=rank + p2)
+        ov, oi = _unpack(msg, k, dtype)
+        guest_all = oi.clone()
+        values, indices = merge_topk(values, indices, ov, oi, k)
+        mine, guest = mine[torch.isin(mine, indices)], guest_all[torch.isin(guest_all, indices)]
+    # Step 2: butterfly
+    recv = torch.empty(_message_len(k, dtype), dtype=torch.int64)
+    for i in range(p2.bit_length() - 1):
+        _swap(_pack(values, indices), recv, rank ^ (1 << i), group)
+        ov, oi = _unpack(recv, k, dtype)
+        values, indices = merge_topk(values, indices, ov, oi, k)
+        mine = mine[torch.isin(mine, indices)]
+        if guest is not None:
+            guest = guest[torch.isin(guest, indices)]
+    # Step 3: fold out
+    if guest is not None:
+        mask = torch.isin(guest_all, guest).to(torch.uint8)
+        dist.send(_pack(values, indices, mask), group=group, group_dst=rank + p2)
+    return GTopk(values, indices, mine)
+
+
+def gtopk_bytes_sent(k: int, world: int, rank: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes :func:`gtopk_allreduce` hands to send/isend on ``rank`` (the size check excluded)."""
+    if world == 1:
+        return 0
+    p2 = 1 << (world.bit_length() - 1)
+    msg = message_bytes(k, dtype)
+    if rank >= p2:
+        return msg
+    rounds = p2.bit_length() - 1
+    if rank + p2 < world:
+        return rounds * msg + 8 * _message_len(k, dtype, k)
+    return rounds * msg
+
+
+def topk_bytes_sent(k: int, world: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one rank sends in :func:`topk_allgather` with a ring all-gather: (P-1) messages."""
+    return (world - 1) * message_bytes(k, dtype)

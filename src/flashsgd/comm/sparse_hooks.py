@@ -1,0 +1,274 @@
+"""DDP communication hooks ``topk`` and ``gtopk``: sparsified gradient exchange with error feedback.
+
+Paper: Shi et al. 2019, gTop-k S-SGD (arXiv 1901.04359); the exchanges are in
+:mod:`flashsgd.comm.sparse`. Use::
+
+    state = register_hook(ddp_model, "gtopk", density=0.001, warmup_density=0.25,
+                          warmup_steps=steps_per_epoch, selection="approx")
+    ...train...
+    ckpt["hook"] = state.state_dict(); state.load_state_dict(ckpt["hook"])
+
+Per bucket and step (after ``start_iter`` dense iterations):
+    1. acc = bucket gradient + this bucket's residual (local, un-averaged units).
+    2. k = ceil(density(step) * numel); select the k largest |acc| (``exact``: torch.topk,
+       ``approx``: sampled threshold, :func:`~flashsgd.comm.sparse.topk_approx`).
+    3. Exchange: ``topk`` all-gathers every rank's pairs and sums them; ``gtopk`` runs the
+       butterfly merge tree and keeps the global k.
+    4. residual = acc with the counted local entries zeroed (error feedback invariant:
+       sum_r acc_r == world * update + sum_r residual_r).
+    5. The bucket becomes sum / world (DDP's average semantics), zero outside the selected indices.
+
+Iterations ``0 .. start_iter-1`` use a dense all-reduce (grad / world, summed), as DDP does: DDP
+rebuilds its buckets after the first iteration, so no residual exists before the layout is final.
+Residuals are keyed by bucket index and remember which parameters (by position in the model) they
+cover; if the layout ever differs (a rebuild, or a checkpoint from another ``bucket_cap_mb``),
+all residuals are split per parameter and re-assembled for the new buckets, so no mass is lost.
+
+Gloo has no futures for send/recv (DESIGN.md), so the sparse step runs synchronously inside the
+hook and returns a completed Future: the communication of a bucket does not overlap the backward
+of the remaining layers (selection is compute-bound anyway, on the same cores).
+
+Options (``register_hook(ddp, "topk" | "gtopk", ...)``): ``density`` (0.001), ``warmup_density``
+(None), ``warmup_steps`` (0), ``warmup_mode`` ("exponential"), ``start_iter`` (2), ``selection``
+("exact" | "approx"), ``seed`` (0, for the approx sample).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from flashsgd.comm.hooks import HOOKS, completed_future, ddp_hook
+from flashsgd.comm.sparse import (SELECTIONS, DensitySchedule, SelectionWorkspace, check_sizes,
+                                  gtopk_allreduce, gtopk_bytes_sent, k_from_density, topk_allgather,
+                                  topk_bytes_sent)
+
+ALGORITHMS = ("topk", "gtopk")
+
+
+class SparseHookState:
+    """State of the ``topk`` / ``gtopk`` hooks: schedule, per-bucket residuals, counters.
+
+    Args:
+        algorithm: ``"topk"`` or ``"gtopk"``.
+        schedule: the density per iteration (:class:`~flashsgd.comm.sparse.DensitySchedule`).
+        start_iter: dense iterations before sparsification starts, >= 2 (DDP's bucket rebuild).
+        selection: ``"exact"`` or ``"approx"``.
+        seed: seed of the approx selection's sample (rank added, so ranks sample differently).
+        process_group: DDP's group (None: the default group).
+        param_positions: ``{id(parameter): position in model.parameters()}`` (residual remapping).
+    """
+
+    __slots__ = (
+        # hyper-parameters
+        "algorithm", "schedule", "start_iter", "selection", "seed", "process_group",
+        # internal state
+        "iter", "residuals", "layouts", "pending", "param_positions", "generator", "workspace",
+        "checked",
+        # stats
+        "bytes_sent", "sparse_buckets", "dense_buckets", "last_density", "residual_remaps",
+    )
+
+    def __init__(self, algorithm: str, schedule: DensitySchedule, start_iter: int = 2,
+                 selection: str = "exact", seed: int = 0, process_group: Any = None,
+                 param_positions: dict[int, int] | None = None) -> None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        if not isinstance(schedule, DensitySchedule):
+            raise ValueError(f"schedule must be a DensitySchedule, got {type(schedule).__name__}")
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 2:
+            raise ValueError(f"start_iter must be an integer >= 2 (DDP rebuilds its buckets after "
+                             f"the first iteration), got {start_iter!r}")
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {sorted(SELECTIONS)}, got {selection!r}")
+        self.algorithm, self.schedule, self.start_iter = algorithm, schedule, start_iter
+        self.selection, self.seed, self.process_group = selection, int(seed), process_group
+        self.param_positions = param_positions
+        self.iter = 0
+        self.residuals: dict[int, torch.Tensor] = {}   # bucket index -> flat residual
+        self.layouts: dict[int, tuple] = {}            # bucket index -> parameter positions
+        self.pending: dict[int, torch.Tensor] | None = None  # per-parameter residuals to re-assemble
+        self.generator: torch.Generator | None = None
+        self.workspace = SelectionWorkspace()
+        self.checked: set[int] = set()
+        self.bytes_sent = 0       # bytes handed to the backend by this rank (sparse + dense phase)
+        self.sparse_buckets = 0
+        self.dense_buckets = 0
+        self.last_density = 1.0
+        self.residual_remaps = 0
+
+    # ---------------------------------------------------------------------- checkpointing ---
+    def state_dict(self) -> dict:
+        """Iteration, residuals with their parameter layouts, RNG state and counters (tensors cloned)."""
+        return {
+            "algorithm": self.algorithm, "iter": self.iter,
+            "residuals": {k: v.clone() for k, v in self.residuals.items()},
+            "layouts": dict(self.layouts),
+            "pending": {k: v.clone() for k, v in (self.pending or {}).items()},
+            "generator": None if self.generator is None else self.generator.get_state(),
+            "stats": {"bytes_sent": self.bytes_sent, "sparse_buckets": self.sparse_buckets,
+                      "dense_buckets": self.dense_buckets, "residual_remaps": self.residual_remaps,
+                      "last_density": self.last_density},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; a different bucket layout is remapped at the next step."""
+        if state.get("algorithm") != self.algorithm:
+            raise ValueError(f"state_dict is for hook {state.get('algorithm')!r}, not {self.algorithm!r}")
+        self.iter = int(state["iter"])
+        self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
+        self.layouts = {int(k): tuple(tuple(x) for x in v) for k, v in state["layouts"].items()}
+        self.pending = {int(k): v.clone() for k, v in state.get("pending", {}).items()} or None
+        self.generator = None
+        if state.get("generator") is not None:
+            self.generator = torch.Generator()
+            self.generator.set_state(state["generator"])
+        for key, value in state.get("stats", {}).items():
+            setattr(self, key, value)
+        self.checked = set()
+
+    def __getstate__(self) -> dict:
+        """Everything but the process group, the id-based parameter map and the workspace."""
+        return {"hyper": (self.algorithm, self.schedule, self.start_iter, self.selection, self.seed),
+                "state": self.state_dict()}
+
+    def __setstate__(self, state: dict) -> None:
+        algorithm, schedule, start_iter, selection, seed = state["hyper"]
+        self.__init__(algorithm, schedule, start_iter, selection, seed)
+        self.load_state_dict(state["state"])
+
+    # ------------------------------------------------------------------------- residuals ----
+    def layout(self, bucket: dist.GradBucket) -> tuple:
+        """((parameter position or None, numel), ...) of the bucket, in buffer order."""
+        pos = self.param_positions or {}
+        return tuple((pos.get(id(p)), p.numel()) for p in bucket.parameters())
+
+    def residual(self, bucket: dist.GradBucket) -> torch.Tensor:
+        """This bucket's residual (zeros the first time), re-assembled if the layout changed."""
+        idx, buf = bucket.index(), bucket.buffer()
+        layout = self.layout(bucket)
+        res = self.residuals.get(idx)
+        if res is not None and (self.layouts.get(idx) != layout or res.numel() != buf.numel()):
+            self._split_residuals()  # DDP rebuilt its buckets, or a checkpoint of another layout
+            res = None
+        if res is None:
+            res = torch.zeros_like(buf)
+        if self.pending:  # per-parameter pieces waiting for the bucket that now holds them
+            offset = 0
+            for pos, size in layout:
+                piece = self.pending.pop(pos, None) if pos is not None else None
+                if piece is not None:
+                    res[offset:offset + size] += piece.to(res.dtype)
+                offset += size
+        return res
+
+    def _split_residuals(self) -> None:
+        """Move every bucket residual into ``pending``, one piece per parameter position."""
+        pieces: dict[int, torch.Tensor] = dict(self.pending or {})
+        for idx, res in self.residuals.items():
+            layout = self.layouts[idx]
+            if any(pos is None for pos, _ in layout):
+                warnings.warn("sparse hook: the bucket layout changed and this state does not know the "
+                              "parameters' positions (unpickled without register_hook); residuals "
+                              "reset to zero", RuntimeWarning, stacklevel=3)
+                continue
+            offset = 0
+            for pos, size in layout:
+                pieces[pos] = res[offset:offset + size].clone()
+                offset += size
+        self.pending = pieces
+        self.residuals, self.layouts = {}, {}
+        self.residual_remaps += 1
+
+
+def _world(state: SparseHookState) -> int:
+    return dist.get_world_size(state.process_group)
+
+
+@ddp_hook
+def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Average one DDP bucket through the ``topk`` or ``gtopk`` exchange with error feedback.
+
+    Steps as in the module docstring; dense all-reduce (grad / world, then sum) before
+    ``state.start_iter``. Runs synchronously and returns a completed Future (Gloo has no
+    send/recv futures).
+    """
+    buf = bucket.buffer()
+    world, n = _world(state), buf.numel()
+    if state.iter < state.start_iter:
+        buf.div_(world)
+        if n:
+            dist.all_reduce(buf, group=state.process_group)
+        state.bytes_sent += (2 * (world - 1) * n * buf.element_size()) // world  # ring volume
+        state.dense_buckets += 1
+        state.last_density = 1.0
+    elif n:
+        _sparse_step(state, bucket, buf, world)
+    if bucket.is_last():
+        state.iter += 1
+    return completed_future(buf)
+
+
+def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tensor, world: int) -> None:
+    group, idx, n = state.process_group, bucket.index(), buf.numel()
+    rank = dist.get_rank(group)
+    # Step 1: acc = gradient + residual (the residual tensor is reused as acc's storage)
+    acc = state.residual(bucket).add_(buf)
+    # Step 2: k from the schedule, local selection
+    density = state.schedule(state.iter)
+    k = k_from_density(n, density)
+    if state.selection == "approx":
+        if state.generator is None:
+            state.generator = torch.Generator().manual_seed(state.seed * 65537 + rank)
+        values, indices = SELECTIONS["approx"](acc, k, generator=state.generator,
+                                               workspace=state.workspace)
+    else:
+        values, indices = SELECTIONS["exact"](acc, k)
+    if idx not in state.checked:  # once per bucket: the same numel on every rank
+        check_sizes(k, n, k, group, f"{state.algorithm} hook, bucket {idx}")
+        state.checked.add(idx)
+    # Step 3: exchange; Step 5: the bucket becomes sum / world
+    if state.algorithm == "topk":
+        total = topk_allgather(values, indices, n, group, check=False)
+        counted = indices
+        buf.copy_(total.div_(world))
+        state.bytes_sent += topk_bytes_sent(k, world, values.dtype)
+    else:
+        res = gtopk_allreduce(values, indices, k, n, group, check=False)
+        counted = res.counted
+        buf.zero_()
+        buf[res.indices] = res.values.div(world)
+        state.bytes_sent += gtopk_bytes_sent(k, world, rank, values.dtype)
+    # Step 4: residual = acc minus what was counted
+    acc.index_fill_(0, counted, 0)
+    state.residuals[idx] = acc
+    state.layouts[idx] = state.layout(bucket)
+    state.sparse_buckets += 1
+    state.last_density = density
+
+
+def _factory(algorithm: str) -> Callable:
+    def make(ddp_model: Any, density: float = 0.001, warmup_density: float | None = None,
+             warmup_steps: int = 0, warmup_mode: str = "exponential", start_iter: int = 2,
+             selection: str = "exact", seed: int = 0) -> tuple[SparseHookState, Callable]:
+        schedule = DensitySchedule(density, warmup_density, warmup_steps, warmup_mode)
+        module = getattr(ddp_model, "module", ddp_model)
+        positions = {id(p): i for i, p in enumerate(module.parameters())}
+        for name, p in module.named_parameters():
+            if p.requires_grad and not p.is_floating_point():
+                raise ValueError(f"hook {algorithm!r}: parameter {name!r} is {p.dtype}; "
+                                 "gradients must be floating point")
+        state = SparseHookState(algorithm, schedule, start_iter, selection, seed,
+                                getattr(ddp_model, "process_group", None), positions)
+        return state, sparse_hook
+
+    make.__name__ = f"_make_{algorithm}"
+    make.__doc__ = f"The {algorithm} sparse hook (options: see flashsgd.comm.sparse_hooks)."
+    return make
+
+
+for _name in ALGORITHMS:
+    HOOKS.add(_name, _factory(_name))

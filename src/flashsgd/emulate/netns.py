@@ -1,0 +1,291 @@
+"""Build and tear down an emulated cluster: one network namespace per node, bandwidth-capped links.
+
+Loopback has no network bottleneck; Linux network namespaces give one machine real, rate-limited
+links (issue 7). Every object lives in namespaces this module creates; the host's own interfaces,
+addresses and routes are never touched::
+
+    namespace <prefix>-br :  bridge br0 -- n0, n1, ... n{N-1}     (the "switch", its own namespace)
+    namespace <prefix>-n<i>:  lo, veth0 = <subnet>.<i+1>/24        (node i; its ranks run here)
+    veth pair: veth0 (node i)  <->  n<i> (switch port)
+    tbf on veth0 egress caps node i's upload, tbf on n<i> egress caps its download
+
+Ranks on the same node talk over the node's own loopback (local delivery), as on a real machine;
+only inter-node traffic crosses the capped link. ``<prefix>`` is ``fsgdemu-<pid>``, so a setup left
+by a crashed run is recognised (its pid is gone) and removed by :func:`clean_stale`.
+
+Algorithm (:func:`build`):
+
+1. Check root and iproute2 (``ip``, ``tc``); remove stale setups of dead runs.
+2. Create the switch namespace and its bridge.
+3. For each node: create its namespace, a veth pair with one end in each namespace, the address,
+   bring links up, attach the switch end to the bridge.
+4. Shape both ends with ``tbf`` at the link rate.
+
+:func:`teardown` kills what still runs inside the namespaces and deletes them; deleting a namespace
+deletes its veth ends, the bridge and the qdiscs with it.
+
+Example::
+
+    >>> spec = ClusterSpec(nodes=2, ranks_per_node=2, rate_bps=parse_rate("200mbit"))
+    >>> with emulated_cluster(spec) as cluster:        # doctest: +SKIP
+    ...     print(cluster.node_ns[0], cluster.node_ip[0])
+    fsgdemu-1234-n0 10.213.0.1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from typing import Iterator
+
+NAME_PREFIX = "fsgdemu"
+NODE_IFNAME = "veth0"
+BRIDGE = "br0"
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+class EmulationUnavailable(RuntimeError):
+    """Root or iproute2 (``ip``, ``tc``) or network namespaces are missing on this machine."""
+
+
+def parse_rate(text: str | int | float) -> int:
+    """Link rate in bits/s from ``"1gbit"``, ``"200mbit"``, ``"25gbit"`` or a number of bits/s.
+
+    Units are SI like ``tc``'s (1gbit = 1e9 bit/s).
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        unit = m.group(2).lower() if m else ""
+        if not m or unit not in _RATE_UNITS | {"": 1}:
+            raise ValueError(f"link rate must look like '1gbit', '200mbit' or '10gbit' "
+                             f"(units {', '.join(_RATE_UNITS)}), got {text!r}")
+        value = float(m.group(1)) * _RATE_UNITS.get(unit, 1)
+    if value < 1e5:
+        raise ValueError(f"link rate must be at least 100kbit, got {text!r} ({value:g} bit/s)")
+    return int(value)
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"4x2"`` -> (4 nodes, 2 ranks per node)."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"emulated cluster shape must be NODESxRANKS such as '4x2', got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to emulate."""
+
+    nodes: int
+    """Number of nodes (network namespaces), 1..200."""
+    ranks_per_node: int
+    """Ranks started in each node's namespace."""
+    rate_bps: int
+    """Each node's link rate in bits/s, both directions (full duplex), e.g. 1_000_000_000."""
+    subnet: str = "10.213.0.0/24"
+    """Private /24 assigned only to the namespaces' veths (node i gets host address i+1)."""
+    latency_ms: float = 20.0
+    """tbf queue length expressed as the time to drain it at the link rate."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nodes, int) or not 1 <= self.nodes <= 200:
+            raise ValueError(f"nodes must be an integer in 1..200, got {self.nodes!r}")
+        if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be an integer >= 1, got {self.ranks_per_node!r}")
+        parse_rate(self.rate_bps)
+        net = ipaddress.ip_network(self.subnet, strict=True)
+        if net.version != 4 or net.prefixlen != 24 or not net.is_private:
+            raise ValueError(f"subnet must be a private IPv4 /24 such as '10.213.0.0/24', got {self.subnet!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def burst_bytes(self) -> int:
+        # tbf bucket: at least two 64 KiB GSO super-packets (veth hands tbf unsegmented GSO
+        # packets), and at least 1 ms at the line rate: rate_bps / 8 B/s * 1e-3 s.
+        return max(2 * 65536, self.rate_bps // 8 // 1000)
+
+
+@dataclass
+class Cluster:
+    """A built emulated cluster: namespace names and addresses, node i at index i."""
+
+    spec: ClusterSpec
+    prefix: str
+    switch_ns: str
+    node_ns: list[str] = field(default_factory=list)
+    node_ip: list[str] = field(default_factory=list)
+    ifname: str = NODE_IFNAME
+
+    def link_bytes(self) -> list[dict[str, int]]:
+        """Bytes each node has sent and received over its link so far, read at the switch ports.
+
+        The switch port ``n<i>`` receives what node i transmits (``tx``) and transmits what it
+        receives (``rx``).
+        """
+        out = _ip_json(["-n", self.switch_ns, "-s", "link", "show"])
+        ports = {d["ifname"]: d["stats64"] for d in out if "stats64" in d}
+        return [{"tx_bytes": int(ports[f"n{i}"]["rx"]["bytes"]),
+                 "rx_bytes": int(ports[f"n{i}"]["tx"]["bytes"])}
+                for i in range(self.spec.nodes)]
+
+
+def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr.strip()}")
+    return proc
+
+
+def _ip_json(args: list[str]) -> list[dict]:
+    return json.loads(_run(["ip", "-j", *args]).stdout or "[]")
+
+
+def check_available() -> None:
+    """Raise :class:`EmulationUnavailable` saying what is missing (root, ``ip``, ``tc``, netns)."""
+    if os.geteuid() != 0:
+        raise EmulationUnavailable("the emulated cluster needs root (network namespaces, tc); "
+                                   f"running as uid {os.geteuid()}")
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        raise EmulationUnavailable(f"the emulated cluster needs iproute2; missing {', '.join(missing)} "
+                                   "(install with scripts/install_iproute2.sh)")
+    probe = f"{NAME_PREFIX}-{os.getpid()}-probe"  # stale-cleanable name
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+    subprocess.run(["ip", "netns", "delete", probe], capture_output=True, timeout=30)
+    if made.returncode != 0:
+        raise EmulationUnavailable(f"cannot create network namespaces here: {made.stderr.strip()}")
+
+
+def list_namespaces(prefix: str = NAME_PREFIX) -> list[str]:
+    """Names of existing namespaces made by this module (``prefix`` narrows to one run)."""
+    out = _run(["ip", "netns", "list"]).stdout.split("\n")
+    names = [line.split()[0] for line in out if line.strip()]
+    return [n for n in names if n == prefix or n.startswith(prefix + "-")]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_inside(ns: str) -> None:
+    """Kill the processes still running inside namespace ``ns`` (only our ranks ever run there)."""
+    pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def teardown(prefix: str) -> list[str]:
+    """Delete every namespace of the run ``prefix`` (and the links, bridge, qdiscs in them)."""
+    names = list_namespaces(prefix)
+    for ns in names:
+        _kill_inside(ns)
+    for ns in names:
+        _run(["ip", "netns", "delete", ns], check=False)
+    left = list_namespaces(prefix)
+    if left:
+        raise RuntimeError(f"teardown left namespaces behind: {left}")
+    return names
+
+
+def clean_stale() -> list[str]:
+    """Remove setups of runs whose process is gone (a crash or SIGKILL); returns what was removed."""
+    removed = []
+    runs = {m.group(1) for n in list_namespaces()
+            if (m := re.match(rf"({NAME_PREFIX}-(\d+))-", n)) and not _pid_alive(int(m.group(2)))}
+    for run in sorted(runs):
+        removed += teardown(run)
+    return removed
+
+
+def build(spec: ClusterSpec, prefix: str | None = None) -> Cluster:
+    """Create the namespaces, bridge, veths, addresses and tbf shaping of ``spec`` (see module doc).
+
+    On any failure the partial setup is torn down before the error propagates.
+    """
+    # Step 1: preconditions, and leftovers of crashed runs
+    check_available()
+    clean_stale()
+    prefix = prefix or f"{NAME_PREFIX}-{os.getpid()}"
+    if list_namespaces(prefix):
+        raise RuntimeError(f"an emulated cluster named {prefix!r} already exists; tear it down first")
+    net = ipaddress.ip_network(spec.subnet)
+    cluster = Cluster(spec, prefix, switch_ns=f"{prefix}-br")
+    rate = f"{spec.rate_bps}bit"
+    shape = ["tbf", "rate", rate, "burst", str(spec.burst_bytes), "latency", f"{spec.latency_ms:g}ms"]
+    try:
+        # Step 2: the switch
+        sw = cluster.switch_ns
+        _run(["ip", "netns", "add", sw])
+        _run(["ip", "-n", sw, "link", "add", BRIDGE, "type", "bridge"])
+        _run(["ip", "-n", sw, "link", "set", BRIDGE, "up"])
+        for i in range(spec.nodes):
+            # Step 3: node i, its veth pair and address
+            ns, port, ip = f"{prefix}-n{i}", f"n{i}", str(net.network_address + i + 1)
+            _run(["ip", "netns", "add", ns])
+            cluster.node_ns.append(ns)
+            cluster.node_ip.append(ip)
+            _run(["ip", "link", "add", NODE_IFNAME, "netns", ns, "type", "veth",
+                  "peer", "name", port, "netns", sw])
+            _run(["ip", "-n", ns, "addr", "add", f"{ip}/{net.prefixlen}", "dev", NODE_IFNAME])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _run(["ip", "-n", ns, "link", "set", NODE_IFNAME, "up"])
+            _run(["ip", "-n", sw, "link", "set", port, "master", BRIDGE])
+            _run(["ip", "-n", sw, "link", "set", port, "up"])
+            # Step 4: cap both directions of node i's link
+            _run(["tc", "-n", ns, "qdisc", "add", "dev", NODE_IFNAME, "root", *shape])
+            _run(["tc", "-n", sw, "qdisc", "add", "dev", port, "root", *shape])
+    except BaseException:
+        teardown(prefix)
+        raise
+    return cluster
+
+
+@contextlib.contextmanager
+def emulated_cluster(spec: ClusterSpec, prefix: str | None = None) -> Iterator[Cluster]:
+    """Build the cluster, yield it, and ALWAYS tear it down (errors, Ctrl-C, SIGTERM, SIGHUP).
+
+    SIGTERM and SIGHUP are turned into ``SystemExit`` while the cluster exists (in the main thread),
+    so ``finally`` runs instead of the process dying with the namespaces still there.
+    """
+    handlers = {}
+    if _in_main_thread():
+        def _exit(signum, frame):  # noqa: ARG001 - signal handler signature
+            raise SystemExit(128 + signum)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            handlers[sig] = signal.signal(sig, _exit)
+    cluster = None
+    try:
+        cluster = build(spec, prefix)
+        yield cluster
+    finally:
+        try:
+            if cluster is not None:
+                teardown(cluster.prefix)
+        finally:
+            for sig, old in handlers.items():
+                signal.signal(sig, old)
+
+
+def _in_main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()

@@ -1,0 +1,137 @@
+"""Put emulated-cluster measurements next to the network's physical limits.
+
+Pure functions over the bench JSON schema (``meta`` + ``results`` rows with ``algorithm``,
+``size_bytes``, ``time_us``), so they are tested without root.
+
+Physical bound (REFERENCES.md, cost models): a node-level all-reduce over N nodes must move at least
+``2(N-1)/N * S`` bytes through every node's link in each direction, whatever the algorithm, so
+
+    t_min = 2(N-1)/N * S / B        (S message bytes, B link rate in bytes/s)
+
+and ``t_min / t`` is the fraction of the link an algorithm achieves (1.0 = perfect). Ranks inside a
+node share its loopback, which is not the bottleneck here.
+
+Link usage: the probe (:mod:`flashsgd.emulate.probe`) counts the bytes each node sent and received
+per operation at one size; they are linear in S for the dense algorithms (each moves fixed
+fractions of the message), so ``bytes_per_payload_byte * S / t`` gives, for every measured row,
+
+* ``node_gbps``: bits/s one node sends while the operation runs (mean over nodes), and
+* ``link_gbps``: the busiest link direction's bits/s, and ``link_util`` = that / the link rate.
+
+Example::
+
+    >>> doc = {"meta": {"world": 2}, "results": [
+    ...     {"algorithm": "ring", "size_bytes": 125_000_000, "time_us": 1.25e6}]}
+    >>> annotate(doc, nodes=2, rate_bps=1e9)["results"][0]["emu_frac_of_bound"]
+    0.8
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+DENSE_NAMES = ("native", "ring", "hierarchical", "torus2d")
+
+
+def bound_s(size_bytes: float, nodes: int, rate_bps: float) -> float:
+    """Minimum all-reduce time over ``nodes`` nodes with ``rate_bps`` links: 2(N-1)/N * S / B."""
+    if nodes < 1 or rate_bps <= 0:
+        raise ValueError(f"need nodes >= 1 and rate_bps > 0, got nodes={nodes!r}, rate_bps={rate_bps!r}")
+    # bytes through each node's link per direction, over bytes/s (rate_bps / 8)
+    return 2 * (nodes - 1) / nodes * size_bytes / (rate_bps / 8)
+
+
+def bytes_per_payload_byte(probe_doc: dict | None) -> dict[str, dict[str, float]]:
+    """From a probe file: per algorithm, link bytes per message byte (mean node tx, busiest link)."""
+    out: dict[str, dict[str, float]] = {}
+    for row in (probe_doc or {}).get("results", []):
+        tx, rx, size = row.get("node_tx_bytes"), row.get("node_rx_bytes"), row["size_bytes"]
+        if not tx or not rx:
+            continue
+        out[row["algorithm"]] = {"node_tx": sum(tx) / len(tx) / size,
+                                 "busiest": max(max(tx), max(rx)) / size}
+    return out
+
+
+def annotate(doc: dict, nodes: int, rate_bps: float, probe_doc: dict | None = None) -> dict:
+    """Add ``emu_*`` fields (bound, fraction of it, link usage, algbw, busbw) to every timed row."""
+    world = int(doc.get("meta", {}).get("world", nodes))
+    ratios = bytes_per_payload_byte(probe_doc)
+    for row in doc.get("results", []):
+        size, t_us = row.get("size_bytes"), row.get("time_us")
+        if not isinstance(size, (int, float)) or not isinstance(t_us, (int, float)) or t_us <= 0:
+            continue
+        t = t_us * 1e-6
+        row.setdefault("algbw_gbps", size / t / 1e9)  # nccl-tests: GB/s, GB = 1e9 B
+        row.setdefault("busbw_gbps", row["algbw_gbps"] * 2 * (world - 1) / world)
+        b = bound_s(size, nodes, rate_bps)
+        row["emu_bound_us"] = b * 1e6
+        row["emu_frac_of_bound"] = b / t if nodes > 1 else None
+        r = ratios.get(row.get("algorithm"))
+        if r:
+            row["emu_node_tx_bytes"] = r["node_tx"] * size
+            row["emu_node_gbps"] = r["node_tx"] * size * 8 / t / 1e9
+            row["emu_link_bytes"] = r["busiest"] * size
+            row["emu_link_gbps"] = r["busiest"] * size * 8 / t / 1e9
+            row["emu_link_util"] = row["emu_link_gbps"] * 1e9 / rate_bps
+    return doc
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def format_table(doc: dict) -> str:
+    """nccl-tests-like columns plus the bound, the fraction of it, and link usage."""
+    head = (f"{'algorithm':>12} {'size_MB':>9} {'time_ms':>10} {'algbw_GB/s':>10} {'busbw_GB/s':>10} "
+            f"{'bound_ms':>9} {'of_bound':>8} {'link_B/B':>8} {'node_Gb/s':>9} {'link_Gb/s':>9} {'util':>5}")
+    lines = [head]
+    for row in doc.get("results", []):
+        if "emu_bound_us" not in row:
+            continue
+        size = row["size_bytes"]
+        per_byte = row["emu_link_bytes"] / size if "emu_link_bytes" in row else None
+        lines.append(
+            f"{row['algorithm']:>12} {size / 1e6:9.2f} {row['time_us'] / 1e3:10.2f} "
+            f"{row['algbw_gbps']:10.4f} {row['busbw_gbps']:10.4f} {row['emu_bound_us'] / 1e3:9.2f} "
+            f"{_fmt(row['emu_frac_of_bound'], '8.3f')} {_fmt(per_byte, '8.3f')} "
+            f"{_fmt(row.get('emu_node_gbps'), '9.3f')} {_fmt(row.get('emu_link_gbps'), '9.3f')} "
+            f"{_fmt(row.get('emu_link_util'), '5.2f')}")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: str, title: str = "") -> None:
+    """Time and fraction of the physical bound against message size, one line per algorithm."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc.get("results", []) if "emu_bound_us" in r]
+    algos = list(dict.fromkeys(r["algorithm"] for r in rows))
+    fig, (ax_t, ax_f) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for algo in algos:
+        pts = sorted((r["size_bytes"] / 1e6, r["time_us"] / 1e3, r["emu_frac_of_bound"])
+                     for r in rows if r["algorithm"] == algo)
+        ax_t.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=algo)
+        if pts and pts[0][2] is not None:
+            ax_f.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=algo)
+    sizes = sorted({r["size_bytes"] for r in rows})
+    bound = {r["size_bytes"]: r["emu_bound_us"] for r in rows}
+    ax_t.plot([s / 1e6 for s in sizes], [bound[s] / 1e3 for s in sizes], "k--", label="physical bound")
+    for ax in (ax_t, ax_f):
+        ax.set_xscale("log")
+        ax.set_xlabel("message size per rank (MB, 1e6 B)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("time per all-reduce (ms)")
+    ax_f.set_ylabel("physical bound / time (1 = link-limited optimum)")
+    ax_f.set_ylim(0, 1.1)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,197 @@
+"""Models of `flashsgd train`: ResNet-50/18 (ImageNet layout), ResNet-20 (CIFAR), the MNIST-1D CNN.
+
+Papers: He et al. 2016, "Deep Residual Learning for Image Recognition" (arXiv 1512.03385): the
+ImageNet ResNets (7x7 stem, max-pool, four stages, stride on the 3x3 conv of a bottleneck as in
+the torchvision/"v1.5" layout used by Goyal et al. and MLPerf) and the CIFAR ResNet-20 (3 stages of
+3 basic blocks, 16/32/64 channels, parameter-free "option A" shortcuts). ResNet-50 has 161
+parameter tensors and 25,557,032 parameters (REFERENCES.md), checked in the tests.
+
+Every residual block names its last BatchNorm ``last_bn``, so that
+:func:`flashsgd.optim.recipes.apply_model_tweaks` (Goyal et al.: gamma = 0 for the last BN of each
+residual block) finds it. BatchNorm is plain ``nn.BatchNorm2d``: statistics per worker, never
+SyncBatchNorm (Goyal et al. sec. 5.1).
+
+Example::
+
+    >>> model = build_model("resnet20", num_classes=10)
+    >>> sum(p.numel() for p in model.parameters())
+    269722
+    >>> build_model("rn50", num_classes=10)
+    Traceback (most recent call last):
+    ValueError: unknown model 'rn50'; known: mnist1d_cnn, resnet18, resnet20, resnet50
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashsgd.registry import Registry
+from flashsgd.train.mnist1d import MNIST1DCNN
+
+MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
+
+
+def _conv_bn(cin: int, cout: int, k: int, stride: int = 1) -> tuple[nn.Conv2d, nn.BatchNorm2d]:
+    return nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2, bias=False), nn.BatchNorm2d(cout)
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convs; projection (1x1 conv + BN) shortcut when the shape changes (ImageNet)."""
+
+    expansion = 1
+
+    def __init__(self, cin: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = _conv_bn(cin, width, 3, stride)
+        self.conv2, self.last_bn = _conv_bn(width, width, 3)
+        self.shortcut = None
+        if stride != 1 or cin != width:
+            self.shortcut = nn.Sequential(*_conv_bn(cin, width, 1, stride))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.last_bn(self.conv2(out))
+        return F.relu(out + (x if self.shortcut is None else self.shortcut(x)))
+
+
+class Bottleneck(nn.Module):
+    """1x1 reduce, 3x3 (carries the stride), 1x1 expand (x4); projection shortcut on shape change."""
+
+    expansion = 4
+
+    def __init__(self, cin: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        cout = width * self.expansion
+        self.conv1, self.bn1 = _conv_bn(cin, width, 1)
+        self.conv2, self.bn2 = _conv_bn(width, width, 3, stride)
+        self.conv3, self.last_bn = _conv_bn(width, cout, 1)
+        self.shortcut = None
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(*_conv_bn(cin, cout, 1, stride))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        out = self.last_bn(self.conv3(out))
+        return F.relu(out + (x if self.shortcut is None else self.shortcut(x)))
+
+
+class ImageNetResNet(nn.Module):
+    """Stem (7x7/2 conv, BN, ReLU, 3x3/2 max-pool), 4 stages (64..512 wide), avg-pool, linear."""
+
+    def __init__(self, block: type, layers: tuple[int, int, int, int], num_classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = _conv_bn(3, 64, 7, 2)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        stages, cin = [], 64
+        for i, (width, n) in enumerate(zip((64, 128, 256, 512), layers)):
+            blocks = []
+            for j in range(n):
+                blocks.append(block(cin, width, 2 if (j == 0 and i > 0) else 1))
+                cin = width * block.expansion
+            stages.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.fc = nn.Linear(cin, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N, 3, H, W)
+        x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class CifarBlock(nn.Module):
+    """CIFAR basic block with He et al.'s option-A shortcut: stride-2 subsample + zero channels."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = _conv_bn(cin, cout, 3, stride)
+        self.conv2, self.last_bn = _conv_bn(cout, cout, 3)
+        self.stride, self.pad = stride, cout - cin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.last_bn(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        short = x[:, :, ::self.stride, ::self.stride] if self.stride > 1 else x
+        if self.pad:
+            short = F.pad(short, (0, 0, 0, 0, self.pad // 2, self.pad - self.pad // 2))
+        return F.relu(out + short)
+
+
+class CifarResNet(nn.Module):
+    """ResNet-(6n+2) for 32x32 inputs: 3x3 stem (16), 3 stages of n blocks (16/32/64), linear."""
+
+    def __init__(self, n: int = 3, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = _conv_bn(3, 16, 3)
+        blocks, cin = [], 16
+        for i, width in enumerate((16, 32, 64)):
+            for j in range(n):
+                blocks.append(CifarBlock(cin, width, 2 if (j == 0 and i > 0) else 1))
+                cin = width
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(64, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N, 3, 32, 32)
+        x = self.blocks(F.relu(self.bn1(self.conv1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+@MODELS.register("mnist1d_cnn")
+def mnist1d_cnn(num_classes: int = 10, channels: int = 32) -> nn.Module:
+    """The MNIST-1D proxy CNN (input (N, 40))."""
+    return MNIST1DCNN(channels=channels, num_classes=num_classes)
+
+
+@MODELS.register("resnet18")
+def resnet18(num_classes: int = 1000, **_: object) -> nn.Module:
+    """ResNet-18, ImageNet layout (11.7M parameters at 1000 classes)."""
+    return ImageNetResNet(BasicBlock, (2, 2, 2, 2), num_classes)
+
+
+@MODELS.register("resnet20")
+def resnet20(num_classes: int = 10, **_: object) -> nn.Module:
+    """ResNet-20, CIFAR layout (0.27M parameters)."""
+    return CifarResNet(3, num_classes)
+
+
+@MODELS.register("resnet50")
+def resnet50(num_classes: int = 1000, **_: object) -> nn.Module:
+    """ResNet-50, ImageNet layout (25,557,032 parameters in 161 tensors at 1000 classes)."""
+    return ImageNetResNet(Bottleneck, (3, 4, 6, 3), num_classes)
+
+
+def zero_last_bn(model: nn.Module) -> int:
+    """Set gamma = 0 on every residual block's ``last_bn``; returns how many (Goyal et al. sec. 5.1)."""
+    count = 0
+    for m in model.modules():
+        bn = getattr(m, "last_bn", None)
+        if isinstance(bn, nn.BatchNorm2d):
+            nn.init.zeros_(bn.weight)
+            count += 1
+    return count
+
+
+def build_model(name: str, num_classes: int, channels: int = 32, zero_init_last_bn: bool = False
+                ) -> nn.Module:
+    """A model by registry name, or ``torchvision:NAME`` where torchvision imports (never required)."""
+    if name.startswith("torchvision:"):
+        try:
+            import torchvision  # noqa: PLC0415 - optional
+        except Exception as exc:  # noqa: BLE001 - torchvision fails with many error types on CPU builds
+            raise ValueError(f"model {name!r} needs torchvision, which does not import here "
+                             f"({type(exc).__name__}); use one of {', '.join(MODELS.names())}") from None
+        model = torchvision.models.get_model(name.split(":", 1)[1], num_classes=num_classes)
+    else:
+        model = MODELS.get(name)(num_classes=num_classes, channels=channels)
+    if zero_init_last_bn:
+        zero_last_bn(model)
+    return model

@@ -1,0 +1,191 @@
+"""Outputs of a training run: metrics.jsonl + TensorBoard, the start-up banner, summary.json, report.png.
+
+Everything here runs on rank 0 only (DESIGN.md: logging on rank 0). ``metrics.jsonl`` has one
+JSON object per line: ``{"kind": "step", ...}`` per optimizer step (loss, lr, global batch,
+images/s, seconds in data / forward / backward / hook / sync / optimizer), ``{"kind": "eval", ...}``
+per evaluation, ``{"kind": "resume", "step": N}`` when a run continues from a checkpoint (steps
+after N that were logged before the interruption are then logged again; readers keep the last).
+
+Example::
+
+    >>> make_report("runs/train/metrics.jsonl", "runs/train/report.png")   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+class Metrics:
+    """metrics.jsonl + TensorBoard writer (no-ops on ranks other than 0)."""
+
+    def __init__(self, out: Path, enabled: bool, resumed_from: int | None = None) -> None:
+        self.enabled = enabled
+        self.file = self.tb = None
+        if not enabled:
+            return
+        self.path = Path(out) / "metrics.jsonl"
+        self.file = self.path.open("a")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(log_dir=str(Path(out) / "tensorboard"), purge_step=resumed_from)
+        if resumed_from is not None:
+            self._write({"kind": "resume", "step": resumed_from})
+
+    def _write(self, row: dict[str, Any]) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def step(self, **row: Any) -> None:
+        if not self.enabled:
+            return
+        self._write({"kind": "step", **row})
+        s = row["step"]
+        for key in ("loss", "lr", "global_batch", "images_per_s", "t_step_s", "t_comm_s"):
+            self.tb.add_scalar(f"train/{key}", row[key], s)
+
+    def eval(self, **row: Any) -> None:
+        if not self.enabled:
+            return
+        self._write({"kind": "eval", **row})
+        self.tb.add_scalar("test/accuracy", row["test_accuracy"], row["step"])
+        self.tb.add_scalar("test/loss", row["test_loss"], row["step"])
+        self.tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            self.tb.close()
+
+
+def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
+    """(step rows, eval rows) of a metrics.jsonl, keeping the last row logged for each step."""
+    steps: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        if row["kind"] == "step":
+            steps[row["step"]] = row
+        elif row["kind"] == "eval":
+            evals[row["epoch"]] = row
+        elif row["kind"] == "resume":  # drop what was logged after the checkpoint
+            steps = {k: v for k, v in steps.items() if k < row["step"]}
+            evals = {k: v for k, v in evals.items() if v["step"] <= row["step"]}
+    return [steps[k] for k in sorted(steps)], [evals[k] for k in sorted(evals)]
+
+
+def banner(cfg, world, topo, plan, options, data, model, tuned, device, resumed) -> str:
+    """Start-up lines: world, grid, per-worker and global batch, effective LR, algorithm."""
+    params = sum(p.numel() for p in model.parameters())
+    batches = [b for _, b in plan.table.rows]
+    per_worker = "/".join(f"{b // world}" + ("+" if b % world else "") for b in batches)
+    lr_peak = max(_lr_at_epoch(plan, plan.schedule.epochs * k / 400) for k in range(401))
+    lines = [
+        f"flashsgd train | world {world} ({topo.describe()}) | backend {cfg.run.backend} on {device}",
+        f"  algorithm   {cfg.comm.comm} {options or ''} bucket {cfg.comm.bucket_mb:g} MB",
+        f"  batch       global {' -> '.join(map(str, batches))} (table {list(plan.table.rows)}), "
+        f"per worker {per_worker}",
+        f"  lr          effective peak {lr_peak:.4g} (lr_per_256 {plan.recipe.lr_per_256:g} x batch/256), "
+        f"warmup {plan.schedule.warmup_epochs:g} epochs, decay {plan.schedule.decay}",
+        f"  recipe      {plan.describe()}",
+        f"  data        {data.description}; model {cfg.model.model} ({params:,} parameters)",
+        f"  run dir     {cfg.run.out}" + (f" (resumed from {resumed})" if resumed else ""),
+    ]
+    if tuned:
+        lines.append("  proxy       MNIST-1D tuning applied (optim.proxy_tuning): "
+                     + ", ".join(f"{k}={v}" for k, v in tuned.items()))
+    return "\n".join(lines)
+
+
+def _lr_at_epoch(plan, epoch: float) -> float:
+    from flashsgd.optim.schedules import lr_at
+
+    return lr_at(min(epoch, plan.schedule.epochs - 1e-9), plan.schedule, plan.table)
+
+
+def summarize(cfg, out: Path, progress: dict, world: int, topo, plan, metrics, timer_total: float
+              ) -> dict[str, Any]:
+    """Write summary.json and report.png; print the final summary; return the summary dict."""
+    steps, evals = read_metrics(out / "metrics.jsonl")
+    timed = [s for s in steps if s["step"] >= 2] or steps  # first steps: DDP bucket rebuild, warm-up
+    med = lambda key: statistics.median(s[key] for s in timed) if timed else float("nan")  # noqa: E731
+    ips = med("images_per_s")
+    t_step, t_comm = med("t_step_s"), med("t_comm_s")
+    final = evals[-1]["test_accuracy"] if evals else float("nan")
+    summary = {
+        "final_test_accuracy": final,
+        "best_test_accuracy": max((e["test_accuracy"] for e in evals), default=float("nan")),
+        "target_accuracy": cfg.run.target_accuracy,
+        "time_to_accuracy_s": progress["tta_s"],
+        "train_time_s": progress["elapsed_s"],
+        "steps": progress["step"], "epochs": progress["epoch"], "skipped_steps": progress["skipped"],
+        "images_per_s": ips,
+        "scaling": {
+            "world_size": world, "nodes": topo.num_nodes, "ranks_per_node": topo.ranks_per_node,
+            "grid": f"{topo.grid[0]}x{topo.grid[1]}",
+            "images_per_s_per_worker": ips / world,
+            "median_step_s": t_step, "median_hook_s": t_comm,
+            "hook_fraction_of_step": t_comm / t_step if t_step else float("nan"),
+            "median_forward_s": med("t_forward_s"), "median_backward_s": med("t_backward_s"),
+        },
+        "algorithm": cfg.comm.comm, "recipe": cfg.optim.recipe,
+        "global_batch": plan.table.final_batch, "model": cfg.model.model, "dataset": cfg.data.dataset,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    make_report(out / "metrics.jsonl", out / "report.png", title=(
+        f"{cfg.model.model} on {cfg.data.dataset}: {cfg.optim.recipe} recipe, {cfg.comm.comm}, "
+        f"{world} workers, global batch {plan.table.final_batch}"))
+    tta = f"{progress['tta_s']:.1f} s" if progress["tta_s"] is not None else "not reached"
+    print(f"\nflashsgd train: done in {progress['elapsed_s']:.1f} s, {progress['step']} steps "
+          f"({progress['skipped']} skipped) | test accuracy {final:.2f}% (best "
+          f"{summary['best_test_accuracy']:.2f}%) | time to {cfg.run.target_accuracy:g}%: {tta} | "
+          f"{ips:,.0f} images/s ({ips / world:,.0f} per worker), hook {100 * summary['scaling']['hook_fraction_of_step']:.0f}% "
+          f"of a step\n  outputs: {out}/{{config.toml, metrics.jsonl, tensorboard/, summary.json, "
+          f"report.png, checkpoints/}}", flush=True)
+    return summary
+
+
+def make_report(metrics_path: str | Path, png_path: str | Path, title: str = "") -> None:
+    """report.png: loss, test accuracy, LR and global batch against the optimizer step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, evals = read_metrics(metrics_path)
+    x = [s["step"] for s in steps]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
+    ax = axes[0, 0]
+    ax.plot(x, [s["loss"] for s in steps], lw=1.2, label="train loss (global batch mean)")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["test_loss"] for e in evals], "o-", ms=4,
+                label="test loss")
+    ax.set(title="Loss", xlabel="optimizer step", ylabel="cross-entropy")
+    ax.set_yscale("log")
+    ax.legend()
+    ax = axes[0, 1]
+    if evals:
+        acc = [e["test_accuracy"] for e in evals]
+        ax.plot([e["step"] for e in evals], acc, "o-", ms=4, color="tab:green")
+        ax.annotate(f"{acc[-1]:.2f}%", ((evals[-1]["step"]), acc[-1]), textcoords="offset points",
+                    xytext=(-10, -16), ha="right")
+        ax.set_ylim(max(0.0, min(acc) - 5), 100)
+    ax.set(title="Test accuracy (per epoch)", xlabel="optimizer step", ylabel="accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax = axes[1, 0]
+    ax.plot(x, [s["lr"] for s in steps], color="tab:orange")
+    ax.set(title="Learning rate (warmup, decay, linear scaling)", xlabel="optimizer step",
+           ylabel="LR")
+    ax.grid(alpha=0.3)
+    ax = axes[1, 1]
+    ax.step(x, [s["global_batch"] for s in steps], where="post", color="tab:purple")
+    ax.set(title="Global batch (batch-size control)", xlabel="optimizer step", ylabel="samples")
+    ax.set_ylim(0, max([s["global_batch"] for s in steps] or [1]) * 1.15)
+    ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)

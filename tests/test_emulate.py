@@ -1,0 +1,186 @@
+"""The emulated cluster (issue 7): parsing and bounds everywhere; namespaces, shaping, ranks as root."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from flashsgd.emulate import netns
+from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_available, parse_rate,
+                                    parse_shape)
+from flashsgd.emulate.report import annotate, bound_s, bytes_per_payload_byte
+
+
+def _unavailable_reason() -> str | None:
+    try:
+        check_available()
+    except EmulationUnavailable as exc:
+        return str(exc)
+    return None
+
+
+REASON = _unavailable_reason()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
+
+
+# ---- no root needed ----------------------------------------------------------------------------
+
+def test_parse_rate_and_shape():
+    assert parse_rate("1gbit") == 10**9
+    assert parse_rate("200mbit") == 200 * 10**6
+    assert parse_rate("2.5Gbit") == 2_500_000_000
+    assert parse_rate(5e8) == 500_000_000
+    for bad in ("fast", "1gbyte", "10bit", ""):
+        with pytest.raises(ValueError, match="link rate"):
+            parse_rate(bad)
+    assert parse_shape("4x2") == (4, 2)
+    for bad in ("4", "0x2", "4x0", "axb"):
+        with pytest.raises(ValueError, match="NODESxRANKS"):
+            parse_shape(bad)
+
+
+def test_cluster_spec_validation():
+    spec = ClusterSpec(4, 2, parse_rate("1gbit"))
+    assert spec.world_size == 8
+    assert spec.burst_bytes == 131072  # two 64 KiB GSO packets > 1 ms at 1 Gbit/s (125,000 B)
+    assert ClusterSpec(2, 1, parse_rate("25gbit")).burst_bytes == 25 * 10**9 // 8 // 1000
+    with pytest.raises(ValueError, match="nodes"):
+        ClusterSpec(0, 2, 10**9)
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        ClusterSpec(2, 0, 10**9)
+    with pytest.raises(ValueError, match="subnet"):
+        ClusterSpec(2, 2, 10**9, subnet="8.8.8.0/24")  # not private: refused
+    with pytest.raises(ValueError, match="subnet"):
+        ClusterSpec(2, 2, 10**9, subnet="10.0.0.0/16")
+
+
+def test_bound_and_annotation():
+    # 4 nodes, 100 MB, 1 Gbit/s: 2*3/4 * 1e8 B / 1.25e8 B/s = 1.2 s
+    assert bound_s(1e8, 4, 1e9) == pytest.approx(1.2)
+    assert bound_s(1e8, 1, 1e9) == 0.0
+    with pytest.raises(ValueError, match="rate_bps"):
+        bound_s(1e8, 4, 0)
+    probe = {"results": [{"algorithm": "ring", "size_bytes": 1000, "node_tx_bytes": [1500, 1500, 1500, 1500],
+                          "node_rx_bytes": [1500, 1500, 1600, 1500]}]}
+    assert bytes_per_payload_byte(probe)["ring"] == {"node_tx": 1.5, "busiest": 1.6}
+    doc = {"meta": {"world": 8}, "results": [
+        {"algorithm": "ring", "size_bytes": 10**8, "time_us": 2.4e6},
+        {"algorithm": "topk", "size_bytes": 10**8, "time_us": 0.6e6},
+        {"algorithm": "noop", "size_bytes": 10**8}]}
+    rows = annotate(doc, nodes=4, rate_bps=1e9, probe_doc=probe)["results"]
+    assert rows[0]["emu_frac_of_bound"] == pytest.approx(0.5)
+    assert rows[0]["algbw_gbps"] == pytest.approx(1e8 / 2.4 / 1e9)
+    assert rows[0]["busbw_gbps"] == pytest.approx(rows[0]["algbw_gbps"] * 14 / 8)
+    assert rows[0]["emu_node_gbps"] == pytest.approx(1.5e8 * 8 / 2.4 / 1e9)
+    assert rows[0]["emu_link_util"] == pytest.approx(1.6e8 * 8 / 2.4 / 1e9)
+    assert rows[1]["emu_frac_of_bound"] == pytest.approx(2.0) and "emu_link_gbps" not in rows[1]
+    assert "emu_bound_us" not in rows[2]
+
+
+def test_unavailable_is_reported(monkeypatch, capsys):
+    from flashsgd.bench import emulate
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    with pytest.raises(EmulationUnavailable, match="root"):
+        check_available()
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None)
+    with pytest.raises(EmulationUnavailable, match="iproute2"):
+        check_available()
+    parser = argparse.ArgumentParser()
+    emulate.add_arguments(parser)
+    assert emulate.run(parser.parse_args(["--cluster", "2x2"])) == 2
+    assert "iproute2" in capsys.readouterr().err
+    assert emulate.run(parser.parse_args(["--cluster", "2by2"])) == 2
+    assert "NODESxRANKS" in capsys.readouterr().err
+
+
+# ---- as root, with network namespaces ----------------------------------------------------------
+
+def _host_state() -> tuple[str, str, list[str]]:
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+    strip = lambda s: sorted(line.split(" state ")[0].split(" qdisc ")[0] for line in s.splitlines())  # noqa: E731
+    return strip(links), qdiscs, netns.list_namespaces()
+
+
+@needs_netns
+def test_emulated_2x2_allreduce_rate_and_teardown(tmp_path):
+    from flashsgd.bench import emulate
+
+    host_before = _host_state()
+    parser = argparse.ArgumentParser()
+    emulate.add_arguments(parser)
+    out = tmp_path / "emu.json"
+    args = parser.parse_args(["--cluster", "2x2", "--link", "200mbit", "--sizes-mb", "1,4",
+                              "--json", str(out), "--timeout", "60", "--logs", str(tmp_path / "logs")])
+    assert emulate.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["world"] == 4 and doc["meta"]["emulated"]["nodes"] == 2
+    rows = doc["results"]
+    assert [r["size_bytes"] for r in rows] == [10**6, 4 * 10**6]
+    assert all(r["correct"] for r in rows)  # every rank held W(W+1)/2 = 10 after each all-reduce
+    big = rows[-1]
+    # both nodes' links carried traffic, and no more than the cap allows (tbf burst: 128 KiB slack)
+    assert len(big["node_tx_bytes"]) == 2 and min(big["node_tx_bytes"]) > big["size_bytes"] * 0.9
+    assert big["emu_link_gbps"] < 0.2 * 1.02, big
+    assert big["emu_link_gbps"] > 0.2 * 0.3, big  # shaped, not starved
+    assert big["time_us"] >= big["emu_bound_us"] * 0.98
+    # nothing left behind: no namespaces, and the host's links and qdiscs as they were
+    assert _host_state() == host_before
+    assert netns.list_namespaces() == []
+
+
+@needs_netns
+def test_stale_setup_is_cleaned_and_sigterm_tears_down(tmp_path):
+    # a "crashed" run: its namespaces exist, its pid is gone
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    prefix = f"{netns.NAME_PREFIX}-{dead.pid}"
+    spec = ClusterSpec(2, 1, parse_rate("100mbit"))
+    netns.build(spec, prefix=prefix)
+    assert len(netns.list_namespaces(prefix)) == 3  # switch + 2 nodes
+    assert sorted(netns.clean_stale()) == sorted([f"{prefix}-br", f"{prefix}-n0", f"{prefix}-n1"])
+    assert netns.list_namespaces(prefix) == []
+    # SIGTERM while the cluster is up: the context manager still tears it down
+    code = ("import time; from flashsgd.emulate.netns import *\n"
+            "with emulated_cluster(ClusterSpec(2, 1, parse_rate('100mbit'))):\n"
+            "    print('up', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    assert len(netns.list_namespaces(f"{netns.NAME_PREFIX}-{proc.pid}")) == 3
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 5
+    while netns.list_namespaces(f"{netns.NAME_PREFIX}-{proc.pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert netns.list_namespaces(f"{netns.NAME_PREFIX}-{proc.pid}") == []
+
+
+@needs_netns
+def test_rank_failure_and_deadline_are_reported(tmp_path):
+    from flashsgd.emulate.ranks import RankError, run_ranks
+
+    spec = ClusterSpec(2, 2, parse_rate("100mbit"))
+    show = 'echo "$RANK $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $GLOO_SOCKET_IFNAME $(cat /proc/net/dev | grep -c veth0)"'
+    with netns.emulated_cluster(spec) as cluster:
+        run_ranks(cluster, ["sh", "-c", show], tmp_path / "ok", timeout_s=30)
+        lines = [(tmp_path / "ok" / f"rank{r}.log").read_text().split() for r in range(4)]
+        assert lines[3] == ["3", "1", "2", "10.213.0.1", "veth0", "1"]  # node 1, its own veth
+        fail = 'if [ "$RANK" = 2 ]; then echo boom; exit 3; fi; sleep 30'
+        start = time.monotonic()
+        with pytest.raises(RankError, match=r"rank 2 \(node 1\) exited with code 3(.|\n)*boom"):
+            run_ranks(cluster, ["sh", "-c", fail], tmp_path / "fail", timeout_s=30)
+        with pytest.raises(RankError, match=r"timed out after 1 s waiting for ranks \[0, 1, 2, 3\]"):
+            run_ranks(cluster, ["sleep", "30"], tmp_path / "hang", timeout_s=1)
+        assert time.monotonic() - start < 15  # the sleeping ranks were killed, not waited for
+        assert subprocess.run(["ip", "netns", "pids", cluster.node_ns[1]], capture_output=True,
+                              text=True).stdout.strip() == ""
+    assert netns.list_namespaces(f"{netns.NAME_PREFIX}-{os.getpid()}") == []

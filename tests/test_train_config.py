@@ -1,0 +1,174 @@
+"""flashsgd.train: config precedence and errors, models, data sharding, checkpoint errors (no training)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashsgd.cli import build_parser
+from flashsgd.train import checkpoint as ckpt
+from flashsgd.train import config as C
+from flashsgd.train.cli import parse_config
+from flashsgd.train.data import ShardedSampler, build_datasets, center_crop, random_resized_crop
+from flashsgd.train.models import MODELS, build_model
+
+
+# ----------------------------------------------------------------------------------- config -------
+
+def test_defaults_are_the_main_job():
+    cfg = C.resolve()
+    assert (cfg.run.workers, cfg.data.dataset, cfg.model.model) == (4, "mnist1d", "mnist1d_cnn")
+    assert (cfg.optim.recipe, cfg.optim.global_batch, cfg.comm.comm) == ("fujitsu", 4096, "torus2d")
+
+
+def test_precedence_defaults_toml_cli(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[optim]\nglobal_batch = 8192\nepochs = 3\n[comm]\ncomm = "ring"\n[run]\nseed = 5\n')
+    args = build_parser().parse_args(["train", "--config", str(path), "--comm", "gtopk",
+                                      "--density", "0.05", "--nesterov", "false"])
+    cfg = parse_config(args)
+    assert cfg.optim.global_batch == 8192 and cfg.optim.epochs == 3.0  # TOML over defaults
+    assert cfg.comm.comm == "gtopk" and cfg.comm.density == 0.05      # CLI over TOML
+    assert cfg.optim.nesterov is False and cfg.run.seed == 5
+    assert cfg.run.workers == 4                                         # untouched default
+
+
+def test_resolved_config_round_trips():
+    cfg = C.resolve(cli={"grid": "4x1", "lr_per_256": "0.2", "fail_at": ""})
+    again = C.resolve(toml_text=C.dumps(cfg))
+    assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[optim]\nglobal_bach = 1\n", "unknown config key optim.global_bach; valid keys in [optim]: recipe"),
+    ("[optimizer]\nx = 1\n", "unknown config section [optimizer]; valid sections: data, model"),
+    ('[comm]\ncomm = "torus"\n', "'comm.comm': invalid value 'torus'; valid choices: native, ring"),
+    ('[optim]\nrecipe = "lamb"\n', "valid choices: goyal, sony, fujitsu"),
+    ('[optim]\nglobal_batch = "big"\n', "'optim.global_batch': expected int"),
+    ('[optim]\nglobal_batch = 0\n', "optim.global_batch must be > 0"),
+    ('[model]\nmodel = "resnet51"\n', "unknown model 'resnet51'; valid choices: mnist1d_cnn"),
+    ('[run]\nfail_at = "1:2:boom"\n', "run.fail_at must look like RANK:STEP:MODE"),
+    ('[run]\nprogress = 3\n', "'run.progress': expected true or false"),
+    ("[optim\n", "invalid TOML"),
+])
+def test_bad_config_names_key_and_choices(text, needle):
+    with pytest.raises(ValueError) as err:
+        C.resolve(toml_text=text)
+    assert needle in str(err.value)
+
+
+def test_cli_bad_value_is_a_clean_error(capsys):
+    assert build_parser().parse_args(["train", "--nonfinite", "ignore"])._run(
+        build_parser().parse_args(["train", "--nonfinite", "ignore"])) == 2
+    assert "valid choices: skip, stop" in capsys.readouterr().err
+
+
+def test_recipe_checks_before_spawning(capsys):
+    args = build_parser().parse_args(["train", "--epochs", "2", "--warmup-epochs", "5"])
+    assert args._run(args) == 2
+    assert "warmup_epochs" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------- models -------
+
+def test_resnet50_has_the_published_size():
+    params = list(build_model("resnet50", 1000).parameters())
+    assert len(params) == 161
+    assert sum(p.numel() for p in params) == 25_557_032
+
+
+def test_model_shapes_and_zero_gamma():
+    assert sum(p.numel() for p in build_model("resnet18", 1000).parameters()) == 11_689_512
+    m = build_model("resnet20", 10, zero_init_last_bn=True)
+    assert m(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    zeroed = [b for b in m.modules() if hasattr(b, "last_bn")]
+    assert len(zeroed) == 9 and all(float(b.last_bn.weight.detach().abs().sum()) == 0 for b in zeroed)
+    assert not any(isinstance(x, torch.nn.SyncBatchNorm) for x in m.modules())
+    assert build_model("mnist1d_cnn", 10)(torch.randn(3, 40)).shape == (3, 10)
+    with pytest.raises(ValueError, match="known: mnist1d_cnn"):
+        build_model("vgg", 10)
+    assert set(MODELS) == {"mnist1d_cnn", "resnet18", "resnet20", "resnet50"}
+
+
+# ------------------------------------------------------------------------------------- data -------
+
+@pytest.mark.parametrize("n, batch, world", [(100, 32, 4), (103, 32, 3), (10, 4, 3), (64, 64, 8),
+                                             (50, 7, 2)])
+def test_sharding_covers_each_sample_once_per_epoch(n, batch, world):
+    perms = []
+    for epoch in range(2):
+        seen, per_step = [], None
+        for rank in range(world):
+            s = ShardedSampler(n, rank, world, seed=3)
+            s.set_epoch(epoch, batch)
+            shards = list(s)
+            assert all(len(b) >= 1 for b in shards)
+            seen += [i for b in shards for i in b.tolist()]
+            sizes = [len(b) for b in shards]
+            per_step = sizes if per_step is None else [a + b for a, b in zip(per_step, sizes)]
+        assert sorted(seen) == list(range(n))                  # exactly once across workers
+        assert per_step == s.global_sizes() and sum(per_step) == n
+        perms.append(s._perm.tolist())
+    assert perms[0] != perms[1]                                  # reshuffled every epoch
+
+
+def test_sampler_batch_change_and_resume_position():
+    s = ShardedSampler(100, 1, 2, seed=0)
+    s.set_epoch(0, 10)
+    assert [len(b) for b in s] == [5] * 10
+    s.set_epoch(1, 40)                                           # batch-size control
+    it = iter(s)
+    first = [next(it) for _ in range(2)]
+    state = s.state_dict()
+    t = ShardedSampler(100, 1, 2, seed=0)
+    t.load_state_dict(state)
+    rest = list(t)
+    full = ShardedSampler(100, 1, 2, seed=0)
+    full.set_epoch(1, 40)
+    assert [b.tolist() for b in first + rest] == [b.tolist() for b in full]
+    with pytest.raises(ValueError, match="seed"):
+        ShardedSampler(100, 1, 2, seed=9).load_state_dict(state)
+
+
+def test_synthetic_and_imagefolder(tmp_path):
+    d = build_datasets("synthetic", num_samples=20, image_shape="cifar")
+    x, y = d.train.batch(torch.arange(5))
+    assert x.shape == (5, 3, 32, 32) and d.num_classes == 10 and y.max() < 10
+    from PIL import Image
+
+    for c in ("cat", "dog"):
+        (tmp_path / "train" / c).mkdir(parents=True)
+        for i in range(3):
+            arr = (torch.rand(40 + 7 * i, 50, 3) * 255).to(torch.uint8).numpy()
+            Image.fromarray(arr).save(tmp_path / "train" / c / f"{i}.png")
+    d = build_datasets("imagefolder", data_dir=str(tmp_path), image_size=24)
+    assert d.num_classes == 2 and len(d.train) + len(d.test) == 6
+    g = torch.Generator().manual_seed(0)
+    x, y = d.train.batch(torch.arange(len(d.train)), g, train=True)
+    assert x.shape == (len(d.train), 3, 24, 24) and x.abs().max() < 3.0
+    img = torch.arange(3 * 30 * 40, dtype=torch.float32).view(3, 30, 40)
+    assert random_resized_crop(img, 16, g).shape == (3, 16, 16)
+    assert center_crop(img, 16).shape == (3, 16, 16)
+    with pytest.raises(ValueError, match="no class subfolders"):
+        build_datasets("imagefolder", data_dir=str(tmp_path / "train" / "cat"))
+
+
+# ------------------------------------------------------------------------------ checkpoints -------
+
+def test_corrupt_and_mismatched_checkpoints(tmp_path):
+    step_dir = tmp_path / "step-00000001"
+    step_dir.mkdir()
+    (step_dir / "shared.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ckpt.CheckpointError, match="corrupt"):
+        ckpt.load(step_dir, 0, 1)
+    meta = {"format": ckpt.FORMAT, "step": 1, "world_size": 2}
+    torch.save({"meta": meta}, step_dir / "shared.pt")
+    with pytest.raises(ckpt.CheckpointError, match="written by 2 workers, this run has 1"):
+        ckpt.load(step_dir, 0, 1)
+    with pytest.raises(ckpt.CheckpointError, match="does not match the model"):
+        ckpt.load_model_state(torch.nn.Linear(2, 3), torch.nn.Linear(3, 3).state_dict(), "x")
+    (tmp_path / "latest").write_text("step-00000009\n")
+    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
+        ckpt.find_latest(tmp_path)
