@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch._dynamo  # noqa: F401  DDP imports it (~800 modules): once here, not in every forked rank
 
 from flashsgd.launch import spawn
 

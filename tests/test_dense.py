@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.dense import ALLREDUCE, allreduce, chunk_bounds, native, ring, torus2d
+from flashsgd.comm.dense import (ALLREDUCE, allreduce, chunk_bounds, duplex_groups, native, ring,
+                                  torus2d)
 from flashsgd.comm.topology import divisors, get_topology, valid_grids
 
 EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
@@ -73,6 +74,12 @@ def _compare_all(world):
                 err = (t.double() - exact).abs()
                 assert bool(torch.all(err <= bound)), (name, L, grid, n, dtype, (err - bound).max())
                 checked += 1
+    # Every 2-rank group kind, and only those, has a twin group for the second direction.
+    topo = get_topology(ranks_per_node=L, grid=grid)
+    twins = duplex_groups(topo)
+    sizes = {"world": world, "row": topo.grid[0], "col": topo.grid[1], "node": topo.ranks_per_node,
+             "cross": topo.num_nodes}
+    assert {k: v is not None for k, v in twins.items()} == {k: n == 2 for k, n in sizes.items()}
     # Shapes other than flat are reduced as their flat view.
     t = torch.full((3, 5), float(rank + 1))
     torus2d(t, get_topology(grid=valid_grids(world)[-1]))

@@ -84,6 +84,19 @@ def test_bound_and_annotation():
     assert "emu_bound_us" not in rows[2]
 
 
+def test_annotation_of_sparse_rows():
+    # the sparse bench's rows: e2e_ms, bytes_per_rank; the message is meta.config.numel fp32
+    doc = {"meta": {"world": 8, "config": {"numel": 25_000_000}}, "results": [
+        {"algorithm": "dense", "density": 1.0, "e2e_ms": 2000.0, "bytes_per_rank": 175_000_000},
+        {"algorithm": "gtopk", "density": 0.001, "e2e_ms": 100.0, "bytes_per_rank": 900_000}]}
+    dense, gtopk = annotate(doc, nodes=8, rate_bps=1e9)["results"]
+    assert dense["emu_bound_us"] == pytest.approx(2 * 7 / 8 * 1e8 / 1.25e8 * 1e6)  # 1.4 s
+    assert dense["emu_frac_of_bound"] == pytest.approx(0.7)
+    assert gtopk["emu_frac_of_bound"] == pytest.approx(14.0)  # 14x faster than any dense all-reduce
+    assert gtopk["emu_node_gbps"] == pytest.approx(900_000 * 8 / 0.1 / 1e9)
+    assert "bytes_per_rank" in gtopk["emu_bytes_source"]
+
+
 def test_unavailable_is_reported(monkeypatch, capsys):
     from flashsgd.bench import emulate
 

@@ -130,7 +130,7 @@ def test_tiny_recipe_bench_run(tmp_path, monkeypatch, capsys):
                               "--json", str(tmp_path / "r.json")])
     assert bench_recipe.run(args) == 0
     table = (tmp_path / "out" / "recipe.md").read_text()
-    for variant in ("baseline", "sgd", "sgd+warmup", "full"):
+    for variant in ("baseline", "sgd", "sgd+warmup", "full", "full+bsc"):
         assert f"| {variant} |" in table
     assert (tmp_path / "out" / "recipe.png").stat().st_size > 1000
     assert (tmp_path / "r.json").exists()

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd.comm.hooks import HOOKS, register_hook
 from flashsgd.comm.sparse import gtopk_bytes_sent, k_from_density
-from flashsgd.comm.sparse_hooks import SparseHookState
+from flashsgd.comm.sparse_hooks import sparse_hook
 
 
 def _net(seed=0):
@@ -124,6 +124,15 @@ def _hooks_body():
         state_b.load_state_dict(snap[2])
         _train(model_b, None, 3, first=4, opt=opt_b)
         assert torch.equal(_params(model), _params(model_b)), selection
+        # the unpickled state, attached without register_hook (not bound): same trajectory
+        fresh_c = _net(seed=98)
+        fresh_c.load_state_dict(snap[0])
+        model_c = DDP(fresh_c)
+        opt_c = torch.optim.SGD(model_c.parameters(), lr=0.1, momentum=0.9)
+        opt_c.load_state_dict(snap[1])
+        model_c.register_comm_hook(pickled, sparse_hook)
+        _train(model_c, None, 3, first=4, opt=opt_c)
+        assert torch.equal(_params(model), _params(model_c)), selection
         assert state_b.iter == state.iter == 7
     # 4. bytes counter: 2 dense iterations (ring volume) + sparse ones (gtopk formula)
     n = sum(p.numel() for p in model.parameters())

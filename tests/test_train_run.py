@@ -80,10 +80,11 @@ def test_dead_or_hung_worker_fails_the_run_in_time(tmp_path, mode):
         train(tiny(tmp_path, workers=2, fail_at=f"1:2:{mode}", timeout_s=4, comm="native"))
     assert time.monotonic() - t0 < 60
     msg = str(err.value)
-    if mode == "exit":
-        assert "rank 1 exited with code 17" in msg
+    survivor = "failed at step 2" in msg and "died or hung longer than run.timeout_s=4" in msg
+    if mode == "exit":  # the launcher sees the exit, or the survivor reports the broken collective
+        assert "rank 1 exited with code 17" in msg or survivor, msg
     else:
-        assert "failed at step 2" in msg and "run.timeout_s=4" in msg
+        assert survivor, msg
 
 
 def _free_port():

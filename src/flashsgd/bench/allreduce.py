@@ -127,10 +127,11 @@ def measure(cfg: AllreduceBenchConfig) -> list[dict]:
 def bench_worker(cfg: AllreduceBenchConfig) -> dict | None:
     """Rank body used by ``run``: measure, and on rank 0 return ``{"meta", "results"}``."""
     topo = get_topology(ranks_per_node=cfg.ranks_per_node, grid=cfg.grid)
+    load_start = os.getloadavg()[0]
     if cfg.verbose and topo.rank == 0:
         print(f"# flashsgd bench allreduce: {topo.describe()}, backend {dist.get_backend()}, "
               f"dtype {cfg.dtype}, iters {cfg.iters}, warmup {cfg.warmup}, torch {torch.__version__}, "
-              f"{os.cpu_count()} cpu(s), loadavg {os.getloadavg()[0]:.1f}", flush=True)
+              f"{os.cpu_count()} cpu(s), loadavg {load_start:.1f}", flush=True)
     results = measure(cfg)
     if topo.rank != 0:
         return None
@@ -142,7 +143,7 @@ def bench_worker(cfg: AllreduceBenchConfig) -> dict | None:
         iters=cfg.iters, warmup=cfg.warmup, dtype=cfg.dtype,
         algorithms=sorted(cfg.algorithms, key=lambda a: a != "native"),
         sizes=cfg.sizes, torch_threads_per_rank=torch.get_num_threads(),
-        loadavg_1m_end=os.getloadavg()[0],
+        loadavg_1m_start=load_start,  # run_metadata's loadavg_1m is taken at the end
         timing="median over iters of the max over ranks of one barrier-synchronized call")
     return {"meta": meta, "results": results}
 
@@ -152,7 +153,8 @@ def bench_worker(cfg: AllreduceBenchConfig) -> dict | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=8,
                         help="local ranks to spawn (ignored under torchrun: WORLD_SIZE wins)")
-    parser.add_argument("--grid", default=None, help="torus2d grid XxY, X*Y = world (default X = ranks per node)")
+    parser.add_argument("--grid", default=None,
+                        help="torus2d grid XxY, X*Y = world (default X = ranks per node)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="L for hierarchical; emulates N = world/L nodes (default: detected)")
     parser.add_argument("--algorithms", default=",".join(ALLREDUCE.names()),

@@ -9,7 +9,8 @@ process, the same number of epochs at every batch size:
    (a) ``sgd``: the baseline recipe with the LR linearly scaled to B;
    (b) ``sgd+warmup``: (a) plus gradual warmup;
    (c) ``full``: the tuned fujitsu-style recipe (LARS, warmup, poly decay, label smoothing, no
-       decay/adaptation on bias and BN) - see :data:`FULL` for every number.
+       decay/adaptation on bias and BN) - see :data:`FULL` for every number;
+   (d) ``full+bsc``: (c) plus batch-size control (Sony) growing to B - see :data:`FULL_BSC`.
 3. Each run is repeated over ``--seeds`` (model init + shuffling); the table reports the mean and
    min..max test accuracy, the gap to the baseline, steps and seconds; a PNG plots the test
    accuracy per epoch.
@@ -50,6 +51,12 @@ FULL = Recipe(name="full", optimizer="lars", lr_per_256=0.1, momentum=0.9, neste
               weight_decay=5e-4, exclude_bias_and_norm=True, epochs=15.0, warmup_epochs=3.0,
               decay="poly", power=2.0, label_smoothing=0.1, trust_coefficient=0.02,
               source="fujitsu recipe structure, eta/LR/warmup tuned on MNIST-1D (ours)")
+# (d): (c) plus Sony's batch-size control: 1/8 of the batch for 3 epochs, 1/2 for 3, then all of it
+# (the final batch is B; fewer samples per step early on, so more steps than (c)).
+FULL_BSC = dataclasses.replace(FULL, name="full+bsc", batch_fractions=((0, 0.125), (3, 0.5), (6, 1.0)))
+
+
+VARIANTS = {"sgd": BASE, "sgd+warmup": WARMUP, "full": FULL, "full+bsc": FULL_BSC}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[4096, 8192],
                         help="large global batches to compare with batch 128")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds per run")
-    parser.add_argument("--variants", nargs="+", default=["sgd", "sgd+warmup", "full"],
-                        choices=["sgd", "sgd+warmup", "full"], help="large-batch variants to run")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="large-batch variants to run (default: all)")
     parser.add_argument("--num-samples", type=int, default=40000,
                         help="MNIST-1D samples (80%% train), default 40000")
     parser.add_argument("--channels", type=int, default=32, help="CNN width")
@@ -107,7 +114,7 @@ def train_once(data, recipe: Recipe, global_batch: int, epochs: int, seed: int,
 
 
 def _variant(name: str) -> Recipe:
-    return {"sgd": BASE, "sgd+warmup": WARMUP, "full": FULL}[name]
+    return VARIANTS[name]
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -117,25 +124,32 @@ def _summary(rows: list[dict]) -> dict:
 
 
 def _plot(results: dict, path: Path) -> None:
+    """One panel per large batch: the batch-128 baseline and each variant, mean over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (variant, batch), rows in results.items():
-        curves = torch.tensor([r["acc_per_epoch"] for r in rows]).mean(0)
-        style = "-" if variant == "full" else ("--" if variant == "sgd+warmup" else ":")
-        if batch == BASE_BATCH:
-            style = "-"
-        ax.plot(range(1, len(curves) + 1), curves.tolist(), style, label=f"{variant} @ {batch}",
-                linewidth=2.5 if batch == BASE_BATCH else 1.5)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title("MNIST-1D 1D-CNN: large-batch recipe (mean over seeds)")
-    ax.set_ylim(0, 100)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    def curve(rows):
+        return torch.tensor([r["acc_per_epoch"] for r in rows]).mean(0).tolist()
+
+    base = curve(results[("baseline", BASE_BATCH)])
+    batches = sorted({b for (_, b) in results if b != BASE_BATCH}) or [BASE_BATCH]
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        ax.plot(range(1, len(base) + 1), base, "k-", linewidth=2.5, label=f"baseline @ {BASE_BATCH}")
+        for (variant, b), rows in results.items():
+            if b == batch and variant != "baseline":
+                c = curve(rows)
+                ax.plot(range(1, len(c) + 1), c, {"full": "-", "full+bsc": "-.", "sgd+warmup": "--"}.get(variant, ":"),
+                        linewidth=1.8, label=f"{variant} @ {batch}")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title(f"batch {batch} vs {BASE_BATCH}")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle("MNIST-1D 1D-CNN, same epochs: large-batch recipe (mean over seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

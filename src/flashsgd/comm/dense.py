@@ -27,7 +27,9 @@ Backends (DESIGN.md "Hard facts"): on NCCL the stages are the native ``reduce_sc
 ``all_gather_into_tensor`` (input padded to a multiple of the group size) and the inner all-reduce
 is ``all_reduce`` on the subgroup. On Gloo, whose reduce-scatter is an all-reduce plus a slice, the
 stages are our own rings of paired ``isend``/``irecv`` (every rank posts its send to the right and
-its receive from the left before waiting, so no step can deadlock).
+its receive from the left before waiting, so no step can deadlock). A ring of 2 ranks sends and
+receives on the same connection, which Gloo serves one direction at a time; so every 2-rank group
+gets a twin (:func:`duplex_groups`) and each direction goes over its own connection.
 
 Precision: fp32, fp16 and bf16. Reduction happens in the tensor's dtype, as NCCL does: each ring
 hop adds the received chunk into the local one (torch computes the add in fp32 and rounds to the
@@ -155,13 +157,16 @@ def _native_stages(flat: torch.Tensor, group: ProcessGroup | None) -> bool:
 
 
 def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
-              group: ProcessGroup) -> None:
-    """One ring step: post the receive from ``src`` and the send to ``dst``, then wait for both."""
+              groups: tuple[ProcessGroup, ProcessGroup]) -> None:
+    """One ring step: post the receive from ``src`` and the send to ``dst``, then wait for both.
+
+    ``groups`` = (send group, receive group), see :func:`_directions`.
+    """
     works = []
     if recv.numel():
-        works.append(dist.irecv(recv, group=group, group_src=src))
+        works.append(dist.irecv(recv, group=groups[1], group_src=src))
     if send.numel():
-        works.append(dist.isend(send, group=group, group_dst=dst))
+        works.append(dist.isend(send, group=groups[0], group_dst=dst))
     for w in works:
         w.wait()
 
@@ -173,14 +178,14 @@ rings); chunks up to this size go as one message (no extra latency for small mes
 
 
 def _exchange_add(send: torch.Tensor, dst: int, into: torch.Tensor, tmp: torch.Tensor, src: int,
-                  group: ProcessGroup) -> None:
+                  groups: tuple[ProcessGroup, ProcessGroup]) -> None:
     """One reduce step: send ``send`` to ``dst``; receive ``into.numel()`` values from ``src`` and
     add them into ``into``, segment by segment as they arrive."""
     seg = max(1, SEGMENT_BYTES // max(1, into.element_size()))
     tmp = tmp[:into.numel()]
-    recvs = [(dist.irecv(tmp[lo:lo + seg], group=group, group_src=src), lo)
+    recvs = [(dist.irecv(tmp[lo:lo + seg], group=groups[1], group_src=src), lo)
              for lo in range(0, into.numel(), seg)]
-    sends = [dist.isend(send[lo:lo + seg], group=group, group_dst=dst)
+    sends = [dist.isend(send[lo:lo + seg], group=groups[0], group_dst=dst)
              for lo in range(0, send.numel(), seg)]
     for work, lo in recvs:
         work.wait()
@@ -189,8 +194,61 @@ def _exchange_add(send: torch.Tensor, dst: int, into: torch.Tensor, tmp: torch.T
         work.wait()
 
 
-def reduce_scatter(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | None
-                   ) -> tuple[int, int]:
+def _directions(p: int, P: int, group: ProcessGroup, duplex: ProcessGroup | None
+                ) -> tuple[ProcessGroup, ProcessGroup]:
+    """(send group, receive group) of position p in a ring of P.
+
+    With P = 2 both neighbours are the same peer, and Gloo moves the two directions of one
+    connection one after the other (measured: a 32 MB exchange takes 2.1x a one-way send on one
+    connection, 1.25x with the directions on two groups). Given a ``duplex`` group (same members,
+    its own connections, :func:`duplex_groups`), position 0 sends on ``group`` and receives on
+    ``duplex`` and position 1 the opposite, so each connection carries one direction.
+    """
+    if P != 2 or duplex is None:
+        return group, group
+    return (group, duplex) if p == 0 else (duplex, group)
+
+
+_DUPLEX: dict[Topology, dict[str, ProcessGroup | None]] = {}
+
+
+def duplex_groups(topo: Topology) -> dict[str, ProcessGroup | None]:
+    """A second process group for every 2-rank world/row/column/node/cross group (see
+    :func:`_directions`), created once per topology, on every rank, in the same order; ``None``
+    for kinds whose groups are not of 2 ranks, or on NCCL (its collectives need none).
+
+    Collective on first call: every rank must reach it (the algorithms call it before any data
+    moves; the hooks call it at registration).
+    """
+    if topo in _DUPLEX:
+        return _DUPLEX[topo]
+    W, L, (X, _) = topo.world_size, topo.ranks_per_node, topo.grid
+    layouts = {  # kind -> every group of that kind (the layout of flashsgd.comm.topology)
+        "world": [tuple(range(W))],
+        "row": [tuple(range(y, y + X)) for y in range(0, W, X)],
+        "col": [tuple(range(x, W, X)) for x in range(X)],
+        "node": [tuple(range(n, n + L)) for n in range(0, W, L)],
+        "cross": [tuple(range(l, W, L)) for l in range(L)],
+    }
+    mine = {"world": tuple(range(W)), "row": topo.row_ranks, "col": topo.col_ranks,
+            "node": topo.node_ranks, "cross": topo.cross_ranks}
+    made: dict[tuple[int, ...], ProcessGroup] = {}
+    out: dict[str, ProcessGroup | None] = {}
+    nccl = "nccl" in str(dist.get_backend())
+    for kind, groups in layouts.items():
+        out[kind] = None
+        if len(groups[0]) != 2 or nccl:
+            continue
+        for members in groups:
+            if members not in made:
+                made[members] = dist.new_group(list(members))
+        out[kind] = made[tuple(mine[kind])]
+    _DUPLEX[topo] = out
+    return out
+
+
+def reduce_scatter(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | None,
+                   duplex: ProcessGroup | None = None) -> tuple[int, int]:
     """Ring reduce-scatter of ``flat`` over ``ranks``; returns the ``[lo, hi)`` shard this rank owns.
 
     Patarasuk & Yuan 2009. After the call ``flat[lo:hi]`` holds the sum over ``ranks``; the rest of
@@ -220,15 +278,17 @@ def reduce_scatter(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup
         return b[p], b[p + 1]
     # Step 2: (P-1) steps, each moving one chunk of <= n/P elements per rank.
     right, left = (p + 1) % P, (p - 1) % P
+    groups = _directions(p, P, group, duplex)
     tmp = flat.new_empty(b[1])
     for s in range(P - 1):
         k_send, k_recv = (p - s - 1) % P, (p - s - 2) % P
         _exchange_add(flat[b[k_send]:b[k_send + 1]], right, flat[b[k_recv]:b[k_recv + 1]], tmp, left,
-                      group)
+                      groups)
     return b[p], b[p + 1]
 
 
-def all_gather(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | None) -> None:
+def all_gather(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | None,
+               duplex: ProcessGroup | None = None) -> None:
     """Ring all-gather: position p contributes chunk p of ``flat``; afterwards all of ``flat`` is filled.
 
     The inverse stage of :func:`reduce_scatter`. Cost over P ranks: (P-1) a + (P-1)/P n b.
@@ -254,12 +314,14 @@ def all_gather(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | N
         return
     # Step 2
     right, left = (p + 1) % P, (p - 1) % P
+    groups = _directions(p, P, group, duplex)
     for s in range(P - 1):
         k_send, k_recv = (p - s) % P, (p - s - 1) % P
-        _exchange(flat[b[k_send]:b[k_send + 1]], right, flat[b[k_recv]:b[k_recv + 1]], left, group)
+        _exchange(flat[b[k_send]:b[k_send + 1]], right, flat[b[k_recv]:b[k_recv + 1]], left, groups)
 
 
-def ring_allreduce(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | None) -> None:
+def ring_allreduce(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | None,
+                   duplex: ProcessGroup | None = None) -> None:
     """Sum ``flat`` over ``ranks`` in place: :func:`reduce_scatter` then :func:`all_gather`.
 
     Cost: 2(P-1) a + 2(P-1)/P n b + (P-1)/P n g (bandwidth-optimal). On NCCL a single native
@@ -270,8 +332,8 @@ def ring_allreduce(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup
     if _native_stages(flat, group):
         dist.all_reduce(flat, group=group)
         return
-    reduce_scatter(flat, ranks, group)
-    all_gather(flat, ranks, group)
+    reduce_scatter(flat, ranks, group, duplex)
+    all_gather(flat, ranks, group, duplex)
 
 
 # ------------------------------------------------------------------------------ algorithms ------
@@ -322,9 +384,10 @@ def ring(tensor: torch.Tensor, topology: Topology | None = None, op: str = "sum"
     world = list(range(topo.world_size))
     group = dist.group.WORLD if topo.world_size > 1 else None
     # Step 1
-    reduce_scatter(flat, world, group)
+    duplex = duplex_groups(topo)["world"]
+    reduce_scatter(flat, world, group, duplex)
     # Step 2
-    all_gather(flat, world, group)
+    all_gather(flat, world, group, duplex)
     return _finish(tensor, op, topo.world_size)
 
 
@@ -355,11 +418,12 @@ def hierarchical(tensor: torch.Tensor, topology: Topology | None = None, op: str
     """
     flat, topo = _prepare(tensor, op, check, "hierarchical", topology)
     # Step 1
-    lo, hi = reduce_scatter(flat, topo.node_ranks, topo.node_group)
+    duplex = duplex_groups(topo)
+    lo, hi = reduce_scatter(flat, topo.node_ranks, topo.node_group, duplex["node"])
     # Step 2
-    ring_allreduce(flat[lo:hi], topo.cross_ranks, topo.cross_group)
+    ring_allreduce(flat[lo:hi], topo.cross_ranks, topo.cross_group, duplex["cross"])
     # Step 3
-    all_gather(flat, topo.node_ranks, topo.node_group)
+    all_gather(flat, topo.node_ranks, topo.node_group, duplex["node"])
     return _finish(tensor, op, topo.world_size)
 
 
@@ -389,11 +453,12 @@ def torus2d(tensor: torch.Tensor, topology: Topology | None = None, op: str = "s
     """
     flat, topo = _prepare(tensor, op, check, "torus2d", topology)
     # Step 1
-    lo, hi = reduce_scatter(flat, topo.row_ranks, topo.row_group)
+    duplex = duplex_groups(topo)
+    lo, hi = reduce_scatter(flat, topo.row_ranks, topo.row_group, duplex["row"])
     # Step 2
-    ring_allreduce(flat[lo:hi], topo.col_ranks, topo.col_group)
+    ring_allreduce(flat[lo:hi], topo.col_ranks, topo.col_group, duplex["col"])
     # Step 3
-    all_gather(flat, topo.row_ranks, topo.row_group)
+    all_gather(flat, topo.row_ranks, topo.row_group, duplex["row"])
     return _finish(tensor, op, topo.world_size)
 
 

@@ -33,17 +33,20 @@ enqueued on NCCL's stream and return at once, so the completed Future we return 
 the communication with the rest of backward on the GPU. Gloo gives no futures for send/recv
 (DESIGN.md "Hard facts"), so two modes:
 
-* ``threaded=False`` (default): the bucket is reduced synchronously inside the hook and a completed
-  Future is returned. Lost: overlap of this bucket's communication with the backward computation
-  of the layers that remain; the backward thread waits for each bucket's all-reduce.
-* ``threaded=True``: the bucket is handed to one communication thread per state (FIFO, so every
-  rank issues the same collectives in the same order, since DDP launches buckets in index order)
-  and the hook returns its pending Future at once; backward continues meanwhile.
+* ``threaded=True`` (default): the bucket is handed to one communication thread per state (FIFO,
+  so every rank issues the same collectives in the same order, since DDP launches buckets in index
+  order) and the hook returns its pending Future at once; backward continues meanwhile, and DDP
+  waits for the Futures at the end of backward. Not for models that run collectives inside
+  backward themselves (SyncBatchNorm): two threads would then issue collectives concurrently.
+  CUDA buckets ignore it (NCCL calls return at once; no thread, no device/stream hand-over).
+* ``threaded=False``: the bucket is reduced synchronously inside the hook and a completed Future
+  is returned. Lost: overlap of this bucket's communication with the backward computation of the
+  layers that remain; the backward thread waits for each bucket's all-reduce.
 
-Measured on the shared 2-core machine (docs/benchmarks.md, "Dense all-reduce"), where compute and
-loopback communication compete for the same two cores, the thread did not pay for itself (see the
-numbers there), hence the synchronous default; on machines with spare cores or real NICs try
-``threaded=True``.
+Measured (``python benchmarks/hook_threading.py --world 4 --grid 2x2``, docs/benchmarks.md "Dense
+all-reduce"), on the shared 2-core machine: a 1.1 M-parameter MLP step took 204 ms with the ring
+hook synchronous vs 141 ms threaded (native DDP: 97 ms), torus2d 175 vs 118 ms; the thread pays
+even with 4 ranks on 2 cores, since a rank waiting on its peers leaves the core to backward.
 
 bucket_cap_mb (DDP's knob, default 25 MB; the first bucket is 1 MB) sets the message size of
 each call: one bucket = one all-reduce. Large buckets put the algorithms in the bandwidth regime,
@@ -71,7 +74,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.dense import ALLREDUCE, DTYPES
+from flashsgd.comm.dense import ALLREDUCE, DTYPES, duplex_groups
 from flashsgd.comm.topology import Topology, get_topology
 from flashsgd.registry import Registry
 
@@ -164,7 +167,7 @@ class DenseHookState(StatelessHookState):
     )
 
     def __init__(self, name: str, ranks_per_node: int | None = None, grid: str | None = None,
-                 threaded: bool = False) -> None:
+                 threaded: bool = True) -> None:
         if name not in ALLREDUCE or name == "native":
             raise ValueError(f"dense hook algorithm must be one of "
                              f"{', '.join(n for n in ALLREDUCE.names() if n != 'native')}, got {name!r}")
@@ -173,6 +176,7 @@ class DenseHookState(StatelessHookState):
         super().__init__(name)
         self.ranks_per_node, self.grid, self.threaded = ranks_per_node, grid, threaded
         self.topology: Topology | None = get_topology(ranks_per_node=ranks_per_node, grid=grid)
+        duplex_groups(self.topology)  # collective: create any extra groups now, not in backward
         self.comm: CommThread | None = CommThread() if threaded else None
         self.buckets = 0
         self.elements = 0
@@ -205,7 +209,7 @@ def dense_hook(state: DenseHookState, bucket: dist.GradBucket) -> torch.futures.
     state.buckets += 1
     state.elements += buf.numel()
     # Step 2
-    if state.comm is not None:
+    if state.comm is not None and not buf.is_cuda:  # NCCL enqueues asynchronously anyway
         # Step 3 (pending Future, completed by the thread)
         return state.comm.submit(lambda: fn(buf, topo, op="avg", check=False))
     fn(buf, topo, op="avg", check=False)
@@ -233,7 +237,7 @@ def _make_noop(ddp_model: Any) -> tuple[StatelessHookState, Callable]:
 
 def _dense_factory(name: str) -> HookFactory:
     def make(ddp_model: Any, ranks_per_node: int | None = None, grid: str | None = None,
-             threaded: bool = False) -> tuple[DenseHookState, Callable]:
+             threaded: bool = True) -> tuple[DenseHookState, Callable]:
         _check_model(ddp_model, name)
         return DenseHookState(name, ranks_per_node, grid, threaded), dense_hook
 

@@ -146,18 +146,36 @@ class SelectionWorkspace:
     ~15 ms for 25.6M fp32 here), so callers that select every step keep one of these.
     """
 
-    __slots__ = ("_mag", "_mask")
+    __slots__ = ("_mag", "_mask", "_words")
 
     def __init__(self) -> None:
         self._mag = torch.empty(0)
         self._mask = torch.empty(0, dtype=torch.bool)
+        self._words = torch.empty(0, dtype=torch.bool)
 
-    def buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(|x| buffer (n,), mask (n rounded up to 8, tail False), word mask (n8 / 8,))."""
         n = x.numel()
+        n8 = -(-n // 8) * 8
         if self._mag.numel() < n or self._mag.dtype != x.dtype:
             self._mag = torch.empty(n, dtype=x.dtype)
-            self._mask = torch.empty(n, dtype=torch.bool)
-        return self._mag[:n], self._mask[:n]
+            self._mask = torch.empty(n8, dtype=torch.bool)
+            self._words = torch.empty(n8 // 8, dtype=torch.bool)
+        mask = self._mask[:n8]
+        mask[n:] = False
+        return self._mag[:n], mask, self._words[:n8 // 8]
+
+
+def _nonzero_sparse(mask: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Ascending positions of the True entries of a sparse bool mask (length a multiple of 8).
+
+    torch.nonzero over 25.6M bools costs two passes over them; reading the mask as int64 words
+    first (8 bools per word) shrinks that scan 8x, then only the non-zero words are expanded.
+    """
+    torch.ne(mask.view(torch.int64), 0, out=words)
+    w = words.nonzero().squeeze(1)                                           # candidate words
+    pos = (w.unsqueeze(1) * 8 + torch.arange(8, dtype=torch.int64)).view(-1)  # (8 w,) ascending
+    return pos[mask[pos]]
 
 
 def topk_approx(x: torch.Tensor, k: int, *, tolerance: float = 0.25, sample_hits: int = 256,
@@ -180,7 +198,8 @@ def topk_approx(x: torch.Tensor, k: int, *, tolerance: float = 0.25, sample_hits
     |x| >= k-th magnitude >= t), so the result equals the exact top-k up to ties; the saving is
     that torch.topk runs over ~1.1k candidates instead of m entries.
 
-    Cost: one sample of s entries + 2-3 memory passes over m (|x|, compare, nonzero) per pass.
+    Cost: one sample of s entries + per pass: |x| (read 4m, write 4m bytes), compare (read 4m,
+    write m), and a scan of the mask as m/8 int64 words; then O(candidates).
 
     Args:
         x: flat floating-point tensor of m entries.
@@ -212,7 +231,7 @@ def topk_approx(x: torch.Tensor, k: int, *, tolerance: float = 0.25, sample_hits
     if generator is None:
         generator = torch.Generator().manual_seed(0)
     sample = x.index_select(0, torch.randint(0, m, (s,), generator=generator)).abs_()
-    mag, mask = (workspace or SelectionWorkspace()).buffers(x)
+    mag, mask, words = (workspace or SelectionWorkspace()).buffers(x)
     torch.abs(x, out=mag)
     # Step 2: h-th largest sample magnitude; expected count above it = h * m / s.
     h = max(1, round(s * k * (1 + tolerance / 2) / m))
@@ -221,8 +240,8 @@ def topk_approx(x: torch.Tensor, k: int, *, tolerance: float = 0.25, sample_hits
             break
         t = torch.topk(sample, h, sorted=False).values.min()
         # Step 3: candidates |x| >= t.
-        torch.ge(mag, t, out=mask)
-        cand = mask.nonzero().squeeze(1)
+        torch.ge(mag, t, out=mask[:m])
+        cand = _nonzero_sparse(mask, words)
         if cand.numel() >= k:
             # Step 5: exactly k; a mask over the (ascending) candidates keeps index order, O(c).
             keep = torch.zeros(cand.numel(), dtype=torch.bool)
@@ -243,20 +262,47 @@ def merge_topk(va: torch.Tensor, ia: torch.Tensor, vb: torch.Tensor, ib: torch.T
                k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum two sparse vectors and keep the k entries of largest |sum|; ties go to the lower index.
 
-    Inputs: values and int64 indices, each side's indices distinct. Output sorted by index. The
-    result does not depend on the order of the two sides (the union is sorted, and at a common
-    index the sum has exactly two terms, and IEEE addition is commutative), so the two ranks of a
-    butterfly pair get bit-identical results. Cost: a sort of 2k indices, O(k log k).
+    Inputs: values and int64 indices, each side sorted by index with distinct indices (the
+    canonical form). Output in the same form. Algorithm:
+        1. Merge positions by binary search: a_i goes to slot i + #{b < a_i}, b_j to
+           j + #{a < b_j}; an index present on both sides lands in one slot (i + j), where the two
+           values are added; slots left empty are marked with index -1 and magnitude -1.
+        2. t = the k-th largest magnitude; keep every |sum| > t, then the lowest-index entries
+           with |sum| == t until k are kept (the slots are in index order).
+    The result does not depend on the order of the two sides (a common index's sum has exactly
+    two terms, and IEEE addition is commutative), so the two ranks of a butterfly pair get
+    bit-identical results. Cost: O(k log k) binary searches + an O(k) selection, no sort.
     """
-    idx = torch.cat([ia, ib])
-    val = torch.cat([va, vb])
-    uniq, inv = torch.unique(idx, sorted=True, return_inverse=True)
-    summed = torch.zeros(uniq.numel(), dtype=val.dtype).index_add_(0, inv, val)
-    if uniq.numel() <= k:
-        return summed, uniq
-    # stable descending sort keeps equal magnitudes in ascending index order
-    order = torch.sort(summed.abs(), descending=True, stable=True).indices[:k].sort().values
-    return summed[order], uniq[order]
+    na, nb = ia.numel(), ib.numel()
+    # Step 1
+    pa = torch.arange(na) + torch.searchsorted(ib, ia)
+    pb = torch.arange(nb) + torch.searchsorted(ia, ib)
+    slots = na + nb
+    idx = torch.full((slots,), -1, dtype=torch.int64)
+    idx[pa] = ia
+    idx[pb] = ib
+    val = torch.zeros(slots, dtype=va.dtype)
+    val.index_put_((pa,), va)
+    val.index_put_((pb,), vb, accumulate=True)
+    filled = idx >= 0
+    if int(filled.sum()) <= k:
+        return val[filled], idx[filled]
+    mag = val.abs().masked_fill_(~filled, -1)
+    # Step 2
+    t = torch.topk(mag, k, sorted=False).values.min()
+    keep = mag > t
+    need = k - int(keep.sum())
+    if need > 0:
+        keep[(mag == t).nonzero().squeeze(1)[:need]] = True
+    return val[keep], idx[keep]
+
+
+def _counted(mine: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """The entries of sorted ``mine`` that are also in sorted ``kept`` (binary search, O(k log k))."""
+    if mine.numel() == 0 or kept.numel() == 0:
+        return mine[:0]
+    pos = torch.searchsorted(kept, mine).clamp_(max=kept.numel() - 1)
+    return mine[kept[pos] == mine]
 
 
 def _canonical(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int
@@ -272,13 +318,14 @@ def _canonical(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int
     if values.numel() != k:
         raise ValueError(f"expected k={k} (value, index) pairs, got {values.numel()}")
     indices = indices.to(torch.int64)
-    order = indices.argsort()
-    indices, values = indices[order], values[order]
+    if k > 1 and not bool((indices[1:] > indices[:-1]).all()):  # not yet ascending: sort, O(k log k)
+        order = indices.argsort()
+        indices, values = indices[order], values[order]
+        if bool((indices[1:] == indices[:-1]).any()):
+            raise ValueError("indices must be distinct")
     if indices[0] < 0 or indices[-1] >= numel:
         raise ValueError(f"indices must lie in [0, numel={numel}), got range "
                          f"[{int(indices[0])}, {int(indices[-1])}]")
-    if k > 1 and bool((indices[1:] == indices[:-1]).any()):
-        raise ValueError("indices must be distinct")
     return values, indices
 
 
@@ -305,7 +352,7 @@ def gtopk_reference(values: list[torch.Tensor], indices: list[torch.Tensor], k: 
 
     def join(a, b):
         v, i = merge_topk(a[0], a[1], b[0], b[1], k)
-        alive = {r: c[torch.isin(c, i)] for r, c in (a[2] | b[2]).items()}
+        alive = {r: _counted(c, i) for r, c in (a[2] | b[2]).items()}
         return v, i, alive
 
     # fold-in: node r takes rank r + p2; then pairs of consecutive nodes, level by level
@@ -384,7 +431,8 @@ def check_sizes(k: int, numel: int, n_pairs: int, group: ProcessGroup | None, wh
 
 
 def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
-                   group: ProcessGroup | None = None, check: bool = True) -> torch.Tensor:
+                   group: ProcessGroup | None = None, check: bool = True,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k S-SGD exchange: all-gather every rank's k pairs and sum them into a dense vector.
 
     Algorithm:
@@ -401,9 +449,10 @@ def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
         numel: length of the dense gradient.
         group: process group (None: the default group).
         check: verify equal k and numel on all ranks first (one tiny all-gather).
+        out: flat tensor of ``numel`` to write the sum into (overwritten; saves an allocation).
 
     Returns:
-        The dense sum over ranks (not averaged), dtype of ``values``.
+        The dense sum over ranks (not averaged), dtype of ``values`` (``out`` if given).
 
     Example::
 
@@ -424,7 +473,12 @@ def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
     else:
         gathered = msg
     # Step 3
-    out = torch.zeros(numel, dtype=values.dtype)
+    if out is None:
+        out = torch.zeros(numel, dtype=values.dtype)
+    elif out.dim() != 1 or out.numel() != numel:
+        raise ValueError(f"out must be a flat tensor of numel={numel}, got shape {tuple(out.shape)}")
+    else:
+        out.zero_()
     for part in gathered.view(world, msg.numel()):
         v, i = _unpack(part, k, values.dtype)
         out.index_add_(0, i, v)
@@ -501,19 +555,19 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
         ov, oi = _unpack(msg, k, dtype)
         guest_all = oi.clone()
         values, indices = merge_topk(values, indices, ov, oi, k)
-        mine, guest = mine[torch.isin(mine, indices)], guest_all[torch.isin(guest_all, indices)]
+        mine, guest = _counted(mine, indices), _counted(guest_all, indices)
     # Step 2: butterfly
     recv = torch.empty(_message_len(k, dtype), dtype=torch.int64)
     for i in range(p2.bit_length() - 1):
         _swap(_pack(values, indices), recv, rank ^ (1 << i), group)
         ov, oi = _unpack(recv, k, dtype)
         values, indices = merge_topk(values, indices, ov, oi, k)
-        mine = mine[torch.isin(mine, indices)]
+        mine = _counted(mine, indices)
         if guest is not None:
-            guest = guest[torch.isin(guest, indices)]
+            guest = _counted(guest, indices)
     # Step 3: fold out
     if guest is not None:
-        mask = torch.isin(guest_all, guest).to(torch.uint8)
+        mask = torch.isin(guest_all, guest).to(torch.uint8)  # (k,) 1 = that local value counted
         dist.send(_pack(values, indices, mask), group=group, group_dst=rank + p2)
     return GTopk(values, indices, mine)
 

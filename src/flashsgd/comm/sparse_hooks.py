@@ -146,12 +146,26 @@ class SparseHookState:
         pos = self.param_positions or {}
         return tuple((pos.get(id(p)), p.numel()) for p in bucket.parameters())
 
+    def bind(self, ddp_model: Any) -> "SparseHookState":
+        """Attach to a DDP model: its process group and the parameter positions (after unpickling)."""
+        module = getattr(ddp_model, "module", ddp_model)
+        self.param_positions = {id(p): i for i, p in enumerate(module.parameters())}
+        self.process_group = getattr(ddp_model, "process_group", None)
+        return self
+
+    def _same_layout(self, stored: tuple | None, layout: tuple) -> bool:
+        if stored is None or self.param_positions is not None:
+            return stored == layout
+        # unpickled and not bound: positions unknown, trust equal parameter sizes
+        return [n for _, n in stored] == [n for _, n in layout]
+
     def residual(self, bucket: dist.GradBucket) -> torch.Tensor:
         """This bucket's residual (zeros the first time), re-assembled if the layout changed."""
         idx, buf = bucket.index(), bucket.buffer()
         layout = self.layout(bucket)
         res = self.residuals.get(idx)
-        if res is not None and (self.layouts.get(idx) != layout or res.numel() != buf.numel()):
+        if res is not None and (not self._same_layout(self.layouts.get(idx), layout)
+                                or res.numel() != buf.numel()):
             self._split_residuals()  # DDP rebuilt its buckets, or a checkpoint of another layout
             res = None
         if res is None:
@@ -232,9 +246,8 @@ def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Ten
         state.checked.add(idx)
     # Step 3: exchange; Step 5: the bucket becomes sum / world
     if state.algorithm == "topk":
-        total = topk_allgather(values, indices, n, group, check=False)
+        topk_allgather(values, indices, n, group, check=False, out=buf).div_(world)
         counted = indices
-        buf.copy_(total.div_(world))
         state.bytes_sent += topk_bytes_sent(k, world, values.dtype)
     else:
         res = gtopk_allreduce(values, indices, k, n, group, check=False)
@@ -245,7 +258,9 @@ def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Ten
     # Step 4: residual = acc minus what was counted
     acc.index_fill_(0, counted, 0)
     state.residuals[idx] = acc
-    state.layouts[idx] = state.layout(bucket)
+    layout = state.layout(bucket)
+    if not state._same_layout(state.layouts.get(idx), layout):  # keep known positions if unbound
+        state.layouts[idx] = layout
     state.sparse_buckets += 1
     state.last_density = density
 
@@ -256,13 +271,11 @@ def _factory(algorithm: str) -> Callable:
              selection: str = "exact", seed: int = 0) -> tuple[SparseHookState, Callable]:
         schedule = DensitySchedule(density, warmup_density, warmup_steps, warmup_mode)
         module = getattr(ddp_model, "module", ddp_model)
-        positions = {id(p): i for i, p in enumerate(module.parameters())}
         for name, p in module.named_parameters():
             if p.requires_grad and not p.is_floating_point():
                 raise ValueError(f"hook {algorithm!r}: parameter {name!r} is {p.dtype}; "
                                  "gradients must be floating point")
-        state = SparseHookState(algorithm, schedule, start_iter, selection, seed,
-                                getattr(ddp_model, "process_group", None), positions)
+        state = SparseHookState(algorithm, schedule, start_iter, selection, seed).bind(ddp_model)
         return state, sparse_hook
 
     make.__name__ = f"_make_{algorithm}"

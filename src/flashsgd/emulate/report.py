@@ -54,27 +54,54 @@ def bytes_per_payload_byte(probe_doc: dict | None) -> dict[str, dict[str, float]
     return out
 
 
+def _size_and_time(row: dict, meta: dict) -> tuple[float, float] | None:
+    """(message bytes, seconds) of a row: dense bench rows (``size_bytes``, ``time_us``) or sparse
+    bench rows (``e2e_ms``, gradient of ``meta.config.numel`` fp32 elements)."""
+    size, t_us = row.get("size_bytes"), row.get("time_us")
+    if size is None and "e2e_ms" in row:
+        numel = meta.get("config", {}).get("numel")
+        size, t_us = (numel * 4 if isinstance(numel, int) else None), row["e2e_ms"] * 1e3
+    if not isinstance(size, (int, float)) or not isinstance(t_us, (int, float)) or t_us <= 0:
+        return None
+    return float(size), t_us * 1e-6
+
+
 def annotate(doc: dict, nodes: int, rate_bps: float, probe_doc: dict | None = None) -> dict:
-    """Add ``emu_*`` fields (bound, fraction of it, link usage, algbw, busbw) to every timed row."""
-    world = int(doc.get("meta", {}).get("world", nodes))
+    """Add ``emu_*`` fields (bound, fraction of it, link usage, algbw, busbw) to every timed row.
+
+    Link usage comes from the probe's measured bytes per message byte (dense algorithms), else from
+    the row's own ``bytes_per_rank`` (the sparse bench's count) times the ranks per node, which is
+    exact with one rank per node and an upper bound otherwise (``emu_bytes_source`` says which).
+    """
+    meta = doc.get("meta", {})
+    world = int(meta.get("world", nodes))
+    rpn = max(1, world // max(1, nodes))
     ratios = bytes_per_payload_byte(probe_doc)
     for row in doc.get("results", []):
-        size, t_us = row.get("size_bytes"), row.get("time_us")
-        if not isinstance(size, (int, float)) or not isinstance(t_us, (int, float)) or t_us <= 0:
+        st = _size_and_time(row, meta)
+        if st is None:
             continue
-        t = t_us * 1e-6
-        row.setdefault("algbw_gbps", size / t / 1e9)  # nccl-tests: GB/s, GB = 1e9 B
-        row.setdefault("busbw_gbps", row["algbw_gbps"] * 2 * (world - 1) / world)
+        size, t = st
+        if "size_bytes" in row:
+            row.setdefault("algbw_gbps", size / t / 1e9)  # nccl-tests: GB/s, GB = 1e9 B
+            row.setdefault("busbw_gbps", row["algbw_gbps"] * 2 * (world - 1) / world)
         b = bound_s(size, nodes, rate_bps)
         row["emu_bound_us"] = b * 1e6
         row["emu_frac_of_bound"] = b / t if nodes > 1 else None
         r = ratios.get(row.get("algorithm"))
         if r:
-            row["emu_node_tx_bytes"] = r["node_tx"] * size
-            row["emu_node_gbps"] = r["node_tx"] * size * 8 / t / 1e9
-            row["emu_link_bytes"] = r["busiest"] * size
-            row["emu_link_gbps"] = r["busiest"] * size * 8 / t / 1e9
-            row["emu_link_util"] = row["emu_link_gbps"] * 1e9 / rate_bps
+            node_tx, busiest, source = r["node_tx"] * size, r["busiest"] * size, "measured (probe)"
+        elif isinstance(row.get("bytes_per_rank"), (int, float)):
+            node_tx = busiest = row["bytes_per_rank"] * rpn
+            source = "bench bytes_per_rank x ranks per node"
+        else:
+            continue
+        row["emu_bytes_source"] = source
+        row["emu_node_tx_bytes"] = node_tx
+        row["emu_node_gbps"] = node_tx * 8 / t / 1e9
+        row["emu_link_bytes"] = busiest
+        row["emu_link_gbps"] = busiest * 8 / t / 1e9
+        row["emu_link_util"] = row["emu_link_gbps"] * 1e9 / rate_bps
     return doc
 
 
@@ -92,11 +119,13 @@ def format_table(doc: dict) -> str:
     for row in doc.get("results", []):
         if "emu_bound_us" not in row:
             continue
-        size = row["size_bytes"]
+        size, t = _size_and_time(row, doc.get("meta", {}))
         per_byte = row["emu_link_bytes"] / size if "emu_link_bytes" in row else None
+        name = row["algorithm"] + (f"@{row['density']:g}" if row["algorithm"] in ("topk", "gtopk") else "")
         lines.append(
-            f"{row['algorithm']:>12} {size / 1e6:9.2f} {row['time_us'] / 1e3:10.2f} "
-            f"{row['algbw_gbps']:10.4f} {row['busbw_gbps']:10.4f} {row['emu_bound_us'] / 1e3:9.2f} "
+            f"{name:>12} {size / 1e6:9.2f} {t * 1e3:10.2f} "
+            f"{_fmt(row.get('algbw_gbps'), '10.4f')} {_fmt(row.get('busbw_gbps'), '10.4f')} "
+            f"{row['emu_bound_us'] / 1e3:9.2f} "
             f"{_fmt(row['emu_frac_of_bound'], '8.3f')} {_fmt(per_byte, '8.3f')} "
             f"{_fmt(row.get('emu_node_gbps'), '9.3f')} {_fmt(row.get('emu_link_gbps'), '9.3f')} "
             f"{_fmt(row.get('emu_link_util'), '5.2f')}")
@@ -132,6 +161,45 @@ def plot(doc: dict, path: str, title: str = "") -> None:
     ax_f.set_ylim(0, 1.1)
     if title:
         fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sparse(doc: dict, path: str, title: str = "") -> None:
+    """Bars of end-to-end time per algorithm for each density, with the dense physical bound."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc.get("results", []) if "emu_bound_us" in r and "e2e_ms" in r]
+    densities = sorted({r["density"] for r in rows if r["algorithm"] != "dense"})
+    algos = list(dict.fromkeys(r["algorithm"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / max(1, len(algos))
+    for j, algo in enumerate(algos):
+        ys = []
+        for d in densities:
+            match = [r for r in rows if r["algorithm"] == algo
+                     and (r.get("for_density", r["density"]) == d)]
+            ys.append(match[0]["e2e_ms"] if match else float("nan"))
+        xs = [i + (j - (len(algos) - 1) / 2) * width for i in range(len(densities))]
+        bars = ax.bar(xs, ys, width, label=algo)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        sel = [next((r.get("select_ms") for r in rows if r["algorithm"] == algo and r["density"] == d),
+                    None) for d in densities]
+        if any(v is not None for v in sel):
+            ax.bar(xs, [v or 0 for v in sel], width, fill=False, hatch="//", edgecolor="k", lw=0,
+                   label="(top-k selection part)" if j == len(algos) - 1 else None)
+    bound_ms = rows[0]["emu_bound_us"] / 1e3 if rows else 0
+    ax.axhline(bound_ms, color="k", ls="--", label=f"dense physical bound {bound_ms:.0f} ms")
+    ax.set_xticks(range(len(densities)), [f"density {d:g}" for d in densities])
+    ax.set_ylim(0, max([r["e2e_ms"] for r in rows] + [bound_ms]) * 1.25)
+    ax.set_ylabel("time per exchange, end to end (ms)")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=3, loc="upper center")
+    if title:
+        ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

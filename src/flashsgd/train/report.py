@@ -159,12 +159,13 @@ def make_report(metrics_path: str | Path, png_path: str | Path, title: str = "")
     x = [s["step"] for s in steps]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
     ax = axes[0, 0]
-    ax.plot(x, [s["loss"] for s in steps], lw=1.2, label="train loss (global batch mean)")
+    ax.plot(x, [s["loss"] for s in steps], lw=1.2, label="train loss (with label smoothing)")
     if evals:
         ax.plot([e["step"] for e in evals], [e["test_loss"] for e in evals], "o-", ms=4,
                 label="test loss")
     ax.set(title="Loss", xlabel="optimizer step", ylabel="cross-entropy")
-    ax.set_yscale("log")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
     ax.legend()
     ax = axes[0, 1]
     if evals:
@@ -181,8 +182,12 @@ def make_report(metrics_path: str | Path, png_path: str | Path, title: str = "")
            ylabel="LR")
     ax.grid(alpha=0.3)
     ax = axes[1, 1]
-    ax.step(x, [s["global_batch"] for s in steps], where="post", color="tab:purple")
-    ax.set(title="Global batch (batch-size control)", xlabel="optimizer step", ylabel="samples")
+    sched = [s.get("scheduled_batch", s["global_batch"]) for s in steps]
+    ax.step(x, sched, where="post", color="tab:purple", label="scheduled (batch-size control)")
+    ax.plot(x, [s["global_batch"] for s in steps], ".", ms=3, color="tab:gray",
+            label="actual (last step of an epoch takes the remainder)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set(title="Global batch", xlabel="optimizer step", ylabel="samples")
     ax.set_ylim(0, max([s["global_batch"] for s in steps] or [1]) * 1.15)
     ax.grid(alpha=0.3)
     if title:
