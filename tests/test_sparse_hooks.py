@@ -119,18 +119,23 @@ def _hooks_body():
         fresh.load_state_dict(snap[0])
         model_b = DDP(fresh)
         opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1, momentum=0.9)
-        opt_b.load_state_dict(snap[1])
+        opt_b.load_state_dict(copy.deepcopy(snap[1]))  # SGD keeps the given momentum tensors
         state_b = register_hook(model_b, "gtopk", density=0.05, selection=selection, seed=3)
         state_b.load_state_dict(snap[2])
         _train(model_b, None, 3, first=4, opt=opt_b)
         assert torch.equal(_params(model), _params(model_b)), selection
-        # the unpickled state, attached without register_hook (not bound): same trajectory
+        # the unpickled state, re-attached by hand: refuses to run unbound, then same trajectory
         fresh_c = _net(seed=98)
         fresh_c.load_state_dict(snap[0])
         model_c = DDP(fresh_c)
         opt_c = torch.optim.SGD(model_c.parameters(), lr=0.1, momentum=0.9)
-        opt_c.load_state_dict(snap[1])
-        model_c.register_comm_hook(pickled, sparse_hook)
+        opt_c.load_state_dict(copy.deepcopy(snap[1]))
+        try:
+            sparse_hook(pickled, None)
+            raise AssertionError("an unbound state must refuse to run")
+        except RuntimeError as exc:
+            assert "bind(ddp_model)" in str(exc)
+        model_c.register_comm_hook(pickled.bind(model_c), sparse_hook)
         _train(model_c, None, 3, first=4, opt=opt_c)
         assert torch.equal(_params(model), _params(model_c)), selection
         assert state_b.iter == state.iter == 7

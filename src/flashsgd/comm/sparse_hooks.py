@@ -153,19 +153,12 @@ class SparseHookState:
         self.process_group = getattr(ddp_model, "process_group", None)
         return self
 
-    def _same_layout(self, stored: tuple | None, layout: tuple) -> bool:
-        if stored is None or self.param_positions is not None:
-            return stored == layout
-        # unpickled and not bound: positions unknown, trust equal parameter sizes
-        return [n for _, n in stored] == [n for _, n in layout]
-
     def residual(self, bucket: dist.GradBucket) -> torch.Tensor:
         """This bucket's residual (zeros the first time), re-assembled if the layout changed."""
         idx, buf = bucket.index(), bucket.buffer()
         layout = self.layout(bucket)
         res = self.residuals.get(idx)
-        if res is not None and (not self._same_layout(self.layouts.get(idx), layout)
-                                or res.numel() != buf.numel()):
+        if res is not None and (self.layouts.get(idx) != layout or res.numel() != buf.numel()):
             self._split_residuals()  # DDP rebuilt its buckets, or a checkpoint of another layout
             res = None
         if res is None:
@@ -210,6 +203,9 @@ def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.future
     ``state.start_iter``. Runs synchronously and returns a completed Future (Gloo has no
     send/recv futures).
     """
+    if state.param_positions is None:
+        raise RuntimeError("sparse hook state is not bound to a model (unpickled?): call "
+                           "state.bind(ddp_model) before ddp_model.register_comm_hook(state, sparse_hook)")
     buf = bucket.buffer()
     world, n = _world(state), buf.numel()
     if state.iter < state.start_iter:
@@ -258,9 +254,7 @@ def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Ten
     # Step 4: residual = acc minus what was counted
     acc.index_fill_(0, counted, 0)
     state.residuals[idx] = acc
-    layout = state.layout(bucket)
-    if not state._same_layout(state.layouts.get(idx), layout):  # keep known positions if unbound
-        state.layouts[idx] = layout
+    state.layouts[idx] = state.layout(bucket)
     state.sparse_buckets += 1
     state.last_density = density
 

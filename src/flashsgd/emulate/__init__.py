@@ -1,0 +1,11 @@
+"""An emulated cluster on one machine: network namespaces as nodes, ``tbf``-capped links (issue 7).
+
+- :mod:`flashsgd.emulate.netns`: build / tear down namespaces, bridge, veths, shaping; stale cleanup.
+- :mod:`flashsgd.emulate.ranks`: start a command as every rank, in its node's namespace.
+- :mod:`flashsgd.emulate.store`: the job's rendezvous store, hosted apart from the ranks.
+- :mod:`flashsgd.emulate.probe`: per-rank all-reduce check and per-link byte counts.
+- :mod:`flashsgd.emulate.report`: physical bound, fraction of it, link usage, plots.
+- ``python -m flashsgd.emulate BENCH ...``: the per-rank entry that runs ``flashsgd bench BENCH``.
+
+The command is ``flashsgd bench emulate`` (:mod:`flashsgd.bench.emulate`).
+"""
