@@ -148,7 +148,7 @@ def _plot(results: dict, path: Path) -> None:
         ax.set_title(f"batch {batch} vs {BASE_BATCH}")
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="center right")
     fig.suptitle("MNIST-1D 1D-CNN, same epochs: large-batch recipe (mean over seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -260,6 +260,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="selection used in the exchange rows (default approx)")
     parser.add_argument("--selection", action="store_true",
                         help="run the single-process selection micro-benchmark instead")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="--selection: torch intra-op threads (default 0: torch's default)")
     parser.add_argument("--iters", type=int, default=5, help="timed repetitions (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls before timing (default 1)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the run is aborted")
@@ -298,6 +300,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"flashsgd bench sparse: error: {exc}") from None
     if args.selection:
+        if args.threads < 0:
+            raise SystemExit(f"flashsgd bench sparse: error: --threads must be >= 0, got {args.threads}")
+        if args.threads:
+            torch.set_num_threads(args.threads)
         results = measure_selection(cfg)
         out = {"meta": run_metadata(benchmark="sparse", mode="selection", numel=cfg.numel,
                                     torch_threads=torch.get_num_threads(),

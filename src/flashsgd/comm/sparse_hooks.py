@@ -10,7 +10,8 @@ Paper: Shi et al. 2019, gTop-k S-SGD (arXiv 1901.04359); the exchanges are in
 
 Per bucket and step (after ``start_iter`` dense iterations):
     1. acc = bucket gradient + this bucket's residual (local, un-averaged units).
-    2. k = ceil(density(step) * numel); select the k largest |acc| (``exact``: torch.topk,
+    2. k = ceil(density(step) * numel), step = iterations seen by the hook (dense ones included);
+       select the k largest |acc| (``exact``: torch.topk,
        ``approx``: sampled threshold, :func:`~flashsgd.comm.sparse.topk_approx`).
     3. Exchange: ``topk`` all-gathers every rank's pairs and sums them; ``gtopk`` runs the
        butterfly merge tree and keeps the global k.
@@ -26,7 +27,13 @@ all residuals are split per parameter and re-assembled for the new buckets, so n
 
 Gloo has no futures for send/recv (DESIGN.md), so the sparse step runs synchronously inside the
 hook and returns a completed Future: the communication of a bucket does not overlap the backward
-of the remaining layers (selection is compute-bound anyway, on the same cores).
+of the remaining layers (selection is compute-bound anyway, on the same cores). The dense
+warm-up iterations are synchronous too.
+
+Checkpoints: ``state.state_dict()`` / ``load_state_dict()`` (iteration, residuals with their
+layouts, the approx sample's RNG state, counters). Pickling drops the process group and the
+id-based parameter map; an unpickled state must be re-attached with
+``ddp.register_comm_hook(state.bind(ddp), sparse_hook)`` (it refuses to run unbound).
 
 Options (``register_hook(ddp, "topk" | "gtopk", ...)``): ``density`` (0.001), ``warmup_density``
 (None), ``warmup_steps`` (0), ``warmup_mode`` ("exponential"), ``start_iter`` (2), ``selection``

@@ -1,0 +1,235 @@
+"""Density schedules and top-k selection by magnitude for the sparse exchanges (:mod:`.sparse`).
+
+Paper: Shi et al. 2019 (gTop-k, arXiv 1901.04359): each rank sends the k = ceil(density * m)
+largest |entries| of its error-fed gradient, with a denser warm-up in the first epoch(s).
+
+- :func:`topk_exact`: ``torch.topk`` over |x|.
+- :func:`topk_approx`: a threshold from a random sample, one pass over x, an exact trim of the
+  ~1.1 k candidates; equals the exact top-k whenever the pass finds >= k candidates (see its
+  docstring), ~10x faster than ``torch.topk`` on 25.6M fp32 with one thread (docs/benchmarks.md).
+- :func:`density_at` / :class:`DensitySchedule`: fixed density, or warm-up from a denser start.
+
+Example::
+
+    >>> x = torch.tensor([0.1, -3.0, 2.0, 0.5])
+    >>> topk_exact(x, 2)
+    (tensor([-3.,  2.]), tensor([1, 2]))
+    >>> k_from_density(25_557_032, 0.001)
+    25558
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+# ----------------------------------------------------------------------------- density ----------
+
+
+def validate_density(density: float, name: str = "density") -> float:
+    """Return ``density`` as a float if it lies in (0, 1], else raise ValueError naming ``name``."""
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1] (fraction of entries sent), "
+                         f"got {density!r}")
+    return float(density)
+
+
+def k_from_density(numel: int, density: float) -> int:
+    """k = ceil(density * numel), at least 1: the number of entries each rank sends."""
+    if not isinstance(numel, int) or numel < 1:
+        raise ValueError(f"numel must be an integer >= 1, got {numel!r}")
+    # ceil of a product that is an integer up to rounding (0.001 * 25_557_032 = 25557.032): round
+    # to 9 digits first so 0.01 * 1000 gives 10, not 11.
+    return max(1, min(numel, math.ceil(round(validate_density(density) * numel, 9))))
+
+
+def density_at(step: int, density: float, warmup_density: float | None = None,
+               warmup_steps: int = 0, mode: Literal["exponential", "linear"] = "exponential") -> float:
+    """Density at iteration ``step``: ``warmup_density`` -> ``density`` over ``warmup_steps``, then flat.
+
+    Shi et al. (and DGC) send more in the first epoch(s). ``exponential`` interpolates the log of
+    the density (0.25 -> 0.001 over 4 epochs gives 0.25, 0.063, 0.016, 0.004, 0.001 at the epoch
+    boundaries); ``linear`` interpolates the density itself. Pure function of ``step``.
+
+    Example::
+
+        >>> density_at(50, 0.001, warmup_density=0.25, warmup_steps=100)   # sqrt(0.25 * 0.001)
+        0.0158...
+    """
+    density = validate_density(density)
+    if warmup_density is None or warmup_steps <= 0 or step >= warmup_steps:
+        return density
+    start = validate_density(warmup_density, "warmup_density")
+    frac = max(step, 0) / warmup_steps
+    if mode == "exponential":
+        return start * (density / start) ** frac
+    if mode == "linear":
+        return start + (density - start) * frac
+    raise ValueError(f"mode must be 'exponential' or 'linear', got {mode!r}")
+
+
+@dataclass(frozen=True)
+class DensitySchedule:
+    """A fixed density, optionally after a denser warm-up (see :func:`density_at`)."""
+
+    density: float = 0.001
+    """Target fraction of entries each rank sends, in (0, 1]."""
+    warmup_density: float | None = None
+    """Density at step 0 of the warm-up (e.g. 0.25); None: no warm-up."""
+    warmup_steps: int = 0
+    """Iterations of the warm-up (the trainer converts epochs to iterations)."""
+    mode: Literal["exponential", "linear"] = "exponential"
+    """Interpolation between warmup_density and density."""
+
+    def __post_init__(self) -> None:
+        validate_density(self.density)
+        if self.warmup_density is not None:
+            validate_density(self.warmup_density, "warmup_density")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.mode not in ("exponential", "linear"):
+            raise ValueError(f"mode must be 'exponential' or 'linear', got {self.mode!r}")
+
+    def __call__(self, step: int) -> float:
+        return density_at(step, self.density, self.warmup_density, self.warmup_steps, self.mode)
+
+
+# --------------------------------------------------------------------------- selection ----------
+
+def _check_selection(x: torch.Tensor, k: int) -> int:
+    if x.dim() != 1 or not x.is_floating_point():
+        raise ValueError(f"x must be a flat floating-point tensor, got shape {tuple(x.shape)} {x.dtype}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= x.numel():
+        raise ValueError(f"k must be an integer in [1, {x.numel()}] (numel of x), got {k!r}")
+    return x.numel()
+
+
+def topk_exact(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k entries of flat ``x`` with the largest |value|: ``(values, int64 indices)``, by index.
+
+    ``torch.topk`` on |x|; ties at the k-th magnitude are resolved as torch.topk does
+    (deterministic for a given input). Output sorted by index (the canonical form used below).
+    """
+    _check_selection(x, k)
+    idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values
+    return x[idx], idx
+
+
+class SelectionWorkspace:
+    """Reusable |x| and mask buffers for :func:`topk_approx`.
+
+    A fresh 100 MB buffer per call costs more in page faults than the pass itself (~70 ms vs
+    ~15 ms for 25.6M fp32 here), so callers that select every step keep one of these.
+    """
+
+    __slots__ = ("_mag", "_mask", "_words")
+
+    def __init__(self) -> None:
+        self._mag = torch.empty(0)
+        self._mask = torch.empty(0, dtype=torch.bool)
+        self._words = torch.empty(0, dtype=torch.bool)
+
+    def buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(|x| buffer (n,), mask (n rounded up to 8, tail False), word mask (n8 / 8,))."""
+        n = x.numel()
+        n8 = -(-n // 8) * 8
+        if self._mag.numel() < n or self._mag.dtype != x.dtype:
+            self._mag = torch.empty(n, dtype=x.dtype)
+            self._mask = torch.empty(n8, dtype=torch.bool)
+            self._words = torch.empty(n8 // 8, dtype=torch.bool)
+        mask = self._mask[:n8]
+        mask[n:] = False
+        return self._mag[:n], mask, self._words[:n8 // 8]
+
+
+def _nonzero_sparse(mask: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Ascending positions of the True entries of a sparse bool mask (length a multiple of 8).
+
+    torch.nonzero over 25.6M bools costs two passes over them; reading the mask as int64 words
+    first (8 bools per word) shrinks that scan 8x, then only the non-zero words are expanded.
+    """
+    torch.ne(mask.view(torch.int64), 0, out=words)
+    w = words.nonzero().squeeze(1)                                           # candidate words
+    pos = (w.unsqueeze(1) * 8 + torch.arange(8, dtype=torch.int64)).view(-1)  # (8 w,) ascending
+    return pos[mask[pos]]
+
+
+def topk_approx(x: torch.Tensor, k: int, *, tolerance: float = 0.25, sample_hits: int = 256,
+                max_passes: int = 3, generator: torch.Generator | None = None,
+                workspace: SelectionWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k by |value| through a threshold estimated from a random sample (one pass over x).
+
+    Algorithm:
+        1. Draw ``s = ceil(sample_hits * m / k)`` positions uniformly (with replacement), so that
+           about ``sample_hits`` sampled magnitudes lie above the k-th largest one.
+        2. Threshold t = the h-th largest sampled magnitude, h chosen so that the expected number
+           of candidates ``|x| >= t`` is ``(1 + tolerance/2) k``, the middle of the target window
+           ``[k, (1 + tolerance) k]`` (relative spread of the count ~ 1/sqrt(h) ~ 6%).
+        3. One pass over x: candidates = positions with |x| >= t.
+        4. Refine: if fewer than k candidates, t was too high: double h and repeat step 3 (at most
+           ``max_passes`` passes, then fall back to :func:`topk_exact`).
+        5. Trim the candidates to exactly k with torch.topk over them (O(candidates)).
+
+    Whenever step 3 finds >= k candidates they contain every entry of the exact top-k (all have
+    |x| >= k-th magnitude >= t), so the result equals the exact top-k up to ties; the saving is
+    that torch.topk runs over ~1.1k candidates instead of m entries.
+
+    Cost: one sample of s entries + per pass: |x| (read 4m, write 4m bytes), compare (read 4m,
+    write m), and a scan of the mask as m/8 int64 words; then O(candidates).
+
+    Args:
+        x: flat floating-point tensor of m entries.
+        k: entries to keep, 1 <= k <= m.
+        tolerance: candidate-count window above k (see step 2), > 0.
+        sample_hits: expected sampled entries above the threshold (accuracy of step 2), >= 16.
+        max_passes: passes over x before falling back to exact selection, >= 1.
+        generator: RNG of the sample (default: a fixed seed, so calls are deterministic).
+        workspace: reusable buffers (see :class:`SelectionWorkspace`).
+
+    Returns:
+        ``(values, indices)``: k values of x and their int64 indices, sorted by index.
+
+    Example::
+
+        >>> v, i = topk_approx(torch.randn(1_000_000), 1000)
+        >>> i.numel()
+        1000
+    """
+    m = _check_selection(x, k)
+    if not tolerance > 0:
+        raise ValueError(f"tolerance must be > 0, got {tolerance!r}")
+    if sample_hits < 16 or max_passes < 1:
+        raise ValueError(f"sample_hits must be >= 16 and max_passes >= 1, got {sample_hits}, {max_passes}")
+    s = math.ceil(sample_hits * m / k)
+    if s >= m // 4:  # the sample would cost about as much as the exact selection
+        return topk_exact(x, k)
+    # Step 1: uniform sample of magnitudes.
+    if generator is None:
+        generator = torch.Generator().manual_seed(0)
+    sample = x.index_select(0, torch.randint(0, m, (s,), generator=generator)).abs_()
+    mag, mask, words = (workspace or SelectionWorkspace()).buffers(x)
+    torch.abs(x, out=mag)
+    # Step 2: h-th largest sample magnitude; expected count above it = h * m / s.
+    h = max(1, round(s * k * (1 + tolerance / 2) / m))
+    for _ in range(max_passes):
+        if h >= s:
+            break
+        t = torch.topk(sample, h, sorted=False).values.min()
+        # Step 3: candidates |x| >= t.
+        torch.ge(mag, t, out=mask[:m])
+        cand = _nonzero_sparse(mask, words)
+        if cand.numel() >= k:
+            # Step 5: exactly k; a mask over the (ascending) candidates keeps index order, O(c).
+            keep = torch.zeros(cand.numel(), dtype=torch.bool)
+            keep[torch.topk(mag[cand], k, sorted=False).indices] = True
+            idx = cand[keep]
+            return x[idx], idx
+        # Step 4: threshold too high: aim at twice as many sampled hits.
+        h *= 2
+    return topk_exact(x, k)
+
+
+SELECTIONS = {"exact": topk_exact, "approx": topk_approx}
