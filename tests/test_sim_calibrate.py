@@ -122,6 +122,25 @@ def test_cli_local_calibration_and_validation(tmp_path, capsys):
     assert "cluster local" in capsys.readouterr().out
 
 
+def test_cli_predicts_a_second_run_from_the_first(tmp_path, capsys):
+    a = write_fixture(tmp_path / "a.json", noise=0.0)
+    b = write_fixture(tmp_path / "b.json", noise=0.03)
+    js = tmp_path / "p.json"
+    assert run_cli("--calibration", str(a), "--predict", str(b), "--json", str(js)) == 0
+    rows = json.loads(js.read_text())["prediction"]["rows"]
+    assert len(rows) == 32  # 4 algorithms x 8 sizes, the no-op skipped
+    # noise-free truth predicts the noisy run within its +-3% noise
+    assert max(abs(r["rel_error"]) for r in rows) < 0.031
+    assert "max |error| for messages >= 1 MB" in capsys.readouterr().out
+    doc = json.loads(b.read_text())
+    doc["meta"]["ranks_per_node"] = 4
+    b.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="ranks_per_node/grid"):
+        run_cli("--calibration", str(a), "--predict", str(b))
+    with pytest.raises(ValueError, match="--predict needs --calibration"):
+        run_cli("--predict", str(b))
+
+
 def test_cli_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="unknown simulated algorithm 'rign'"):
         run_cli("--algorithm", "rign")

@@ -52,9 +52,58 @@ def test_sparse_costs_match_hand_values():
     # Bruck all-gather: 2 rounds, (P-1) k pairs; + residual add n g + scatter-add P k values.
     topk = 2 * A + 3 * k * pair * BETA + n * G + 4 * k * 4 * G
     assert total("topk", n, setup) == pytest.approx(topk, rel=1e-12)
-    # gTop-k: 2 lgP a + 4 k lgP b_elem (b_elem: 4-byte element) + merges (k values each round).
-    gtopk = 4 * A + 4 * k * 2 * 4 * BETA + n * G + 2 * k * 4 * G
+    # gTop-k butterfly (comm/sparse.py): lgP rounds, each one k-pair message (sent and received at
+    # once) and one merge of 2k (k values reduced): 2 a + 2 k pair b + residual add + 2 merges.
+    gtopk = 2 * A + 2 * k * pair * BETA + n * G + 2 * k * 4 * G
     assert total("gtopk", n, setup) == pytest.approx(gtopk, rel=1e-12)
+    # Shi et al.'s tree + broadcast: 2 lgP a + 4 k lgP b_elem (b_elem: 4-byte element) + 2 merges.
+    tree = 4 * A + 4 * k * 2 * 4 * BETA + n * G + 2 * k * 4 * G
+    assert total("gtopk_tree", n, setup) == pytest.approx(tree, rel=1e-12)
+
+
+def test_gtopk_non_power_of_two_hand_value():
+    # P=6 on one node: P'=4, E=2. Fold-in (k pairs), 2 butterfly rounds, fold-out (k pairs + k mask
+    # bytes); 3 merges (fold-in + 2 rounds). k = 1001 (odd): fp32 values pad to 4008 bytes.
+    setup = CommSetup(gpus=6, cluster=flat(), density=1.0, index_bytes=8)
+    k = 1001
+    n = 4.0 * k
+    msg = 8 * k + 4008  # int64 indices + values padded to whole 8-byte words
+    mask = 1008  # k bytes padded to 8
+    expected = 4 * A + (3 * msg + msg + mask) * BETA + n * G + 3 * k * 4 * G
+    assert total("gtopk", n, setup) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 6, 7, 8, 12, 13, 16, 24])
+def test_gtopk_bytes_match_the_implementation(world):
+    import torch
+
+    from flashsgd.comm.sparse import gtopk_bytes_sent, message_bytes
+    from flashsgd.sim.costs_sparse import gtopk_bytes_per_rank, sparse_message_bytes
+
+    for value_bytes, dtype in ((4, torch.float32), (2, torch.float16)):
+        cluster = flat(rpn=max(world, 2))
+        for k in (1, 7, 1000, 1001):
+            setup = CommSetup(gpus=world, cluster=cluster, index_bytes=8, value_bytes=value_bytes,
+                              density=1.0)
+            sim = gtopk_bytes_per_rank(k, setup)
+            impl = [gtopk_bytes_sent(k, world, r, dtype) for r in range(world)]
+            assert sim.tolist() == impl, (world, k, dtype)
+            assert float(sparse_message_bytes(k, setup)) == message_bytes(k, dtype)
+            # The cost's bandwidth term is rank 0's critical path: what it sends, plus the fold-in
+            # message it receives before the butterfly when P is not a power of two.
+            p2 = 1 << (world.bit_length() - 1)
+            path = impl[0] + (message_bytes(k, dtype) if world > p2 else 0)
+            bw = exchange_cost("gtopk", float(k * value_bytes), setup).bandwidth_s
+            assert float(bw) == pytest.approx(path * BETA, rel=1e-12)
+
+
+def test_gtopk_butterfly_halves_the_tree_at_powers_of_two():
+    for p in (2, 8, 64, 1024):
+        setup = CommSetup(gpus=p, cluster=get_cluster("1gbe"), density=0.001)
+        bfly, tree = exchange_cost("gtopk", 1e8, setup), exchange_cost("gtopk_tree", 1e8, setup)
+        assert float(tree.latency_s) == pytest.approx(2 * float(bfly.latency_s))
+        assert float(tree.bandwidth_s) == pytest.approx(2 * float(bfly.bandwidth_s))
+        assert float(tree.compute_s) == pytest.approx(float(bfly.compute_s))
 
 
 def test_sparse_overhead_and_selection_are_charged_once_per_call():
@@ -63,8 +112,9 @@ def test_sparse_overhead_and_selection_are_charged_once_per_call():
     n = 4e6  # 1e6 elements -> selection 1 ms on the local gradient
     d = total("topk", n, extra) - total("topk", n, base)
     assert d == pytest.approx(1e-3 + 1e6 * 1e-9, rel=1e-9)
-    d = total("gtopk", n, extra) - total("gtopk", n, base)
-    assert d == pytest.approx(1e-3 + 1e6 * 1e-9 + 3 * 2 * 1000 * 1e-9, rel=1e-9)  # + 3 merges of 2k
+    for algo in ("gtopk", "gtopk_tree"):
+        d = total(algo, n, extra) - total(algo, n, base)
+        assert d == pytest.approx(1e-3 + 1e6 * 1e-9 + 3 * 2 * 1000 * 1e-9, rel=1e-9)  # + 3 merges of 2k
 
 
 def test_hierarchical_two_levels_hand_value():

@@ -153,7 +153,7 @@ class LARS(torch.optim.Optimizer):
                 ratio = group["trust_coefficient"] * wn / (gn + wd * wn + group["eps"])
                 ratio = torch.where((wn > 0) & (gn > 0), ratio, torch.ones_like(ratio))
                 if group["clip"]:
-                    # LARC: effective LR min(lr * ratio, lr * 1) ... in apex's form min(ratio/lr, 1).
+                    # LARC (apex): ratio <- min(ratio / lr, 1), so lr * ratio <= lr for every tensor.
                     ratio = torch.clamp(ratio / lr, max=1.0) if lr > 0 else torch.ones_like(ratio)
                 scale = list(ratio.unbind(0))  # n 0-d tensors, broadcast by the foreach ops
                 # Step 4: v = m*v + ratio*g + ratio*wd*w

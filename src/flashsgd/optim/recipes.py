@@ -38,7 +38,7 @@ from torch import nn
 
 from flashsgd.optim.lars import LARS, param_groups
 from flashsgd.optim.schedules import (BatchTable, DecayKind, Schedule, batch_at, epoch_at_step,
-                                      lr_at)
+                                      lr_at, steps_per_epoch)
 from flashsgd.registry import Registry
 
 
@@ -274,14 +274,14 @@ class Plan:
         return lr
 
     def total_steps(self) -> int:
-        from flashsgd.optim.schedules import steps_per_epoch
+        """Optimizer steps over the whole run (follows the batch table)."""
         return sum(steps_per_epoch(self.num_samples, self.batch_at(e), self.drop_last)
                    for e in range(self.epochs))
 
     def describe(self) -> str:
         """One start-up line: recipe, batch table, peak LR, warmup and decay."""
         r, s = self.recipe, self.schedule
-        peak = lr_at(min(s.warmup_epochs, s.epochs - 1e-9), s, self.table) if s.warmup_epochs else lr_at(0.0, s, self.table)
+        peak = lr_at(min(s.warmup_epochs, s.epochs - 1e-9), s, self.table)  # end of warmup (or 0)
         return (f"recipe={r.name} optimizer={r.optimizer} batches={list(self.table.rows)} "
                 f"lr_per_256={r.lr_per_256:g} peak_lr={peak:.4g} warmup_epochs={s.warmup_epochs:g} "
                 f"decay={s.decay} epochs={s.epochs:g} label_smoothing={r.label_smoothing:g} "

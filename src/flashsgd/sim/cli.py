@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bench column to fit: median (default) or fastest repetition")
     p.add_argument("--validate", action="store_true",
                    help="with --calibration: fit on every other size, predict the others, and exit")
+    p.add_argument("--predict", metavar="PATH",
+                   help="with --calibration: predict every point of another bench file (same world "
+                        "and layout, e.g. a second run) from the fit, print the errors, and exit")
     p.add_argument("--show", action="store_true", help="print the cluster parameters")
     p.add_argument("--gpus", type=int, default=256, help="number of GPUs (default 256)")
     p.add_argument("--sweep-gpus", type=_ints, metavar="N,N,...", help="simulate each GPU count")
@@ -70,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fixed fusion groups (tensor counts in backward order, e.g. 3,21,57,80)")
     p.add_argument("--no-overlap", action="store_true", help="communicate only after backward")
     p.add_argument("--density", type=float, default=0.001, help="topk/gtopk density (default 0.001)")
+    p.add_argument("--index-bytes", type=int, choices=(4, 8), default=4,
+                   help="topk/gtopk bytes per index: 4 (int32, the papers; default) or 8 (int64, "
+                        "what flashsgd's comm/sparse.py sends)")
     p.add_argument("--json", metavar="PATH", help="write inputs and results as JSON")
     p.add_argument("--plot", metavar="PATH", default="sim_sweep.png",
                    help="with --sweep-gpus: scaling-efficiency PNG (default sim_sweep.png; '' for none)")
@@ -99,8 +105,8 @@ def _cluster(args):
         for algo, (a, b, g) in f.params.items():
             print(f"  {algo:>14}: alpha={a * 1e6:9.2f} us  beta={b * 1e9:8.4f} ns/B "
                   f"({1 / b / 1e9 if b else float('inf'):.3g} GB/s)  gamma={g * 1e9:.4f} ns/B")
-        return f.cluster, bench
-    return get_cluster(args.cluster or "abci"), None
+        return f.cluster, bench, f
+    return get_cluster(args.cluster or "abci"), None, None
 
 
 def _validate(bench, mode: str) -> dict:
@@ -116,6 +122,29 @@ def _validate(bench, mode: str) -> dict:
           f"all sizes: {v.max_error():.1%}")
     return {"mode": mode, "fit_sizes": v.fit_sizes, "rows": v.rows,
             "max_error_ge_1MB": v.max_error(1 << 20), "max_error": v.max_error()}
+
+
+def _predict_file(path: str, params: dict, statistic: str, calib) -> dict:
+    from flashsgd.sim.calibrate import load_bench, predict
+
+    other = load_bench(path, statistic)
+    if (other.world, other.ranks_per_node, other.grid) != (calib.world, calib.ranks_per_node, calib.grid):
+        raise ValueError(f"--predict {path!r}: world/ranks_per_node/grid "
+                         f"{(other.world, other.ranks_per_node, other.grid)} differ from the "
+                         f"calibration's {(calib.world, calib.ranks_per_node, calib.grid)}")
+    ms = [m for m in other.measurements if m.algorithm in params or "*" in params]
+    pred = predict(params, ms, other)
+    rows = [dict(algorithm=m.algorithm, size_bytes=m.size_bytes, measured_us=m.time_s * 1e6,
+                 predicted_us=p * 1e6, rel_error=(p - m.time_s) / m.time_s) for m, p in zip(ms, pred)]
+    print(f"prediction of {path} ({len(rows)} points):")
+    print(f"{'algorithm':>14} {'size_B':>10} {'measured_us':>12} {'predicted_us':>12} {'error':>8}")
+    for r in rows:
+        print(f"{r['algorithm']:>14} {int(r['size_bytes']):>10} {r['measured_us']:>12.1f} "
+              f"{r['predicted_us']:>12.1f} {r['rel_error']:>+8.1%}")
+    big = [abs(r["rel_error"]) for r in rows if r["size_bytes"] >= 1 << 20]
+    worst = max(big) if big else float("nan")
+    print(f"max |error| for messages >= 1 MB: {worst:.1%} (target 25%)")
+    return {"path": path, "rows": rows, "max_error_ge_1MB": worst}
 
 
 def _print_breakdown(r: SimResult) -> None:
@@ -149,7 +178,7 @@ def plot_efficiency(results: list[SimResult], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     algos = list(dict.fromkeys(r.algorithm for r in results))
-    styles = ["-o", "--s", "-^", "-.v", ":D", "-x", "--P", "-.*", ":h"]
+    styles = ["-o", "--s", "-^", "-.v", ":D", "-x", "--P", "-.*", ":h", "--<"]
     for i, a in enumerate(algos):
         rs = [r for r in results if r.algorithm == a]
         ax.plot([r.gpus for r in rs], [100 * r.efficiency for r in rs], styles[i % len(styles)],
@@ -171,7 +200,7 @@ def plot_efficiency(results: list[SimResult], path: str, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cluster, bench = _cluster(args)
+    cluster, bench, fitted = _cluster(args)
     report: dict = {"cluster": cluster.describe()}
     if args.show:
         print(cluster.describe())
@@ -180,6 +209,11 @@ def run(args: argparse.Namespace) -> int:
         if bench is None:
             raise ValueError("--validate needs --calibration PATH")
         report["validation"] = _validate(bench, args.fit)
+    if args.predict:
+        if bench is None:
+            raise ValueError("--predict needs --calibration PATH")
+        report["prediction"] = _predict_file(args.predict, fitted.params, args.statistic, bench)
+    if args.validate or args.predict:
         _write_json(args.json, report)
         return 0
     workload = get_workload(args.model)
@@ -193,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
     base = SimConfig(algorithm=algos[0], gpus=args.gpus, images_per_s=ips,
                      batch_per_gpu=args.batch_per_gpu, precision=args.precision,
                      bucket_mb=args.bucket_mb, groups=tuple(args.groups) if args.groups else None,
-                     overlap=not args.no_overlap, grid=args.grid, density=args.density)
+                     overlap=not args.no_overlap, grid=args.grid, density=args.density,
+                     index_bytes=args.index_bytes)
     grad_mb = workload.num_params * (2 if args.precision == "fp16" else 4) / 1e6
     print(f"{cluster.describe()}\nworkload {workload.name}: {workload.num_tensors} tensors, "
           f"{workload.num_params:,} params, {grad_mb:.1f} MB of {args.precision} gradients; "

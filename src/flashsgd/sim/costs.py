@@ -4,7 +4,8 @@ Every function here has the signature ``cost(n_bytes, setup) -> Cost``: the time
 ranks to exchange a message of ``n_bytes`` per rank (a scalar or a numpy array of bucket sizes),
 split into latency (alpha), bandwidth (beta), compute (gamma: reductions, top-k selection) and fixed
 per-call overhead. Algorithm names are the ones used across flashsgd (``comm/dense.py``,
-``comm/sparse.py``); ``recursive_doubling``, ``rabenseifner`` and ``binomial`` are simulator-only.
+``comm/sparse.py``); ``recursive_doubling``, ``rabenseifner``, ``binomial`` and ``gtopk_tree`` are
+simulator-only.
 
 Placement: ranks ``0..L-1`` are on node 0, ``L..2L-1`` on node 1, ... A message step between two
 ranks of one node uses the ``intra`` link; between nodes the ``inter`` link, whose node bandwidth is
@@ -24,12 +25,20 @@ hierarchical        ring reduce-scatter in node (L) + ring all-reduce of n/L acr
 torus2d (X x Y)     2(X-1) a_x + 2(Y-1) a_y + 2(X-1)/X n b_x + 2(Y-1)/(XY) n b_y + (P-1)/P n g
 topk                select(m) + Bruck all-gather of k (value, index) pairs: lgP a + (P-1) k s b
                     + scatter-add of P k values
-gtopk               select(m) + lgP tree rounds of k pairs (merge 2k -> k each) + lgP broadcast
-                    rounds: 2 lgP a + 2 k s lgP b   (s = value + index bytes: 4 k lgP b_elem)
+gtopk               butterfly as in ``comm/sparse.py``: select(m) + lgP' rounds, every rank swaps
+                    k pairs with rank XOR 2^i (both directions at once) and merges 2k -> k:
+                    lgP' a + lgP' k s b; P not a power of two: + fold-in (k pairs) and fold-out
+                    (k pairs + k mask bytes) steps, + 2 a + (2 k s + k) b   (P' = 2^floor(lgP))
+gtopk_tree          Shi et al.'s reference implementation (simulator-only): select(m) + ceil(lgP)
+                    tree rounds of k pairs (merge 2k -> k) + ceil(lgP) broadcast rounds:
+                    2 lgP a + 2 k s lgP b   (s = value + index bytes: 4 k lgP b_elem with int32)
 =================== ==========================================================================
 
 Non-powers of two: recursive doubling and Rabenseifner fold the extra ``P - 2^floor(lgP)`` ranks in
-with one step before and one after (MPICH); binomial trees and Bruck use ceil(lgP) steps.
+with one step before and one after (MPICH), and so does the gtopk butterfly (``comm/sparse.py``);
+binomial trees, Bruck and gtopk_tree use ceil(lgP) steps. The sparse exchanges (topk, gtopk,
+gtopk_tree) live in :mod:`flashsgd.sim.costs_sparse` and register here on import; gtopk's messages
+are sized as ``comm/sparse.py`` packs them (k s bytes padded to 8-byte words).
 
 Example::
 
@@ -51,7 +60,7 @@ from flashsgd.registry import Registry
 from flashsgd.sim.network import Cluster
 
 DENSE = ("native", "ring", "hierarchical", "torus2d", "recursive_doubling", "rabenseifner", "binomial")
-SPARSE = ("topk", "gtopk")
+SPARSE = ("topk", "gtopk", "gtopk_tree")
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,8 @@ class CommSetup:
     value_bytes: int = 4
     """Bytes per gradient element: 4 (fp32) or 2 (fp16)."""
     index_bytes: int = 4
-    """Bytes per sparse index (int32)."""
+    """Bytes per sparse index: 4 (int32, the papers' format) or 8 (int64, what ``comm/sparse.py``
+    sends)."""
 
     def __post_init__(self) -> None:
         p, lpn = self.gpus, self.cluster.ranks_per_node
@@ -292,58 +302,6 @@ def binomial(n_bytes, setup: CommSetup) -> Cost:
     return cost + Cost(*(np.zeros_like(n),) * 3, np.full_like(n, 2 * setup.cluster.call_overhead_s))
 
 
-# ---------------------------------------------------------------- sparse exchanges ----------------
-
-
-def _k(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarray]:
-    m = n / setup.value_bytes  # gradient elements in the message
-    return m, np.maximum(1.0, np.ceil(setup.density * m))
-
-
-@ALGORITHMS.register("topk")
-def topk(n_bytes, setup: CommSetup) -> Cost:
-    """Top-k S-SGD: local top-k, all-gather of k (value, index) pairs, scatter-add of P*k."""
-    n = np.asarray(n_bytes, dtype=float)
-    if setup.gpus == 1:
-        return _zero(n)
-    c, p = setup.cluster, setup.gpus
-    m, k = _k(n, setup)
-    pair = setup.value_bytes + setup.index_bytes
-    # Step 1: select the k largest |g| of m local elements (plus the residual add, a pass over m).
-    comp = m * c.select_s_per_elem + n * c.gamma_s_per_byte
-    cost = Cost(np.zeros_like(n), np.zeros_like(n), comp, np.full_like(n, c.sparse_overhead_s))
-    # Step 2: Bruck all-gather: round i sends min(2^i, P-2^i) blocks of k pairs to distance 2^i;
-    # sum over rounds = (P-1) k pairs.
-    for i in range(math.ceil(math.log2(p))):
-        blocks = min(1 << i, p - (1 << i))
-        lat, bw = _step(blocks * k * pair, 1, _pair_levels(1 << i, setup.local_ranks, setup))
-        cost = cost + Cost(lat, bw, np.zeros_like(n), np.zeros_like(n))
-    # Step 3: scatter-add the P*k received values into a dense buffer.
-    return cost + Cost(np.zeros_like(n), np.zeros_like(n), p * k * setup.value_bytes * c.gamma_s_per_byte,
-                       np.zeros_like(n))
-
-
-@ALGORITHMS.register("gtopk")
-def gtopk(n_bytes, setup: CommSetup) -> Cost:
-    """Global Top-k (Shi et al. 2019): tree of lgP pairwise merges, then broadcast of the k."""
-    n = np.asarray(n_bytes, dtype=float)
-    if setup.gpus == 1:
-        return _zero(n)
-    c = setup.cluster
-    m, k = _k(n, setup)
-    pair = setup.value_bytes + setup.index_bytes
-    # Step 1: local top-k of m elements (+ residual add).
-    comp = m * c.select_s_per_elem + n * c.gamma_s_per_byte
-    cost = Cost(np.zeros_like(n), np.zeros_like(n), comp, np.full_like(n, c.sparse_overhead_s))
-    for i in range(math.ceil(math.log2(setup.gpus))):
-        # Step 2: round i, receivers get k pairs from 2^i away and keep the top k of the 2k union;
-        # Step 3 (broadcast) sends the final k pairs back down the same tree: 2 messages per level.
-        lat, bw = _step(k * pair, 2, _pair_levels(1 << i, 1, setup))
-        merge = 2 * k * c.select_s_per_elem + k * setup.value_bytes * c.gamma_s_per_byte
-        cost = cost + Cost(lat, bw, merge, np.zeros_like(n))
-    return cost
-
-
 def exchange_cost(algorithm: str, n_bytes, setup: CommSetup) -> Cost:
     """Cost of ``algorithm`` (a registered name) moving ``n_bytes`` per rank; zero for one GPU."""
     fn = ALGORITHMS.get(algorithm)
@@ -353,3 +311,7 @@ def exchange_cost(algorithm: str, n_bytes, setup: CommSetup) -> Cost:
     if setup.gpus == 1:
         return _zero(n)
     return fn(n, setup)
+
+
+# topk, gtopk and gtopk_tree register themselves into ALGORITHMS (kept in their own file).
+from flashsgd.sim import costs_sparse  # noqa: E402,F401

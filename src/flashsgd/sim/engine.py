@@ -62,6 +62,8 @@ class SimConfig:
     """torus2d grid X x Y (None: near-square, X a multiple of the node size)."""
     density: float = 0.001
     """topk / gtopk: fraction of elements sent."""
+    index_bytes: int = 4
+    """topk / gtopk: bytes per sparse index, 4 (int32, the papers) or 8 (int64, ``comm/sparse.py``)."""
     forward_fraction: float = 1 / 3
     """Share of T1 spent in forward (backward ~ 2x forward)."""
     update_fraction: float = 0.0
@@ -135,7 +137,7 @@ def simulate(workload: Workload, cluster: Cluster, cfg: SimConfig) -> SimResult:
     """Simulate one iteration of ``workload`` on ``cfg.gpus`` GPUs of ``cluster``."""
     elem = BYTES[cfg.precision]
     setup = CommSetup(gpus=cfg.gpus, cluster=cluster, grid=cfg.grid, density=cfg.density,
-                      value_bytes=elem)
+                      value_bytes=elem, index_bytes=cfg.index_bytes)
     t1 = cfg.batch_per_gpu / cfg.images_per_s
     fwd, upd = cfg.forward_fraction * t1, cfg.update_fraction * t1
     bwd = t1 - fwd - upd

@@ -83,7 +83,8 @@ class MNIST1DCNN(nn.Module):
     """Small 1D CNN for MNIST-1D: 3 x (conv + BatchNorm + ReLU), flatten, linear.
 
     Input (N, 40) or (N, 1, 40); output (N, 10) logits. With ``channels=32``: 9,706 parameters in
-    11 tensors (convs without bias, as they are followed by BN). BatchNorm statistics are per worker (Goyal et al.: never across workers).
+    11 tensors (convs without bias, as they are followed by BN). BatchNorm statistics are per
+    worker (Goyal et al.: never across workers).
 
     Args:
         channels: width of the conv layers.

@@ -1,0 +1,156 @@
+"""Sparse exchanges for the simulator: Top-k S-SGD, gTop-k as flashsgd runs it, and Shi et al.'s tree.
+
+Paper: Shi et al. 2019, "A Distributed Synchronous SGD Algorithm with Global Top-k Sparsification for
+Low Bandwidth Networks" (arXiv 1901.04359), REFERENCES.md item 4. Registered into
+:data:`flashsgd.sim.costs.ALGORITHMS` (formulas in that module's docstring table):
+
+- ``topk``: local top-k, Bruck all-gather of every rank's k pairs, scatter-add.
+- ``gtopk``: the butterfly of ``flashsgd.comm.sparse.gtopk_allreduce``: lgP' rounds in which every
+  rank swaps its k pairs with rank XOR 2^i and both merge; the P - P' extra ranks folded in before
+  and out after (P' = largest power of two <= P). Per-rank bytes: :func:`gtopk_bytes_per_rank`,
+  equal to ``flashsgd.comm.sparse.gtopk_bytes_sent`` with ``index_bytes=8`` (tested).
+- ``gtopk_tree`` (simulator-only): Shi et al.'s reference implementation, a tree reduction of
+  pairwise merges then a broadcast of the k result pairs (2 ceil(lgP) rounds); what the paper's
+  figures were measured with.
+
+Every function has the signature ``cost(n_bytes, setup) -> Cost`` of :mod:`flashsgd.sim.costs`.
+
+Example::
+
+    >>> from flashsgd.sim.costs import CommSetup, exchange_cost
+    >>> from flashsgd.sim.network import CLUSTERS
+    >>> setup = CommSetup(gpus=32, cluster=CLUSTERS.get("1gbe"))
+    >>> t = exchange_cost("gtopk", 102e6, setup).bandwidth_s  # 5 rounds of 25,500 8-byte pairs
+    >>> round(float(t) * 1e3, 2), round(float(exchange_cost("gtopk_tree", 102e6, setup).bandwidth_s) * 1e3, 2)
+    (9.19, 18.38)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from flashsgd.sim.costs import ALGORITHMS, CommSetup, Cost, _pair_levels, _step, _zero
+
+
+def _k(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarray]:
+    m = n / setup.value_bytes  # gradient elements in the message
+    return m, np.maximum(1.0, np.ceil(setup.density * m))
+
+
+@ALGORITHMS.register("topk")
+def topk(n_bytes, setup: CommSetup) -> Cost:
+    """Top-k S-SGD: local top-k, all-gather of k (value, index) pairs, scatter-add of P*k."""
+    n = np.asarray(n_bytes, dtype=float)
+    if setup.gpus == 1:
+        return _zero(n)
+    c, p = setup.cluster, setup.gpus
+    m, k = _k(n, setup)
+    pair = setup.value_bytes + setup.index_bytes
+    # Step 1: select the k largest |g| of m local elements (plus the residual add, a pass over m).
+    comp = m * c.select_s_per_elem + n * c.gamma_s_per_byte
+    cost = Cost(np.zeros_like(n), np.zeros_like(n), comp, np.full_like(n, c.sparse_overhead_s))
+    # Step 2: Bruck all-gather: round i sends min(2^i, P-2^i) blocks of k pairs to distance 2^i;
+    # sum over rounds = (P-1) k pairs.
+    for i in range(math.ceil(math.log2(p))):
+        blocks = min(1 << i, p - (1 << i))
+        lat, bw = _step(blocks * k * pair, 1, _pair_levels(1 << i, setup.local_ranks, setup))
+        cost = cost + Cost(lat, bw, np.zeros_like(n), np.zeros_like(n))
+    # Step 3: scatter-add the P*k received values into a dense buffer.
+    return cost + Cost(np.zeros_like(n), np.zeros_like(n), p * k * setup.value_bytes * c.gamma_s_per_byte,
+                       np.zeros_like(n))
+
+
+def _pad8(nbytes):
+    """Bytes rounded up to whole 8-byte words (``comm/sparse.py`` packs messages into int64)."""
+    return 8 * np.ceil(np.asarray(nbytes, dtype=float) / 8)
+
+
+def sparse_message_bytes(k, setup: CommSetup, extra_bytes=0):
+    """Bytes of one message of k (value, index) pairs as ``comm/sparse.py`` packs it.
+
+    Indices, then the values' bytes and any extra bytes, each padded to 8-byte words: with int64
+    indices and fp32 values that is 8 k + 8 ceil(4 k / 8) (= 12 k for even k), equal to
+    ``flashsgd.comm.sparse.message_bytes``.
+    """
+    k = np.asarray(k, dtype=float)
+    return _pad8(k * setup.index_bytes) + _pad8(k * setup.value_bytes) + _pad8(extra_bytes)
+
+
+def gtopk_bytes_per_rank(k: int, setup: CommSetup) -> np.ndarray:
+    """Bytes each of the P ranks sends in the :func:`gtopk` butterfly, shape (P,).
+
+    Ranks r < P' send lgP' messages of k pairs; ranks r < E = P - P' also send the fold-out
+    message (k pairs + a k-byte mask); the E extra ranks send their k pairs once (fold-in). Equals
+    ``flashsgd.comm.sparse.gtopk_bytes_sent(k, P, r)`` with ``index_bytes=8`` (tested).
+    """
+    p = setup.gpus
+    out = np.zeros(p)
+    if p == 1:
+        return out
+    p2 = 1 << (p.bit_length() - 1)
+    msg = float(sparse_message_bytes(k, setup))
+    out[:p2] = (p2.bit_length() - 1) * msg
+    out[: p - p2] += float(sparse_message_bytes(k, setup, extra_bytes=k))
+    out[p2:] = msg
+    return out
+
+
+def _sparse_start(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarray, Cost]:
+    """k, merge cost of 2k -> k, and the local selection (+ residual add) with the call overhead."""
+    c = setup.cluster
+    m, k = _k(n, setup)
+    comp = m * c.select_s_per_elem + n * c.gamma_s_per_byte
+    merge = 2 * k * c.select_s_per_elem + k * setup.value_bytes * c.gamma_s_per_byte
+    return k, merge, Cost(np.zeros_like(n), np.zeros_like(n), comp, np.full_like(n, c.sparse_overhead_s))
+
+
+@ALGORITHMS.register("gtopk")
+def gtopk(n_bytes, setup: CommSetup) -> Cost:
+    """Global Top-k as ``comm/sparse.py`` runs it: a butterfly of pairwise merges (critical path)."""
+    n = np.asarray(n_bytes, dtype=float)
+    if setup.gpus == 1:
+        return _zero(n)
+    p = setup.gpus
+    p2 = 1 << (p.bit_length() - 1)
+    extra = p - p2
+    z = np.zeros_like(n)
+    # Step 1: local top-k of m elements (+ residual add).
+    k, merge, cost = _sparse_start(n, setup)
+    msg = sparse_message_bytes(k, setup)
+    # The E extra ranks p2..P-1 pair with r - p2: up to min(E, L) of one node cross at once.
+    fold_flows = min(extra, setup.local_ranks) if extra else 1
+    if extra:
+        # Step 2 (fold in): rank r + P' sends its k pairs to r, which merges them.
+        lat, bw = _step(msg, 1, _pair_levels(p2, fold_flows, setup))
+        cost = cost + Cost(lat, bw, merge, z)
+    for i in range(p2.bit_length() - 1):
+        # Step 3 (butterfly round i): every rank r < P' swaps k pairs with r XOR 2^i (send and
+        # receive at once, so one message time per round) and both merge 2k -> k. All L ranks of
+        # a node cross at once once 2^i >= L.
+        lat, bw = _step(msg, 1, _pair_levels(1 << i, setup.local_ranks, setup))
+        cost = cost + Cost(lat, bw, merge, z)
+    if extra:
+        # Step 4 (fold out): rank r sends the final k pairs + a k-byte survivor mask to r + P'.
+        lat, bw = _step(sparse_message_bytes(k, setup, extra_bytes=k), 1,
+                        _pair_levels(p2, fold_flows, setup))
+        cost = cost + Cost(lat, bw, z, z)
+    return cost
+
+
+@ALGORITHMS.register("gtopk_tree")
+def gtopk_tree(n_bytes, setup: CommSetup) -> Cost:
+    """gTop-k as in Shi et al.'s reference implementation: tree of lgP merges, then broadcast."""
+    n = np.asarray(n_bytes, dtype=float)
+    if setup.gpus == 1:
+        return _zero(n)
+    pair = setup.value_bytes + setup.index_bytes
+    # Step 1: local top-k of m elements (+ residual add).
+    k, merge, cost = _sparse_start(n, setup)
+    for i in range(math.ceil(math.log2(setup.gpus))):
+        # Step 2: round i, receivers get k pairs from 2^i away and keep the top k of the 2k union;
+        # Step 3 (broadcast) sends the final k pairs back down the same tree: 2 messages per level.
+        lat, bw = _step(k * pair, 2, _pair_levels(1 << i, 1, setup))
+        cost = cost + Cost(lat, bw, merge, np.zeros_like(n))
+    return cost
