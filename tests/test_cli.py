@@ -44,3 +44,9 @@ def test_registry_refuses_duplicates_and_lists_known_names():
         reg.add("a", 2)
     with pytest.raises(ValueError, match="unknown widget 'b'; known: a"):
         reg.get("b")
+
+
+def test_bad_value_is_a_one_line_error_not_a_traceback(capsys):
+    assert main(["bench", "lars", "--reps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flashsgd bench: error:") and "reps" in err and "Traceback" not in err

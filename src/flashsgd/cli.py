@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help shown by `flashsgd --help` without importing the module)
@@ -45,10 +46,21 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse and run; a ``ValueError`` (bad input) is printed as ``flashsgd: error: ...``, exit 2.
+
+    Set ``FLASHSGD_DEBUG=1`` to get the traceback instead.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
-    return int(args._run(args) or 0)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except ValueError as exc:
+        if os.environ.get("FLASHSGD_DEBUG"):
+            raise
+        print(f"flashsgd {command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -48,12 +48,28 @@ def default_backend() -> str:
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> str:
-    """Initialize the default process group from torchrun's environment; returns the backend."""
+    """Join torchrun's process group from the environment; returns the backend.
+
+    The store is torchrun's (``TORCHELASTIC_USE_AGENT_STORE``) or hosted by rank 0, and every
+    elastic attempt gets its own key prefix (``TORCHELASTIC_RESTART_COUNT``): with plain
+    ``env://`` the ranks of a group restarted by ``--max-restarts`` read the dead attempt's
+    addresses from the reused agent store and fail in Gloo's ``connectFullMesh`` ("Connection
+    refused"; seen on torch 2.13).
+    """
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if dist.is_initialized():
+        return backend
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout,
+                          multi_tenant=not agent_store)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"flashsgd/attempt-{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
     return backend
 
 

@@ -28,8 +28,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import inspect
-import json
-import math
 import os
 import time
 from pathlib import Path
@@ -353,28 +351,6 @@ def worker(cfg_dict: dict, emulate_nodes: bool = False) -> dict[str, Any]:
     return result
 
 
-def init_torchrun(backend: str | None, timeout_s: float) -> None:
-    """Join torchrun's group through a store prefix unique to this elastic attempt.
-
-    :func:`flashsgd.launch.init_from_env` (env://) reuses the agent's TCPStore across
-    ``--max-restarts`` attempts without a prefix; on torch 2.13 + Gloo the restarted ranks then read
-    the dead attempt's addresses and fail in ``connectFullMesh`` ("Connection refused"). A
-    ``PrefixStore`` per ``TORCHELASTIC_RESTART_COUNT`` keeps every attempt's keys apart.
-    """
-    backend = backend or launch.default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0, timeout=timeout,
-                          multi_tenant=not agent_store)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"flashsgd/attempt-{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
-
-
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run ``cfg`` under torchrun's group if there is one, else on ``run.workers`` local ranks."""
     out = Path(cfg.run.out)
@@ -382,7 +358,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     (out / "config.toml").write_text(dumps(cfg))
     backend = None if cfg.run.backend == "auto" else cfg.run.backend
     if launch.under_torchrun():
-        init_torchrun(backend, cfg.run.timeout_s)
+        launch.init_from_env(backend, cfg.run.timeout_s)
         try:
             return worker(to_dict(cfg), False)
         finally:
