@@ -23,8 +23,8 @@ COMMANDS = {
 }
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; only ``command``'s module is imported and given its full arguments."""
+def build_parser(load: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
+    """The parser; the subcommands in ``load`` (default: all) are imported with full arguments."""
     from flashsgd import __version__
 
     parser = argparse.ArgumentParser(
@@ -34,7 +34,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"flashsgd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for name, (module_name, help_line) in COMMANDS.items():
-        if name != command:
+        if load is not None and name not in load:
             sub.add_parser(name, help=help_line)
             continue
         module = importlib.import_module(module_name)
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in COMMANDS else None)
+    parser = build_parser((command,) if command in COMMANDS else ())
     args = parser.parse_args(argv)
     try:
         return int(args._run(args) or 0)
