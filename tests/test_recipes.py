@@ -81,6 +81,20 @@ def test_zero_init_last_bn():
     assert apply_model_tweaks(RECIPES.get("fujitsu"), _model()) == 0
 
 
+def test_bn_momentum_tweak():
+    model = _model()
+    apply_model_tweaks(RECIPES.get("fujitsu"), model)  # bn_momentum None: torch default kept
+    assert [m.momentum for m in model.modules() if isinstance(m, nn.BatchNorm1d)] == [0.1] * 3
+    plan = prepare(dataclasses.replace(RECIPES.get("fujitsu"), bn_momentum=0.3), model, 64, 320)
+    assert [m.momentum for m in model.modules() if isinstance(m, nn.BatchNorm1d)] == [0.3] * 3
+    assert "bn_momentum=0.3" in plan.describe()
+    bn = model[1]
+    bn.reset_running_stats()
+    x = torch.randn(16, 4, 8) * 2 + 5
+    bn(x)  # running_mean = (1 - 0.3) * 0 + 0.3 * batch mean
+    assert torch.allclose(bn.running_mean, 0.3 * x.mean((0, 2)), atol=1e-6)
+
+
 def test_plan_lr_and_batch_per_step():
     model = _model()
     r = dataclasses.replace(RECIPES.get("sony").for_epochs(6), batch_fractions=((0, 0.5), (2, 1.0)))
@@ -101,6 +115,8 @@ def test_plan_lr_and_batch_per_step():
     (dict(optimizer="adam"), "optimizer"),
     (dict(batch_fractions=()), "batch_fractions"),
     (dict(batch_fractions=((0, 2.0),)), "batch_fractions"),
+    (dict(bn_momentum=0.0), "bn_momentum"),
+    (dict(bn_momentum=1.5), "bn_momentum"),
 ])
 def test_bad_recipe_names_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -142,8 +142,8 @@ def summarize(cfg, out: Path, progress: dict, world: int, topo, plan, metrics, t
     print(f"\nflashsgd train: done in {progress['elapsed_s']:.1f} s, {progress['step']} steps "
           f"({progress['skipped']} skipped) | test accuracy {final:.2f}% (best "
           f"{summary['best_test_accuracy']:.2f}%) | time to {cfg.run.target_accuracy:g}%: {tta} | "
-          f"{ips:,.0f} images/s ({ips / world:,.0f} per worker), hook {100 * summary['scaling']['hook_fraction_of_step']:.0f}% "
-          f"of a step\n  outputs: {out}/{{config.toml, metrics.jsonl, tensorboard/, summary.json, "
+          f"{ips:,.0f} images/s ({ips / world:,.0f} per worker), gradient exchange "
+          f"{100 * summary['scaling']['hook_fraction_of_step']:.0f}% of a step (in flight, hooks only)\n  outputs: {out}/{{config.toml, metrics.jsonl, tensorboard/, summary.json, "
           f"report.png, checkpoints/}}", flush=True)
     return summary
 

@@ -81,8 +81,10 @@ def hook_options(name: str, cfg: TrainConfig, ranks_per_node: int | None) -> dic
 
 
 class CommTimer:
-    """Wraps the hook DDP calls, adding up seconds spent inside it (synchronous hooks: the whole
-    exchange; asynchronous ones such as NCCL or DDP's native all-reduce: launch time only)."""
+    """Wraps the hook DDP calls, adding up each bucket's seconds from the hook call until its future
+    completes: the whole exchange for synchronous and threaded hooks alike (overlapped with backward
+    when the hook is asynchronous, so the sum can exceed the exposed time). DDP's built-in
+    all-reduce (``native``) registers no hook and is not measured."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -90,10 +92,12 @@ class CommTimer:
     def wrap(self, hook):
         def timed(state, bucket):
             t0 = time.perf_counter()
-            try:
-                return hook(state, bucket)
-            finally:
+
+            def done(fut):  # runs when the exchange completes; never blocks (value is ready)
                 self.seconds += time.perf_counter() - t0
+                return fut.value()
+
+            return hook(state, bucket).then(done)
         return timed
 
 
