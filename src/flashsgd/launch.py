@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -73,6 +74,16 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> str:
     return backend
 
 
+def shutdown() -> None:
+    """Drop flashsgd's cached subgroups, then destroy every process group (idempotent)."""
+    from flashsgd.comm import topology
+
+    topology.reset()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
 def _worker(rank: int, world_size: int, ports: Any, backend: str, fn: Callable, args: Sequence,
             env: dict[str, str], results: Any, timeout_s: float) -> None:
     try:
@@ -101,8 +112,7 @@ def _worker(rank: int, world_size: int, ports: Any, backend: str, fn: Callable, 
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown()
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
@@ -195,5 +205,5 @@ def run(fn: Callable[..., Any], args: Sequence = (), *, world_size: int, backend
         try:
             return fn(*args)
         finally:
-            dist.destroy_process_group()
+            shutdown()
     return spawn(fn, world_size, args, backend=backend or "gloo", timeout_s=timeout_s)[0]

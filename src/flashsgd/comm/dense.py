@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from flashsgd.comm import topology as topology_module
 from flashsgd.comm.topology import Topology, get_topology
 from flashsgd.registry import Registry
 
@@ -210,6 +211,7 @@ def _directions(p: int, P: int, group: ProcessGroup, duplex: ProcessGroup | None
 
 
 _DUPLEX: dict[Topology, dict[str, ProcessGroup | None]] = {}
+topology_module._RESET_HOOKS.append(_DUPLEX.clear)
 
 
 def duplex_groups(topo: Topology) -> dict[str, ProcessGroup | None]:

@@ -366,7 +366,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         try:
             return worker(to_dict(cfg), False)
         finally:
-            dist.destroy_process_group()
+            launch.shutdown()
     # local spawn: the whole-run deadline is loose (collectives have run.timeout_s each)
     deadline = max(cfg.run.timeout_s, 7 * 24 * 3600.0)
     return launch.spawn(worker, cfg.run.workers, (to_dict(cfg), True), backend=backend or "gloo",
