@@ -172,7 +172,8 @@ class TrainConfig:
 PROXY_EPOCHS = 15.0
 PROXY_TUNING: dict[str, dict[str, Any]] = {
     "fujitsu": dict(lr_per_256=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4,
-                    warmup_epochs=3.0, label_smoothing=0.1, trust_coefficient=0.02),
+                    warmup_epochs=3.0, label_smoothing=0.0, trust_coefficient=0.02,
+                    power=1.0, bn_momentum=0.3),
 }
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(TrainConfig))
