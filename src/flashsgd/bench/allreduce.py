@@ -103,7 +103,7 @@ def measure(cfg: AllreduceBenchConfig) -> list[dict]:
         for name, fn in zip(order, fns):
             _verify(fn, t, topo, name)
         # Step 2: interleaved timing of the hot path (check=False, as in the DDP hooks)
-        timings = time_ops([lambda fn=fn: fn(t, topo, op="sum", check=False) for fn in fns],
+        timings = time_ops([lambda fn=fn, t=t: fn(t, topo, op="sum", check=False) for fn in fns],
                            cfg.iters, cfg.warmup, device=device)
         native_s = timings[0].median_s if order[0] == "native" else None
         # Step 3: one row per algorithm

@@ -419,13 +419,7 @@ def hierarchical(tensor: torch.Tensor, topology: Topology | None = None, op: str
         >>> hierarchical(t, get_topology(ranks_per_node=4))  # 8 ranks = 2 nodes x 4
     """
     flat, topo = _prepare(tensor, op, check, "hierarchical", topology)
-    # Step 1
-    duplex = duplex_groups(topo)
-    lo, hi = reduce_scatter(flat, topo.node_ranks, topo.node_group, duplex["node"])
-    # Step 2
-    ring_allreduce(flat[lo:hi], topo.cross_ranks, topo.cross_group, duplex["cross"])
-    # Step 3
-    all_gather(flat, topo.node_ranks, topo.node_group, duplex["node"])
+    _two_level(flat, topo, inner="node", outer="cross")  # Steps 1-3
     return _finish(tensor, op, topo.world_size)
 
 
@@ -454,14 +448,26 @@ def torus2d(tensor: torch.Tensor, topology: Topology | None = None, op: str = "s
         >>> torus2d(t, get_topology(grid="2x4"))  # 8 ranks: rows of 2, columns of 4
     """
     flat, topo = _prepare(tensor, op, check, "torus2d", topology)
-    # Step 1
-    duplex = duplex_groups(topo)
-    lo, hi = reduce_scatter(flat, topo.row_ranks, topo.row_group, duplex["row"])
-    # Step 2
-    ring_allreduce(flat[lo:hi], topo.col_ranks, topo.col_group, duplex["col"])
-    # Step 3
-    all_gather(flat, topo.row_ranks, topo.row_group, duplex["row"])
+    _two_level(flat, topo, inner="row", outer="col")  # Steps 1-3
     return _finish(tensor, op, topo.world_size)
+
+
+def _two_level(flat: torch.Tensor, topo: Topology, inner: str, outer: str) -> None:
+    """The three stages shared by hierarchical (node/cross) and torus2d (row/col), in place.
+
+    Step 1: ring reduce-scatter over the ``inner`` group: this rank owns its group's sum of one
+    1/|inner| shard. Step 2: ring all-reduce of that shard over the ``outer`` group (the |inner|
+    outer groups run concurrently). Step 3: ring all-gather over the ``inner`` group.
+    """
+    duplex = duplex_groups(topo)
+    inner_ranks, inner_group = getattr(topo, f"{inner}_ranks"), getattr(topo, f"{inner}_group")
+    # Step 1
+    lo, hi = reduce_scatter(flat, inner_ranks, inner_group, duplex[inner])
+    # Step 2
+    ring_allreduce(flat[lo:hi], getattr(topo, f"{outer}_ranks"), getattr(topo, f"{outer}_group"),
+                   duplex[outer])
+    # Step 3
+    all_gather(flat, inner_ranks, inner_group, duplex[inner])
 
 
 def allreduce(tensor: torch.Tensor, algorithm: str = "ring", topology: Topology | None = None,
