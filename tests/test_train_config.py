@@ -52,6 +52,8 @@ def test_resolved_config_round_trips():
     ('[run]\nfail_at = "1:2:boom"\n', "run.fail_at must look like RANK:STEP:MODE"),
     ('[run]\nprogress = 3\n', "'run.progress': expected true or false"),
     ("[optim\n", "invalid TOML"),
+    ("[comm]\ndensity = 0.1\ndensity_warmup = 0.05\n", "comm.density_warmup must be in [comm.density, 1]"),
+    ('[comm]\nselection = "fast"\n', "valid choices: exact, approx"),
 ])
 def test_bad_config_names_key_and_choices(text, needle):
     with pytest.raises(ValueError) as err:
@@ -172,3 +174,14 @@ def test_corrupt_and_mismatched_checkpoints(tmp_path):
     (tmp_path / "latest").write_text("step-00000009\n")
     with pytest.raises(ckpt.CheckpointError, match="does not exist"):
         ckpt.find_latest(tmp_path)
+
+
+def test_sparse_hook_options_from_config():
+    from flashsgd.train.trainer import hook_options
+
+    cfg = C.resolve(cli={"comm": "gtopk", "density": 0.001, "density_warmup": 0.25,
+                         "density_warmup_epochs": 2.0, "selection": "exact"})
+    options = hook_options("gtopk", cfg, ranks_per_node=None, steps_per_epoch=8)
+    assert options == {"density": 0.001, "warmup_density": 0.25, "warmup_steps": 16,
+                       "selection": "exact", "seed": 0}
+    assert hook_options("torus2d", cfg, 2) == {"ranks_per_node": 2, "grid": None}

@@ -112,6 +112,13 @@ class CommConfig:
     """Ranks per node; unset: torchrun's LOCAL_WORLD_SIZE, or 2 emulated per node on local spawn."""
     density: float = 0.01
     """topk/gtopk: fraction of gradient entries sent per step, in (0, 1]."""
+    density_warmup: Optional[float] = None
+    """topk/gtopk: density at the first sparse step, decaying to `density` (Shi et al.: denser
+    first epoch, e.g. 0.25); unset: no warm-up."""
+    density_warmup_epochs: float = 1.0
+    """topk/gtopk: length of the density warm-up, in epochs of the first epoch's batch size."""
+    selection: Literal["exact", "approx"] = "approx"
+    """topk/gtopk: torch.topk, or the sampled-threshold selection (same entries, faster on CPU)."""
     bucket_mb: float = 25.0
     """DDP gradient bucket size in MB."""
 
@@ -275,6 +282,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                          "(a folder with train/<class>/ images)")
     if not 0 < cfg.comm.density <= 1:
         raise ValueError(f"config key comm.density must be in (0, 1], got {cfg.comm.density}")
+    warm = cfg.comm.density_warmup
+    if warm is not None and not cfg.comm.density <= warm <= 1:
+        raise ValueError(f"config key comm.density_warmup must be in [comm.density, 1] = "
+                         f"[{cfg.comm.density}, 1], got {warm}")
+    _positive(cfg, "comm", "density_warmup_epochs", allow_zero=True)
     name = cfg.model.model
     if not name.startswith("torchvision:") and name not in MODELS:
         raise ValueError(f"config key model.model: unknown model {name!r}; valid choices: "

@@ -71,12 +71,18 @@ def build_recipe(cfg: TrainConfig):
     return dataclasses.replace(recipe, **tuned, **over), tuned
 
 
-def hook_options(name: str, cfg: TrainConfig, ranks_per_node: int | None) -> dict[str, Any]:
+def hook_options(name: str, cfg: TrainConfig, ranks_per_node: int | None,
+                 steps_per_epoch: int = 1) -> dict[str, Any]:
     """The options of ``cfg.comm`` that hook ``name``'s factory accepts."""
     from flashsgd.comm.hooks import HOOKS
 
+    c = cfg.comm
     accepted = set(inspect.signature(HOOKS.get(name)).parameters)
-    offered = {"ranks_per_node": ranks_per_node, "grid": cfg.comm.grid, "density": cfg.comm.density}
+    offered: dict[str, Any] = {"ranks_per_node": ranks_per_node, "grid": c.grid,
+                               "density": c.density, "selection": c.selection, "seed": cfg.run.seed}
+    if c.density_warmup is not None and c.density_warmup > c.density:
+        offered["warmup_density"] = c.density_warmup
+        offered["warmup_steps"] = max(1, round(c.density_warmup_epochs * steps_per_epoch))
     return {k: v for k, v in offered.items() if k in accepted}
 
 
@@ -205,7 +211,8 @@ def worker(cfg_dict: dict, emulate_nodes: bool = False) -> dict[str, Any]:
     ddp = DDP(model, bucket_cap_mb=cfg.comm.bucket_mb,
               device_ids=[device.index] if device.type == "cuda" else None, **sync)
     timer = CommTimer()
-    options = hook_options(cfg.comm.comm, cfg, rpn)
+    options = hook_options(cfg.comm.comm, cfg, rpn,
+                           steps_per_epoch=max(1, len(data.train) // plan.batch_at(0)))
     hook_state = register(ddp, cfg.comm.comm, options, timer)
     set_group_timeouts(r.timeout_s)  # Step 1 (after the hook created its subgroups)
     label_smoothing = plan.loss_fn.label_smoothing
