@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 
 import torch
 import torch.distributed as dist
@@ -54,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _bench(opts: dict, emulate: bool) -> dict:
-    from flashsgd.comm.hooks import HOOKS, register_hook
+    from flashsgd.comm.hooks import HOOKS, hook_options, register_hook
     from flashsgd.comm.topology import get_topology
     from flashsgd.train.models import build_model
 
@@ -75,9 +74,8 @@ def _bench(opts: dict, emulate: bool) -> dict:
     steps = []
     for name in names:
         model = DDP(copy.deepcopy(base), bucket_cap_mb=opts["bucket_mb"])
-        accepted = set(inspect.signature(HOOKS.get(name)).parameters)
-        offered = {"ranks_per_node": rpn, "grid": opts["grid"], "density": opts["density"]}
-        register_hook(model, name, **{k: v for k, v in offered.items() if k in accepted})
+        register_hook(model, name, **hook_options(name, ranks_per_node=rpn, grid=opts["grid"],
+                                                  density=opts["density"]))
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
         def step(model=model, opt=opt):

@@ -65,7 +65,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import queue
 import threading
@@ -263,7 +262,15 @@ def _check_model(ddp_model: Any, name: str) -> None:
                              f"{', '.join(DTYPES.values())}")
 
 
-def register_hook(ddp_model: Any, name: str, **options: Any) -> Any:
+def hook_options(name: str, **offered: Any) -> dict[str, Any]:
+    """The subset of ``offered`` options that hook ``name`` accepts (for callers, such as the
+    trainer, that hold one set of settings for every hook)."""
+    accepted = list(inspect.signature(HOOKS.get(name)).parameters)[1:]  # after ddp_model
+    return {k: v for k, v in offered.items() if k in accepted}
+
+
+def register_hook(ddp_model: Any, name: str, *, wrap: Callable | None = None,
+                  **options: Any) -> Any:
     """Attach the hook registered as ``name`` to a DDP model; return its state (for checkpoints).
 
     Must be called on every rank, with the same name and options, before the first backward
@@ -273,6 +280,7 @@ def register_hook(ddp_model: Any, name: str, **options: Any) -> Any:
     Args:
         ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` module.
         name: a name in :data:`HOOKS` (unknown names raise ValueError listing the known ones).
+        wrap: optional ``wrap(hook) -> hook`` applied before registration (e.g. a timer).
         **options: the hook's options (unknown options raise ValueError listing the valid ones).
 
     Returns:
@@ -286,16 +294,10 @@ def register_hook(ddp_model: Any, name: str, **options: Any) -> Any:
                          f"valid: {', '.join(params) or '(none)'}")
     state, hook = factory(ddp_model, **options)
     if hook is not None:
-        ddp_model.register_comm_hook(state, hook)
+        ddp_model.register_comm_hook(state, wrap(hook) if wrap else hook)
     return state
 
 
-# The sparse hooks register themselves into HOOKS; HOOKS and the helpers above exist already, so
-# `from flashsgd.comm.hooks import HOOKS` inside sparse_hooks works whichever module loads first.
-# (import_module, not `from flashsgd.comm import sparse_hooks`: a missing submodule must surface as
-# ModuleNotFoundError with .name set, which the `from` form turns into a bare ImportError.)
-try:
-    importlib.import_module("flashsgd.comm.sparse_hooks")  # registers topk, gtopk
-except ModuleNotFoundError as exc:
-    if exc.name != "flashsgd.comm.sparse_hooks":
-        raise
+# The sparse hooks register themselves into HOOKS on import; HOOKS and the helpers above exist
+# already, so `from flashsgd.comm.hooks import HOOKS` inside sparse_hooks works whichever loads first.
+from flashsgd.comm import sparse_hooks  # noqa: E402,F401  (registers topk, gtopk)

@@ -74,16 +74,15 @@ def build_recipe(cfg: TrainConfig):
 def hook_options(name: str, cfg: TrainConfig, ranks_per_node: int | None,
                  steps_per_epoch: int = 1) -> dict[str, Any]:
     """The options of ``cfg.comm`` that hook ``name``'s factory accepts."""
-    from flashsgd.comm.hooks import HOOKS
+    from flashsgd.comm import hooks
 
     c = cfg.comm
-    accepted = set(inspect.signature(HOOKS.get(name)).parameters)
     offered: dict[str, Any] = {"ranks_per_node": ranks_per_node, "grid": c.grid,
                                "density": c.density, "selection": c.selection, "seed": cfg.run.seed}
     if c.density_warmup is not None and c.density_warmup > c.density:
         offered["warmup_density"] = c.density_warmup
         offered["warmup_steps"] = max(1, round(c.density_warmup_epochs * steps_per_epoch))
-    return {k: v for k, v in offered.items() if k in accepted}
+    return hooks.hook_options(name, **offered)
 
 
 class CommTimer:
@@ -105,18 +104,6 @@ class CommTimer:
 
             return hook(state, bucket).then(done)
         return timed
-
-
-def register(ddp: DDP, name: str, options: dict[str, Any], timer: CommTimer):
-    """``flashsgd.comm.hooks.register_hook`` with the registered hook wrapped by ``timer``."""
-    from flashsgd.comm.hooks import register_hook
-
-    original = ddp.register_comm_hook
-    ddp.register_comm_hook = lambda state, hook: original(state, timer.wrap(hook))  # type: ignore[method-assign]
-    try:
-        return register_hook(ddp, name, **options)
-    finally:
-        del ddp.register_comm_hook  # back to the class method
 
 
 @torch.no_grad()
@@ -213,7 +200,8 @@ def worker(cfg_dict: dict, emulate_nodes: bool = False) -> dict[str, Any]:
     timer = CommTimer()
     options = hook_options(cfg.comm.comm, cfg, rpn,
                            steps_per_epoch=max(1, len(data.train) // plan.batch_at(0)))
-    hook_state = register(ddp, cfg.comm.comm, options, timer)
+    from flashsgd.comm.hooks import register_hook
+    hook_state = register_hook(ddp, cfg.comm.comm, wrap=timer.wrap, **options)
     set_group_timeouts(r.timeout_s)  # Step 1 (after the hook created its subgroups)
     label_smoothing = plan.loss_fn.label_smoothing
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=label_smoothing, reduction="sum")
