@@ -9,6 +9,7 @@ import pytest
 from flashsgd.bench import allreduce
 from flashsgd.bench.common import (ALLREDUCE_COLUMNS, bandwidths, bus_factor, format_header,
                                    format_row, human_size, parse_size, parse_sizes)
+from flashsgd.cli import main as cli_main
 
 RESULT_KEYS = {"algorithm", "size_bytes", "count", "dtype", "time_us", "time_us_min", "time_us_max",
                "algbw_gbps", "busbw_gbps", "ratio_to_native"}
@@ -56,11 +57,12 @@ def test_bandwidth_convention_matches_nccl_tests():
     (["--iters", "0"], "--iters must be >= 1"),
     (["--world", "0"], "--world must be an integer >= 1"),
 ])
-def test_bad_options_are_clear_errors(argv, message):
+def test_bad_options_are_clear_errors(argv, message, capsys):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         allreduce.config_from_args(_args(*argv))
-    with pytest.raises(SystemExit, match="flashsgd bench allreduce: error: "):
-        allreduce.run(_args(*argv))
+    assert cli_main(["bench", "allreduce", *argv]) == 2  # one line on stderr, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("flashsgd bench: error: ") and message in err and "Traceback" not in err
 
 
 def _check_json(path, world, grid, algorithms, sizes):

@@ -1,7 +1,7 @@
 """The `flashsgd` command: `flashsgd train | bench | simulate` (thin: parse, then call the library).
 
-Each subcommand lives in its own module exposing ``HELP`` (one line), ``add_arguments(parser)`` and
-``run(args) -> int``; this file only wires them together. Only the chosen subcommand's module is
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``
+(its one-line help is in ``COMMANDS`` below); this file only wires them together. Only the chosen subcommand's module is
 imported, so `flashsgd simulate` never pays for importing torch.
 """
 

@@ -25,9 +25,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from flashsgd.bench.common import (ALLREDUCE_COLUMNS, DTYPES, bandwidths, bus_factor, dtype_name,
-                                   format_header, format_row, human_size, parse_dtype, parse_sizes,
-                                   run_metadata, time_ops, write_json)
+from flashsgd.bench.common import (ALLREDUCE_COLUMNS, DTYPES, add_run_arguments, bandwidths,
+                                   bus_factor, check_run_arguments, dtype_name, format_header,
+                                   format_row, human_size, parse_dtype, parse_sizes, run_metadata,
+                                   time_ops, write_json)
 from flashsgd.comm.dense import ALLREDUCE
 from flashsgd.comm.topology import divisors, get_topology, parse_grid
 from flashsgd.launch import run as launch_run, under_torchrun
@@ -151,8 +152,7 @@ def bench_worker(cfg: AllreduceBenchConfig) -> dict | None:
 # ------------------------------------------------------------------------------------ CLI -------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, default=8,
-                        help="local ranks to spawn (ignored under torchrun: WORLD_SIZE wins)")
+    add_run_arguments(parser, iters=10, warmup=2)
     parser.add_argument("--grid", default=None,
                         help="torus2d grid XxY, X*Y = world (default X = ranks per node)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
@@ -162,17 +162,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=DEFAULT_SIZES,
                         help="bytes per rank: list '4K,1M' and/or ranges '4K:128M' (x2) or '4K:128M:4'")
     parser.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
-    parser.add_argument("--iters", type=int, default=10, help="timed repetitions per row")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per row before timing")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the run is aborted")
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write results + metadata here")
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[AllreduceBenchConfig, int]:
     """Validate the options (clear ValueErrors) and return the config and the world size."""
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"--world must be an integer >= 1, got {world!r}")
+    world = check_run_arguments(args)
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or world % args.ranks_per_node):
         raise ValueError(f"--ranks-per-node {args.ranks_per_node} must divide the world size {world}; "
                          f"valid: {', '.join(map(str, divisors(world)))}")
@@ -190,18 +184,13 @@ def config_from_args(args: argparse.Namespace) -> tuple[AllreduceBenchConfig, in
     elem = torch.empty((), dtype=dtype).element_size()
     if sizes[0] < elem:
         raise ValueError(f"--sizes: {sizes[0]} B is smaller than one {args.dtype} element ({elem} B)")
-    if args.iters < 1 or args.warmup < 0:
-        raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     cfg = AllreduceBenchConfig(algorithms=algorithms, sizes=sizes, dtype=args.dtype, iters=args.iters,
                                warmup=args.warmup, ranks_per_node=args.ranks_per_node, grid=args.grid)
     return cfg, world
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg, world = config_from_args(args)
-    except ValueError as exc:
-        raise SystemExit(f"flashsgd bench allreduce: error: {exc}") from None
+    cfg, world = config_from_args(args)  # ValueError: flashsgd.cli prints it as a one-line error
     out = launch_run(bench_worker, (cfg,), world_size=world, timeout_s=args.timeout)
     if out is not None and args.json:
         out["meta"]["config"] = asdict(cfg)

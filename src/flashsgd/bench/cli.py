@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "measure all-reduce, sparse exchange, optimizer and training-step speed"
 
 BENCHMARKS = {
     "allreduce": "flashsgd.bench.allreduce",
@@ -21,20 +20,10 @@ BENCHMARKS = {
 }
 
 
-def _available() -> dict[str, object]:
-    modules = {}
-    for name, module_name in BENCHMARKS.items():
-        try:
-            modules[name] = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:  # a real missing dependency, not a benchmark not yet written
-                raise
-    return modules
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="benchmark", required=True)
-    for name, module in _available().items():
+    for name, module_name in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)

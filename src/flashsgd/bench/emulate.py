@@ -11,8 +11,7 @@ Steps:
 
 1. Parse the shape and link rate; check root, ``ip``, ``tc`` and namespaces (exit 2 if missing).
 2. Build the cluster.
-3. Run the benchmark (``python -m flashsgd.emulate <args> --json <tmp>``, i.e.
-   ``flashsgd bench <args>``) on every rank; without a benchmark,
+3. Run the benchmark (``python -m flashsgd bench <args> --json <tmp>``) on every rank; without a benchmark,
    run the built-in probe (all-reduce with a correctness check) as the benchmark.
 4. Probe: one all-reduce per dense algorithm at ``--probe-mb`` with the links' byte counters read
    before and after, giving the link bytes each algorithm moves per message byte.
@@ -88,7 +87,7 @@ def _measure(spec: ClusterSpec, bench: list[str], args: argparse.Namespace, work
         # Step 3: the benchmark
         if bench:
             out = work / "bench.json"
-            wall = _launch(cluster, ["flashsgd.emulate", *bench, "--json", str(out)], log_dir / "bench",
+            wall = _launch(cluster, ["flashsgd", "bench", *bench, "--json", str(out)], log_dir / "bench",
                            args.timeout)
             if not out.exists():
                 raise ValueError(f"'flashsgd bench {bench[0]}' wrote no JSON at {out} "

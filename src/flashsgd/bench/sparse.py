@@ -42,7 +42,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from flashsgd.bench.common import (format_header, format_row, run_metadata, time_ops, write_json)
+from flashsgd.bench.common import (add_run_arguments, check_run_arguments, format_header, format_row,
+                                   run_metadata, time_ops, write_json)
 from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, gtopk_allreduce, gtopk_bytes_sent,
                                   k_from_density, topk_allgather, topk_bytes_sent, validate_density)
 from flashsgd.launch import run as launch_run, under_torchrun
@@ -250,8 +251,7 @@ def measure_selection(cfg: SparseBenchConfig) -> list[dict]:
 # ------------------------------------------------------------------------------------ CLI -------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, default=8,
-                        help="local ranks to spawn (ignored under torchrun: WORLD_SIZE wins)")
+    add_run_arguments(parser, iters=5, warmup=1)
     parser.add_argument("--numel", type=int, default=RESNET50_NUMEL,
                         help=f"gradient elements per rank (default {RESNET50_NUMEL}, ResNet-50)")
     parser.add_argument("--densities", default="0.001,0.01", help="comma-separated, each in (0, 1]")
@@ -262,17 +262,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the single-process selection micro-benchmark instead")
     parser.add_argument("--threads", type=int, default=0,
                         help="--selection: torch intra-op threads (default 0: torch's default)")
-    parser.add_argument("--iters", type=int, default=5, help="timed repetitions (default 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed calls before timing (default 1)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the run is aborted")
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write results + metadata here")
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[SparseBenchConfig, int]:
     """Validate the options (ValueError naming the option) and return the config and world size."""
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"--world must be an integer >= 1, got {world!r}")
+    world = check_run_arguments(args)
     if args.numel < 1:
         raise ValueError(f"--numel must be >= 1, got {args.numel}")
     try:
@@ -287,21 +281,16 @@ def config_from_args(args: argparse.Namespace) -> tuple[SparseBenchConfig, int]:
     bad = [a for a in algorithms if a not in ("topk", "gtopk")]
     if bad or not algorithms:
         raise ValueError(f"--algorithms: unknown {bad or '(empty)'}; valid: topk, gtopk")
-    if args.iters < 1 or args.warmup < 0:
-        raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     cfg = SparseBenchConfig(numel=args.numel, densities=densities, algorithms=algorithms,
                             selector=args.selector, iters=args.iters, warmup=args.warmup)
     return cfg, world
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg, world = config_from_args(args)
-    except ValueError as exc:
-        raise SystemExit(f"flashsgd bench sparse: error: {exc}") from None
+    cfg, world = config_from_args(args)  # ValueError: flashsgd.cli prints it as a one-line error
     if args.selection:
         if args.threads < 0:
-            raise SystemExit(f"flashsgd bench sparse: error: --threads must be >= 0, got {args.threads}")
+            raise ValueError(f"--threads must be >= 0, got {args.threads}")
         if args.threads:
             torch.set_num_threads(args.threads)
         results = measure_selection(cfg)

@@ -5,7 +5,6 @@
 - :mod:`flashsgd.emulate.store`: the job's rendezvous store, hosted apart from the ranks.
 - :mod:`flashsgd.emulate.probe`: per-rank all-reduce check and per-link byte counts.
 - :mod:`flashsgd.emulate.report`: physical bound, fraction of it, link usage, plots.
-- ``python -m flashsgd.emulate BENCH ...``: the per-rank entry that runs ``flashsgd bench BENCH``.
 
 The command is ``flashsgd bench emulate`` (:mod:`flashsgd.bench.emulate`).
 """

@@ -20,8 +20,6 @@ from flashsgd.sim.engine import SimConfig, SimResult, simulate, sweep
 from flashsgd.sim.network import CLUSTERS, get_cluster
 from flashsgd.sim.workload import get_workload
 
-HELP = "predict iteration time and scaling efficiency on 1,000s of GPUs (alpha-beta-gamma model)"
-
 
 def _ints(text: str) -> list[int]:
     try:

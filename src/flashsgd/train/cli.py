@@ -27,8 +27,6 @@ import typing
 
 from flashsgd.train import config as C
 
-HELP = "train a model with large-batch data-parallel SGD (default: 4 local workers on MNIST-1D)"
-
 
 def _metavar(hint) -> str:
     if typing.get_origin(hint) is typing.Literal:
