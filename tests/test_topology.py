@@ -1,5 +1,8 @@
 """Topology: node layout, grid validation and subgroup creation on real Gloo process groups."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,6 +27,12 @@ def test_parse_grid_valid_and_degenerate():
 def test_parse_grid_errors_name_valid_grids(grid, world, fragment):
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
         parse_grid(grid, world)
+
+
+def test_parse_grid_imports_without_torch():
+    # `flashsgd simulate` parses grids and must stay torch-free.
+    code = "import flashsgd.comm.topology, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def _topology_facts(ranks_per_node, grid):

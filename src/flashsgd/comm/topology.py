@@ -11,7 +11,7 @@ X = L a row is a node, so torus2d's reduce-scatter and all-gather stay inside th
 that share a local rank across nodes (the inter-node stage of hierarchical all-reduce).
 
 torch.distributed requires every rank to call ``new_group`` for every group, in the same order,
-even for groups it is not in (DESIGN.md "Hard facts"). :func:`get_topology` does that once per
+even for groups it is not in. :func:`get_topology` does that once per
 (world, L, grid) and caches the result. Groups of one rank are ``None`` (nothing to communicate), a
 group equal to the whole world is the default group, and groups with the same members are shared.
 
@@ -27,9 +27,10 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
+if TYPE_CHECKING:  # torch is imported inside the functions that need it: parse_grid stays torch-free
+    from torch.distributed import ProcessGroup
 
 _CACHE: dict[tuple, "Topology"] = {}
 _RESET_HOOKS: list = []  # other caches of process groups (e.g. dense's duplex groups) register here
@@ -134,6 +135,8 @@ def detect_ranks_per_node(world_size: int) -> tuple[int, str]:
             if not value.isdigit():
                 raise ValueError(f"{var}={value!r} must be a positive integer")
             return _check_ranks_per_node(int(value), world_size, var), var
+    import torch.distributed as dist
+
     hosts: list[str] = [""] * world_size
     dist.all_gather_object(hosts, socket.gethostname())
     per_host = hosts.count(hosts[0])
@@ -146,6 +149,8 @@ def detect_ranks_per_node(world_size: int) -> tuple[int, str]:
 
 
 def _make_groups(member_lists: list[tuple[int, ...]], made: dict) -> list[ProcessGroup | None]:
+    import torch.distributed as dist
+
     groups = []
     for members in member_lists:
         if len(members) == 1:
@@ -170,6 +175,8 @@ def get_topology(ranks_per_node: int | None = None,
 
     Must be called by every rank with the same arguments (it creates process groups).
     """
+    import torch.distributed as dist
+
     if not dist.is_initialized():
         raise RuntimeError("get_topology() needs an initialized default process group "
                            "(torch.distributed.init_process_group, torchrun, or flashsgd.launch)")
