@@ -13,15 +13,16 @@ import pytest
 
 from flashsgd.sim import cli
 from flashsgd.sim.calibrate import calibrate, design_row, fit, load_bench, validate
-from flashsgd.sim.costs import CommSetup, exchange_cost
-from flashsgd.sim.network import Cluster, Link
+from flashsgd.sim.algorithms import exchange_cost
+from flashsgd.sim.costs import CommSetup
+from flashsgd.sim.network import ClusterModel, Link
 
 ALPHA, BW_GBPS, GAMMA = 50e-6, 1.0, 0.0
 
 
 def write_fixture(path, noise=0.03, algorithms=("native", "ring", "hierarchical", "torus2d")):
     link = Link(ALPHA, BW_GBPS)
-    truth = Cluster("truth", 8, link, link, gamma_s_per_byte=GAMMA)
+    truth = ClusterModel("truth", 8, link, link, gamma_s_per_byte=GAMMA)
     results, i = [], 0
     for algo in algorithms + ("noop",):
         for size in [4096 * 4 ** j for j in range(8)]:  # 4 KiB .. 64 MiB

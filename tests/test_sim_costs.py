@@ -5,8 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from flashsgd.sim.costs import ALGORITHMS, CommSetup, auto_grid, exchange_cost
-from flashsgd.sim.network import CLUSTERS, Cluster, Link, get_cluster
+from flashsgd.sim.algorithms import ALGORITHMS, exchange_cost
+from flashsgd.sim.costs import CommSetup, auto_grid
+from flashsgd.sim.network import CLUSTERS, ClusterModel, Link, get_cluster
 
 A, BW, G = 1e-5, 10.0, 1e-11  # alpha 10 us, 10 GB/s (beta 1e-10 s/B), gamma 1e-11 s/B
 BETA = 1e-10
@@ -14,12 +15,12 @@ BETA = 1e-10
 
 def flat(rpn=8, call=0.0, select=0.0, sparse=0.0):
     link = Link(alpha_s=A, bandwidth_gbps=BW)
-    return Cluster("flat", rpn, link, link, gamma_s_per_byte=G, call_overhead_s=call,
+    return ClusterModel("flat", rpn, link, link, gamma_s_per_byte=G, call_overhead_s=call,
                    select_s_per_elem=select, sparse_overhead_s=sparse)
 
 
 def two_level(call=0.0):
-    return Cluster("two", 4, Link(2e-6, 40.0), Link(2e-5, 5.0), gamma_s_per_byte=G, call_overhead_s=call)
+    return ClusterModel("two", 4, Link(2e-6, 40.0), Link(2e-5, 5.0), gamma_s_per_byte=G, call_overhead_s=call)
 
 
 def total(algo, n, setup):

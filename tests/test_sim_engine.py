@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from flashsgd.sim.costs import ALGORITHMS, CommSetup, exchange_cost
+from flashsgd.sim.algorithms import ALGORITHMS, exchange_cost
+from flashsgd.sim.costs import CommSetup
 from flashsgd.sim.engine import SimConfig, bucket_bounds, simulate, sweep
 from flashsgd.sim.network import CLUSTERS
 from flashsgd.sim.workload import from_module, get_workload, resnet50, vgg16

@@ -1,6 +1,6 @@
 """Shared pieces of the communication benchmarks: sizes, timing, nccl-tests columns, metadata.
 
-Conventions (nccl-tests, REFERENCES.md "Cost models"): a size is the bytes each rank contributes;
+Conventions (nccl-tests, doc/PERFORMANCE.md): a size is the bytes each rank contributes;
 ``algbw = size / time`` and ``busbw = algbw * factor`` with factor 2(P-1)/P for all-reduce and
 (P-1)/P for reduce-scatter / all-gather, GB = 1e9 bytes. Timing (:func:`time_ops`): warm-up calls
 excluded, every repetition starts after a barrier, a repetition's time is the maximum over ranks

@@ -1,4 +1,4 @@
-"""An emulated cluster on one machine: network namespaces as nodes, ``tbf``-capped links (issue 7).
+"""An emulated cluster on one machine: network namespaces as nodes, ``tbf``-capped links.
 
 - :mod:`flashsgd.emulate.netns`: build / tear down namespaces, bridge, veths, shaping; stale cleanup.
 - :mod:`flashsgd.emulate.ranks`: start a command as every rank, in its node's namespace.

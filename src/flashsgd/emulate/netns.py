@@ -1,7 +1,7 @@
 """Build and tear down an emulated cluster: one network namespace per node, bandwidth-capped links.
 
 Loopback has no network bottleneck; Linux network namespaces give one machine real, rate-limited
-links (issue 7). Every object lives in namespaces this module creates; the host's own interfaces,
+links. Every object lives in namespaces this module creates; the host's own interfaces,
 addresses and routes are never touched::
 
     namespace <prefix>-br :  bridge br0 -- n0, n1, ... n{N-1}     (the "switch", its own namespace)

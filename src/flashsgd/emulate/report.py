@@ -3,7 +3,8 @@
 Pure functions over the bench JSON schema (``meta`` + ``results`` rows with ``algorithm``,
 ``size_bytes``, ``time_us``), so they are tested without root.
 
-Physical bound (REFERENCES.md, cost models): a node-level all-reduce over N nodes must move at least
+Physical bound (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations"): a node-level all-reduce over N nodes must move at least
 ``2(N-1)/N * S`` bytes through every node's link in each direction, whatever the algorithm, so
 
     t_min = 2(N-1)/N * S / B        (S message bytes, B link rate in bytes/s)

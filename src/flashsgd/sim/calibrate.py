@@ -38,8 +38,9 @@ from typing import Literal
 
 import numpy as np
 
-from flashsgd.sim.costs import ALGORITHMS, CommSetup
-from flashsgd.sim.network import Cluster, Link
+from flashsgd.sim.algorithms import ALGORITHMS
+from flashsgd.sim.costs import CommSetup
+from flashsgd.sim.network import ClusterModel, Link
 
 _TINY_BETA_GBPS = 1e300  # "infinite" bandwidth: beta ~ 1e-309 s/B, i.e. zero
 
@@ -121,9 +122,9 @@ def load_bench(path: str | Path, statistic: Literal["time_us", "time_us_min"] = 
     return BenchFile(world, rpn, grid, meta, rows, sorted(skipped))
 
 
-def _unit_cluster(rpn: int, alpha: float, bw_gbps: float, gamma: float) -> Cluster:
+def _unit_cluster(rpn: int, alpha: float, bw_gbps: float, gamma: float) -> ClusterModel:
     link = Link(alpha_s=alpha, bandwidth_gbps=bw_gbps)
-    return Cluster(name="unit", ranks_per_node=rpn, intra=link, inter=link, gamma_s_per_byte=gamma,
+    return ClusterModel(name="unit", ranks_per_node=rpn, intra=link, inter=link, gamma_s_per_byte=gamma,
                    call_overhead_s=0.0)
 
 
@@ -159,7 +160,7 @@ class Fit:
     """algorithm (or '*' for joint) -> (alpha_s, beta_s_per_byte, gamma_s_per_byte)."""
     rms_rel_error: float
     max_rel_error: float
-    cluster: Cluster
+    cluster: ClusterModel
 
 
 def fit(bench: BenchFile, mode: Literal["joint", "per-algorithm"] = "joint",
@@ -192,10 +193,10 @@ def fit(bench: BenchFile, mode: Literal["joint", "per-algorithm"] = "joint",
     return Fit(mode, params, float(np.sqrt(np.mean(rel ** 2))), float(rel.max()), cluster)
 
 
-def local_cluster(bench: BenchFile, alpha: float, beta: float, gamma: float) -> Cluster:
+def local_cluster(bench: BenchFile, alpha: float, beta: float, gamma: float) -> ClusterModel:
     """The ``local`` cluster from fitted parameters (one link level for intra and inter)."""
     link = Link(alpha_s=alpha, bandwidth_gbps=1.0 / max(beta, 1e-300) / 1e9)
-    return Cluster(name="local", ranks_per_node=bench.ranks_per_node, intra=link, inter=link,
+    return ClusterModel(name="local", ranks_per_node=bench.ranks_per_node, intra=link, inter=link,
                    gamma_s_per_byte=gamma,
                    source=f"fitted to {bench.meta.get('backend', '?')} bench on "
                           f"{bench.meta.get('host', '?')}, world {bench.world}")

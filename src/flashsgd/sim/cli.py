@@ -15,7 +15,7 @@ import json
 import time
 from dataclasses import replace
 
-from flashsgd.sim.costs import ALGORITHMS
+from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.engine import SimConfig, SimResult, simulate, sweep
 from flashsgd.sim.network import CLUSTERS, get_cluster
 from flashsgd.sim.workload import get_workload

@@ -12,7 +12,9 @@ ranks of one node uses the ``intra`` link; between nodes the ``inter`` link, who
 shared by the ``flows`` ranks of that node that cross at the same time (beta_eff = beta * flows). A
 ring step that has both kinds of hops takes as long as its slowest hop.
 
-Costs (a: alpha, b: beta, g: gamma, n bytes per rank, P ranks; REFERENCES.md "Cost models"):
+Costs (a: alpha, b: beta, g: gamma, n bytes per rank, P ranks; Thakur, Rabenseifner & Gropp 2005,
+"Optimization of Collective Communication Operations in MPICH"; Patarasuk & Yuan 2009 for the ring;
+Mikami et al. 2018, arXiv 1811.05233, for the 2D-Torus):
 
 =================== ==========================================================================
 ring / native       2(P-1) a + 2(P-1)/P n b + (P-1)/P n g  (native: what NCCL/Gloo do for
@@ -37,14 +39,15 @@ gtopk_tree          Shi et al.'s reference implementation (simulator-only): sele
 Non-powers of two: recursive doubling and Rabenseifner fold the extra ``P - 2^floor(lgP)`` ranks in
 with one step before and one after (MPICH), and so does the gtopk butterfly (``comm/sparse.py``);
 binomial trees, Bruck and gtopk_tree use ceil(lgP) steps. The sparse exchanges (topk, gtopk,
-gtopk_tree) live in :mod:`flashsgd.sim.costs_sparse` and register here on import; gtopk's messages
-are sized as ``comm/sparse.py`` packs them (k s bytes padded to 8-byte words).
+gtopk_tree) live in :mod:`flashsgd.sim.costs_sparse`, built from the link helpers here; gtopk's
+messages are sized as ``comm/sparse.py`` packs them (k s bytes padded to 8-byte words). Both
+modules' functions are registered by name in one place, :data:`flashsgd.sim.algorithms.ALGORITHMS`.
 
 Example::
 
     >>> from flashsgd.sim.network import CLUSTERS
     >>> setup = CommSetup(gpus=64, cluster=CLUSTERS.get("abci"))
-    >>> round(float(ALGORITHMS.get("ring")(100e6, setup).total) * 1e3, 2)  # ms for 100 MB
+    >>> round(float(ring(100e6, setup).total) * 1e3, 2)  # ms for 100 MB
     10.31
 """
 
@@ -56,11 +59,7 @@ from typing import Callable
 
 import numpy as np
 
-from flashsgd.registry import Registry
-from flashsgd.sim.network import Cluster
-
-DENSE = ("native", "ring", "hierarchical", "torus2d", "recursive_doubling", "rabenseifner", "binomial")
-SPARSE = ("topk", "gtopk", "gtopk_tree")
+from flashsgd.sim.network import ClusterModel
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class CommSetup:
 
     gpus: int
     """Number of ranks P (one per GPU)."""
-    cluster: Cluster
+    cluster: ClusterModel
     """Link levels and per-call costs."""
     grid: tuple[int, int] | None = None
     """torus2d grid (X, Y), X horizontal (contiguous ranks); None: :func:`auto_grid`."""
@@ -149,19 +148,21 @@ class Cost:
                     self.compute_s + other.compute_s, self.overhead_s + other.overhead_s)
 
 
-def _zero(n: np.ndarray) -> Cost:
+def zero_cost(n: np.ndarray) -> Cost:
+    """No time at all, shaped like ``n``."""
     z = np.zeros_like(n)
     return Cost(z, z, z, z)
 
 
 CostFn = Callable[[object, CommSetup], Cost]
-ALGORITHMS: Registry[CostFn] = Registry("simulated algorithm")
+"""``cost(n_bytes, setup) -> Cost``: the signature of every function registered in
+:data:`flashsgd.sim.algorithms.ALGORITHMS`."""
 
 
 # ---------------------------------------------------------------- link selection ------------------
 
 
-def _step(chunk: np.ndarray, steps: float, levels: list[tuple[float, float]]) -> tuple:
+def step_cost(chunk: np.ndarray, steps: float, levels: list[tuple[float, float]]) -> tuple:
     """``steps`` steps moving ``chunk`` bytes, each as slow as the slowest of ``levels`` (a, b)."""
     best_lat, best_bw = None, None
     for alpha, beta in levels:
@@ -186,7 +187,7 @@ def _ring_levels(members: int, stride: int, setup: CommSetup) -> list[tuple[floa
     return levels + [intra] if per_node > 1 else levels
 
 
-def _pair_levels(distance: int, flows: int, setup: CommSetup) -> list[tuple[float, float]]:
+def pair_levels(distance: int, flows: int, setup: CommSetup) -> list[tuple[float, float]]:
     """Link between partners ``distance`` ranks apart; ``flows`` ranks per node cross at once."""
     c = setup.cluster
     if distance < setup.local_ranks:
@@ -200,24 +201,19 @@ def _pair_levels(distance: int, flows: int, setup: CommSetup) -> list[tuple[floa
 def _ring(n: np.ndarray, members: int, stride: int, setup: CommSetup, phases: int, reduce: bool) -> Cost:
     """Ring reduce-scatter (phases=1, reduce), all-gather (1, no reduce) or all-reduce (2, reduce)."""
     if members == 1:
-        return _zero(n)
+        return zero_cost(n)
     # Each of the (members-1) steps per phase moves one chunk of n/members bytes on every hop.
-    lat, bw = _step(n / members, phases * (members - 1), _ring_levels(members, stride, setup))
+    lat, bw = step_cost(n / members, phases * (members - 1), _ring_levels(members, stride, setup))
     red = (members - 1) / members * n * setup.cluster.gamma_s_per_byte if reduce else np.zeros_like(n)
     return Cost(lat, bw, red, np.full_like(n, setup.cluster.call_overhead_s))
 
 
-@ALGORITHMS.register("ring")
 def ring(n_bytes, setup: CommSetup) -> Cost:
     """Ring all-reduce over all P ranks: 2(P-1) a + 2(P-1)/P n b + (P-1)/P n g (bandwidth-optimal)."""
     n = np.asarray(n_bytes, dtype=float)
     return _ring(n, setup.gpus, 1, setup, phases=2, reduce=True)
 
 
-ALGORITHMS.add("native", ring)  # NCCL/Gloo pick a ring for large messages (stated assumption)
-
-
-@ALGORITHMS.register("hierarchical")
 def hierarchical(n_bytes, setup: CommSetup) -> Cost:
     """Reduce-scatter in node, all-reduce of n/L across nodes, all-gather in node (3 calls)."""
     n = np.asarray(n_bytes, dtype=float)
@@ -231,7 +227,6 @@ def hierarchical(n_bytes, setup: CommSetup) -> Cost:
     return cost + _ring(n, lr, 1, setup, phases=1, reduce=False)
 
 
-@ALGORITHMS.register("torus2d")
 def torus2d(n_bytes, setup: CommSetup) -> Cost:
     """2D-Torus (Mikami et al. 2018): horizontal RS, vertical all-reduce of n/X, horizontal AG."""
     n = np.asarray(n_bytes, dtype=float)
@@ -252,66 +247,48 @@ def _fold(n: np.ndarray, setup: CommSetup) -> tuple[int, Cost]:
     p = setup.gpus
     p2 = 1 << (p.bit_length() - 1)
     if p2 == p:
-        return p2, _zero(n)
-    lat, bw = _step(n, 2, _pair_levels(p2, 1, setup))
+        return p2, zero_cost(n)
+    lat, bw = step_cost(n, 2, pair_levels(p2, 1, setup))
     return p2, Cost(lat, bw, n * setup.cluster.gamma_s_per_byte, np.zeros_like(n))
 
 
-@ALGORITHMS.register("recursive_doubling")
 def recursive_doubling(n_bytes, setup: CommSetup) -> Cost:
     """Recursive doubling: lgP steps exchanging the full n with partner rank XOR 2^i."""
     n = np.asarray(n_bytes, dtype=float)
     if setup.gpus == 1:
-        return _zero(n)
+        return zero_cost(n)
     p2, cost = _fold(n, setup)
     g = setup.cluster.gamma_s_per_byte
     for i in range(p2.bit_length() - 1):
-        lat, bw = _step(n, 1, _pair_levels(1 << i, setup.local_ranks, setup))  # every rank sends
+        lat, bw = step_cost(n, 1, pair_levels(1 << i, setup.local_ranks, setup))  # every rank sends
         cost = cost + Cost(lat, bw, n * g, np.zeros_like(n))
     return cost + Cost(*(np.zeros_like(n),) * 3, np.full_like(n, setup.cluster.call_overhead_s))
 
 
-@ALGORITHMS.register("rabenseifner")
 def rabenseifner(n_bytes, setup: CommSetup) -> Cost:
     """Recursive-halving reduce-scatter then recursive-doubling all-gather (Rabenseifner 2004)."""
     n = np.asarray(n_bytes, dtype=float)
     if setup.gpus == 1:
-        return _zero(n)
+        return zero_cost(n)
     p2, cost = _fold(n, setup)
     g = setup.cluster.gamma_s_per_byte
     for i in range(p2.bit_length() - 1):
         # Step 1 (halving): partner P'/2^(i+1) away, exchange and reduce n/2^(i+1) bytes.
         # Step 2 (doubling) mirrors it with the same sizes and partners, without the reduction.
         chunk = n / (1 << (i + 1))
-        lat, bw = _step(chunk, 2, _pair_levels(p2 >> (i + 1), setup.local_ranks, setup))
+        lat, bw = step_cost(chunk, 2, pair_levels(p2 >> (i + 1), setup.local_ranks, setup))
         cost = cost + Cost(lat, bw, chunk * g, np.zeros_like(n))
     return cost + Cost(*(np.zeros_like(n),) * 3, np.full_like(n, setup.cluster.call_overhead_s))
 
 
-@ALGORITHMS.register("binomial")
 def binomial(n_bytes, setup: CommSetup) -> Cost:
     """Binomial-tree reduce to rank 0 then binomial broadcast: 2 ceil(lgP) full-size steps."""
     n = np.asarray(n_bytes, dtype=float)
-    cost = _zero(n)
+    cost = zero_cost(n)
     g = setup.cluster.gamma_s_per_byte
     for i in range(math.ceil(math.log2(setup.gpus))):
         # At round i the senders are ranks = 2^i mod 2^(i+1): L/2^(i+1) per node stay inside the
         # node; once 2^i >= L at most one rank per node crosses.
-        lat, bw = _step(n, 2, _pair_levels(1 << i, 1, setup))  # reduce round + broadcast round
+        lat, bw = step_cost(n, 2, pair_levels(1 << i, 1, setup))  # reduce round + broadcast round
         cost = cost + Cost(lat, bw, n * g, np.zeros_like(n))
     return cost + Cost(*(np.zeros_like(n),) * 3, np.full_like(n, 2 * setup.cluster.call_overhead_s))
-
-
-def exchange_cost(algorithm: str, n_bytes, setup: CommSetup) -> Cost:
-    """Cost of ``algorithm`` (a registered name) moving ``n_bytes`` per rank; zero for one GPU."""
-    fn = ALGORITHMS.get(algorithm)
-    n = np.asarray(n_bytes, dtype=float)
-    if np.any(n < 0):
-        raise ValueError(f"n_bytes must be >= 0, got min {float(n.min())}")
-    if setup.gpus == 1:
-        return _zero(n)
-    return fn(n, setup)
-
-
-# topk, gtopk and gtopk_tree register themselves into ALGORITHMS (kept in their own file).
-from flashsgd.sim import costs_sparse  # noqa: E402,F401

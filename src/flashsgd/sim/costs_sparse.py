@@ -1,8 +1,9 @@
 """Sparse exchanges for the simulator: Top-k S-SGD, gTop-k as flashsgd runs it, and Shi et al.'s tree.
 
 Paper: Shi et al. 2019, "A Distributed Synchronous SGD Algorithm with Global Top-k Sparsification for
-Low Bandwidth Networks" (arXiv 1901.04359), REFERENCES.md item 4. Registered into
-:data:`flashsgd.sim.costs.ALGORITHMS` (formulas in that module's docstring table):
+Low Bandwidth Networks" (arXiv 1901.04359). Registered by name in
+:data:`flashsgd.sim.algorithms.ALGORITHMS` (formulas in the docstring table of
+:mod:`flashsgd.sim.costs`, whose link helpers they use):
 
 - ``topk``: local top-k, Bruck all-gather of every rank's k pairs, scatter-add.
 - ``gtopk``: the butterfly of ``flashsgd.comm.sparse.gtopk_allreduce``: lgP' rounds in which every
@@ -17,7 +18,8 @@ Every function has the signature ``cost(n_bytes, setup) -> Cost`` of :mod:`flash
 
 Example::
 
-    >>> from flashsgd.sim.costs import CommSetup, exchange_cost
+    >>> from flashsgd.sim.algorithms import exchange_cost
+    >>> from flashsgd.sim.costs import CommSetup
     >>> from flashsgd.sim.network import CLUSTERS
     >>> setup = CommSetup(gpus=32, cluster=CLUSTERS.get("1gbe"))
     >>> t = exchange_cost("gtopk", 102e6, setup).bandwidth_s  # 5 rounds of 25,500 8-byte pairs
@@ -31,7 +33,7 @@ import math
 
 import numpy as np
 
-from flashsgd.sim.costs import ALGORITHMS, CommSetup, Cost, _pair_levels, _step, _zero
+from flashsgd.sim.costs import CommSetup, Cost, pair_levels, step_cost, zero_cost
 
 
 def _k(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarray]:
@@ -39,12 +41,11 @@ def _k(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarray]:
     return m, np.maximum(1.0, np.ceil(setup.density * m))
 
 
-@ALGORITHMS.register("topk")
 def topk(n_bytes, setup: CommSetup) -> Cost:
     """Top-k S-SGD: local top-k, all-gather of k (value, index) pairs, scatter-add of P*k."""
     n = np.asarray(n_bytes, dtype=float)
     if setup.gpus == 1:
-        return _zero(n)
+        return zero_cost(n)
     c, p = setup.cluster, setup.gpus
     m, k = _k(n, setup)
     pair = setup.value_bytes + setup.index_bytes
@@ -55,7 +56,7 @@ def topk(n_bytes, setup: CommSetup) -> Cost:
     # sum over rounds = (P-1) k pairs.
     for i in range(math.ceil(math.log2(p))):
         blocks = min(1 << i, p - (1 << i))
-        lat, bw = _step(blocks * k * pair, 1, _pair_levels(1 << i, setup.local_ranks, setup))
+        lat, bw = step_cost(blocks * k * pair, 1, pair_levels(1 << i, setup.local_ranks, setup))
         cost = cost + Cost(lat, bw, np.zeros_like(n), np.zeros_like(n))
     # Step 3: scatter-add the P*k received values into a dense buffer.
     return cost + Cost(np.zeros_like(n), np.zeros_like(n), p * k * setup.value_bytes * c.gamma_s_per_byte,
@@ -106,12 +107,11 @@ def _sparse_start(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarr
     return k, merge, Cost(np.zeros_like(n), np.zeros_like(n), comp, np.full_like(n, c.sparse_overhead_s))
 
 
-@ALGORITHMS.register("gtopk")
 def gtopk(n_bytes, setup: CommSetup) -> Cost:
     """Global Top-k as ``comm/sparse.py`` runs it: a butterfly of pairwise merges (critical path)."""
     n = np.asarray(n_bytes, dtype=float)
     if setup.gpus == 1:
-        return _zero(n)
+        return zero_cost(n)
     p = setup.gpus
     p2 = 1 << (p.bit_length() - 1)
     extra = p - p2
@@ -123,34 +123,33 @@ def gtopk(n_bytes, setup: CommSetup) -> Cost:
     fold_flows = min(extra, setup.local_ranks) if extra else 1
     if extra:
         # Step 2 (fold in): rank r + P' sends its k pairs to r, which merges them.
-        lat, bw = _step(msg, 1, _pair_levels(p2, fold_flows, setup))
+        lat, bw = step_cost(msg, 1, pair_levels(p2, fold_flows, setup))
         cost = cost + Cost(lat, bw, merge, z)
     for i in range(p2.bit_length() - 1):
         # Step 3 (butterfly round i): every rank r < P' swaps k pairs with r XOR 2^i (send and
         # receive at once, so one message time per round) and both merge 2k -> k. All L ranks of
         # a node cross at once once 2^i >= L.
-        lat, bw = _step(msg, 1, _pair_levels(1 << i, setup.local_ranks, setup))
+        lat, bw = step_cost(msg, 1, pair_levels(1 << i, setup.local_ranks, setup))
         cost = cost + Cost(lat, bw, merge, z)
     if extra:
         # Step 4 (fold out): rank r sends the final k pairs + a k-byte survivor mask to r + P'.
-        lat, bw = _step(sparse_message_bytes(k, setup, extra_bytes=k), 1,
-                        _pair_levels(p2, fold_flows, setup))
+        lat, bw = step_cost(sparse_message_bytes(k, setup, extra_bytes=k), 1,
+                        pair_levels(p2, fold_flows, setup))
         cost = cost + Cost(lat, bw, z, z)
     return cost
 
 
-@ALGORITHMS.register("gtopk_tree")
 def gtopk_tree(n_bytes, setup: CommSetup) -> Cost:
     """gTop-k as in Shi et al.'s reference implementation: tree of lgP merges, then broadcast."""
     n = np.asarray(n_bytes, dtype=float)
     if setup.gpus == 1:
-        return _zero(n)
+        return zero_cost(n)
     pair = setup.value_bytes + setup.index_bytes
     # Step 1: local top-k of m elements (+ residual add).
     k, merge, cost = _sparse_start(n, setup)
     for i in range(math.ceil(math.log2(setup.gpus))):
         # Step 2: round i, receivers get k pairs from 2^i away and keep the top k of the 2k union;
         # Step 3 (broadcast) sends the final k pairs back down the same tree: 2 messages per level.
-        lat, bw = _step(k * pair, 2, _pair_levels(1 << i, 1, setup))
+        lat, bw = step_cost(k * pair, 2, pair_levels(1 << i, 1, setup))
         cost = cost + Cost(lat, bw, merge, np.zeros_like(n))
     return cost

@@ -31,8 +31,9 @@ from typing import Literal
 
 import numpy as np
 
-from flashsgd.sim.costs import CommSetup, exchange_cost
-from flashsgd.sim.network import Cluster
+from flashsgd.sim.algorithms import exchange_cost
+from flashsgd.sim.costs import CommSetup
+from flashsgd.sim.network import ClusterModel
 from flashsgd.sim.workload import Workload
 
 BYTES = {"fp16": 2, "fp32": 4}
@@ -43,7 +44,7 @@ class SimConfig:
     """What to simulate: algorithm, scale, per-GPU work and fusion policy."""
 
     algorithm: str
-    """A name from flashsgd.sim.costs.ALGORITHMS (native, ring, hierarchical, torus2d, topk, ...)."""
+    """A name from flashsgd.sim.algorithms.ALGORITHMS (native, ring, hierarchical, torus2d, topk, ...)."""
     gpus: int
     """Number of GPUs (ranks)."""
     images_per_s: float
@@ -133,7 +134,7 @@ def bucket_bounds(numels: np.ndarray, elem_bytes: int, bucket_mb: float,
     return np.asarray(ends)
 
 
-def simulate(workload: Workload, cluster: Cluster, cfg: SimConfig) -> SimResult:
+def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimResult:
     """Simulate one iteration of ``workload`` on ``cfg.gpus`` GPUs of ``cluster``."""
     elem = BYTES[cfg.precision]
     setup = CommSetup(gpus=cfg.gpus, cluster=cluster, grid=cfg.grid, density=cfg.density,
@@ -166,7 +167,7 @@ def simulate(workload: Workload, cluster: Cluster, cfg: SimConfig) -> SimResult:
     )
 
 
-def sweep(workload: Workload, cluster: Cluster, base: SimConfig, algorithms: list[str],
+def sweep(workload: Workload, cluster: ClusterModel, base: SimConfig, algorithms: list[str],
           gpus: list[int]) -> list[SimResult]:
     """Simulate every (algorithm, gpus) pair; ``base.grid`` is dropped when gpus vary."""
     out = []

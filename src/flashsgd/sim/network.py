@@ -1,4 +1,4 @@
-"""Cluster descriptions for the simulator: link levels (alpha, beta), reduction speed, presets.
+"""Cluster models for the simulator (:class:`ClusterModel`): link levels (alpha, beta), reduction speed, presets.
 
 A cluster has two link levels, the way every GPU cluster in the papers is built:
 
@@ -58,7 +58,7 @@ class Link:
 
 
 @dataclass(frozen=True)
-class Cluster:
+class ClusterModel:
     """A homogeneous GPU cluster: nodes of ``ranks_per_node`` GPUs, two link levels."""
 
     name: str
@@ -84,11 +84,11 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
-            raise ValueError(f"Cluster.ranks_per_node must be an int >= 1, got {self.ranks_per_node!r}")
+            raise ValueError(f"ClusterModel.ranks_per_node must be an int >= 1, got {self.ranks_per_node!r}")
         for name in ("gamma_s_per_byte", "call_overhead_s", "sparse_overhead_s", "select_s_per_elem"):
-            _check_positive("Cluster", name, getattr(self, name), allow_zero=True)
+            _check_positive("ClusterModel", name, getattr(self, name), allow_zero=True)
         for key, value in self.resnet50_images_per_s.items():
-            _check_positive("Cluster", f"resnet50_images_per_s[{key!r}]", value)
+            _check_positive("ClusterModel", f"resnet50_images_per_s[{key!r}]", value)
 
     def describe(self) -> str:
         """Human-readable summary of the cluster's parameters."""
@@ -102,7 +102,7 @@ class Cluster:
         )
 
 
-CLUSTERS: Registry[Cluster] = Registry("cluster preset")
+CLUSTERS: Registry[ClusterModel] = Registry("cluster preset")
 
 # Latencies: NCCL's own tuning model (src/graph/tuning.cc) charges ~3.4 us per ring step on NVLink
 # and ~14 us per step over the network with the Simple protocol used for large messages, plus a
@@ -123,7 +123,7 @@ def _gpu_gamma(mem_bw_gbps: float) -> float:
     return 3.0 / (mem_bw_gbps * GB)
 
 
-CLUSTERS.add("abci", Cluster(
+CLUSTERS.add("abci", ClusterModel(
     name="abci",
     ranks_per_node=4,
     # 4x V100 SXM2 fully connected by NVLink2, 2 links (2 x 25 GB/s) between each pair: a ring
@@ -136,12 +136,12 @@ CLUSTERS.add("abci", Cluster(
     call_overhead_s=_NCCL_CALL_S,
     sparse_overhead_s=_SPARSE_CALL_S,
     select_s_per_elem=_SELECT_S_PER_ELEM,
-    # REFERENCES.md: V100 ResNet-50 ~1200 images/s mixed precision, ~370 fp32 (PyTorch, one GPU).
+    # Published single-V100 PyTorch ResNet-50 training: ~1200 images/s mixed precision, ~370 fp32.
     resnet50_images_per_s={"fp16": 1200.0, "fp32": 370.0},
     source="ABCI node: 4x V100 SXM2 + NVLink2, 2x IB EDR; NCCL tuning-model latencies",
 ))
 
-CLUSTERS.add("bigbasin-50gbe", Cluster(
+CLUSTERS.add("bigbasin-50gbe", ClusterModel(
     name="bigbasin-50gbe",
     ranks_per_node=8,
     # Facebook Big Basin (Goyal et al. 2017): 8x P100 SXM2, NVLink1 hybrid cube mesh, 20 GB/s
@@ -160,12 +160,12 @@ CLUSTERS.add("bigbasin-50gbe", Cluster(
     source="Big Basin: 8x P100 + NVLink1, 50 Gbit Ethernet (Goyal et al. 2017)",
 ))
 
-CLUSTERS.add("1gbe", Cluster(
+CLUSTERS.add("1gbe", ClusterModel(
     name="1gbe",
     ranks_per_node=1,
     # One GPU per machine; there is no intra-node level in use (kept equal to inter for safety).
     intra=Link(alpha_s=0.44e-3, bandwidth_gbps=0.111),
-    # REFERENCES.md (gTop-k setting): alpha ~0.44 ms, ~111 MB/s on 1 Gbit/s Ethernet.
+    # Shi et al. 2019 (gTop-k, arXiv 1901.04359) setting: alpha ~0.44 ms, ~111 MB/s on 1 Gbit/s Ethernet.
     inter=Link(alpha_s=0.44e-3, bandwidth_gbps=0.111),
     # GTX 1080 Ti / P102-class GPU: ~480 GB/s memory bandwidth.
     gamma_s_per_byte=_gpu_gamma(480.0),
@@ -178,7 +178,7 @@ CLUSTERS.add("1gbe", Cluster(
 ))
 
 
-def get_cluster(name: str) -> Cluster:
+def get_cluster(name: str) -> ClusterModel:
     """The preset called ``name``; ValueError listing presets (and how to get ``local``) otherwise."""
     if name == "local":
         raise ValueError(

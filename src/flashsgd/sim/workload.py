@@ -11,7 +11,8 @@ need neither torchvision nor flashsgd's own model zoo:
 * ``vgg16``: ImageNet VGG-16 (13 conv + 3 fc, with biases), 32 tensors, 138,357,544 parameters.
 
 Any ``torch.nn.Module`` works through :func:`from_module` (shares proportional to parameter count,
-a fallback stated in the output) or :func:`from_profile` (measured per-tensor backward times).
+a fallback stated in the output); a measured profile is a :class:`Workload` built directly from
+per-tensor sizes and backward times.
 
 Example::
 
@@ -146,8 +147,8 @@ def vgg16() -> Workload:
 def from_module(module, name: str | None = None) -> Workload:
     """Workload of any ``torch.nn.Module``: trainable parameters in reverse registration order.
 
-    Backward shares are proportional to parameter counts (no FLOP information in a module); pass a
-    measured profile to :func:`from_profile` when the placement of gradients in time matters.
+    Backward shares are proportional to parameter counts (no FLOP information in a module); build a
+    :class:`Workload` from measured per-tensor backward times when their placement in time matters.
     """
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad][::-1]
     if not params:
@@ -155,12 +156,6 @@ def from_module(module, name: str | None = None) -> Workload:
     numels = np.array([p.numel() for _, p in params])
     return Workload(name or type(module).__name__, numels, numels.astype(float),
                     tuple(n for n, _ in params), "backward share per tensor = parameter count")
-
-
-def from_profile(name: str, numels, backward_s) -> Workload:
-    """Workload from measured per-tensor backward times (seconds, backward order)."""
-    return Workload(name, np.asarray(numels), np.asarray(backward_s, dtype=float),
-                    note="measured backward profile")
 
 
 def get_workload(spec: str) -> Workload:
