@@ -6,6 +6,8 @@ rtol 1e-5, atol 1e-6 (observed differences ~1e-8).
 """
 
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +17,9 @@ import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from flashsgd.comm.hooks import HOOKS, DenseHookState, StatelessHookState, register_hook
+from flashsgd.comm.dense_hooks import DenseHookState
+from flashsgd.comm.hook_common import StatelessHookState
+from flashsgd.comm.hooks import HOOKS, register_hook
 
 STEPS = 3
 
@@ -146,3 +150,11 @@ def test_bad_registrations_raise_value_error(run_ranks):
         assert "parameter '0.weight' is torch.float64; supported dtypes: float32, float16, bfloat16" \
             in errors["dtype"]
         assert errors["pickled"] == ("torus2d", "2x2", True, True)
+
+
+def test_hook_modules_import_one_way():
+    # hooks.py fills the registry from dense_hooks and sparse_hooks; neither imports hooks.py back.
+    code = ("import sys, flashsgd.comm.dense_hooks, flashsgd.comm.sparse_hooks; "
+            "assert 'flashsgd.comm.hooks' not in sys.modules, 'cycle'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert HOOKS.names() == ["native", "noop", "ring", "hierarchical", "torus2d", "topk", "gtopk"]

@@ -1,4 +1,4 @@
-"""DDP communication hooks for flashsgd's all-reduce algorithms, and a name -> hook registry.
+"""The DDP communication hooks by name: ``HOOKS``, :func:`register_hook` and :func:`hook_options`.
 
 Use::
 
@@ -6,55 +6,16 @@ Use::
     ...train...
     ckpt["hook"] = state.state_dict(); state.load_state_dict(ckpt["hook"])
 
-Hooks (``HOOKS``; each entry is a factory ``make(ddp_model, **options) -> (state, hook | None)``;
+Each entry of ``HOOKS`` is a factory ``make(ddp_model, **options) -> (state, hook | None)``;
 :func:`register_hook` validates the options and calls ``ddp_model.register_comm_hook(state, hook)``
-unless the hook is None):
+unless the hook is None. This module fills the registry from the two hook modules (one-way
+imports: they never import this one):
 
-=============== ===============================================================================
-``native``      registers nothing: DDP's built-in all-reduce (grad / W, then a sum all-reduce on
-                DDP's process group). The baseline; same as ``default_hooks.allreduce_hook``.
-``ring``        :func:`flashsgd.comm.dense.ring` on each bucket, average over the world.
-``hierarchical`` :func:`~flashsgd.comm.dense.hierarchical`; option ``ranks_per_node`` (L).
-``torus2d``     :func:`~flashsgd.comm.dense.torus2d`; option ``grid`` ("XxY").
-``noop``        returns the bucket unchanged: gradients are NOT averaged, every rank steps on its
-                own gradient. The ceiling of the training benchmark (zero communication), never
-                for real training.
-``topk``/``gtopk`` sparse hooks, registered by ``flashsgd.comm.sparse_hooks`` (imported at the end).
-=============== ===============================================================================
-
-The three dense hooks take ``ranks_per_node``, ``grid`` (the :class:`Topology`, built once at
-registration, a collective call on every rank) and ``threaded``. They call the algorithm with
-``op="avg"`` (sum, then divide by the world size: DDP's default semantics) and ``check=False``
-(DDP gives every rank identical buckets; a per-bucket length check would add latency).
-
-Futures and overlap. DDP calls a hook when a bucket's gradients are ready, during backward, and
-waits for the returned futures at the end of backward. On NCCL the algorithm's collectives are
-enqueued on NCCL's stream and return at once, so the completed Future we return still overlaps
-the communication with the rest of backward on the GPU. Gloo gives no futures for send/recv
-(DESIGN.md "Hard facts"), so two modes:
-
-* ``threaded=True`` (default): the bucket is handed to one communication thread per state (FIFO,
-  so every rank issues the same collectives in the same order, since DDP launches buckets in index
-  order) and the hook returns its pending Future at once; backward continues meanwhile, and DDP
-  waits for the Futures at the end of backward. Not for models that run collectives inside
-  backward themselves (SyncBatchNorm): two threads would then issue collectives concurrently.
-  CUDA buckets ignore it (NCCL calls return at once; no thread, no device/stream hand-over).
-* ``threaded=False``: the bucket is reduced synchronously inside the hook and a completed Future
-  is returned. Lost: overlap of this bucket's communication with the backward computation of the
-  layers that remain; the backward thread waits for each bucket's all-reduce.
-
-Measured (``python benchmarks/hook_threading.py --world 4 --grid 2x2``, docs/benchmarks.md "Dense
-all-reduce"), on the shared 2-core machine: a 1.1 M-parameter MLP step took 204 ms with the ring
-hook synchronous vs 141 ms threaded (native DDP: 97 ms), torus2d 175 vs 118 ms; the thread pays
-even with 4 ranks on 2 cores, since a rank waiting on its peers leaves the core to backward.
-
-bucket_cap_mb (DDP's knob, default 25 MB; the first bucket is 1 MB) sets the message size of
-each call: one bucket = one all-reduce. Large buckets put the algorithms in the bandwidth regime,
-where ring, hierarchical and torus2d move the same 2(P-1)/P n bytes per rank and differ little;
-small buckets are latency-bound, where torus2d's 2(X-1) + 2(Y-1) steps and hierarchical's
-2(L-1) + 2(N-1) beat the flat ring's 2(P-1). Fewer, larger buckets also start later in backward,
-which reduces overlap (with ``threaded=True`` or NCCL). A bucket shorter than P elements still
-works (empty chunks are skipped).
+- :mod:`flashsgd.comm.dense_hooks`: ``native``, ``noop``, ``ring``, ``hierarchical``, ``torus2d``
+  (all-reduce algorithms of :mod:`flashsgd.comm.dense`; threading, overlap and bucket sizes are
+  discussed there);
+- :mod:`flashsgd.comm.sparse_hooks`: ``topk``, ``gtopk`` (sparsified exchange with error
+  feedback, Shi et al. 2019, arXiv 1901.04359).
 
 Example::
 
@@ -66,200 +27,19 @@ Example::
 from __future__ import annotations
 
 import inspect
-import queue
-import threading
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
-
-from flashsgd.comm.dense import ALLREDUCE, DTYPES, duplex_groups
-from flashsgd.comm.topology import Topology, get_topology
+from flashsgd.comm import dense_hooks, sparse_hooks
+from flashsgd.comm.hook_common import HookFactory
 from flashsgd.registry import Registry
 
-HookFactory = Callable[..., tuple[Any, Callable | None]]
 HOOKS: Registry[HookFactory] = Registry("DDP communication hook")
-
-
-def completed_future(value: Any) -> torch.futures.Future:
-    """A Future already holding ``value`` (what a synchronous hook returns to DDP)."""
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
-
-
-def ddp_hook(fn: Callable) -> Callable:
-    """Give a hook the real annotations DDP's ``register_comm_hook`` checks.
-
-    With ``from __future__ import annotations`` annotations are strings, and DDP refuses a hook
-    whose ``bucket`` annotation is not ``dist.GradBucket`` (or whose return is not
-    ``torch.futures.Future[torch.Tensor]``). Decorate every hook function with this.
-    """
-    fn.__annotations__["bucket"] = dist.GradBucket
-    fn.__annotations__["return"] = torch.futures.Future[torch.Tensor]
-    return fn
-
-
-class CommThread:
-    """One daemon thread that runs submitted calls in FIFO order and completes their Futures.
-
-    FIFO on every rank + DDP launching buckets in index order = the same collective order on every
-    rank. Started lazily on first use (so it never exists across a fork).
-    """
-
-    __slots__ = ("_queue", "_thread")
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn: Callable[[], Any]) -> torch.futures.Future:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._loop, name="flashsgd-comm", daemon=True)
-            self._thread.start()
-        fut: torch.futures.Future = torch.futures.Future()
-        self._queue.put((fn, fut))
-        return fut
-
-    def _loop(self) -> None:
-        while True:
-            fn, fut = self._queue.get()
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - DDP re-raises it from fut.wait()
-                fut.set_exception(exc)
-
-
-class StatelessHookState:
-    """State of a hook with nothing to checkpoint (``native``, ``noop``): empty state_dict."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise ValueError(f"hook {self.name!r} has no state; got keys {sorted(state)}")
-
-
-class DenseHookState(StatelessHookState):
-    """State of the ``ring`` / ``hierarchical`` / ``torus2d`` hooks.
-
-    Nothing here changes the numerics across steps, so the checkpointed state is empty; the
-    process groups and the thread are dropped when pickled (``__getstate__``) and rebuilt lazily.
-
-    Args:
-        name: the algorithm (a name in :data:`flashsgd.comm.dense.ALLREDUCE`, not ``native``).
-        ranks_per_node: L (``None``: detected); used by hierarchical and the default grid.
-        grid: ``"XxY"`` for torus2d (``None``: X = L).
-        threaded: run the all-reduce on a communication thread (see the module docstring).
-    """
-
-    __slots__ = (
-        "ranks_per_node", "grid", "threaded",      # hyper-parameters
-        "topology", "comm",                         # internal (not checkpointed)
-        "buckets", "elements",                      # stats: calls and elements reduced
-    )
-
-    def __init__(self, name: str, ranks_per_node: int | None = None, grid: str | None = None,
-                 threaded: bool = True) -> None:
-        if name not in ALLREDUCE or name == "native":
-            raise ValueError(f"dense hook algorithm must be one of "
-                             f"{', '.join(n for n in ALLREDUCE.names() if n != 'native')}, got {name!r}")
-        if not isinstance(threaded, bool):
-            raise ValueError(f"threaded must be True or False, got {threaded!r}")
-        super().__init__(name)
-        self.ranks_per_node, self.grid, self.threaded = ranks_per_node, grid, threaded
-        self.topology: Topology | None = get_topology(ranks_per_node=ranks_per_node, grid=grid)
-        duplex_groups(self.topology)  # collective: create any extra groups now, not in backward
-        self.comm: CommThread | None = CommThread() if threaded else None
-        self.buckets = 0
-        self.elements = 0
-
-    def __getstate__(self) -> dict:
-        return {"name": self.name, "ranks_per_node": self.ranks_per_node, "grid": self.grid,
-                "threaded": self.threaded, "buckets": self.buckets, "elements": self.elements}
-
-    def __setstate__(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
-        self.topology = None
-        self.comm = CommThread() if self.threaded else None
-
-
-@ddp_hook
-def dense_hook(state: DenseHookState, bucket: dist.GradBucket) -> torch.futures.Future:
-    """Average one DDP bucket with ``state.name``'s algorithm (in place on the bucket's buffer).
-
-    1. Take the bucket's flat buffer (DDP's gradients of several parameters, contiguous).
-    2. All-reduce it with ``op="avg"`` (sum, then / world size), on the calling thread or on the
-       state's communication thread.
-    3. Return a Future of the buffer (completed, or completed later by the thread).
-    """
-    # Step 1
-    buf = bucket.buffer()
-    if state.topology is None:  # unpickled state: rebuild (every rank does it at the same bucket)
-        state.topology = get_topology(ranks_per_node=state.ranks_per_node, grid=state.grid)
-    fn, topo = ALLREDUCE.get(state.name), state.topology
-    state.buckets += 1
-    state.elements += buf.numel()
-    # Step 2
-    if state.comm is not None and not buf.is_cuda:  # NCCL enqueues asynchronously anyway
-        # Step 3 (pending Future, completed by the thread)
-        return state.comm.submit(lambda: fn(buf, topo, op="avg", check=False))
-    fn(buf, topo, op="avg", check=False)
-    # Step 3
-    return completed_future(buf)
-
-
-@ddp_hook
-def noop_hook(state: StatelessHookState, bucket: dist.GradBucket) -> torch.futures.Future:
-    """Return the bucket untouched: no communication, gradients stay local (not averaged)."""
-    return completed_future(bucket.buffer())
-
-
-# ------------------------------------------------------------------------------- registry -------
-
-@HOOKS.register("native")
-def _make_native(ddp_model: Any) -> tuple[StatelessHookState, None]:
-    return StatelessHookState("native"), None
-
-
-@HOOKS.register("noop")
-def _make_noop(ddp_model: Any) -> tuple[StatelessHookState, Callable]:
-    return StatelessHookState("noop"), noop_hook
-
-
-def _dense_factory(name: str) -> HookFactory:
-    def make(ddp_model: Any, ranks_per_node: int | None = None, grid: str | None = None,
-             threaded: bool = True) -> tuple[DenseHookState, Callable]:
-        _check_model(ddp_model, name)
-        return DenseHookState(name, ranks_per_node, grid, threaded), dense_hook
-
-    make.__name__ = f"_make_{name}"
-    make.__doc__ = f"Hook averaging each bucket with the {name} all-reduce."
-    return make
-
-
-for _name in ("ring", "hierarchical", "torus2d"):
-    HOOKS.add(_name, _dense_factory(_name))
-
-
-def _check_model(ddp_model: Any, name: str) -> None:
-    """The dense hooks reduce over the default group, in fp32/fp16/bf16: refuse anything else early."""
-    pg = getattr(ddp_model, "process_group", None)
-    if pg is not None and dist.get_world_size(pg) != dist.get_world_size():
-        raise ValueError(f"hook {name!r} all-reduces over the default process group, but this DDP "
-                         f"model uses a group of {dist.get_world_size(pg)} of "
-                         f"{dist.get_world_size()} ranks; use hook 'native' for subgroup DDP")
-    for pname, p in ddp_model.module.named_parameters():
-        if p.requires_grad and p.dtype not in DTYPES:
-            raise ValueError(f"hook {name!r}: parameter {pname!r} is {p.dtype}; supported dtypes: "
-                             f"{', '.join(DTYPES.values())}")
+HOOKS.add("native", dense_hooks.make_native)
+HOOKS.add("noop", dense_hooks.make_noop)
+for _name in dense_hooks.DENSE_HOOKS:
+    HOOKS.add(_name, dense_hooks.dense_factory(_name))
+for _name in sparse_hooks.ALGORITHMS:
+    HOOKS.add(_name, sparse_hooks.sparse_factory(_name))
 
 
 def hook_options(name: str, **offered: Any) -> dict[str, Any]:
@@ -298,6 +78,3 @@ def register_hook(ddp_model: Any, name: str, *, wrap: Callable | None = None,
     return state
 
 
-# The sparse hooks register themselves into HOOKS on import; HOOKS and the helpers above exist
-# already, so `from flashsgd.comm.hooks import HOOKS` inside sparse_hooks works whichever loads first.
-from flashsgd.comm import sparse_hooks  # noqa: E402,F401  (registers topk, gtopk)

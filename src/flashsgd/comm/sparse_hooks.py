@@ -48,7 +48,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.hooks import HOOKS, completed_future, ddp_hook
+from flashsgd.comm.hook_common import completed_future, ddp_hook
 from flashsgd.comm.sparse import (SELECTIONS, DensitySchedule, SelectionWorkspace, check_sizes,
                                   gtopk_allreduce, gtopk_bytes_sent, k_from_density, topk_allgather,
                                   topk_bytes_sent)
@@ -266,7 +266,8 @@ def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Ten
     state.last_density = density
 
 
-def _factory(algorithm: str) -> Callable:
+def sparse_factory(algorithm: str) -> Callable:
+    """The factory of the sparse hook ``algorithm`` (one of :data:`ALGORITHMS`)."""
     def make(ddp_model: Any, density: float = 0.001, warmup_density: float | None = None,
              warmup_steps: int = 0, warmup_mode: str = "exponential", start_iter: int = 2,
              selection: str = "exact", seed: int = 0) -> tuple[SparseHookState, Callable]:
@@ -279,10 +280,6 @@ def _factory(algorithm: str) -> Callable:
         state = SparseHookState(algorithm, schedule, start_iter, selection, seed).bind(ddp_model)
         return state, sparse_hook
 
-    make.__name__ = f"_make_{algorithm}"
+    make.__name__ = f"make_{algorithm}"
     make.__doc__ = f"The {algorithm} sparse hook (options: see flashsgd.comm.sparse_hooks)."
     return make
-
-
-for _name in ALGORITHMS:
-    HOOKS.add(_name, _factory(_name))
