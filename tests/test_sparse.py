@@ -14,7 +14,7 @@ import torch.distributed as dist
 from flashsgd.comm.sparse import (DensitySchedule, SelectionWorkspace, _message_len, _pack, _unpack,
                                   density_at, gtopk_allreduce, gtopk_bytes_sent, gtopk_reference,
                                   k_from_density, merge_topk, message_bytes, topk_allgather,
-                                  topk_approx, topk_exact, validate_density)
+                                  topk_exact, topk_sampled, validate_density)
 
 # ------------------------------------------------------------------------- single process -------
 
@@ -31,18 +31,18 @@ def test_density_validation_and_k():
 
 
 def test_density_schedule_golden():
-    s = DensitySchedule(0.001, warmup_density=0.25, warmup_steps=4)
+    s = DensitySchedule(0.001, density_warmup=0.25, density_warmup_steps=4)
     got = [s(t) for t in range(6)]
     want = [0.25, 0.25 * 0.004 ** 0.25, 0.25 * 0.004 ** 0.5, 0.25 * 0.004 ** 0.75, 0.001, 0.001]
     assert got == pytest.approx(want, rel=1e-12)
-    assert density_at(1, 0.01, 0.21, 2, mode="linear") == pytest.approx(0.11)
+    assert density_at(1, 0.01, 0.21, 2, density_warmup_mode="linear") == pytest.approx(0.11)
     assert DensitySchedule(0.01)(0) == 0.01
-    with pytest.raises(ValueError, match="warmup_density"):
-        DensitySchedule(0.01, warmup_density=2.0)
-    with pytest.raises(ValueError, match="warmup_steps"):
-        DensitySchedule(0.01, warmup_density=0.2, warmup_steps=-1)
-    with pytest.raises(ValueError, match="mode"):
-        DensitySchedule(0.01, mode="cosine")
+    with pytest.raises(ValueError, match="density_warmup"):
+        DensitySchedule(0.01, density_warmup=2.0)
+    with pytest.raises(ValueError, match="density_warmup_steps"):
+        DensitySchedule(0.01, density_warmup=0.2, density_warmup_steps=-1)
+    with pytest.raises(ValueError, match="density_warmup_mode must be 'exponential' or 'linear'"):
+        DensitySchedule(0.01, density_warmup_mode="cosine")
 
 
 def test_selection_bad_inputs():
@@ -51,25 +51,25 @@ def test_selection_bad_inputs():
         with pytest.raises(ValueError, match="k must be"):
             topk_exact(x, bad_k)
         with pytest.raises(ValueError, match="k must be"):
-            topk_approx(x, bad_k)
+            topk_sampled(x, bad_k)
     with pytest.raises(ValueError, match="flat floating-point"):
         topk_exact(torch.ones(2, 5), 1)
     with pytest.raises(ValueError, match="tolerance"):
-        topk_approx(x, 2, tolerance=0)
+        topk_sampled(x, 2, tolerance=0)
 
 
-def test_approx_selection_matches_exact():
+def test_sampled_selection_matches_exact():
     g = torch.Generator().manual_seed(0)
     ws = SelectionWorkspace()
     for n, k in ((200_000, 200), (200_000, 2_000), (100_000, 7)):
         # heavy-tailed gradients as well as Gaussian ones
         for x in (torch.randn(n, generator=g), torch.randn(n, generator=g) ** 3):
             ve, ie = topk_exact(x, k)
-            va, ia = topk_approx(x, k, workspace=ws)
+            va, ia = topk_sampled(x, k, workspace=ws)
             assert ia.numel() == k and torch.equal(ia, ie) and torch.equal(va, ve)
             assert bool((ia[1:] > ia[:-1]).all())  # sorted by index
     # all-zero input: every candidate ties; still exactly k distinct indices
-    v, i = topk_approx(torch.zeros(100_000), 10)
+    v, i = topk_sampled(torch.zeros(100_000), 10)
     assert i.numel() == 10 and i.unique().numel() == 10 and bool((v == 0).all())
 
 

@@ -61,8 +61,8 @@ def test_registered_and_bad_options():
     net = nn.Linear(2, 2)  # the factories validate before anything needs a process group
     for opts, word in (({"density": 0}, "density"), ({"density": 1.5}, "density"),
                        ({"start_iter": 1}, "start_iter"), ({"selection": "fast"}, "selection"),
-                       ({"warmup_density": 0.25, "warmup_steps": -3}, "warmup_steps"),
-                       ({"warmup_mode": "cosine"}, "mode"), ({"bogus": 1}, "bogus")):
+                       ({"density_warmup": 0.25, "density_warmup_steps": -3}, "density_warmup_steps"),
+                       ({"density_warmup_mode": "cosine"}, "density_warmup_mode"), ({"bogus": 1}, "bogus")):
         with pytest.raises(ValueError, match=word):
             register_hook(net, "gtopk", **opts)
 
@@ -106,7 +106,7 @@ def _hooks_body():
                 p_plain.copy_(p_ddp)
     assert state2.residual_remaps >= 1
     # 3. state_dict round trip gives the same trajectory; pickling drops the process group
-    for selection in ("exact", "approx"):
+    for selection in ("exact", "sampled"):
         model = DDP(_net())  # one bucket before and after the rebuild: same selection per bucket
         state, opt = _train(model, "gtopk", 4, density=0.05, selection=selection, seed=3)
         snap = (copy.deepcopy(model.module.state_dict()), copy.deepcopy(opt.state_dict()),
@@ -161,7 +161,8 @@ def _train_mnist1d(hook, epochs, batch, lr):
     model = DDP(MNIST1DCNN(channels=32))
     if hook != "native":
         steps_per_epoch = len(x) // batch
-        register_hook(model, hook, density=0.01, warmup_density=0.25, warmup_steps=steps_per_epoch)
+        register_hook(model, hook, density=0.01, density_warmup=0.25,
+                      density_warmup_steps=steps_per_epoch)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
     g = torch.Generator().manual_seed(1)
     per_rank = batch // world

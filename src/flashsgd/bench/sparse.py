@@ -21,8 +21,11 @@ messages, gtopk the exact bytes our sends hand to Gloo (max over ranks); a messa
 
 Selection mode (``--selection``): one process, a random fp32 vector of ``--numel``, per density:
 ``torch.topk(|x|)`` (the raw op), :func:`~flashsgd.comm.sparse.topk_exact` and
-:func:`~flashsgd.comm.sparse.topk_approx`; median time, speed-up over torch.topk, and the fraction
-of the exact top-k's squared L2 mass that the approximate one keeps.
+:func:`~flashsgd.comm.sparse.topk_sampled`; median time, speed-up over torch.topk, and the fraction
+of the exact top-k's squared L2 mass that the sampled one keeps.
+
+Densities default to 0.001 (:data:`~flashsgd.comm.sparse.DEFAULT_DENSITY`, Shi et al.'s and the
+hooks' default); selection to ``sampled``.
 
 Example::
 
@@ -44,8 +47,9 @@ import torch.distributed as dist
 
 from flashsgd.bench.common import (add_run_arguments, check_run_arguments, format_header, format_row,
                                    run_metadata, time_ops, write_json)
-from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, gtopk_allreduce, gtopk_bytes_sent,
-                                  k_from_density, topk_allgather, topk_bytes_sent, validate_density)
+from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, SelectionWorkspace, gtopk_allreduce,
+                                  gtopk_bytes_sent, k_from_density, topk_allgather, topk_bytes_sent,
+                                  validate_density)
 from flashsgd.launch import run as launch_run, under_torchrun
 
 HELP = "time Top-k / gTop-k sparse exchange against dense all-reduce, and top-k selection"
@@ -73,11 +77,11 @@ class SparseBenchConfig:
 
     numel: int = RESNET50_NUMEL
     """Gradient elements per rank (fp32)."""
-    densities: list[float] = field(default_factory=lambda: [0.001, 0.01])
+    densities: list[float] = field(default_factory=lambda: [DEFAULT_DENSITY])
     algorithms: list[str] = field(default_factory=lambda: ["topk", "gtopk"])
     """Sparse algorithms timed against dense."""
-    selector: str = "approx"
-    """Selection used by the exchange rows: 'exact' or 'approx'."""
+    selector: str = "sampled"
+    """Selection used by the exchange rows: a name in SELECTIONS ('exact' or 'sampled')."""
     iters: int = 5
     warmup: int = 1
     verbose: bool = True
@@ -91,7 +95,7 @@ def _exchange_fns(cfg: SparseBenchConfig, algo: str, density: float, grad: torch
     m, world = grad.numel(), dist.get_world_size()
     k = k_from_density(m, density)
     select = SELECTIONS[cfg.selector]
-    kwargs = {"workspace": state["ws"]} if cfg.selector == "approx" else {}
+    kwargs = {"workspace": state["ws"]} if cfg.selector == "sampled" else {}
     values, indices = select(grad, k, **kwargs)
     out = state["out"]
 
@@ -123,7 +127,7 @@ def measure(cfg: SparseBenchConfig) -> list[dict]:
              "residual": torch.zeros(m)}
     dense_buf = torch.zeros(m)
     select = SELECTIONS[cfg.selector]
-    kwargs = {"workspace": state["ws"]} if cfg.selector == "approx" else {}
+    kwargs = {"workspace": state["ws"]} if cfg.selector == "sampled" else {}
     talk = cfg.verbose and rank == 0
     if talk:
         print(format_header(EXCHANGE_COLUMNS), flush=True)
@@ -192,19 +196,8 @@ def bench_worker(cfg: SparseBenchConfig) -> dict | None:
 
 # ----------------------------------------------------------------------------- selection --------
 
-def _median_time(fn, iters: int, warmup: int) -> tuple[float, float, float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times), max(times)
-
-
 def measure_selection(cfg: SparseBenchConfig) -> list[dict]:
-    """Single process: torch.topk vs topk_exact vs topk_approx on a random fp32 vector."""
+    """Single process: torch.topk vs topk_exact vs topk_sampled on a random fp32 vector."""
     x = torch.randn(cfg.numel, generator=torch.Generator().manual_seed(0))
     ws = SelectionWorkspace()
     gen = torch.Generator().manual_seed(1)
@@ -220,10 +213,10 @@ def measure_selection(cfg: SparseBenchConfig) -> list[dict]:
         methods = {
             "torch.topk": lambda: torch.topk(x.abs(), k, sorted=False),
             "exact": lambda: SELECTIONS["exact"](x, k),
-            "approx": lambda: SELECTIONS["approx"](x, k, workspace=ws, generator=gen),
+            "sampled": lambda: SELECTIONS["sampled"](x, k, workspace=ws, generator=gen),
         }
         exact_mass = SELECTIONS["exact"](x, k)[0].double().square().sum().item()
-        approx_mass = SELECTIONS["approx"](x, k, workspace=ws, generator=gen)[0].double().square().sum().item()
+        sampled_mass = SELECTIONS["sampled"](x, k, workspace=ws, generator=gen)[0].double().square().sum().item()
         # interleave the methods repetition by repetition: drifting load hits all alike
         samples = {name: [] for name in methods}
         for name, fn in methods.items():
@@ -240,7 +233,7 @@ def measure_selection(cfg: SparseBenchConfig) -> list[dict]:
             row = {"method": name, "density": density, "k": k, "time_ms": med * 1e3,
                    "time_ms_min": min(ts) * 1e3, "time_ms_max": max(ts) * 1e3,
                    "speedup_vs_torch_topk": base / med,
-                   "l2_mass_kept": approx_mass / exact_mass if name == "approx" else
+                   "l2_mass_kept": sampled_mass / exact_mass if name == "sampled" else
                    (1.0 if name == "exact" else None)}
             rows.append(row)
             if talk:
@@ -254,10 +247,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser, iters=5, warmup=1)
     parser.add_argument("--numel", type=int, default=RESNET50_NUMEL,
                         help=f"gradient elements per rank (default {RESNET50_NUMEL}, ResNet-50)")
-    parser.add_argument("--densities", default="0.001,0.01", help="comma-separated, each in (0, 1]")
+    parser.add_argument("--densities", default=str(DEFAULT_DENSITY),
+                        help=f"comma-separated, each in (0, 1] (default {DEFAULT_DENSITY}, the paper's)")
     parser.add_argument("--algorithms", default="topk,gtopk", help="comma-separated from topk, gtopk")
-    parser.add_argument("--selector", default="approx", choices=sorted(SELECTIONS),
-                        help="selection used in the exchange rows (default approx)")
+    parser.add_argument("--selector", default="sampled", choices=sorted(SELECTIONS),
+                        help="selection used in the exchange rows: exact (torch.topk) or sampled "
+                             "(sampled threshold; default)")
     parser.add_argument("--selection", action="store_true",
                         help="run the single-process selection micro-benchmark instead")
     parser.add_argument("--threads", type=int, default=0,

@@ -23,7 +23,7 @@ shard a rank owns does not depend on the backend; the largest chunk is ceil(n/P)
 step time of a ring is its largest chunk). Lengths < P leave some chunks empty: empty chunks are
 neither sent nor received, and an empty tensor communicates nothing.
 
-Backends (DESIGN.md "Hard facts"): on NCCL the stages are the native ``reduce_scatter_tensor`` /
+Backends: on NCCL the stages are the native ``reduce_scatter_tensor`` /
 ``all_gather_into_tensor`` (input padded to a multiple of the group size) and the inner all-reduce
 is ``all_reduce`` on the subgroup. On Gloo, whose reduce-scatter is an all-reduce plus a slice, the
 stages are our own rings of paired ``isend``/``irecv`` (every rank posts its send to the right and

@@ -1,7 +1,7 @@
 """Sparsified gradient exchange: top-k selection, Top-k all-gather, the gTop-k merge tree, residuals.
 
 Paper: Shi et al. 2019, "A Distributed Synchronous SGD Algorithm with Global Top-k Sparsification
-for Low Bandwidth Networks" (arXiv 1901.04359), REFERENCES.md item 4.
+for Low Bandwidth Networks" (arXiv 1901.04359).
 
 Each rank keeps only the ``k = ceil(density * m)`` largest-magnitude entries of its (error-fed)
 gradient of ``m`` elements and exchanges them as (value, index) pairs:
@@ -45,8 +45,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 # selection and density live in sparse_select; re-exported here (one import site for callers)
-from flashsgd.comm.sparse_select import (SELECTIONS, DensitySchedule, SelectionWorkspace,  # noqa: F401
-                                         density_at, k_from_density, topk_approx, topk_exact,
+from flashsgd.comm.sparse_select import (DEFAULT_DENSITY, SELECTIONS,  # noqa: F401
+                                         DensitySchedule, SelectionWorkspace, density_at,
+                                         k_from_density, topk_exact, topk_sampled,
                                          validate_density)
 
 # newer torch names it all_gather_single (all_gather_into_tensor warns as deprecated)

@@ -3,8 +3,8 @@
 Paper: Shi et al. 2019, gTop-k S-SGD (arXiv 1901.04359); the exchanges are in
 :mod:`flashsgd.comm.sparse`. Use::
 
-    state = register_hook(ddp_model, "gtopk", density=0.001, warmup_density=0.25,
-                          warmup_steps=steps_per_epoch, selection="approx")
+    state = register_hook(ddp_model, "gtopk", density=0.001, density_warmup=0.25,
+                          density_warmup_steps=steps_per_epoch, selection="sampled")
     ...train...
     ckpt["hook"] = state.state_dict(); state.load_state_dict(ckpt["hook"])
 
@@ -12,7 +12,7 @@ Per bucket and step (after ``start_iter`` dense iterations):
     1. acc = bucket gradient + this bucket's residual (local, un-averaged units).
     2. k = ceil(density(step) * numel), step = iterations seen by the hook (dense ones included);
        select the k largest |acc| (``exact``: torch.topk,
-       ``approx``: sampled threshold, :func:`~flashsgd.comm.sparse.topk_approx`).
+       ``sampled``: sampled threshold, :func:`~flashsgd.comm.sparse.topk_sampled`).
     3. Exchange: ``topk`` all-gathers every rank's pairs and sums them; ``gtopk`` runs the
        butterfly merge tree and keeps the global k.
     4. residual = acc with the counted local entries zeroed (error feedback invariant:
@@ -25,19 +25,20 @@ Residuals are keyed by bucket index and remember which parameters (by position i
 cover; if the layout ever differs (a rebuild, or a checkpoint from another ``bucket_cap_mb``),
 all residuals are split per parameter and re-assembled for the new buckets, so no mass is lost.
 
-Gloo has no futures for send/recv (DESIGN.md), so the sparse step runs synchronously inside the
+Gloo has no futures for send/recv, so the sparse step runs synchronously inside the
 hook and returns a completed Future: the communication of a bucket does not overlap the backward
 of the remaining layers (selection is compute-bound anyway, on the same cores). The dense
 warm-up iterations are synchronous too.
 
 Checkpoints: ``state.state_dict()`` / ``load_state_dict()`` (iteration, residuals with their
-layouts, the approx sample's RNG state, counters). Pickling drops the process group and the
+layouts, the sampled selection's RNG state, counters). Pickling drops the process group and the
 id-based parameter map; an unpickled state must be re-attached with
 ``ddp.register_comm_hook(state.bind(ddp), sparse_hook)`` (it refuses to run unbound).
 
-Options (``register_hook(ddp, "topk" | "gtopk", ...)``): ``density`` (0.001), ``warmup_density``
-(None), ``warmup_steps`` (0), ``warmup_mode`` ("exponential"), ``start_iter`` (2), ``selection``
-("exact" | "approx"), ``seed`` (0, for the approx sample).
+Options (``register_hook(ddp, "topk" | "gtopk", ...)``): ``density`` (0.001, the paper's),
+``density_warmup`` (None: the start density of the warm-up), ``density_warmup_steps`` (0),
+``density_warmup_mode`` ("exponential"), ``start_iter`` (2), ``selection`` ("exact" | "sampled"),
+``seed`` (0, for the sampled selection).
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ import torch
 import torch.distributed as dist
 
 from flashsgd.comm.hook_common import completed_future, ddp_hook
-from flashsgd.comm.sparse import (SELECTIONS, DensitySchedule, SelectionWorkspace, check_sizes,
-                                  gtopk_allreduce, gtopk_bytes_sent, k_from_density, topk_allgather,
-                                  topk_bytes_sent)
+from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, DensitySchedule, SelectionWorkspace,
+                                  check_sizes, gtopk_allreduce, gtopk_bytes_sent, k_from_density,
+                                  topk_allgather, topk_bytes_sent)
 
 ALGORITHMS = ("topk", "gtopk")
 
@@ -63,8 +64,8 @@ class SparseHookState:
         algorithm: ``"topk"`` or ``"gtopk"``.
         schedule: the density per iteration (:class:`~flashsgd.comm.sparse.DensitySchedule`).
         start_iter: dense iterations before sparsification starts, >= 2 (DDP's bucket rebuild).
-        selection: ``"exact"`` or ``"approx"``.
-        seed: seed of the approx selection's sample (rank added, so ranks sample differently).
+        selection: ``"exact"`` or ``"sampled"``.
+        seed: seed of the sampled selection's sample (rank added, so ranks sample differently).
         process_group: DDP's group (None: the default group).
         param_positions: ``{id(parameter): position in model.parameters()}`` (residual remapping).
     """
@@ -237,10 +238,10 @@ def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Ten
     # Step 2: k from the schedule, local selection
     density = state.schedule(state.iter)
     k = k_from_density(n, density)
-    if state.selection == "approx":
+    if state.selection == "sampled":
         if state.generator is None:
             state.generator = torch.Generator().manual_seed(state.seed * 65537 + rank)
-        values, indices = SELECTIONS["approx"](acc, k, generator=state.generator,
+        values, indices = SELECTIONS["sampled"](acc, k, generator=state.generator,
                                                workspace=state.workspace)
     else:
         values, indices = SELECTIONS["exact"](acc, k)
@@ -268,10 +269,11 @@ def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Ten
 
 def sparse_factory(algorithm: str) -> Callable:
     """The factory of the sparse hook ``algorithm`` (one of :data:`ALGORITHMS`)."""
-    def make(ddp_model: Any, density: float = 0.001, warmup_density: float | None = None,
-             warmup_steps: int = 0, warmup_mode: str = "exponential", start_iter: int = 2,
-             selection: str = "exact", seed: int = 0) -> tuple[SparseHookState, Callable]:
-        schedule = DensitySchedule(density, warmup_density, warmup_steps, warmup_mode)
+    def make(ddp_model: Any, density: float = DEFAULT_DENSITY, density_warmup: float | None = None,
+             density_warmup_steps: int = 0, density_warmup_mode: str = "exponential",
+             start_iter: int = 2, selection: str = "exact",
+             seed: int = 0) -> tuple[SparseHookState, Callable]:
+        schedule = DensitySchedule(density, density_warmup, density_warmup_steps, density_warmup_mode)
         module = getattr(ddp_model, "module", ddp_model)
         for name, p in module.named_parameters():
             if p.requires_grad and not p.is_floating_point():

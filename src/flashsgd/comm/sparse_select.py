@@ -4,7 +4,7 @@ Paper: Shi et al. 2019 (gTop-k, arXiv 1901.04359): each rank sends the k = ceil(
 largest |entries| of its error-fed gradient, with a denser warm-up in the first epoch(s).
 
 - :func:`topk_exact`: ``torch.topk`` over |x|.
-- :func:`topk_approx`: a threshold from a random sample, one pass over x, an exact trim of the
+- :func:`topk_sampled`: a threshold from a random sample, one pass over x, an exact trim of the
   ~1.1 k candidates; equals the exact top-k whenever the pass finds >= k candidates (see its
   docstring), ~10x faster than ``torch.topk`` on 25.6M fp32 with one thread (docs/benchmarks.md).
 - :func:`density_at` / :class:`DensitySchedule`: fixed density, or warm-up from a denser start.
@@ -29,6 +29,10 @@ import torch
 # ----------------------------------------------------------------------------- density ----------
 
 
+DEFAULT_DENSITY = 0.001
+"""Fraction of entries each rank sends unless told otherwise: Shi et al. 2019 train at 0.001."""
+
+
 def validate_density(density: float, name: str = "density") -> float:
     """Return ``density`` as a float if it lies in (0, 1], else raise ValueError naming ``name``."""
     if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
@@ -46,55 +50,62 @@ def k_from_density(numel: int, density: float) -> int:
     return max(1, min(numel, math.ceil(round(validate_density(density) * numel, 9))))
 
 
-def density_at(step: int, density: float, warmup_density: float | None = None,
-               warmup_steps: int = 0, mode: Literal["exponential", "linear"] = "exponential") -> float:
-    """Density at iteration ``step``: ``warmup_density`` -> ``density`` over ``warmup_steps``, then flat.
+def density_at(step: int, density: float, density_warmup: float | None = None,
+               density_warmup_steps: int = 0,
+               density_warmup_mode: Literal["exponential", "linear"] = "exponential") -> float:
+    """Density at iteration ``step``: ``density_warmup`` -> ``density`` over ``density_warmup_steps``,
+    then flat.
 
     Shi et al. (and DGC) send more in the first epoch(s). ``exponential`` interpolates the log of
     the density (0.25 -> 0.001 over 4 epochs gives 0.25, 0.063, 0.016, 0.004, 0.001 at the epoch
-    boundaries); ``linear`` interpolates the density itself. Pure function of ``step``.
+    boundaries); ``linear`` interpolates the density itself (``density_warmup_mode``). Pure function
+    of ``step``.
 
     Example::
 
-        >>> density_at(50, 0.001, warmup_density=0.25, warmup_steps=100)   # sqrt(0.25 * 0.001)
+        >>> density_at(50, 0.001, density_warmup=0.25, density_warmup_steps=100)  # sqrt(0.25 * 0.001)
         0.0158...
     """
     density = validate_density(density)
-    if warmup_density is None or warmup_steps <= 0 or step >= warmup_steps:
+    if density_warmup is None or density_warmup_steps <= 0 or step >= density_warmup_steps:
         return density
-    start = validate_density(warmup_density, "warmup_density")
-    frac = max(step, 0) / warmup_steps
-    if mode == "exponential":
+    start = validate_density(density_warmup, "density_warmup")
+    frac = max(step, 0) / density_warmup_steps
+    if density_warmup_mode == "exponential":
         return start * (density / start) ** frac
-    if mode == "linear":
+    if density_warmup_mode == "linear":
         return start + (density - start) * frac
-    raise ValueError(f"mode must be 'exponential' or 'linear', got {mode!r}")
+    raise ValueError(f"density_warmup_mode must be 'exponential' or 'linear', "
+                     f"got {density_warmup_mode!r}")
 
 
 @dataclass(frozen=True)
 class DensitySchedule:
     """A fixed density, optionally after a denser warm-up (see :func:`density_at`)."""
 
-    density: float = 0.001
+    density: float = DEFAULT_DENSITY
     """Target fraction of entries each rank sends, in (0, 1]."""
-    warmup_density: float | None = None
+    density_warmup: float | None = None
     """Density at step 0 of the warm-up (e.g. 0.25); None: no warm-up."""
-    warmup_steps: int = 0
+    density_warmup_steps: int = 0
     """Iterations of the warm-up (the trainer converts epochs to iterations)."""
-    mode: Literal["exponential", "linear"] = "exponential"
-    """Interpolation between warmup_density and density."""
+    density_warmup_mode: Literal["exponential", "linear"] = "exponential"
+    """Interpolation between density_warmup and density."""
 
     def __post_init__(self) -> None:
         validate_density(self.density)
-        if self.warmup_density is not None:
-            validate_density(self.warmup_density, "warmup_density")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
-        if self.mode not in ("exponential", "linear"):
-            raise ValueError(f"mode must be 'exponential' or 'linear', got {self.mode!r}")
+        if self.density_warmup is not None:
+            validate_density(self.density_warmup, "density_warmup")
+        steps = self.density_warmup_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"density_warmup_steps must be an integer >= 0, got {steps!r}")
+        if self.density_warmup_mode not in ("exponential", "linear"):
+            raise ValueError(f"density_warmup_mode must be 'exponential' or 'linear', "
+                             f"got {self.density_warmup_mode!r}")
 
     def __call__(self, step: int) -> float:
-        return density_at(step, self.density, self.warmup_density, self.warmup_steps, self.mode)
+        return density_at(step, self.density, self.density_warmup, self.density_warmup_steps,
+                          self.density_warmup_mode)
 
 
 # --------------------------------------------------------------------------- selection ----------
@@ -119,7 +130,7 @@ def topk_exact(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class SelectionWorkspace:
-    """Reusable |x| and mask buffers for :func:`topk_approx`.
+    """Reusable |x| and mask buffers for :func:`topk_sampled`.
 
     A fresh 100 MB buffer per call costs more in page faults than the pass itself (~70 ms vs
     ~15 ms for 25.6M fp32 here), so callers that select every step keep one of these.
@@ -157,7 +168,7 @@ def _nonzero_sparse(mask: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     return pos[mask[pos]]
 
 
-def topk_approx(x: torch.Tensor, k: int, *, tolerance: float = 0.25, sample_hits: int = 256,
+def topk_sampled(x: torch.Tensor, k: int, *, tolerance: float = 0.25, sample_hits: int = 256,
                 max_passes: int = 3, generator: torch.Generator | None = None,
                 workspace: SelectionWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k by |value| through a threshold estimated from a random sample (one pass over x).
@@ -194,7 +205,7 @@ def topk_approx(x: torch.Tensor, k: int, *, tolerance: float = 0.25, sample_hits
 
     Example::
 
-        >>> v, i = topk_approx(torch.randn(1_000_000), 1000)
+        >>> v, i = topk_sampled(torch.randn(1_000_000), 1000)
         >>> i.numel()
         1000
     """
@@ -232,4 +243,5 @@ def topk_approx(x: torch.Tensor, k: int, *, tolerance: float = 0.25, sample_hits
     return topk_exact(x, k)
 
 
-SELECTIONS = {"exact": topk_exact, "approx": topk_approx}
+SELECTIONS = {"exact": topk_exact, "sampled": topk_sampled}
+"""Selection by name: ``exact`` (torch.topk over |x|) and ``sampled`` (threshold from a sample)."""
