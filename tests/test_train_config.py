@@ -20,23 +20,23 @@ from flashsgd.train.models import MODELS, build_model
 def test_defaults_are_the_main_job():
     cfg = C.resolve()
     assert (cfg.run.workers, cfg.data.dataset, cfg.model.model) == (4, "mnist1d", "mnist1d_cnn")
-    assert (cfg.optim.recipe, cfg.optim.global_batch, cfg.comm.comm) == ("fujitsu", 4096, "torus2d")
+    assert (cfg.optim.recipe, cfg.optim.global_batch, cfg.comm.algorithm) == ("fujitsu", 4096, "torus2d")
 
 
 def test_precedence_defaults_toml_cli(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('[optim]\nglobal_batch = 8192\nepochs = 3\n[comm]\ncomm = "ring"\n[run]\nseed = 5\n')
+    path.write_text('[optim]\nglobal_batch = 8192\nepochs = 3\n[comm]\nalgorithm = "ring"\n[run]\nseed = 5\n')
     args = build_parser().parse_args(["train", "--config", str(path), "--comm", "gtopk",
                                       "--density", "0.05", "--nesterov", "false"])
     cfg = parse_config(args)
     assert cfg.optim.global_batch == 8192 and cfg.optim.epochs == 3.0  # TOML over defaults
-    assert cfg.comm.comm == "gtopk" and cfg.comm.density == 0.05      # CLI over TOML
+    assert cfg.comm.algorithm == "gtopk" and cfg.comm.density == 0.05  # CLI over TOML (--comm alias)
     assert cfg.optim.nesterov is False and cfg.run.seed == 5
     assert cfg.run.workers == 4                                         # untouched default
 
 
 def test_resolved_config_round_trips():
-    cfg = C.resolve(cli={"grid": "4x1", "lr_per_256": "0.2", "fail_at": ""})
+    cfg = C.resolve(cli={"grid": "4x1", "lr_per_ref": "0.2", "ref_batch": "512", "fail_at": ""})
     again = C.resolve(toml_text=C.dumps(cfg))
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
 
@@ -44,8 +44,8 @@ def test_resolved_config_round_trips():
 @pytest.mark.parametrize("text, needle", [
     ("[optim]\nglobal_bach = 1\n", "unknown config key optim.global_bach; valid keys in [optim]: recipe"),
     ("[optimizer]\nx = 1\n", "unknown config section [optimizer]; valid sections: data, model"),
-    ('[comm]\ncomm = "torus"\n', "'comm.comm': invalid value 'torus'; valid choices: native, ring"),
-    ('[optim]\nrecipe = "lamb"\n', "valid choices: goyal, sony, fujitsu"),
+    ('[comm]\nalgorithm = "torus"\n', "'comm.algorithm': invalid value 'torus'; valid choices: native, "),
+    ('[optim]\nrecipe = "lamb"\n', "valid choices: goyal, sony, fujitsu, fujitsu-mnist1d"),
     ('[optim]\nglobal_batch = "big"\n', "'optim.global_batch': expected int"),
     ('[optim]\nglobal_batch = 0\n', "optim.global_batch must be > 0"),
     ('[model]\nmodel = "resnet51"\n', "unknown model 'resnet51'; valid choices: mnist1d_cnn"),
@@ -53,7 +53,13 @@ def test_resolved_config_round_trips():
     ('[run]\nprogress = 3\n', "'run.progress': expected true or false"),
     ("[optim\n", "invalid TOML"),
     ("[comm]\ndensity = 0.1\ndensity_warmup = 0.05\n", "comm.density_warmup must be in [comm.density, 1]"),
-    ('[comm]\nselection = "fast"\n', "valid choices: exact, approx"),
+    ('[comm]\nselection = "fast"\n', "valid choices: exact, sampled"),
+    ('[run]\ntimeout_s = nan\n', "'run.timeout_s': expected a finite number, got nan"),
+    ('[optim]\nepochs = inf\n', "'optim.epochs': expected a finite number, got inf"),
+    ('[optim]\nlr_per_ref = -0.1\n', "optim.lr_per_ref must be in [0, inf), got -0.1"),
+    ('[optim]\nmomentum = 1.0\n', "optim.momentum must be in [0, 1), got 1.0"),
+    ('[optim]\nepochs = 2\nwarmup_epochs = 5\n', "optim.warmup_epochs (5) must be shorter than optim.epochs (2)"),
+    ('[run]\nresume = "/nonexistent"\n', "run.resume: '/nonexistent' is not a checkpoint directory"),
 ])
 def test_bad_config_names_key_and_choices(text, needle):
     with pytest.raises(ValueError) as err:
@@ -73,6 +79,14 @@ def test_recipe_checks_before_spawning(capsys):
     assert "warmup_epochs" in capsys.readouterr().err
 
 
+def test_integral_numbers_are_accepted():
+    import numpy as np
+
+    assert C.resolve(cli={"global_batch": np.int64(512)}).optim.global_batch == 512
+    with pytest.raises(ValueError, match="expected an integer"):
+        C.resolve(cli={"global_batch": 512.5})
+
+
 # ----------------------------------------------------------------------------------- models -------
 
 def test_resnet50_has_the_published_size():
@@ -83,10 +97,9 @@ def test_resnet50_has_the_published_size():
 
 def test_model_shapes_and_zero_gamma():
     assert sum(p.numel() for p in build_model("resnet18", 1000).parameters()) == 11_689_512
-    m = build_model("resnet20", 10, zero_init_last_bn=True)
+    m = build_model("resnet20", 10)
     assert m(torch.randn(2, 3, 32, 32)).shape == (2, 10)
-    zeroed = [b for b in m.modules() if hasattr(b, "last_bn")]
-    assert len(zeroed) == 9 and all(float(b.last_bn.weight.detach().abs().sum()) == 0 for b in zeroed)
+    assert len([b for b in m.modules() if hasattr(b, "last_bn")]) == 9
     assert not any(isinstance(x, torch.nn.SyncBatchNorm) for x in m.modules())
     assert build_model("mnist1d_cnn", 10)(torch.randn(3, 40)).shape == (3, 10)
     with pytest.raises(ValueError, match="known: mnist1d_cnn"):
@@ -177,11 +190,38 @@ def test_corrupt_and_mismatched_checkpoints(tmp_path):
 
 
 def test_sparse_hook_options_from_config():
-    from flashsgd.train.trainer import hook_options
+    from flashsgd.train.plan import build_plan
 
-    cfg = C.resolve(cli={"comm": "gtopk", "density": 0.001, "density_warmup": 0.25,
-                         "density_warmup_epochs": 2.0, "selection": "exact"})
-    options = hook_options("gtopk", cfg, ranks_per_node=None, steps_per_epoch=8)
-    assert options == {"density": 0.001, "warmup_density": 0.25, "warmup_steps": 16,
-                       "selection": "exact", "seed": 0}
-    assert hook_options("torus2d", cfg, 2) == {"ranks_per_node": 2, "grid": None}
+    cfg = C.resolve(cli={"algorithm": "gtopk", "density": 0.001, "density_warmup": 0.25,
+                         "density_warmup_epochs": 2.0, "selection": "exact", "global_batch": 1024,
+                         "timeout_s": 30})
+    plan = build_plan(cfg, world=4, num_train=8192, local_spawn=True)
+    assert plan.hook_options == {"density": 0.001, "density_warmup": 0.25, "density_warmup_steps": 16,
+                                 "selection": "exact", "seed": 0, "timeout_s": 30.0}
+    dense = build_plan(C.resolve(cli={"timeout_s": 30}), world=4, num_train=8192, local_spawn=True)
+    assert dense.hook_options == {"ranks_per_node": 2, "grid": None, "timeout_s": 30.0}
+    assert dense.grid == (2, 2) and dense.total_steps == 2 * 15
+
+
+@pytest.mark.parametrize("cli, world, needle", [
+    ({"grid": "3x3"}, 4, "config key comm.grid: grid 3x3 has 9 ranks but the world size is 4; valid grids: 1x4, 2x2, 4x1"),
+    ({"grid": "banana"}, 4, "config key comm.grid: grid must look like 'XxY'"),
+    ({"global_batch": 2}, 4, "optim.global_batch=2 gives a global batch of 2 for 4 workers"),
+    ({"ranks_per_node": 3}, 4, "comm.ranks_per_node=3 must divide the world size 4; valid: 1, 2, 4"),
+])
+def test_plan_rejects_what_cannot_run_on_the_world(cli, world, needle):
+    from flashsgd.train.plan import build_plan
+
+    with pytest.raises(ValueError) as err:
+        build_plan(C.resolve(cli=cli), world=world, num_train=1600, local_spawn=True)
+    assert needle in str(err.value)
+
+
+def test_default_plan_uses_the_tuned_variant():
+    from flashsgd.train.plan import build_plan
+
+    plan = build_plan(C.resolve(), world=4, num_train=32000, local_spawn=True)
+    assert plan.recipe.name == "fujitsu-mnist1d" and plan.recipe.trust_coefficient == 0.02
+    assert "fujitsu-mnist1d (the mnist1d-tuned variant of fujitsu)" in plan.describe()
+    published = build_plan(C.resolve(cli={"proxy_tuning": False}), world=4, num_train=32000, local_spawn=True)
+    assert published.recipe.name == "fujitsu" and published.recipe.trust_coefficient == 0.0025

@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid", default=None, help="torus2d grid XxY (default: X = ranks per node)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="ranks per (emulated) node; default 2 on local spawn when W is even")
-    parser.add_argument("--density", type=float, default=0.01, help="topk/gtopk density")
+    parser.add_argument("--density", type=float, default=0.001,
+                        help="topk/gtopk density (default 0.001, Shi et al.'s)")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size (MB)")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per hook")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per hook")
@@ -57,8 +58,10 @@ def _bench(opts: dict, emulate: bool) -> dict:
     from flashsgd.comm.topology import get_topology
     from flashsgd.train.models import build_model
 
+    from flashsgd.train.plan import emulated_ranks_per_node
+
     world, rank = dist.get_world_size(), dist.get_rank()
-    rpn = opts["ranks_per_node"] or ((2 if world % 2 == 0 else 1) if emulate else None)
+    rpn = opts["ranks_per_node"] or (emulated_ranks_per_node(world) if emulate else None)
     topo = get_topology(ranks_per_node=rpn, grid=opts["grid"])
     names = opts["hooks"] or HOOKS.names()
     for n in names:

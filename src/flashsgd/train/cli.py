@@ -1,14 +1,20 @@
 """`flashsgd train`: large-batch data-parallel training, from one laptop to a cluster.
 
 With no arguments: 4 local Gloo workers (no torchrun needed) train the small 1D CNN on MNIST-1D
-(generated locally) with the fujitsu recipe (LARS, warmup, poly decay, label smoothing) at global
-batch 4096, exchanging gradients with the 2D-Torus all-reduce on a 2x2 grid (2 ranks per emulated
-node). Under torchrun the same command joins the environment's rendezvous (NCCL with CUDA, else
-Gloo) and runs one worker per process.
+(generated locally) with the fujitsu recipe (LARS, warmup, poly decay; its MNIST-1D-tuned variant)
+at global batch 4096, exchanging gradients with the 2D-Torus all-reduce on a 2x2 grid (2 ranks per
+emulated node). Under torchrun the same command joins the environment's rendezvous (NCCL with CUDA,
+else Gloo) and runs one worker per process.
 
 Configuration: defaults < TOML file (--config) < flags. Every config key is a flag (dashes for
-underscores); see docs/training.md for the reference. Presets: --recipe goyal|sony|fujitsu,
---comm native|ring|hierarchical|torus2d|topk|gtopk.
+underscores); see docs/training.md for the reference. --comm is short for --algorithm.
+
+Run directory (--out): a rerun with the same settings resumes from the newest checkpoint (or says
+the run is already complete); other settings are refused with the differing keys listed;
+--resume never moves the previous run's files aside and starts over.
+
+Exit codes: 0 done, 1 the run failed (one line per failed rank; tracebacks in <out>/error.log),
+2 bad input (one line naming the key), 130/143 interrupted (SIGINT/SIGTERM).
 
 Examples:
   flashsgd train
@@ -23,16 +29,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import tempfile
 import typing
+from pathlib import Path
 
 from flashsgd.train import config as C
 
+ALIASES = {"algorithm": ["--comm"]}
+"""Extra flag spellings of config keys."""
 
-def _metavar(hint) -> str:
-    if typing.get_origin(hint) is typing.Literal:
-        return "{" + ",".join(map(str, typing.get_args(hint))) + "}"
+
+def _metavar(f: dataclasses.Field, hint) -> str:
+    choices = C.choices_of(f, hint)
+    if choices:
+        return "{" + ",".join(choices) + "}"
     if typing.get_origin(hint) is typing.Union:
-        return _metavar([a for a in typing.get_args(hint) if a is not type(None)][0])
+        return getattr([a for a in typing.get_args(hint) if a is not type(None)][0], "__name__", "VALUE").upper()
     return getattr(hint, "__name__", "VALUE").upper()
 
 
@@ -47,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         group = groups.setdefault(section, parser.add_argument_group(f"[{section}]"))
         default = f.default if f.default is not dataclasses.MISSING else None
         # values stay strings here and are checked by config.coerce (errors name the key)
-        group.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS,
-                           metavar=_metavar(hint),
+        group.add_argument("--" + name.replace("_", "-"), *ALIASES.get(name, []), dest=name,
+                           default=argparse.SUPPRESS, metavar=_metavar(f, hint),
                            help=f"{docs.get(name, '')} (default: {default})".replace("%", "%%"))
 
 
@@ -57,15 +69,35 @@ def parse_config(args: argparse.Namespace) -> C.TrainConfig:
     return C.resolve(args.config, cli)
 
 
+def _report_failure(err: Exception, out: Path) -> None:
+    """One line per failed rank on stderr; the tracebacks into ``<out>/error.log``."""
+    summary = getattr(err, "summary", None) or str(err).splitlines()[0]
+    details = getattr(err, "details", None) or str(err)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        log = out / "error.log"
+        log.write_text(details + "\n")
+    except OSError:
+        log = Path(tempfile.mkstemp(prefix="flashsgd-error-", suffix=".log")[1])
+        log.write_text(details + "\n")
+    print(f"flashsgd train: failed: {summary}\n  tracebacks: {log}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
-    from flashsgd.train.trainer import build_recipe, train
+    from flashsgd import launch
+    from flashsgd.train.trainer import train
 
     try:
         cfg = parse_config(args)
-        build_recipe(cfg)  # recipe-level checks (e.g. warmup longer than the run) before spawning
     except ValueError as exc:
         print(f"flashsgd train: error: {exc}", file=sys.stderr)
         return 2
-
-    summary = train(cfg)
-    return 0 if summary is not None else 1
+    try:
+        train(cfg)
+    except launch.WorkerError as exc:
+        _report_failure(exc, Path(cfg.run.out))
+        return 1
+    except ValueError as exc:  # plan or run-directory checks, before any worker started
+        print(f"flashsgd train: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -10,7 +10,8 @@ its field name is unique across sections, so each field is also a CLI flag with 
 2. Overlay the TOML file, section by section; an unknown section or key is an error naming it and
    listing the valid ones.
 3. Overlay the CLI flags that were given (argparse's SUPPRESS default: absent flags change nothing).
-4. Validate every value against its type hint (``Literal`` choices listed in the error) and the
+4. Validate every value against its type hint (``Literal`` choices, or the names of the registry
+   a field's ``choices`` metadata points at, listed in the error; numbers must be finite) and the
    cross-field rules in :func:`validate`.
 
 The resolved config is written to ``<out>/config.toml`` (:func:`save`), and that file can be passed
@@ -18,28 +19,51 @@ back with ``--config`` to repeat the run.
 
 Example::
 
-    >>> cfg = resolve(toml_text='[optim]\\nglobal_batch = 8192', cli={"comm": "ring"})
-    >>> cfg.optim.global_batch, cfg.comm.comm, cfg.run.workers
+    >>> cfg = resolve(toml_text='[optim]\\nglobal_batch = 8192', cli={"algorithm": "ring"})
+    >>> cfg.optim.global_batch, cfg.comm.algorithm, cfg.run.workers
     (8192, 'ring', 4)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-DATASETS = ("mnist1d", "synthetic", "imagefolder")
-RECIPE_NAMES = ("goyal", "sony", "fujitsu")
-COMM_NAMES = ("native", "ring", "hierarchical", "torus2d", "topk", "gtopk", "noop")
+
+
+def _hook_names() -> list[str]:
+    from flashsgd.comm.hooks import HOOKS
+
+    return HOOKS.names()
+
+
+def _recipe_names() -> list[str]:
+    from flashsgd.optim.recipes import RECIPES
+
+    return list(RECIPES)
+
+
+def _selection_names() -> list[str]:
+    from flashsgd.comm.sparse import SELECTIONS
+
+    return list(SELECTIONS)
+
+
+def choice(default: str, names: Callable[[], list[str]]) -> Any:
+    """A ``str`` field whose valid values are a registry's names (read when a value is checked,
+    so registering a new algorithm or recipe is the only change needed)."""
+    return field(default=default, metadata={"choices": names})
 
 
 @dataclass
@@ -76,14 +100,17 @@ class ModelConfig:
 class OptimConfig:
     """``[optim]``: the large-batch recipe and its overrides (unset: the recipe's value)."""
 
-    recipe: Literal["goyal", "sony", "fujitsu"] = "fujitsu"
-    """Preset of optimizer, LR rule, warmup, decay, batch-size control, label smoothing."""
+    recipe: str = choice("fujitsu", _recipe_names)
+    """A name in flashsgd.optim.recipes.RECIPES: optimizer, LR rule, warmup, decay, batch-size
+    control, label smoothing."""
     global_batch: int = 4096
     """Final global batch (all workers together; batch-size control starts below it)."""
     epochs: float = 15.0
     """Training length; the recipe's warmup, milestones and batch rows are rescaled to it."""
-    lr_per_256: Optional[float] = None
-    """Peak LR per 256 samples (linear scaling: LR = lr_per_256 * batch / 256)."""
+    lr_per_ref: Optional[float] = None
+    """Peak LR per ``ref_batch`` samples (linear scaling: LR = lr_per_ref * batch / ref_batch)."""
+    ref_batch: Optional[int] = None
+    """Reference batch of the linear-scaling rule (the recipe's: 256, Goyal et al.)."""
     momentum: Optional[float] = None
     """Momentum factor in [0, 1)."""
     nesterov: Optional[bool] = None
@@ -97,28 +124,31 @@ class OptimConfig:
     trust_coefficient: Optional[float] = None
     """LARS eta (fujitsu recipe)."""
     proxy_tuning: bool = True
-    """On mnist1d, fill unset overrides with the MNIST-1D-tuned values in PROXY_TUNING."""
+    """Use the recipe's dataset-tuned variant when one is registered (fujitsu on mnist1d:
+    fujitsu-mnist1d); false: the recipe's published numbers."""
 
 
 @dataclass
 class CommConfig:
     """``[comm]``: how gradients cross the network (a DDP communication hook)."""
 
-    comm: Literal["native", "ring", "hierarchical", "torus2d", "topk", "gtopk", "noop"] = "torus2d"
-    """Hook name in flashsgd.comm.hooks.HOOKS (noop: no exchange, for benchmarks only)."""
+    algorithm: str = choice("torus2d", _hook_names)
+    """Hook name in flashsgd.comm.hooks.HOOKS (noop: no exchange, for benchmarks only); flag
+    ``--algorithm`` or ``--comm``."""
     grid: Optional[str] = None
     """torus2d grid XxY with X*Y = world size; unset: X = ranks per node (2x2 on 4 local workers)."""
     ranks_per_node: Optional[int] = None
     """Ranks per node; unset: torchrun's LOCAL_WORLD_SIZE, or 2 emulated per node on local spawn."""
-    density: float = 0.01
-    """topk/gtopk: fraction of gradient entries sent per step, in (0, 1]."""
+    density: float = 0.001
+    """topk/gtopk: fraction of gradient entries sent per step, in (0, 1] (0.001: Shi et al.)."""
     density_warmup: Optional[float] = None
     """topk/gtopk: density at the first sparse step, decaying to `density` (Shi et al.: denser
     first epoch, e.g. 0.25); unset: no warm-up."""
     density_warmup_epochs: float = 1.0
     """topk/gtopk: length of the density warm-up, in epochs of the first epoch's batch size."""
-    selection: Literal["exact", "approx"] = "approx"
-    """topk/gtopk: torch.topk, or the sampled-threshold selection (same entries, faster on CPU)."""
+    selection: str = choice("sampled", _selection_names)
+    """topk/gtopk: exact (torch.topk) or sampled (threshold from a sample, then an exact trim:
+    the same entries, faster on CPU)."""
     bucket_mb: float = 25.0
     """DDP gradient bucket size in MB."""
 
@@ -172,18 +202,6 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
 
-# MNIST-1D values for the fujitsu recipe (its registered numbers are ResNet-50/ImageNet ones: eta
-# 0.0025, warmup 36 of 90 epochs, reach ~88-91% here at batch 4096). These are issue 4's tuned
-# "full" recipe (flashsgd.bench.recipe.FULL): 98.80% at 4096, 97.43% at 8192 in 15 epochs, single
-# process (docs/recipe.md).
-# warmup_epochs is given for PROXY_EPOCHS and rescaled to optim.epochs.
-PROXY_EPOCHS = 15.0
-PROXY_TUNING: dict[str, dict[str, Any]] = {
-    "fujitsu": dict(lr_per_256=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4,
-                    warmup_epochs=3.0, label_smoothing=0.0, trust_coefficient=0.02,
-                    power=1.0, bn_momentum=0.3),
-}
-
 SECTIONS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
 
@@ -217,14 +235,32 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def coerce(key: str, value: Any, hint: Any) -> Any:
-    """Check/convert ``value`` (from TOML or a CLI string) to the type ``hint``; ValueError names key."""
+def choices_of(f: dataclasses.Field, hint: Any) -> list[str] | None:
+    """The valid values of a field: its registry's names (``choice``) or its ``Literal`` args."""
+    if "choices" in f.metadata:
+        return list(f.metadata["choices"]())
+    if typing.get_origin(hint) is Literal:
+        return [str(a) for a in typing.get_args(hint)]
+    return None
+
+
+def coerce(key: str, value: Any, hint: Any, choices: Callable[[], list[str]] | None = None) -> Any:
+    """Check/convert ``value`` (from TOML or a CLI string) to the type ``hint``; ValueError names key.
+
+    ``choices`` (a registry's names) restricts a ``str`` field; numbers must be finite.
+    """
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Union:  # Optional[X]
         inner = [a for a in args if a is not type(None)][0]
         if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
             return None
-        return coerce(key, value, inner)
+        return coerce(key, value, inner, choices)
+    if choices is not None:
+        valid = choices()
+        if value not in valid:
+            raise ValueError(f"config key {key!r}: invalid value {value!r}; valid choices: "
+                             f"{', '.join(valid)}")
+        return value
     if origin is Literal:
         if value not in args:
             raise ValueError(f"config key {key!r}: invalid value {value!r}; valid choices: "
@@ -237,24 +273,31 @@ def coerce(key: str, value: Any, hint: Any) -> Any:
             return value.lower() in ("true", "1", "yes")
         raise ValueError(f"config key {key!r}: expected true or false, got {value!r}")
     if hint in (int, float):
-        if isinstance(value, bool):
-            raise ValueError(f"config key {key!r}: expected {hint.__name__}, got {value!r}")
-        try:
-            out = hint(value) if isinstance(value, str) else value
-        except ValueError:
-            raise ValueError(f"config key {key!r}: expected {hint.__name__}, got {value!r}") from None
-        if hint is int and not isinstance(out, int):
-            raise ValueError(f"config key {key!r}: expected an integer, got {value!r}")
-        if hint is float and isinstance(out, int):
-            out = float(out)
-        if not isinstance(out, hint):
-            raise ValueError(f"config key {key!r}: expected {hint.__name__}, got {value!r}")
-        return out
+        return _number(key, value, hint)
     if hint is str:
         if not isinstance(value, str):
             raise ValueError(f"config key {key!r}: expected a string, got {value!r}")
         return value
     raise TypeError(f"unsupported config type {hint!r} for {key!r}")  # pragma: no cover
+
+
+def _number(key: str, value: Any, hint: type) -> int | float:
+    """An int (any integral number, e.g. numpy's) or a finite float; strings are parsed."""
+    if isinstance(value, bool):
+        raise ValueError(f"config key {key!r}: expected {hint.__name__}, got {value!r}")
+    try:
+        out = hint(value) if isinstance(value, str) else value
+    except ValueError:
+        raise ValueError(f"config key {key!r}: expected {hint.__name__}, got {value!r}") from None
+    if hint is int:
+        if not isinstance(out, numbers.Integral):
+            raise ValueError(f"config key {key!r}: expected an integer, got {value!r}")
+        return int(out)
+    if not isinstance(out, numbers.Real):
+        raise ValueError(f"config key {key!r}: expected {hint.__name__}, got {value!r}")
+    if not math.isfinite(out):
+        raise ValueError(f"config key {key!r}: expected a finite number, got {value!r}")
+    return float(out)
 
 
 def _positive(cfg: TrainConfig, section: str, key: str, allow_zero: bool = False) -> None:
@@ -287,6 +330,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"config key comm.density_warmup must be in [comm.density, 1] = "
                          f"[{cfg.comm.density}, 1], got {warm}")
     _positive(cfg, "comm", "density_warmup_epochs", allow_zero=True)
+    _check_optim_overrides(cfg.optim)
+    if cfg.run.resume not in ("auto", "never") and not Path(cfg.run.resume).is_dir():
+        raise ValueError(f"config key run.resume: {cfg.run.resume!r} is not a checkpoint directory; "
+                         "valid: auto, never, or a directory such as <out>/checkpoints/step-00000050")
     name = cfg.model.model
     if not name.startswith("torchvision:") and name not in MODELS:
         raise ValueError(f"config key model.model: unknown model {name!r}; valid choices: "
@@ -294,6 +341,29 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.run.fail_at:
         parse_fail_at(cfg.run.fail_at)
     return cfg
+
+
+# optim override -> (lowest valid, whether the lowest is allowed, highest or None, whether it is)
+OPTIM_RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
+    "lr_per_ref": (0.0, True, None, False), "ref_batch": (0.0, False, None, False),
+    "momentum": (0.0, True, 1.0, False), "weight_decay": (0.0, True, None, False),
+    "warmup_epochs": (0.0, True, None, False), "label_smoothing": (0.0, True, 1.0, False),
+    "trust_coefficient": (0.0, False, None, False),
+}
+
+
+def _check_optim_overrides(o: OptimConfig) -> None:
+    """Range of each set override, named by its config key (the recipe would name its own field)."""
+    for key, (lo, lo_ok, hi, hi_ok) in OPTIM_RANGES.items():
+        v = getattr(o, key)
+        if v is None:
+            continue
+        if v < lo or (v == lo and not lo_ok) or (hi is not None and (v > hi or (v == hi and not hi_ok))):
+            valid = f"{'[' if lo_ok else '('}{lo:g}, " + (f"{hi:g}{']' if hi_ok else ')'}" if hi is not None else "inf)")
+            raise ValueError(f"config key optim.{key} must be in {valid}, got {v!r}")
+    if o.warmup_epochs is not None and o.warmup_epochs >= o.epochs:
+        raise ValueError(f"config key optim.warmup_epochs ({o.warmup_epochs:g}) must be shorter than "
+                         f"optim.epochs ({o.epochs:g})")
 
 
 def parse_fail_at(spec: str) -> tuple[int, int, str]:
@@ -320,7 +390,8 @@ def apply(cfg: TrainConfig, section: str, values: dict[str, Any], source: str) -
         if key not in valid:
             raise ValueError(f"{source}: unknown config key {section}.{key}; valid keys in "
                              f"[{section}]: {', '.join(valid)}")
-        setattr(obj, key, coerce(f"{section}.{key}", value, index[key][2]))
+        _, f, hint = index[key]
+        setattr(obj, key, coerce(f"{section}.{key}", value, hint, f.metadata.get("choices")))
 
 
 def resolve(toml_path: str | Path | None = None, cli: dict[str, Any] | None = None,

@@ -169,20 +169,12 @@ def resnet50(num_classes: int = 1000, **_: object) -> nn.Module:
     return ImageNetResNet(Bottleneck, (3, 4, 6, 3), num_classes)
 
 
-def zero_last_bn(model: nn.Module) -> int:
-    """Set gamma = 0 on every residual block's ``last_bn``; returns how many (Goyal et al. sec. 5.1)."""
-    count = 0
-    for m in model.modules():
-        bn = getattr(m, "last_bn", None)
-        if isinstance(bn, nn.BatchNorm2d):
-            nn.init.zeros_(bn.weight)
-            count += 1
-    return count
+def build_model(name: str, num_classes: int, channels: int = 32) -> nn.Module:
+    """A model by registry name, or ``torchvision:NAME`` where torchvision imports (never required).
 
-
-def build_model(name: str, num_classes: int, channels: int = 32, zero_init_last_bn: bool = False
-                ) -> nn.Module:
-    """A model by registry name, or ``torchvision:NAME`` where torchvision imports (never required)."""
+    Zero-gamma of each residual block's last BN (Goyal et al.) is a recipe step:
+    :func:`flashsgd.optim.recipes.apply_model_tweaks`.
+    """
     if name.startswith("torchvision:"):
         try:
             import torchvision  # noqa: PLC0415 - optional
@@ -192,6 +184,4 @@ def build_model(name: str, num_classes: int, channels: int = 32, zero_init_last_
         model = torchvision.models.get_model(name.split(":", 1)[1], num_classes=num_classes)
     else:
         model = MODELS.get(name)(num_classes=num_classes, channels=channels)
-    if zero_init_last_bn:
-        zero_last_bn(model)
     return model

@@ -1,9 +1,9 @@
-"""Outputs of a training run: metrics.jsonl + TensorBoard, the start-up banner, summary.json, report.png.
+"""Outputs of a training run: metrics.jsonl + TensorBoard, summary.json, report.png.
 
-Everything here runs on rank 0 only (DESIGN.md: logging on rank 0). ``metrics.jsonl`` has one
+Everything here runs on rank 0 only (logging on one rank, as torchrun users expect). ``metrics.jsonl`` has one
 JSON object per line: ``{"kind": "step", ...}`` per optimizer step (loss, lr, global batch,
 images/s, seconds in data / forward / backward / hook / sync / optimizer), ``{"kind": "eval", ...}``
-per evaluation, ``{"kind": "resume", "step": N}`` when a run continues from a checkpoint (steps
+per evaluation (``"at_stop": true`` for the one after a ``run.max_steps`` stop), ``{"kind": "resume", "step": N}`` when a run continues from a checkpoint (steps
 after N that were logged before the interruption are then logged again; readers keep the last).
 
 Example::
@@ -71,57 +71,30 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
             steps[row["step"]] = row
         elif row["kind"] == "eval":
             evals[row["epoch"]] = row
-        elif row["kind"] == "resume":  # drop what was logged after the checkpoint
-            steps = {k: v for k, v in steps.items() if k < row["step"]}
-            evals = {k: v for k, v in evals.items() if v["step"] <= row["step"]}
+        elif row["kind"] == "resume":  # drop what was logged after the checkpoint (and the
+            steps = {k: v for k, v in steps.items() if k < row["step"]}  # evaluation at a stop)
+            evals = {k: v for k, v in evals.items() if v["step"] <= row["step"] and not v.get("at_stop")}
     return [steps[k] for k in sorted(steps)], [evals[k] for k in sorted(evals)]
 
 
-def banner(cfg, world, topo, plan, options, data, model, tuned, device, resumed) -> str:
-    """Start-up lines: world, grid, per-worker and global batch, effective LR, algorithm."""
-    params = sum(p.numel() for p in model.parameters())
-    batches = [b for _, b in plan.table.rows]
-    per_worker = "/".join(f"{b // world}" + ("+" if b % world else "") for b in batches)
-    lr_peak = max(_lr_at_epoch(plan, plan.schedule.epochs * k / 400) for k in range(401))
-    lines = [
-        f"flashsgd train | world {world} ({topo.describe()}) | backend {cfg.run.backend} on {device}",
-        f"  algorithm   {cfg.comm.comm} {options or ''} bucket {cfg.comm.bucket_mb:g} MB",
-        f"  batch       global {' -> '.join(map(str, batches))} (table {list(plan.table.rows)}), "
-        f"per worker {per_worker}",
-        f"  lr          effective peak {lr_peak:.4g} (lr_per_256 {plan.recipe.lr_per_256:g} x batch/256), "
-        f"warmup {plan.schedule.warmup_epochs:g} epochs, decay {plan.schedule.decay}",
-        f"  recipe      {plan.describe()}",
-        f"  data        {data.description}; model {cfg.model.model} ({params:,} parameters)",
-        f"  run dir     {cfg.run.out}" + (f" (resumed from {resumed})" if resumed else ""),
-    ]
-    if tuned:
-        lines.append("  proxy       MNIST-1D tuning applied (optim.proxy_tuning): "
-                     + ", ".join(f"{k}={v}" for k, v in tuned.items()))
-    return "\n".join(lines)
-
-
-def _lr_at_epoch(plan, epoch: float) -> float:
-    from flashsgd.optim.schedules import lr_at
-
-    return lr_at(min(epoch, plan.schedule.epochs - 1e-9), plan.schedule, plan.table)
-
-
-def summarize(cfg, out: Path, progress: dict, world: int, topo, plan, metrics, timer_total: float
-              ) -> dict[str, Any]:
+def summarize(plan, progress: dict, topo, metrics, timer_total: float) -> dict[str, Any]:
     """Write summary.json and report.png; print the final summary; return the summary dict."""
+    cfg, world = plan.config, plan.world
+    out = Path(cfg.run.out)
     steps, evals = read_metrics(out / "metrics.jsonl")
     timed = [s for s in steps if s["step"] >= 2] or steps  # first steps: DDP bucket rebuild, warm-up
     med = lambda key: statistics.median(s[key] for s in timed) if timed else float("nan")  # noqa: E731
     ips = med("images_per_s")
     t_step, t_comm = med("t_step_s"), med("t_comm_s")
-    final = evals[-1]["test_accuracy"] if evals else float("nan")
+    final = evals[-1]["test_accuracy"] if evals else None
     summary = {
         "final_test_accuracy": final,
-        "best_test_accuracy": max((e["test_accuracy"] for e in evals), default=float("nan")),
+        "best_test_accuracy": max((e["test_accuracy"] for e in evals), default=None),
         "target_accuracy": cfg.run.target_accuracy,
         "time_to_accuracy_s": progress["tta_s"],
         "train_time_s": progress["elapsed_s"],
-        "steps": progress["step"], "epochs": progress["epoch"], "skipped_steps": progress["skipped"],
+        "steps": progress["step"], "total_steps": plan.total_steps, "epochs": progress["epoch"],
+        "skipped_steps": progress["skipped"],
         "images_per_s": ips,
         "scaling": {
             "world_size": world, "nodes": topo.num_nodes, "ranks_per_node": topo.ranks_per_node,
@@ -131,19 +104,21 @@ def summarize(cfg, out: Path, progress: dict, world: int, topo, plan, metrics, t
             "hook_fraction_of_step": t_comm / t_step if t_step else float("nan"),
             "median_forward_s": med("t_forward_s"), "median_backward_s": med("t_backward_s"),
         },
-        "algorithm": cfg.comm.comm, "recipe": cfg.optim.recipe,
-        "global_batch": plan.table.final_batch, "model": cfg.model.model, "dataset": cfg.data.dataset,
+        "algorithm": cfg.comm.algorithm, "recipe": cfg.optim.recipe,
+        "global_batch": plan.batch_rows[-1][1], "model": cfg.model.model, "dataset": cfg.data.dataset,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     make_report(out / "metrics.jsonl", out / "report.png", title=(
-        f"{cfg.model.model} on {cfg.data.dataset}: {cfg.optim.recipe} recipe, {cfg.comm.comm}, "
-        f"{world} workers, global batch {plan.table.final_batch}"))
+        f"{cfg.model.model} on {cfg.data.dataset}: {cfg.optim.recipe} recipe, {cfg.comm.algorithm}, "
+        f"{world} workers, global batch {plan.batch_rows[-1][1]}"))
     tta = f"{progress['tta_s']:.1f} s" if progress["tta_s"] is not None else "not reached"
+    accuracy = (f"test accuracy {final:.2f}% (best {summary['best_test_accuracy']:.2f}%)"
+                if final is not None else "not evaluated")
     print(f"\nflashsgd train: done in {progress['elapsed_s']:.1f} s, {progress['step']} steps "
-          f"({progress['skipped']} skipped) | test accuracy {final:.2f}% (best "
-          f"{summary['best_test_accuracy']:.2f}%) | time to {cfg.run.target_accuracy:g}%: {tta} | "
+          f"({progress['skipped']} skipped) | {accuracy} | time to {cfg.run.target_accuracy:g}%: {tta} | "
           f"{ips:,.0f} images/s ({ips / world:,.0f} per worker), gradient exchange "
-          f"{100 * summary['scaling']['hook_fraction_of_step']:.0f}% of a step (in flight, hooks only)\n  outputs: {out}/{{config.toml, metrics.jsonl, tensorboard/, summary.json, "
+          f"{100 * summary['scaling']['hook_fraction_of_step']:.0f}% of a step (in flight, hooks only)\n"
+          f"  outputs: {out}/{{config.toml, plan.json, metrics.jsonl, tensorboard/, summary.json, "
           f"report.png, checkpoints/}}", flush=True)
     return summary
 

@@ -5,28 +5,27 @@ global batch, linear scaling + warmup), Mikami et al. 2018 (batch-size control, 
 2D-Torus), Yamazaki et al. 2019 (LARS), Shi et al. 2019 (gTop-k) - via flashsgd.optim and
 flashsgd.comm.
 
-Per rank (:func:`worker`):
+:func:`train` builds the :class:`~flashsgd.train.plan.RunPlan` once (before any worker starts),
+opens the run directory (:mod:`flashsgd.train.rundir`: lock, resume checks, config and plan
+written), then runs :class:`Worker` on every rank through :func:`flashsgd.launch.run` (torchrun's
+group when present, NCCL with CUDA, else W local Gloo processes). Per rank:
 
-1. Shorten every collective's deadline to ``run.timeout_s`` (a dead or hung peer fails the rest).
-2. Build data, model (same seed on every rank), the recipe's plan (optimizer, LR schedule, batch
-   table, loss), DDP (plain BatchNorm: statistics per worker; buffers not broadcast) and the hook.
-3. Resume from the newest checkpoint (``run.resume = auto``) or a given one.
-4. Per epoch: the global batch from the batch table; per step: LR from the schedule at the
-   fractional epoch, forward, loss = sum over the local shard * W / B (so that DDP's average of
-   the W gradients is the gradient of the mean over the global batch, whatever the shard sizes),
-   backward (the hook exchanges gradients), one small all-reduce of [loss, samples, non-finite],
-   optimizer step or a skipped step, metrics, checkpoint every N steps.
-5. Per epoch end: average BN running statistics over workers, evaluate on the test split (sharded),
-   checkpoint; at the end, summary.json and report.png.
-
-:func:`train` starts the ranks: torchrun's environment when present (NCCL with CUDA, else Gloo),
-otherwise W local Gloo processes via :func:`flashsgd.launch.spawn`.
+1. Set up the process: intra-op threads, determinism, device.
+2. Build the model (same seed on every rank), the recipe's optimizer, DDP (plain BatchNorm:
+   statistics per worker; buffers not broadcast) and the hook with its deadline.
+3. Restore the checkpoint the run directory chose (or start at step 0).
+4. Per epoch: the global batch from the batch table; per step: LR at the fractional epoch,
+   forward, loss = sum over the local shard * W / B (so that DDP's average of the W gradients is
+   the gradient of the mean over the global batch, whatever the shard sizes), backward (the hook
+   exchanges gradients), one small all-reduce of [loss, samples, non-finite], optimizer step or a
+   skipped step, metrics, checkpoint every N steps.
+5. Per epoch end: average BN running statistics over workers, evaluate on the test split
+   (sharded), checkpoint. A run stopped by ``run.max_steps`` checkpoints, then evaluates.
+6. Rank 0: summary.json and report.png.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import inspect
 import os
 import time
@@ -35,54 +34,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd import launch
-from flashsgd.optim.recipes import RECIPES, prepare
-from flashsgd.optim.schedules import lr_at
+from flashsgd.optim.plan import prepare
 from flashsgd.train import checkpoint as ckpt
-from flashsgd.train.config import PROXY_EPOCHS, PROXY_TUNING, TrainConfig, dumps, from_dict, parse_fail_at, to_dict
-from flashsgd.train.data import ShardedSampler, build_datasets
+from flashsgd.train.config import TrainConfig, parse_fail_at
+from flashsgd.train.data import Datasets, ShardedSampler, build_datasets
 from flashsgd.train.models import build_model
-from flashsgd.train.report import Metrics, banner, summarize
-
-
-def set_group_timeouts(timeout_s: float) -> None:
-    """Step 1: every existing process group (default and subgroups) gets ``timeout_s``."""
-    for pg in list(c10d._world.pg_map):
-        c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), pg)
-
-
-def build_recipe(cfg: TrainConfig):
-    """The named recipe rescaled to ``optim.epochs``, with overrides (and proxy tuning) applied."""
-    o = cfg.optim
-    recipe = RECIPES.get(o.recipe).for_epochs(o.epochs)
-    over = {k: getattr(o, k) for k in ("lr_per_256", "momentum", "nesterov", "weight_decay",
-                                       "warmup_epochs", "label_smoothing", "trust_coefficient")
-            if getattr(o, k) is not None}
-    tuned = {}
-    if o.proxy_tuning and cfg.data.dataset == "mnist1d":
-        tuned = {k: v for k, v in PROXY_TUNING.get(o.recipe, {}).items() if k not in over}
-        if "warmup_epochs" in tuned:
-            tuned["warmup_epochs"] *= o.epochs / PROXY_EPOCHS
-    if cfg.model.zero_init_last_bn is not None:
-        over["zero_init_last_bn"] = cfg.model.zero_init_last_bn
-    return dataclasses.replace(recipe, **tuned, **over), tuned
-
-
-def hook_options(name: str, cfg: TrainConfig, ranks_per_node: int | None,
-                 steps_per_epoch: int = 1) -> dict[str, Any]:
-    """The options of ``cfg.comm`` that hook ``name``'s factory accepts."""
-    from flashsgd.comm import hooks
-
-    c = cfg.comm
-    offered: dict[str, Any] = {"ranks_per_node": ranks_per_node, "grid": c.grid,
-                               "density": c.density, "selection": c.selection, "seed": cfg.run.seed}
-    if c.density_warmup is not None and c.density_warmup > c.density:
-        offered["warmup_density"] = c.density_warmup
-        offered["warmup_steps"] = max(1, round(c.density_warmup_epochs * steps_per_epoch))
-    return hooks.hook_options(name, **offered)
+from flashsgd.train.plan import RunPlan, build_plan
+from flashsgd.train.report import Metrics, summarize
+from flashsgd.train.rundir import RunDirError, Start, open_run_dir
 
 
 class CommTimer:
@@ -167,202 +129,281 @@ def inject_fault(spec: str, rank: int, step: int) -> bool:
     return mode == "nan"
 
 
-def worker(cfg_dict: dict, emulate_nodes: bool = False) -> dict[str, Any]:
-    """Steps 1-5 on this rank; returns the summary (rank 0) or {} (other ranks)."""
-    cfg = from_dict(cfg_dict)
-    r = cfg.run
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+def setup_process(plan: RunPlan) -> torch.device:
+    """Step 1: intra-op threads (cores shared by this node's ranks), determinism, device."""
+    r = plan.config.run
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world))
     torch.set_num_threads(r.threads or max(1, (os.cpu_count() or 1) // local_world))
     torch.use_deterministic_algorithms(r.deterministic)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
-    out = Path(r.out)
-    # Step 2: data (local rank 0 generates/caches MNIST-1D first), model, plan, DDP, hook
-    if int(os.environ.get("LOCAL_RANK", rank)) != 0:
-        dist.barrier()
-    data = build_datasets(cfg.data.dataset, cfg.data.num_samples, cfg.data.data_dir,
-                          cfg.data.image_shape, cfg.data.image_size, cfg.data.data_seed)
-    if int(os.environ.get("LOCAL_RANK", rank)) == 0:
-        dist.barrier()
-    torch.manual_seed(r.seed)
-    recipe, tuned = build_recipe(cfg)
-    model = build_model(cfg.model.model, data.num_classes, cfg.model.channels).to(device)
-    plan = prepare(recipe, model, cfg.optim.global_batch, len(data.train))
-    rpn = cfg.comm.ranks_per_node or ((2 if world % 2 == 0 else 1) if emulate_nodes else None)
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_ddp(plan: RunPlan, model: torch.nn.Module, device: torch.device, timer: CommTimer):
+    """Step 2 (second half): DDP with per-worker BN buffers, the hook; returns (ddp, state, topology)."""
+    from flashsgd.comm.hooks import register_hook
     from flashsgd.comm.topology import get_topology
-    topo = get_topology(ranks_per_node=rpn, grid=cfg.comm.grid)
+
+    c = plan.config.comm
+    topo = get_topology(ranks_per_node=plan.ranks_per_node, grid=c.grid, timeout_s=plan.config.run.timeout_s)
     # BN buffers stay per worker during training (Goyal); averaged before eval and checkpoints.
     sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in \
         inspect.signature(DDP.__init__).parameters else {"broadcast_buffers": False}
-    ddp = DDP(model, bucket_cap_mb=cfg.comm.bucket_mb,
+    ddp = DDP(model, bucket_cap_mb=c.bucket_mb,
               device_ids=[device.index] if device.type == "cuda" else None, **sync)
-    timer = CommTimer()
-    options = hook_options(cfg.comm.comm, cfg, rpn,
-                           steps_per_epoch=max(1, len(data.train) // plan.batch_at(0)))
-    from flashsgd.comm.hooks import register_hook
-    hook_state = register_hook(ddp, cfg.comm.comm, wrap=timer.wrap, **options)
-    set_group_timeouts(r.timeout_s)  # Step 1 (after the hook created its subgroups)
-    label_smoothing = plan.loss_fn.label_smoothing
-    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=label_smoothing, reduction="sum")
-    sampler = ShardedSampler(len(data.train), rank, world, r.seed)
-    aug = torch.Generator().manual_seed(r.seed * 7919 + rank)  # per-rank augmentation stream
-    progress = {"step": 0, "epoch": 0, "elapsed_s": 0.0, "skipped": 0, "tta_s": None, "evals": []}
-    # Step 3: resume
-    ckpt_dir = out / "checkpoints"
-    target = None
-    if r.resume == "auto":
-        target = ckpt.find_latest(ckpt_dir)
-    elif r.resume != "never":
-        target = Path(r.resume)
-    if target is not None:
-        shared, local = ckpt.load(target, rank, world)
-        ckpt.load_model_state(model, shared["model"], str(target))
+    state = register_hook(ddp, c.algorithm, wrap=timer.wrap, **plan.hook_options)
+    return ddp, state, topo
+
+
+class Worker:
+    """One rank of a run: Steps 1-6 of the module docstring (:meth:`run`)."""
+
+    def __init__(self, plan: RunPlan, data: Datasets, start: Start) -> None:
+        self.plan, self.data, self.cfg = plan, data, plan.config
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = setup_process(plan)                                              # Step 1
+        torch.manual_seed(self.cfg.run.seed)                                           # Step 2
+        self.model = build_model(self.cfg.model.model, data.num_classes, self.cfg.model.channels).to(self.device)
+        recipe_plan = prepare(plan.recipe, self.model, self.cfg.optim.global_batch, plan.num_train,
+                              epochs=plan.recipe.epochs)  # the recipe is already rescaled
+        self.optimizer, self.model_tweaks = recipe_plan.optimizer, recipe_plan.model_tweaks
+        self.timer = CommTimer()
+        self.ddp, self.hook_state, self.topology = build_ddp(plan, self.model, self.device, self.timer)
+        self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing, reduction="sum")
+        self.sampler = ShardedSampler(plan.num_train, self.rank, self.world, self.cfg.run.seed)
+        self.aug = torch.Generator().manual_seed(self.cfg.run.seed * 7919 + self.rank)  # per-rank augmentation
+        self.progress: dict[str, Any] = {"step": 0, "epoch": 0, "elapsed_s": 0.0, "skipped": 0,
+                                         "tta_s": None, "evals": []}
+        self.out = Path(self.cfg.run.out)
+        self.start = start
+        if start.checkpoint is not None:                                               # Step 3
+            self.restore(start.checkpoint)
+        else:
+            self.sampler.set_epoch(0, plan.batch_at(0))
+        self.metrics = Metrics(self.out, self.rank == 0,
+                               resumed_from=self.progress["step"] if start.checkpoint else None)
+        self.bar = None
+        self.fault = self.cfg.run.fail_at or os.environ.get("FLASHSGD_FAIL_AT", "")
+
+    # ---------------------------------------------------------------- Step 3: checkpoints -------
+    def restore(self, target: Path) -> None:
+        """Load model, optimizer, sampler position, hook state, RNG streams and progress."""
+        shared, local = ckpt.load(target, self.rank, self.world)
+        ckpt.load_model_state(self.model, shared["model"], str(target))
         with torch.no_grad():  # this worker's own BN statistics (shared["model"] has the average)
-            for name, b in model.named_buffers():
+            for name, b in self.model.named_buffers():
                 if name in local["buffers"]:
                     b.copy_(local["buffers"][name])
-        plan.optimizer.load_state_dict(shared["optimizer"])
-        sampler.load_state_dict(shared["sampler"])
-        hook_state.load_state_dict(local["hook"])
+        self.optimizer.load_state_dict(shared["optimizer"])
+        self.sampler.load_state_dict(shared["sampler"])
+        self.hook_state.load_state_dict(local["hook"])
         ckpt.set_rng_state(local["rng"])
-        aug.set_state(local["aug"])
-        progress = dict(shared["progress"])
-    else:
-        sampler.set_epoch(0, plan.batch_at(0))
-    metrics = Metrics(out, rank == 0, resumed_from=progress["step"] if target else None)
-    if rank == 0:
-        print(banner(cfg, world, topo, plan, options, data, model, tuned, device, target), flush=True)
+        self.aug.set_state(local["aug"])
+        self.progress = dict(shared["progress"])
 
-    def save_checkpoint() -> None:
-        # shared: the model with worker-averaged BN statistics (for eval / inference); local: this
-        # worker's own statistics, so that a resumed run continues exactly as an uninterrupted one
-        avg = average_buffers(model, inplace=False)
-        local = {"hook": hook_state.state_dict(), "rng": ckpt.rng_state(), "aug": aug.get_state(),
-                 "buffers": {n: b.clone() for n, b in model.named_buffers() if n in avg}}
+    def save_checkpoint(self) -> None:
+        """Shared: the model with worker-averaged BN statistics (for eval / inference); local: this
+        worker's own statistics, so that a resumed run continues exactly as an uninterrupted one."""
+        avg = average_buffers(self.model, inplace=False)
+        local = {"hook": self.hook_state.state_dict(), "rng": ckpt.rng_state(), "aug": self.aug.get_state(),
+                 "buffers": {n: b.clone() for n, b in self.model.named_buffers() if n in avg}}
         shared = None
-        if rank == 0:
-            shared = {"model": {**model.state_dict(), **avg}, "optimizer": plan.optimizer.state_dict(),
-                      "sampler": sampler.state_dict(), "progress": progress}
-        ckpt.save(ckpt_dir, progress["step"], shared, local, keep=r.keep_checkpoints)
+        if self.rank == 0:
+            shared = {"model": {**self.model.state_dict(), **avg}, "optimizer": self.optimizer.state_dict(),
+                      "sampler": self.sampler.state_dict(), "progress": self.progress}
+        ckpt.save(self.out / "checkpoints", self.progress["step"], shared, local,
+                  keep=self.cfg.run.keep_checkpoints)
 
-    total_steps = sum(len(ShardedSampler.batch_ends(len(data.train), plan.batch_at(e), world))
-                      for e in range(plan.epochs))
-    if r.max_steps:
-        total_steps = min(total_steps, r.max_steps)
-    bar = None
-    if rank == 0 and r.progress:
-        from tqdm import tqdm
-        bar = tqdm(total=total_steps, initial=progress["step"], unit="step", dynamic_ncols=True)
-    t_start = time.perf_counter() - progress["elapsed_s"]
+    # ---------------------------------------------------------------- Step 4: one step ----------
+    def train_step(self, epoch: int, i: int, idx: torch.Tensor, sizes: list[int]) -> None:
+        """Forward, backward (hook exchange), agreement on the loss and non-finite values, step."""
+        step, world, r = self.progress["step"], self.world, self.cfg.run
+        t0 = time.perf_counter()
+        make_nan = inject_fault(self.fault, self.rank, step)
+        lr = self.plan.lr_at(epoch + i / len(sizes))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = self.data.train.batch(idx, self.aug, train=True)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        comm0 = self.timer.seconds
+        t1 = time.perf_counter()
+        loss_sum = self.loss_fn(self.ddp(x), y)
+        if make_nan:
+            loss_sum = loss_sum * float("nan")
+        t2 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=False)
+        (loss_sum * (world / sizes[i])).backward()
+        t3 = time.perf_counter()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        bad = (~torch.isfinite(torch.stack([g.sum() for g in grads]).sum())).float() \
+            + (~torch.isfinite(loss_sum.detach())).float()
+        stats = torch.stack([loss_sum.detach().double(), torch.tensor(float(len(y)), dtype=torch.float64,
+                             device=self.device), bad.double()]).to(self.device)
+        dist.all_reduce(stats)
+        t4 = time.perf_counter()
+        skipped = stats[2].item() > 0
+        if skipped and r.nonfinite == "stop":
+            raise FloatingPointError(f"non-finite loss or gradient at step {step} (epoch {epoch}); "
+                                     "set run.nonfinite = 'skip' to skip such steps instead")
+        if skipped:
+            self.progress["skipped"] += 1
+            self.optimizer.zero_grad(set_to_none=False)
+        else:
+            self.optimizer.step()
+        t5 = time.perf_counter()
+        self.progress["step"] = step + 1
+        self.progress["elapsed_s"] = time.perf_counter() - self.t_start
+        loss = stats[0].item() / stats[1].item()
+        self.metrics.step(step=step, epoch=epoch + (i + 1) / len(sizes), loss=loss, lr=lr,
+                          global_batch=sizes[i], scheduled_batch=self.sampler.global_batch,
+                          local_batch=len(y), images_per_s=sizes[i] / (t5 - t0), t_step_s=t5 - t0,
+                          t_data_s=t1 - t0, t_forward_s=t2 - t1, t_backward_s=t3 - t2,
+                          t_comm_s=self.timer.seconds - comm0, t_sync_s=t4 - t3, t_optimizer_s=t5 - t4,
+                          skipped=bool(skipped))
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(epoch=epoch, loss=f"{loss:.3f}", lr=f"{lr:.3g}", refresh=False)
+
+    # ---------------------------------------------------------------- Steps 4-5: epochs ---------
+    def run_epoch(self, epoch: int) -> bool:
+        """Train the rest of ``epoch``; True when ``run.max_steps`` stopped it."""
+        r = self.cfg.run
+        if self.sampler.global_batch != self.plan.batch_at(epoch) or self.sampler.epoch != epoch:
+            self.sampler.set_epoch(epoch, self.plan.batch_at(epoch))
+        sizes = self.sampler.global_sizes()
+        for idx in self.sampler:
+            self.train_step(epoch, self.sampler.position - 1, idx, sizes)
+            if r.checkpoint_every and self.progress["step"] % r.checkpoint_every == 0 \
+                    and self.sampler.position < len(sizes):
+                self.save_checkpoint()
+            if r.max_steps and self.progress["step"] >= r.max_steps:
+                return True
+        return False
+
+    def evaluate_now(self, epoch: float, at_stop: bool = False) -> None:
+        """Step 5: worker-averaged BN statistics, test accuracy and loss, time to accuracy."""
+        average_buffers(self.model)
+        acc, test_loss = evaluate(self.model, self.data.test, self.rank, self.world, self.device)
+        p = self.progress
+        p["elapsed_s"] = time.perf_counter() - self.t_start
+        if p["tta_s"] is None and acc >= self.cfg.run.target_accuracy:
+            p["tta_s"] = p["elapsed_s"]
+        p["evals"].append([epoch, p["step"], acc, p["elapsed_s"]])
+        self.metrics.eval(epoch=epoch, step=p["step"], test_accuracy=acc, test_loss=test_loss,
+                          elapsed_s=p["elapsed_s"], **({"at_stop": True} if at_stop else {}))
+        if self.bar is not None:
+            self.bar.set_postfix(epoch=epoch, acc=f"{acc:.2f}%", refresh=True)
+
+    def end_epoch(self, epoch: int) -> None:
+        """Step 5: after the last step of ``epoch`` (0-based): evaluate when due, checkpoint."""
+        done = epoch + 1
+        self.progress["epoch"] = done
+        if done % self.cfg.run.eval_every == 0 or done == self.plan.epochs:
+            self.evaluate_now(done)
+        self.sampler.set_epoch(done, self.plan.batch_at(min(done, self.plan.epochs - 1)))
+        self.save_checkpoint()
+
+    def train_loop(self) -> None:
+        """Step 4-5 over the remaining epochs; a stop at ``run.max_steps`` checkpoints, then evaluates."""
+        epoch = self.sampler.epoch
+        while epoch < self.plan.epochs:
+            if self.run_epoch(epoch):
+                self.save_checkpoint()
+                if not self.progress["evals"] or self.progress["evals"][-1][1] != self.progress["step"]:
+                    self.evaluate_now(epoch + self.sampler.position / len(self.sampler), at_stop=True)
+                return
+            self.end_epoch(epoch)
+            epoch += 1
+
+    def run(self) -> dict[str, Any]:
+        """Steps 4-6; returns the summary (rank 0) or {} (other ranks)."""
+        r = self.cfg.run
+        if self.rank == 0:
+            print(self.plan.describe(self.topology.describe())
+                  + f"\n  model       {self.cfg.model.model} "
+                  f"({sum(p.numel() for p in self.model.parameters()):,} parameters) on {self.device}; "
+                  f"tweaks: {'; '.join(self.model_tweaks) or 'none'}"
+                  f"\n  start       {self.start.describe()}", flush=True)
+            if r.progress:
+                from tqdm import tqdm
+                self.bar = tqdm(total=self.plan.target_steps, initial=self.progress["step"], unit="step",
+                                dynamic_ncols=True)
+        self.t_start = time.perf_counter() - self.progress["elapsed_s"]
+        try:
+            self.train_loop()
+        except RuntimeError as exc:  # a peer died or hung: say so, with the step
+            raise RuntimeError(
+                f"rank {self.rank}: failed at step {self.progress['step']} - a collective failed, so a "
+                f"worker died or hung longer than run.timeout_s={r.timeout_s:g} s "
+                f"({str(exc).splitlines()[0][:300]})") from exc
+        if self.bar is not None:
+            self.bar.close()
+        result = {}
+        if self.rank == 0:
+            result = summarize(self.plan, self.progress, self.topology, self.metrics, self.timer.seconds)
+        self.metrics.close()
+        return result
+
+
+def load_data(cfg: TrainConfig) -> Datasets:
+    """The run's datasets (MNIST-1D is generated once and cached; see flashsgd.train.data)."""
+    d = cfg.data
+    return build_datasets(d.dataset, d.num_samples, d.data_dir, d.image_shape, d.image_size, d.data_seed)
+
+
+def worker(plan: RunPlan, data: Datasets, start: Start) -> dict[str, Any]:
+    """One rank's run (see :class:`Worker`)."""
+    return Worker(plan, data, start).run()
+
+
+def _torchrun_worker(cfg: TrainConfig) -> dict[str, Any]:
+    """Under torchrun (each process is one rank): data, plan and run directory, then the worker.
+
+    Local rank 0 builds the data first (MNIST-1D is generated and cached once per node); rank 0
+    opens the run directory and tells every rank how to start (or why not).
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    if local_rank != 0:
+        dist.barrier()
+    data = load_data(cfg)
+    if local_rank == 0:
+        dist.barrier()
+    plan = build_plan(cfg, dist.get_world_size(), len(data.train), local_spawn=False)
+    if dist.get_rank() != 0:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str):
+            raise RunDirError(box[0])
+        return worker(plan, data, box[0])
     try:
-        stop = False
-        epoch = sampler.epoch
-        while epoch < plan.epochs and not stop:
-            # Step 4
-            if sampler.global_batch != plan.batch_at(epoch) or sampler.epoch != epoch:
-                sampler.set_epoch(epoch, plan.batch_at(epoch))
-            sizes = sampler.global_sizes()
-            for idx in sampler:
-                i, step = sampler.position - 1, progress["step"]
-                t0 = time.perf_counter()
-                make_nan = inject_fault(r.fail_at or os.environ.get("FLASHSGD_FAIL_AT", ""), rank, step)
-                lr = lr_at(epoch + i / len(sizes), plan.schedule, plan.table)
-                for group in plan.optimizer.param_groups:
-                    group["lr"] = lr
-                x, y = data.train.batch(idx, aug, train=True)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                comm0 = timer.seconds
-                t1 = time.perf_counter()
-                loss_sum = loss_fn(ddp(x), y)
-                if make_nan:
-                    loss_sum = loss_sum * float("nan")
-                t2 = time.perf_counter()
-                plan.optimizer.zero_grad(set_to_none=False)
-                (loss_sum * (world / sizes[i])).backward()
-                t3 = time.perf_counter()
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                bad = (~torch.isfinite(torch.stack([g.sum() for g in grads]).sum())).float() \
-                    + (~torch.isfinite(loss_sum.detach())).float()
-                stats = torch.stack([loss_sum.detach().double(), torch.tensor(float(len(y)), dtype=torch.float64,
-                                     device=device), bad.double()]).to(device)
-                dist.all_reduce(stats)
-                t4 = time.perf_counter()
-                skipped = stats[2].item() > 0
-                if skipped and r.nonfinite == "stop":
-                    raise FloatingPointError(
-                        f"non-finite loss or gradient at step {step} (epoch {epoch}); "
-                        "set run.nonfinite = 'skip' to skip such steps instead")
-                if skipped:
-                    progress["skipped"] += 1
-                    plan.optimizer.zero_grad(set_to_none=False)
-                else:
-                    plan.optimizer.step()
-                t5 = time.perf_counter()
-                progress["step"] = step + 1
-                progress["elapsed_s"] = time.perf_counter() - t_start
-                loss = stats[0].item() / stats[1].item()
-                metrics.step(step=step, epoch=epoch + (i + 1) / len(sizes), loss=loss, lr=lr,
-                             global_batch=sizes[i], scheduled_batch=sampler.global_batch, local_batch=len(y),
-                             images_per_s=sizes[i] / (t5 - t0), t_step_s=t5 - t0, t_data_s=t1 - t0,
-                             t_forward_s=t2 - t1, t_backward_s=t3 - t2, t_comm_s=timer.seconds - comm0,
-                             t_sync_s=t4 - t3, t_optimizer_s=t5 - t4, skipped=bool(skipped))
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(epoch=epoch, loss=f"{loss:.3f}", lr=f"{lr:.3g}", refresh=False)
-                if r.checkpoint_every and progress["step"] % r.checkpoint_every == 0 \
-                        and sampler.position < len(sizes):
-                    save_checkpoint()
-                if r.max_steps and progress["step"] >= r.max_steps:
-                    stop = True
-                    break
-            else:
-                # Step 5: epoch end
-                epoch += 1
-                progress["epoch"] = epoch
-                if epoch % r.eval_every == 0 or epoch == plan.epochs:
-                    average_buffers(model)
-                    acc, test_loss = evaluate(model, data.test, rank, world, device)
-                    progress["elapsed_s"] = time.perf_counter() - t_start
-                    if progress["tta_s"] is None and acc >= r.target_accuracy:
-                        progress["tta_s"] = progress["elapsed_s"]
-                    progress["evals"].append([epoch, progress["step"], acc, progress["elapsed_s"]])
-                    metrics.eval(epoch=epoch, step=progress["step"], test_accuracy=acc, test_loss=test_loss,
-                                 elapsed_s=progress["elapsed_s"])
-                    if bar is not None:
-                        bar.set_postfix(epoch=epoch, acc=f"{acc:.2f}%", refresh=True)
-                sampler.set_epoch(epoch, plan.batch_at(min(epoch, plan.epochs - 1)))
-                save_checkpoint()
-                continue
-    except RuntimeError as exc:  # a peer died or hung: say so, with the step
-        raise RuntimeError(
-            f"rank {rank}: failed at step {progress['step']} - a collective failed, so a worker "
-            f"died or hung longer than run.timeout_s={r.timeout_s:g} s "
-            f"({str(exc).splitlines()[0][:300]})") from exc
-    if stop:
-        save_checkpoint()
-    if bar is not None:
-        bar.close()
-    result = {}
-    if rank == 0:
-        result = summarize(cfg, out, progress, world, topo, plan, metrics, timer_total=timer.seconds)
-    metrics.close()
-    return result
+        with open_run_dir(plan) as start:
+            dist.broadcast_object_list([start], src=0)
+            if start.kind == "complete":
+                print(f"flashsgd train: {start.describe()}", flush=True)
+                return start.summary or {}
+            return worker(plan, data, start)
+    except RunDirError as exc:
+        dist.broadcast_object_list([str(exc)], src=0)
+        raise
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run ``cfg`` under torchrun's group if there is one, else on ``run.workers`` local ranks."""
-    out = Path(cfg.run.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(dumps(cfg))
-    backend = None if cfg.run.backend == "auto" else cfg.run.backend
+    """Run ``cfg``: under torchrun's group if there is one, else on ``run.workers`` local ranks.
+
+    On local spawn every check (plan, run directory) happens here, before any process starts;
+    a ValueError names the config key. Returns rank 0's summary (this rank's under torchrun).
+    """
+    r = cfg.run
+    backend = None if r.backend == "auto" else r.backend
     if launch.under_torchrun():
-        launch.init_from_env(backend, cfg.run.timeout_s)
-        try:
-            return worker(to_dict(cfg), False)
-        finally:
-            launch.shutdown()
-    # local spawn: the whole-run deadline is loose (collectives have run.timeout_s each)
-    deadline = max(cfg.run.timeout_s, 7 * 24 * 3600.0)
-    return launch.spawn(worker, cfg.run.workers, (to_dict(cfg), True), backend=backend or "gloo",
-                        timeout_s=deadline)[0]
+        return launch.run(_torchrun_worker, (cfg,), world_size=int(os.environ["WORLD_SIZE"]),
+                          backend=backend, timeout_s=r.timeout_s)
+    data = load_data(cfg)
+    plan = build_plan(cfg, r.workers, len(data.train), local_spawn=True)
+    with open_run_dir(plan) as start:
+        if start.kind == "complete":
+            print(f"flashsgd train: {start.describe()}", flush=True)
+            return start.summary or {}
+        return launch.run(worker, (plan, data, start), world_size=r.workers,
+                          backend=backend or "gloo", timeout_s=r.timeout_s)

@@ -1,0 +1,193 @@
+"""The resolved run: everything every rank executes, derived once from the config and the world.
+
+Papers: Goyal et al. 2017 (linear scaling per reference batch, gradual warmup, one shuffle split over
+workers), Mikami et al. 2018 (batch-size control), Shi et al. 2019 (density warm-up of gTop-k).
+
+:func:`build_plan` is called once per run, before any worker starts (or, under torchrun, on each
+process before training), and is the only place that derives:
+
+1. the recipe: the registered recipe (or its dataset-tuned variant, ``optim.proxy_tuning``),
+   rescaled to ``optim.epochs``, with the user's overrides;
+2. the world layout: world size, ranks per node (emulated 2 per node on local spawn), torus grid;
+3. the batch table and the steps it gives (every worker needs >= 1 sample per step);
+4. the communication hook's options (density warm-up in steps, deadline, grid, seed).
+
+The plan is printed at start-up (:meth:`RunPlan.describe`) and written to ``<out>/plan.json``;
+workers read nothing else from the config that the plan resolves.
+
+Example::
+
+    >>> cfg = resolve(cli={"workers": 8, "global_batch": 8192})
+    >>> plan = build_plan(cfg, world=8, num_train=32000, local_spawn=True)
+    >>> plan.grid, plan.batch_rows, plan.total_steps
+    ((2, 4), ((0, 8192),), 60)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashsgd.comm.topology import parse_grid
+from flashsgd.optim.plan import build_batch_table
+from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
+from flashsgd.optim.schedules import BatchTable, batch_at, lr_at
+from flashsgd.train.config import TrainConfig, to_dict
+from flashsgd.train.data import ShardedSampler
+
+# Recipe fields a config key may override (config key -> Recipe field; the same names).
+RECIPE_OVERRIDES = ("lr_per_ref", "ref_batch", "momentum", "nesterov", "weight_decay",
+                    "warmup_epochs", "label_smoothing", "trust_coefficient")
+
+
+def emulated_ranks_per_node(world: int) -> int:
+    """Local spawn emulates nodes of 2 ranks (1 when the world is odd), so the two-level
+    algorithms (hierarchical, torus2d) have two levels to work with on one machine."""
+    return 2 if world % 2 == 0 else 1
+
+
+def resolve_recipe(cfg: TrainConfig) -> tuple[Recipe, str]:
+    """Step 1: the recipe this run trains with, and a one-line account of where it came from."""
+    o = cfg.optim
+    name = tuned_variant(o.recipe, cfg.data.dataset) if o.proxy_tuning else o.recipe
+    recipe = RECIPES[name].for_epochs(o.epochs)
+    over = {k: getattr(o, k) for k in RECIPE_OVERRIDES if getattr(o, k) is not None}
+    if cfg.model.zero_init_last_bn is not None:
+        over["zero_init_last_bn"] = cfg.model.zero_init_last_bn
+    source = name if name == o.recipe else f"{name} (the {cfg.data.dataset}-tuned variant of {o.recipe})"
+    if over:
+        source += " with " + ", ".join(f"{k}={v}" for k, v in over.items())
+    return dataclasses.replace(recipe, **over), source
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A resolved run (see the module docstring). Picklable: it is handed to every worker."""
+
+    config: TrainConfig
+    world: int
+    """Ranks in the run."""
+    ranks_per_node: int | None
+    """Ranks per (emulated) node; None: detected at start-up (torchrun's LOCAL_WORLD_SIZE)."""
+    grid: tuple[int, int] | None
+    """Torus grid (X, Y); None until the ranks per node are known (detected at start-up)."""
+    recipe: Recipe
+    recipe_source: str
+    num_train: int
+    """Training samples per epoch."""
+    batch_rows: tuple[tuple[int, int], ...]
+    """Batch-size control: (first epoch, global batch) rows."""
+    epochs: int
+    """Epochs the loop runs (the recipe's length, rounded up)."""
+    total_steps: int
+    """Optimizer steps of the whole run (before ``run.max_steps``)."""
+    hook_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the communication hook ``config.comm.algorithm``."""
+
+    @property
+    def table(self) -> BatchTable:
+        return BatchTable(self.batch_rows)
+
+    def batch_at(self, epoch: int) -> int:
+        """Global batch of ``epoch`` (batch-size control; the last row past the end)."""
+        return batch_at(epoch, self.table)
+
+    @property
+    def target_steps(self) -> int:
+        """Steps this invocation trains to: ``total_steps``, or ``run.max_steps`` if smaller."""
+        m = self.config.run.max_steps
+        return min(self.total_steps, m) if m else self.total_steps
+
+    def lr_at(self, epoch: float) -> float:
+        """LR at a fractional epoch (linear scaling, warmup, decay; pure)."""
+        return lr_at(epoch, self.recipe.schedule(), self.table)
+
+    def peak_lr(self) -> float:
+        """Largest LR over the run (sampled at 401 points)."""
+        end = self.recipe.epochs
+        return max(self.lr_at(min(end * k / 400, end - 1e-9)) for k in range(401))
+
+    def describe(self, topology: str | None = None) -> str:
+        """Start-up lines: world, grid, per-worker and global batch, effective LR, algorithm."""
+        cfg, r = self.config, self.recipe
+        batches = [b for _, b in self.batch_rows]
+        per_worker = "/".join(f"{b // self.world}" + ("+" if b % self.world else "") for b in batches)
+        layout = topology or (f"{self.ranks_per_node} rank(s)/node, grid {self.grid[0]}x{self.grid[1]}"
+                              if self.grid else "ranks per node detected at start-up")
+        return "\n".join([
+            f"flashsgd train | world {self.world} ({layout}) | backend {cfg.run.backend}",
+            f"  algorithm   {cfg.comm.algorithm} {self.hook_options or ''} bucket {cfg.comm.bucket_mb:g} MB",
+            f"  batch       global {' -> '.join(map(str, batches))} (table {list(self.batch_rows)}), "
+            f"per worker {per_worker}; {self.total_steps} steps in {self.epochs} epochs",
+            f"  lr          effective peak {self.peak_lr():.4g} (lr_per_ref {r.lr_per_ref:g} x "
+            f"batch/{r.ref_batch}), warmup {r.warmup_epochs:g} epochs, decay {r.decay}",
+            f"  recipe      {self.recipe_source}",
+            f"  run dir     {cfg.run.out}",
+        ])
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (``<out>/plan.json``)."""
+        return {"world": self.world, "ranks_per_node": self.ranks_per_node,
+                "grid": list(self.grid) if self.grid else None, "num_train": self.num_train,
+                "batch_rows": [list(r) for r in self.batch_rows], "epochs": self.epochs,
+                "total_steps": self.total_steps, "peak_lr": self.peak_lr(),
+                "algorithm": self.config.comm.algorithm, "hook_options": self.hook_options,
+                "recipe_source": self.recipe_source,
+                "recipe": {k: v for k, v in dataclasses.asdict(self.recipe).items()},
+                "config": to_dict(self.config)}
+
+
+def _hook_options(cfg: TrainConfig, ranks_per_node: int | None, steps_per_epoch: int) -> dict[str, Any]:
+    """Step 4: the options of ``cfg.comm`` that hook ``cfg.comm.algorithm``'s factory accepts."""
+    from flashsgd.comm import hooks
+
+    c = cfg.comm
+    offered: dict[str, Any] = {"ranks_per_node": ranks_per_node, "grid": c.grid, "density": c.density,
+                               "selection": c.selection, "seed": cfg.run.seed,
+                               "timeout_s": cfg.run.timeout_s}
+    if c.density_warmup is not None and c.density_warmup > c.density:
+        offered["density_warmup"] = c.density_warmup
+        offered["density_warmup_steps"] = max(1, round(c.density_warmup_epochs * steps_per_epoch))
+    return hooks.hook_options(c.algorithm, **offered)
+
+
+def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) -> RunPlan:
+    """Steps 1-4; ValueError (naming the config key) when the config cannot run on ``world`` ranks.
+
+    Args:
+        cfg: the validated config.
+        world: ranks of the run (``run.workers`` on local spawn, torchrun's WORLD_SIZE).
+        num_train: training samples per epoch.
+        local_spawn: True when flashsgd spawns the ranks itself (emulated nodes of 2 ranks).
+    """
+    recipe, source = resolve_recipe(cfg)                                   # Step 1
+    rpn = cfg.comm.ranks_per_node                                          # Step 2
+    if rpn is None:
+        env = os.environ.get("FLASHSGD_RANKS_PER_NODE") or (None if local_spawn else
+                                                             os.environ.get("LOCAL_WORLD_SIZE"))
+        rpn = int(env) if env else (emulated_ranks_per_node(world) if local_spawn else None)
+    if rpn is not None and (rpn < 1 or world % rpn):
+        raise ValueError(f"config key comm.ranks_per_node={rpn} must divide the world size {world}; "
+                         f"valid: {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)}")
+    grid = None
+    if rpn is not None or cfg.comm.grid is not None:
+        try:
+            grid = parse_grid(cfg.comm.grid, world, default_x=rpn)
+        except ValueError as exc:
+            raise ValueError(f"config key comm.grid: {exc}") from None
+    table = build_batch_table(recipe, cfg.optim.global_batch)              # Step 3
+    small = [b for _, b in table.rows if b < world]
+    if small:
+        raise ValueError(f"config key optim.global_batch={cfg.optim.global_batch} gives a global batch "
+                         f"of {small[0]} for {world} workers: every worker needs >= 1 sample per step; "
+                         f"use optim.global_batch >= {world * cfg.optim.global_batch // small[0]}")
+    epochs = math.ceil(recipe.epochs)
+    rows = tuple((int(e), int(b)) for e, b in table.rows)
+    total = sum(len(ShardedSampler.batch_ends(num_train, batch_at(e, table), world)) for e in range(epochs))
+    options = _hook_options(cfg, rpn, max(1, num_train // rows[0][1]))    # Step 4
+    return RunPlan(config=cfg, world=world, ranks_per_node=rpn, grid=grid, recipe=recipe,
+                   recipe_source=source, num_train=num_train, batch_rows=rows, epochs=epochs,
+                   total_steps=total, hook_options=options)

@@ -1,0 +1,196 @@
+"""The run directory: one run per directory, resumed only with the same settings, never mixed.
+
+Layout of ``<out>``: ``config.toml`` (the resolved config), ``plan.json`` (the resolved run),
+``metrics.jsonl``, ``tensorboard/``, ``summary.json``, ``report.png``, ``checkpoints/`` and
+``.lock`` (held while a run uses the directory).
+
+What a start does (:func:`open_run_dir`), every check before anything is written:
+
+1. Lock: ``flock`` on ``<out>/.lock`` (released by the kernel when the holder dies, so a stale lock
+   from a dead process is taken over; the file names the holder's pid and host for the message).
+   A second run on the same directory stops at once.
+2. Decide, from the saved ``config.toml``, the newest checkpoint and ``summary.json``:
+
+   - nothing there: start fresh;
+   - ``run.resume = never``: the previous run's files are moved aside to ``<out>.prev-<time>/``
+     and the run starts fresh (runs never share metrics, summaries or checkpoints);
+   - the saved config differs from this one in any key that can change results (all keys but
+     :data:`NEUTRAL_KEYS`): stop with one line per differing key (old -> new) and the ways out;
+   - same config, finished (``summary.json`` at the planned step count): "already complete",
+     nothing is rewritten;
+   - same config, a checkpoint: resume from it (``run.resume = auto``, or the given directory);
+   - same config, no checkpoint (a run that died before its first one): moved aside, fresh start.
+3. Write ``config.toml`` and ``plan.json`` (fresh and resumed starts only).
+
+Example::
+
+    >>> with open_run_dir(plan) as start:        # doctest: +SKIP
+    ...     if start.kind != "complete":
+    ...         train_from(start.checkpoint)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from flashsgd.train import checkpoint as ckpt
+from flashsgd.train.config import TrainConfig, dumps, resolve
+
+# Config keys that cannot change what a run computes: a resume may change them freely.
+# (eval_every: BN statistics are averaged before each evaluation, and averaging commutes with the
+# per-worker running averages, so the evaluated model is the same; max_steps: where this
+# invocation stops, so that an interrupted run can be continued to the end.)
+NEUTRAL_KEYS = frozenset({
+    "out", "resume", "progress", "eval_every", "target_accuracy", "threads", "timeout_s",
+    "checkpoint_every", "keep_checkpoints", "max_steps", "fail_at",
+})
+# What a run writes: what "moved aside" moves (nothing else in <out> is touched).
+RUN_FILES = ("config.toml", "plan.json", "metrics.jsonl", "tensorboard", "summary.json",
+             "report.png", "checkpoints", "error.log")
+
+
+@dataclass(frozen=True)
+class Start:
+    """How this run starts: ``fresh``, ``resume`` (from ``checkpoint``) or ``complete``."""
+
+    kind: Literal["fresh", "resume", "complete"]
+    checkpoint: Path | None = None
+    moved_aside: Path | None = None
+    summary: dict[str, Any] | None = None
+    note: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "complete":
+            s = self.summary or {}
+            acc = s.get("final_test_accuracy")
+            acc_text = f"test accuracy {acc:.2f}%" if isinstance(acc, (int, float)) else "not evaluated"
+            return f"already complete at step {s.get('steps')}, {acc_text}"
+        text = f"resuming from {self.checkpoint}" if self.kind == "resume" else "starting fresh"
+        if self.moved_aside:
+            text += f" (the previous run's files were moved to {self.moved_aside})"
+        return text + (f"; {self.note}" if self.note else "")
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used for this run (locked, or holds a run with other settings)."""
+
+
+def _flat(cfg: TrainConfig) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, sec in dataclasses.asdict(cfg).items() for k, v in sec.items()}
+
+
+def config_changes(old: TrainConfig, new: TrainConfig) -> list[str]:
+    """``"section.key: old -> new"`` for every key that differs and can change results."""
+    a, b = _flat(old), _flat(new)
+    return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in sorted(a) if a[k] != b[k]
+            and k.split(".", 1)[1] not in NEUTRAL_KEYS]
+
+
+@contextlib.contextmanager
+def lock(out: Path) -> Iterator[None]:
+    """Step 1: hold ``<out>/.lock`` (flock) for the block; RunDirError if another process holds it."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ".lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = path.read_text().strip() or "another process"
+            raise RunDirError(f"run directory {out} is in use by {holder}; wait for it to finish or "
+                              "choose another --out") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        yield
+    finally:
+        os.close(fd)  # releases the lock (forked workers that inherited it close theirs on exit)
+
+
+def _saved_config(out: Path) -> TrainConfig | None:
+    path = out / "config.toml"
+    if not path.is_file():
+        return None
+    try:
+        return resolve(path)
+    except ValueError as exc:
+        raise RunDirError(f"{path} holds a run whose config cannot be read ({exc}); use another "
+                          "--out, or --resume never to move that run aside") from None
+
+
+def _move_aside(out: Path) -> Path | None:
+    present = [out / n for n in RUN_FILES if (out / n).exists()]
+    if not present:
+        return None
+    aside = out.with_name(f"{out.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while aside.exists():
+        aside, n = aside.with_name(f"{out.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}-{n}"), n + 1
+    aside.mkdir(parents=True)
+    for p in present:
+        shutil.move(str(p), str(aside / p.name))
+    return aside
+
+
+def _complete_summary(out: Path, target_steps: int) -> dict[str, Any] | None:
+    path = out / "summary.json"
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return summary if summary.get("steps", -1) >= target_steps else None
+
+
+def decide(cfg: TrainConfig, target_steps: int) -> Start:
+    """Step 2 (reads only; the caller holds the lock)."""
+    out = Path(cfg.run.out)
+    if cfg.run.resume == "never":
+        return Start("fresh")
+    explicit = None if cfg.run.resume == "auto" else Path(cfg.run.resume)
+    home = explicit.parent.parent if explicit is not None else out
+    saved = _saved_config(home)
+    if saved is not None:
+        changes = config_changes(saved, cfg)
+        if changes:
+            raise RunDirError(
+                f"{home} holds a run with other settings ({'; '.join(changes)}); to keep it, "
+                "train into a new directory (--out NEW); to start over here, --resume never "
+                "(moves the old run aside)")
+    if explicit is not None:
+        return Start("resume", checkpoint=explicit)
+    if saved is None:
+        return Start("fresh")
+    summary = _complete_summary(out, target_steps)
+    if summary is not None:
+        return Start("complete", summary=summary)
+    latest = ckpt.find_latest(out / "checkpoints")
+    if latest is None:
+        return Start("fresh", note="the previous attempt left no checkpoint")
+    return Start("resume", checkpoint=latest)
+
+
+@contextlib.contextmanager
+def open_run_dir(plan: Any) -> Iterator[Start]:
+    """Steps 1-3 for ``plan`` (a :class:`~flashsgd.train.plan.RunPlan`); the lock is held inside."""
+    cfg: TrainConfig = plan.config
+    out = Path(cfg.run.out)
+    with lock(out):
+        start = decide(cfg, plan.target_steps)
+        if start.kind == "fresh":
+            start = dataclasses.replace(start, moved_aside=_move_aside(out))
+        if start.kind != "complete":
+            (out / "config.toml").write_text(dumps(cfg))
+            (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2, default=str) + "\n")
+        yield start

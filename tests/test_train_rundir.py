@@ -1,0 +1,98 @@
+"""The run directory: resume only with the same settings, never mix runs, one run at a time,
+checks before any process starts, one-line errors (flashsgd.train.rundir, flashsgd.train.cli)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flashsgd.cli import main
+from flashsgd.train import rundir
+
+TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--progress", "false",
+        "--workers", "2", "--comm", "ring"]
+
+
+def _train(out, *extra):
+    return main(["train", *TINY, "--out", str(out), *extra])
+
+
+def _snapshot(out: Path) -> dict[str, float]:
+    return {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*") if p.name != ".lock"}
+
+
+def test_rerun_resumes_only_with_the_same_settings(tmp_path, capfd):
+    out = tmp_path / "run"
+    assert _train(out) == 0
+    config = (out / "config.toml").read_text()
+    before = _snapshot(out)
+    capfd.readouterr()
+    # other settings: refused before any work, naming the key, old -> new, and the ways out
+    assert _train(out, "--lr-per-ref", "0.5", "--workers", "3") == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "optim.lr_per_ref: None -> 0.5" in err[0] and "run.workers: 2 -> 3" in err[0]
+    assert "--out NEW" in err[0] and "--resume never" in err[0]
+    assert (out / "config.toml").read_text() == config and _snapshot(out) == before
+    # same settings (a neutral key changed): already complete, nothing rewritten
+    assert _train(out, "--eval-every", "2") == 0
+    printed = capfd.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert f"already complete at step 14, test accuracy {summary['final_test_accuracy']:.2f}%" in printed
+    assert _snapshot(out) == before
+
+
+def test_resume_never_moves_the_old_run_aside(tmp_path, capfd):
+    out = tmp_path / "run"
+    assert _train(out, "--max-steps", "9") == 0
+    old_summary = json.loads((out / "summary.json").read_text())
+    capfd.readouterr()
+    assert _train(out, "--resume", "never", "--max-steps", "4", "--seed", "7") == 0
+    assert "moved to" in capfd.readouterr().out
+    asides = list(tmp_path.glob("run.prev-*"))
+    assert len(asides) == 1
+    assert json.loads((asides[0] / "summary.json").read_text()) == old_summary
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "step"] == [0, 1, 2, 3]   # only this run
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["final_test_accuracy"] is not None  # evaluated at the stop
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step-00000004" and (out / "checkpoints" / latest / "shared.pt").is_file()
+
+
+def test_a_second_run_on_a_locked_directory_stops_at_once(tmp_path, capfd):
+    out = tmp_path / "run"
+    with rundir.lock(out):
+        assert _train(out) == 2
+    err = capfd.readouterr().err
+    assert "is in use by pid" in err and "choose another --out" in err
+    assert not (out / "config.toml").exists()
+    with rundir.lock(out):  # released: a stale holder is no obstacle
+        pass
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--grid", "3x3"], "comm.grid: grid 3x3 has 9 ranks but the world size is 2"),
+    (["--grid", "banana"], "comm.grid: grid must look like 'XxY'"),
+    (["--global-batch", "1"], "every worker needs >= 1 sample per step"),
+    (["--resume", "/nonexistent"], "run.resume: '/nonexistent' is not a checkpoint directory"),
+    (["--timeout-s", "nan"], "'run.timeout_s': expected a finite number"),
+])
+def test_bad_input_is_one_line_before_any_process(tmp_path, capfd, flags, needle):
+    out = tmp_path / "run"
+    assert _train(out, *flags) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_failed_run_is_one_line_per_rank_and_a_log(tmp_path, capfd):
+    out = tmp_path / "run"
+    assert _train(out, "--fail-at", "1:2:exit", "--timeout-s", "10") == 1
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) <= 4, err
+    assert "rank 1" in err[0] and "error.log" in err[-1]
+    assert "Traceback" not in "\n".join(err)
+    assert (out / "error.log").is_file()
