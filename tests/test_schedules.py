@@ -99,7 +99,8 @@ def test_bad_schedule_names_the_parameter(kwargs, name):
     (((0, 256), (3, 512), (3, 1024)), "strictly increase"),
     (((0, 256), (3, 512), (2, 1024)), "strictly increase"),
     (((0, 512), (3, 256)), "must not decrease"),
-    (((0, 0),), "> 0"),
+    (((0, 0),), ">= 1"),
+    (((0, 256.0),), "batch at epoch 0 must be an integer"),
 ])
 def test_bad_batch_table(rows, match):
     with pytest.raises(ValueError, match=match):

@@ -1,6 +1,6 @@
 """`flashsgd bench recipe`: does the large-batch recipe close the accuracy gap? (MNIST-1D proxy)
 
-The Evidence experiment of issue 4 (REFERENCES.md "Small-scale proxy"): the small 1D CNN
+The small-scale proxy of ../shared/REFERENCES.md ("Small-scale proxy"): the small 1D CNN
 (:class:`~flashsgd.train.mnist1d.MNIST1DCNN`) on MNIST-1D (32,000 train / 8,000 test), single
 process, the same number of epochs at every batch size:
 
@@ -8,8 +8,8 @@ process, the same number of epochs at every batch size:
 2. For each large batch B (default 4096 and 8192), three variants:
    (a) ``sgd``: the baseline recipe with the LR linearly scaled to B;
    (b) ``sgd+warmup``: (a) plus gradual warmup;
-   (c) ``full``: the tuned fujitsu-style recipe (LARS, warmup, poly decay, no decay/adaptation on
-       bias and BN, BN momentum 0.3, label smoothing 0 here) - see :data:`FULL` for every number;
+   (c) ``full``: the registered ``fujitsu-mnist1d`` recipe (LARS, warmup, linear decay, no
+       decay/adaptation on bias and BN, BN momentum 0.3, no label smoothing) - see :data:`FULL`;
    (d) ``full+bsc``: (c) plus batch-size control (Sony) growing to B - see :data:`FULL_BSC`.
 3. Each run is repeated over ``--seeds`` (model init + shuffling); the table reports the mean and
    min..max test accuracy, the gap to the baseline, steps and seconds; a PNG plots the test
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from flashsgd.optim.recipes import Recipe, prepare
+from flashsgd.optim import RECIPES, Recipe, prepare
 from flashsgd.train.mnist1d import MNIST1DCNN, load_mnist1d
 
 HELP = "MNIST-1D accuracy at batch 128 vs large batches: plain SGD, + warmup, full recipe"
@@ -42,18 +42,14 @@ HELP = "MNIST-1D accuracy at batch 128 vs large batches: plain SGD, + warmup, fu
 BASE_BATCH = 128
 
 # The baseline recipe: momentum SGD, LR 0.1 per 256 (Goyal's rule), decayed with poly power 2 to 0.
-BASE = Recipe(name="base", optimizer="sgd", lr_per_256=0.1, momentum=0.9, nesterov=False,
+BASE = Recipe(name="base", optimizer="sgd", lr_per_ref=0.1, momentum=0.9, nesterov=False,
               weight_decay=5e-4, exclude_bias_and_norm=False, epochs=15.0, warmup_epochs=0.0,
               decay="poly", power=2.0, source="bench baseline (ours)")
 # (b): plus linear warmup over the first 3 of 15 epochs from 0 (Goyal's gradual warmup).
 WARMUP = dataclasses.replace(BASE, name="base+warmup", warmup_epochs=3.0)
-# (c): the full recipe, fujitsu-style, tuned on this proxy (docs/recipe.md lists what was tried).
-# Poly power 1 (linear decay), label smoothing 0 and BN momentum 0.3: with only 60 steps at 8192
-# the run under-fits (smoothing only costs accuracy) and momentum-0.1 BN statistics lag the weights.
-FULL = Recipe(name="full", optimizer="lars", lr_per_256=0.1, momentum=0.9, nesterov=True,
-              weight_decay=5e-4, exclude_bias_and_norm=True, epochs=15.0, warmup_epochs=3.0,
-              decay="poly", power=1.0, label_smoothing=0.0, trust_coefficient=0.02, bn_momentum=0.3,
-              source="fujitsu recipe structure, eta/LR/warmup/power/BN momentum tuned on MNIST-1D (ours)")
+# (c): the full recipe, fujitsu-style, tuned on this proxy: the registered ``fujitsu-mnist1d``
+# (every value and where it comes from: flashsgd.optim.recipes; what was tried: docs/recipe.md).
+FULL = dataclasses.replace(RECIPES["fujitsu-mnist1d"], name="full")
 # (d): (c) plus Sony's batch-size control: 1/8 of the batch for 3 epochs, 1/2 for 3, then all of it
 # (the final batch is B; fewer samples per step early on, so more steps than (c)).
 FULL_BSC = dataclasses.replace(FULL, name="full+bsc", batch_fractions=((0, 0.125), (3, 0.5), (6, 1.0)))
@@ -112,10 +108,9 @@ def train_once(data, recipe: Recipe, global_batch: int, epochs: int, seed: int,
                channels: int = 32) -> dict:
     """Train the CNN with ``recipe`` at ``global_batch`` for ``epochs``; test accuracy per epoch."""
     x, y, xt, yt = data
-    recipe = recipe.for_epochs(epochs)
     torch.manual_seed(seed)
     model = MNIST1DCNN(channels=channels)
-    plan = prepare(recipe, model, global_batch, num_samples=len(x))
+    plan = prepare(recipe, model, global_batch, num_samples=len(x), epochs=epochs)
     gen = torch.Generator().manual_seed(seed + 1000)
     step, accs, t0, last_loss = 0, [], time.perf_counter(), float("nan")
     for epoch in range(plan.epochs):

@@ -11,8 +11,9 @@ in training is::
 
     lr(t) = scaled_lr(lr_per_ref, batch_at(t)) * warmup(t) * decay(t)
 
-1. Linear scaling (Goyal): ``lr = lr_per_ref * global_batch / ref_batch`` (LR per 256 samples in,
-   effective LR out). With batch-size control the scaled LR follows the current batch.
+1. Linear scaling (Goyal): ``lr = lr_per_ref * global_batch / ref_batch`` (LR per ``ref_batch``
+   samples in, 256 by default; effective LR out). With batch-size control the scaled LR follows
+   the current batch.
 2. Gradual warmup over ``warmup_epochs``: the factor grows linearly (per step, via the fractional
    epoch) from ``warmup_start_factor`` to 1. ``warmup_start_factor=None`` is Goyal's rule: start
    at the reference-batch LR, i.e. factor ``ref_batch / global_batch``.
@@ -34,12 +35,31 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 DecayKind = Literal["none", "step", "poly", "cosine"]
+
+
+def as_int(name: str, value: object, minimum: int = 1) -> int:
+    """``value`` as a plain int (any integral number: ``int``, ``numpy.int64``, a 0-d integer tensor).
+
+    ``operator.index`` accepts exactly the integral types (floats such as ``512.0`` are refused,
+    never truncated); ``bool`` is refused too. Raises ``ValueError`` naming ``name``.
+    """
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r} "
+                         f"({type(value).__name__})") from None
+    if n < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {n!r}")
+    return n
 
 
 def scaled_lr(lr_per_ref: float, global_batch: int, ref_batch: int = 256) -> float:
@@ -50,12 +70,9 @@ def scaled_lr(lr_per_ref: float, global_batch: int, ref_batch: int = 256) -> flo
         >>> scaled_lr(0.1, 8192)  # Goyal et al.: 0.1 per 256 -> 3.2 at 8k
         3.2
     """
-    if not lr_per_ref >= 0.0:
-        raise ValueError(f"lr_per_ref must be >= 0, got {lr_per_ref!r}")
-    if not (isinstance(global_batch, int) and global_batch > 0):
-        raise ValueError(f"global_batch must be a positive int, got {global_batch!r}")
-    if not (isinstance(ref_batch, int) and ref_batch > 0):
-        raise ValueError(f"ref_batch must be a positive int, got {ref_batch!r}")
+    if not (math.isfinite(lr_per_ref) and lr_per_ref >= 0.0):
+        raise ValueError(f"lr_per_ref must be a finite number >= 0, got {lr_per_ref!r}")
+    global_batch, ref_batch = as_int("global_batch", global_batch), as_int("ref_batch", ref_batch)
     return lr_per_ref * global_batch / ref_batch
 
 
@@ -72,7 +89,7 @@ class BatchTable:
     """(start epoch, global batch) rows, sorted by epoch."""
 
     def __post_init__(self) -> None:
-        rows = tuple((int(e), int(b)) for e, b in self.rows)
+        rows = tuple((int(e), as_int(f"batch table (rows) batch at epoch {e}", b)) for e, b in self.rows)
         object.__setattr__(self, "rows", rows)
         if not rows:
             raise ValueError("batch table (rows) must not be empty; e.g. rows=((0, 4096),)")
@@ -83,9 +100,6 @@ class BatchTable:
                 raise ValueError(f"batch table (rows) epochs must strictly increase, got {e0} then {e1}")
             if b1 < b0:
                 raise ValueError(f"batch table (rows) batches must not decrease, got {b0} then {b1}")
-        for e, b in rows:
-            if b <= 0:
-                raise ValueError(f"batch table (rows) batch must be > 0, got {b} at epoch {e}")
 
     @classmethod
     def constant(cls, global_batch: int) -> "BatchTable":
@@ -95,6 +109,7 @@ class BatchTable:
     @classmethod
     def scaled(cls, rows: tuple[tuple[int, float], ...], final_batch: int) -> "BatchTable":
         """A table given as fractions of ``final_batch`` (rounded, at least 1)."""
+        final_batch = as_int("final_batch", final_batch)
         return cls(tuple((e, max(1, round(f * final_batch))) for e, f in rows))
 
     @property
@@ -112,10 +127,7 @@ def batch_at(epoch: float, table: BatchTable) -> int:
 
 def steps_per_epoch(num_samples: int, global_batch: int, drop_last: bool = False) -> int:
     """Optimizer steps in one pass over ``num_samples`` samples at ``global_batch``."""
-    if num_samples <= 0:
-        raise ValueError(f"num_samples must be > 0, got {num_samples!r}")
-    if global_batch <= 0:
-        raise ValueError(f"global_batch must be > 0, got {global_batch!r}")
+    num_samples, global_batch = as_int("num_samples", num_samples), as_int("global_batch", global_batch)
     n = num_samples // global_batch if drop_last else -(-num_samples // global_batch)
     if n == 0:
         raise ValueError(f"global_batch {global_batch} > num_samples {num_samples} with drop_last")
@@ -124,8 +136,7 @@ def steps_per_epoch(num_samples: int, global_batch: int, drop_last: bool = False
 
 def epoch_at_step(step: int, table: BatchTable, num_samples: int, drop_last: bool = False) -> float:
     """Fractional epoch at the start of global step ``step`` (0-based) under ``table``."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step!r}")
+    step = as_int("step", step, minimum=0)
     epoch = 0
     while True:
         n = steps_per_epoch(num_samples, batch_at(epoch, table), drop_last)
@@ -142,7 +153,7 @@ class Schedule:
     lr_per_ref: float = 0.1
     """LR per ``ref_batch`` samples (Goyal: 0.1 per 256)."""
     ref_batch: int = 256
-    """Reference batch of the linear scaling rule."""
+    """Reference batch of the linear scaling rule (Goyal et al.: 256)."""
     epochs: float = 90.0
     """Total training length; decays end here."""
     warmup_epochs: float = 0.0
@@ -161,12 +172,11 @@ class Schedule:
     """Poly/cosine end value as a fraction of the peak, in [0, 1)."""
 
     def __post_init__(self) -> None:
-        if not self.lr_per_ref >= 0.0:
-            raise ValueError(f"lr_per_ref must be >= 0, got {self.lr_per_ref!r}")
-        if not (isinstance(self.ref_batch, int) and self.ref_batch > 0):
-            raise ValueError(f"ref_batch must be a positive int, got {self.ref_batch!r}")
-        if not self.epochs > 0:
-            raise ValueError(f"epochs must be > 0, got {self.epochs!r}")
+        if not (math.isfinite(self.lr_per_ref) and self.lr_per_ref >= 0.0):
+            raise ValueError(f"lr_per_ref must be a finite number >= 0, got {self.lr_per_ref!r}")
+        object.__setattr__(self, "ref_batch", as_int("ref_batch", self.ref_batch))
+        if not (math.isfinite(self.epochs) and self.epochs > 0):
+            raise ValueError(f"epochs must be a finite number > 0, got {self.epochs!r}")
         if not 0.0 <= self.warmup_epochs <= self.epochs:
             raise ValueError(f"warmup_epochs must be in [0, epochs={self.epochs}], got {self.warmup_epochs!r}")
         if self.warmup_start_factor is not None and not 0.0 <= self.warmup_start_factor <= 1.0:

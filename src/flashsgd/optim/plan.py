@@ -1,0 +1,265 @@
+"""From a recipe to a training plan: optimizer, LR schedule, batch table, loss and model tweaks.
+
+Papers: Goyal et al. 2017 (arXiv 1706.02677: linear scaling, warmup, zero-gamma of the last BN of
+each residual block), Mikami et al. 2018 (arXiv 1811.05233: batch-size control), You et al. 2017
+(LARS). A :class:`~flashsgd.optim.recipes.Recipe` holds batch-size-independent values; everything
+that depends on the global batch, the dataset size and the run length is derived here, in
+:func:`prepare`:
+
+0. The run length: ``epochs`` given -> the recipe rescaled with ``Recipe.for_epochs``.
+1. :func:`apply_model_tweaks` (only with ``model_tweaks=True``, the default) - BatchNorm
+   running-statistics momentum and zero-gamma of residual blocks' last BN; what it changed is
+   recorded in ``Plan.model_tweaks`` and printed by :meth:`Plan.describe`.
+2. :func:`build_optimizer` - parameter groups (no decay / no LARS adaptation for bias and norm
+   parameters), then SGD (Nesterov) or :class:`~flashsgd.optim.lars.LARS`, LR set for step 0.
+3. :func:`build_schedule` + :func:`build_batch_table` - the LR schedule and the batch-size table.
+4. :func:`build_loss` - ``torch.nn.CrossEntropyLoss(label_smoothing=...)`` (torch's, not ours).
+
+A plan is stepped by global step; it warns (:class:`PlanWarning`) when stepped past its
+:meth:`Plan.total_steps` and :meth:`Plan.check_loader` compares a loader's length with the plan's
+steps per epoch, so that a ``drop_last`` mismatch cannot silently stop the LR short of its end.
+
+Example (what a trainer does)::
+
+    recipe = RECIPES["fujitsu"]                                 # presets are for 90 epochs
+    plan = prepare(recipe, model, global_batch=4096, num_samples=len(train_set), epochs=15)
+    print(plan.describe())                                      # batch, LR, warmup, decay, tweaks
+    step = 0
+    for epoch in range(plan.epochs):
+        loader = make_loader(plan.batch_at(epoch), drop_last=plan.drop_last)  # batch-size control
+        plan.check_loader(loader, epoch)                        # same number of steps as planned
+        for x, y in loader:
+            plan.set_lr(step)                                   # pure function of the global step
+            loss = plan.loss_fn(model(x), y)
+            plan.optimizer.zero_grad(); loss.backward(); plan.optimizer.step(); step += 1
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sized
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from flashsgd.optim.lars import LARS, param_groups
+from flashsgd.optim.recipes import PRESET_EPOCHS, Recipe
+from flashsgd.optim.schedules import (BatchTable, Schedule, as_int, batch_at, epoch_at_step, lr_at,
+                                      steps_per_epoch)
+
+
+class PlanWarning(UserWarning):
+    """A plan and the loop that runs it disagree (run length, steps per epoch)."""
+
+
+def build_batch_table(recipe: Recipe, global_batch: int) -> BatchTable:
+    """Step 3: the batch-size table, ``global_batch`` (any integral number) being the final batch."""
+    global_batch = as_int("global_batch", global_batch)
+    return BatchTable(tuple((int(e), max(1, int(round(f * global_batch))))
+                            for e, f in recipe.batch_fractions))
+
+
+def build_schedule(recipe: Recipe) -> Schedule:
+    """Step 3: the LR schedule."""
+    return recipe.schedule()
+
+
+def build_loss(recipe: Recipe) -> nn.CrossEntropyLoss:
+    """Step 4: cross-entropy with the recipe's label smoothing (torch's implementation)."""
+    return nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
+
+
+def _last_bn_of_residual_blocks(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    """The last BN of each residual block: a ``last_bn`` attribute (flashsgd models set it), or
+    torchvision's block classes (``Bottleneck.bn3``, ``BasicBlock.bn2``)."""
+    found = []
+    for module in model.modules():
+        bn = getattr(module, "last_bn", None)
+        if bn is None:
+            bn = {"Bottleneck": getattr(module, "bn3", None),
+                  "BasicBlock": getattr(module, "bn2", None)}.get(type(module).__name__)
+        if isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.weight is not None:
+            found.append(bn)
+    return found
+
+
+def apply_model_tweaks(recipe: Recipe, model: nn.Module) -> list[str]:
+    """Step 1: the recipe's BatchNorm tweaks, in place; returns one line per change made.
+
+    1. ``bn_momentum`` (if set): written into every BatchNorm's running-statistics ``momentum``.
+    2. ``zero_init_last_bn``: zero the gamma of each residual block's last BN (Goyal et al. sec.
+       5.1), found by :func:`_last_bn_of_residual_blocks`.
+
+    Example::
+
+        >>> apply_model_tweaks(RECIPES["fujitsu-mnist1d"], MNIST1DCNN())  # doctest: +SKIP
+        ['bn_momentum=0.3 on 3 BatchNorm layers']
+    """
+    changes = []
+    # Step 1: running-statistics momentum of every BN layer
+    if recipe.bn_momentum is not None:
+        bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        for bn in bns:
+            bn.momentum = recipe.bn_momentum
+        changes.append(f"bn_momentum={recipe.bn_momentum:g} on {len(bns)} BatchNorm layers")
+    # Step 2: zero-gamma of residual blocks' last BN
+    if recipe.zero_init_last_bn:
+        last_bns = _last_bn_of_residual_blocks(model)
+        with torch.no_grad():
+            for bn in last_bns:
+                bn.weight.zero_()
+        changes.append(f"zero gamma of {len(last_bns)} last BNs"
+                       + ("" if last_bns else " (no residual block with a last BN found)"))
+    return changes
+
+
+def build_optimizer(recipe: Recipe, model: nn.Module, global_batch: int) -> torch.optim.Optimizer:
+    """Step 2: SGD or LARS over :func:`param_groups`, LR set to the schedule's value at step 0.
+
+    ``global_batch`` is the final global batch; the first row of the batch table sets the LR.
+    """
+    groups = param_groups(model, recipe.weight_decay, recipe.exclude_bias_and_norm)
+    table = build_batch_table(recipe, global_batch)
+    lr0 = lr_at(0.0, recipe.schedule(), table)
+    if recipe.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr0, momentum=recipe.momentum, nesterov=recipe.nesterov,
+                               weight_decay=recipe.weight_decay)
+    return LARS(groups, lr=lr0, momentum=recipe.momentum, weight_decay=recipe.weight_decay,
+                trust_coefficient=recipe.trust_coefficient, eps=recipe.lars_eps,
+                nesterov=recipe.nesterov, clip=recipe.lars_clip)
+
+
+@dataclass
+class Plan:
+    """Everything a trainer needs from a recipe at one global batch, dataset size and run length."""
+
+    recipe: Recipe
+    """The recipe as run (rescaled to the run's epochs)."""
+    optimizer: torch.optim.Optimizer
+    schedule: Schedule
+    table: BatchTable
+    loss_fn: nn.CrossEntropyLoss
+    num_samples: int
+    """Training samples per epoch (sets steps per epoch at each batch size)."""
+    drop_last: bool = False
+    """Whether the loader drops the last partial batch of an epoch (build it with this value)."""
+    model_tweaks: list[str] = field(default_factory=list)
+    """What :func:`prepare` changed in the model, one line per change (empty: nothing)."""
+    _warned_past_end: bool = field(default=False, init=False, repr=False, compare=False)
+
+    @property
+    def epochs(self) -> int:
+        """Whole epochs to run (the schedule's length rounded up)."""
+        return int(math.ceil(self.schedule.epochs))
+
+    def batch_at(self, epoch: int) -> int:
+        """Global batch for ``epoch`` (batch-size control)."""
+        return batch_at(epoch, self.table)
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        """Optimizer steps the plan expects in ``epoch`` (its batch, ``num_samples``, ``drop_last``)."""
+        return steps_per_epoch(self.num_samples, self.batch_at(epoch), self.drop_last)
+
+    def total_steps(self) -> int:
+        """Optimizer steps over the whole run (follows the batch table)."""
+        return sum(self.steps_in_epoch(e) for e in range(self.epochs))
+
+    def lr_at_step(self, step: int) -> float:
+        """LR at global step ``step`` (pure; follows the batch table and the scaling rule).
+
+        Past :meth:`total_steps` the LR stays at its final value and a :class:`PlanWarning` is
+        given once per plan: the loop runs more steps than planned (a loader that keeps the last
+        partial batch while the plan has ``drop_last=True``, or more epochs than ``plan.epochs``).
+        """
+        lr = lr_at(epoch_at_step(step, self.table, self.num_samples, self.drop_last),
+                   self.schedule, self.table)
+        if not self._warned_past_end and step >= self.total_steps():
+            self._warned_past_end = True
+            warnings.warn(
+                f"step {step} is past the plan's end ({self.total_steps()} steps: {self.epochs} epochs "
+                f"of {self.num_samples} samples, drop_last={self.drop_last}); the LR stays at its "
+                f"final value {lr:.4g}. Does the loader keep the last partial batch while the plan "
+                f"drops it, or does the loop run more than plan.epochs?", PlanWarning, stacklevel=2)
+        return lr
+
+    def set_lr(self, step: int) -> float:
+        """Write :meth:`lr_at_step` into every parameter group; returns it."""
+        lr = self.lr_at_step(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def check_loader(self, loader: Sized | int, epoch: int = 0) -> None:
+        """Raise ``ValueError`` unless ``loader`` (its ``len``, or an int) gives the planned steps.
+
+        A loader built with another ``drop_last`` than the plan has one step more or less per
+        epoch, and the LR schedule then ends early (at a large LR) or runs past its end. For one
+        worker of several, pass that worker's loader: with per-worker batches of
+        ``batch / world`` its length equals the global number of steps.
+        """
+        n = as_int("len(loader)", len(loader) if isinstance(loader, Sized) else loader, minimum=0)
+        expected = self.steps_in_epoch(epoch)
+        if n != expected:
+            raise ValueError(
+                f"the loader gives {n} batches in epoch {epoch}, the plan expects {expected} "
+                f"({self.num_samples} samples at global batch {self.batch_at(epoch)}, "
+                f"drop_last={self.drop_last}); build the loader with drop_last={self.drop_last}, "
+                f"or the plan with prepare(..., drop_last={not self.drop_last}) if that is the "
+                f"loader's setting")
+
+    def describe(self) -> str:
+        """One start-up line: recipe, batch table, peak LR, warmup, decay and model tweaks."""
+        r, s = self.recipe, self.schedule
+        peak = lr_at(min(s.warmup_epochs, s.epochs - 1e-9), s, self.table)  # end of warmup (or 0)
+        return (f"recipe={r.name} optimizer={r.optimizer} batches={list(self.table.rows)} "
+                f"lr_per_ref={r.lr_per_ref:g} ref_batch={r.ref_batch} peak_lr={peak:.4g} "
+                f"warmup_epochs={s.warmup_epochs:g} "
+                f"decay={s.decay} epochs={s.epochs:g} label_smoothing={r.label_smoothing:g} "
+                f"weight_decay={r.weight_decay:g} momentum={r.momentum:g} nesterov={r.nesterov}"
+                + (f" bn_momentum={r.bn_momentum:g}" if r.bn_momentum is not None else "")
+                + (f" eta={r.trust_coefficient:g} clip={r.lars_clip}" if r.optimizer == "lars" else "")
+                + f" model_tweaks=[{'; '.join(self.model_tweaks) or 'none'}]")
+
+
+def _for_run_length(recipe: Recipe, epochs: float | None) -> Recipe:
+    """Step 0: ``recipe`` over ``epochs`` (``Recipe.for_epochs``); warns when a preset's 90-epoch
+    length is used without being asked for."""
+    if epochs is None:
+        if recipe.epochs == PRESET_EPOCHS:
+            warnings.warn(
+                f"recipe {recipe.name!r} plans {PRESET_EPOCHS:g} epochs (the presets' ImageNet "
+                f"length): pass prepare(..., epochs=N) for another run length, or "
+                f"epochs={PRESET_EPOCHS:g} to silence this warning", PlanWarning, stacklevel=3)
+        return recipe
+    if not (math.isfinite(epochs) and epochs > 0):
+        raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}")
+    return recipe if epochs == recipe.epochs else recipe.for_epochs(epochs)
+
+
+def prepare(recipe: Recipe, model: nn.Module, global_batch: int, num_samples: int,
+            drop_last: bool = False, *, epochs: float | None = None,
+            model_tweaks: bool = True) -> Plan:
+    """Steps 0-4: the run length, model tweaks, optimizer, schedule, batch table and loss.
+
+    Args:
+        recipe: the hyper-parameters (e.g. ``RECIPES["fujitsu"]``).
+        model: the model to train; its BatchNorm layers are changed in place by step 1.
+        global_batch: the final (largest) global batch, any integral number (``numpy.int64`` too).
+        num_samples: training samples per epoch, any integral number.
+        drop_last: whether the loader drops the last partial batch (sets steps per epoch).
+        epochs: the run length; when it differs from ``recipe.epochs`` the recipe's warmup,
+            milestones and batch rows are rescaled (``Recipe.for_epochs``). Omitted: the recipe's
+            own length, with a :class:`PlanWarning` when that is the presets' 90 epochs.
+        model_tweaks: apply the recipe's BatchNorm tweaks (:func:`apply_model_tweaks`); False
+            leaves the model untouched. ``Plan.model_tweaks`` lists what was changed.
+    """
+    global_batch = as_int("global_batch", global_batch)
+    num_samples = as_int("num_samples", num_samples)
+    recipe = _for_run_length(recipe, epochs)  # Step 0
+    tweaks = apply_model_tweaks(recipe, model) if model_tweaks else []  # Step 1
+    return Plan(recipe=recipe, optimizer=build_optimizer(recipe, model, global_batch),
+                schedule=build_schedule(recipe), table=build_batch_table(recipe, global_batch),
+                loss_fn=build_loss(recipe), num_samples=num_samples, drop_last=drop_last,
+                model_tweaks=tweaks)
