@@ -197,3 +197,34 @@ def test_rank_failure_and_deadline_are_reported(tmp_path):
         assert subprocess.run(["ip", "netns", "pids", cluster.node_ns[1]], capture_output=True,
                               text=True).stdout.strip() == ""
     assert netns.list_namespaces(f"{netns.NAME_PREFIX}-{os.getpid()}") == []
+
+
+@needs_netns
+def test_ctrl_c_tears_down_with_one_line_and_exit_130(tmp_path):
+    # a built-in probe of 10 MB over 1 Mbit/s links takes minutes: interrupt it while the ranks run
+    # (`flashsgd bench emulate` would also import every other benchmark; only this one is under test)
+    code = ("import argparse, sys; from flashsgd.bench import emulate\n"
+            "p = argparse.ArgumentParser(); emulate.add_arguments(p)\n"
+            "sys.exit(emulate.run(p.parse_args(sys.argv[1:])))")
+    proc = subprocess.Popen([sys.executable, "-c", code, "--cluster", "2x1", "--link", "1mbit",
+                             "--sizes-mb", "10", "--timeout", "300", "--logs", str(tmp_path / "logs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    prefix = f"{netns.NAME_PREFIX}-{proc.pid}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:  # wait for node 1's ranks to run
+        names = netns.list_namespaces(prefix)
+        if f"{prefix}-n1" in names and subprocess.run(
+                ["ip", "netns", "pids", f"{prefix}-n1"], capture_output=True, text=True).stdout.strip():
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail(f"the emulated ranks never started: {proc.communicate()}")
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flashsgd bench emulate: interrupted; "), err
+    assert netns.list_namespaces(prefix) == []

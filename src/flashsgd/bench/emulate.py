@@ -5,7 +5,8 @@ namespaces joined by a bridge, with each node's link capped by ``tbf`` (see
 :mod:`flashsgd.emulate.netns`), starts ``RANKS`` ranks in each node (one process per rank, torchrun's
 environment, ``GLOO_SOCKET_IFNAME`` = the node's interface), runs the benchmark given after ``--``
 and reads rank 0's JSON on the host. It always tears the cluster down (errors, Ctrl-C, SIGTERM; a
-setup left by a crashed run is removed at the next start). Needs root and iproute2.
+setup left by a crashed run is removed at the next start; Ctrl-C ends it with one line and exit
+status 130). Needs root and iproute2.
 
 Steps:
 
@@ -13,7 +14,7 @@ Steps:
 2. Build the cluster.
 3. Run the benchmark (``python -m flashsgd bench <args> --json <tmp>``) on every rank; without a benchmark,
    run the built-in probe (all-reduce with a correctness check) as the benchmark.
-4. Probe: one all-reduce per dense algorithm at ``--probe-mb`` with the links' byte counters read
+4. Probe: one all-reduce per dense algorithm (:data:`flashsgd.comm.dense.ALLREDUCE`) at ``--probe-mb`` with the links' byte counters read
    before and after, giving the link bytes each algorithm moves per message byte.
 5. Tear down; add the physical bound 2(N-1)/N * S / B, each row's fraction of it and the per-node /
    per-link bandwidth used; print the table; write the JSON (``--json``).
@@ -21,7 +22,7 @@ Steps:
 Example::
 
     $ flashsgd bench emulate --cluster 4x2 --link 1gbit --json out.json -- \\
-          allreduce --algorithms native,ring,hierarchical,torus2d --sizes-mb 1,10,100
+          allreduce --algorithms native,ring,hierarchical,torus2d --sizes 1M,10M,100M
     $ flashsgd bench emulate --cluster 2x2 --link 200mbit          # self-check only
 """
 
@@ -37,10 +38,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from flashsgd.comm.dense import ALLREDUCE
 from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_available,
                                     emulated_cluster, parse_rate, parse_shape)
 from flashsgd.emulate.ranks import RankError, run_ranks
-from flashsgd.emulate.report import DENSE_NAMES, annotate, format_table
+from flashsgd.emulate.report import annotate, format_table
 
 HELP = "run a benchmark on an emulated cluster (network namespaces, tbf-capped links; needs root)"
 
@@ -103,7 +105,7 @@ def _measure(spec: ClusterSpec, bench: list[str], args: argparse.Namespace, work
         # Step 4: link bytes per message byte of each dense algorithm
         if not bench:
             return doc, doc, wall, run_bytes
-        present = sorted({r.get("algorithm") for r in doc.get("results", [])} & set(DENSE_NAMES))
+        present = sorted({r.get("algorithm") for r in doc.get("results", [])} & set(ALLREDUCE))
         algos = args.probe_algorithms or ",".join(present)
         probe_doc = None
         if args.probe_mb > 0 and algos:
@@ -141,6 +143,10 @@ def run(args: argparse.Namespace) -> int:
     except (RankError, ValueError) as exc:
         print(f"flashsgd bench emulate: {exc}\n(per-rank logs kept in {log_dir})", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the ranks were killed and the cluster torn down on the way out
+        print(f"flashsgd bench emulate: interrupted; emulated cluster torn down (per-rank logs kept in "
+              f"{log_dir})", file=sys.stderr)
+        return 130  # 128 + SIGINT, the shell's convention
     shutil.rmtree(work, ignore_errors=True)  # success: only --logs, if given, is kept
     # Step 5: annotate, report
     bad = [r for r in (probe_doc or {}).get("results", []) if not r.get("correct", True)]

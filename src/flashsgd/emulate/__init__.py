@@ -4,7 +4,7 @@
 - :mod:`flashsgd.emulate.ranks`: start a command as every rank, in its node's namespace.
 - :mod:`flashsgd.emulate.store`: the job's rendezvous store, hosted apart from the ranks.
 - :mod:`flashsgd.emulate.probe`: per-rank all-reduce check and per-link byte counts.
-- :mod:`flashsgd.emulate.report`: physical bound, fraction of it, link usage, plots.
+- :mod:`flashsgd.emulate.report`: physical bound, fraction of it, link usage, the table.
 
 The command is ``flashsgd bench emulate`` (:mod:`flashsgd.bench.emulate`).
 """

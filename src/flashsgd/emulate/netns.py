@@ -42,6 +42,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -119,7 +120,7 @@ class ClusterSpec:
 
 
 @dataclass
-class Cluster:
+class EmulatedCluster:
     """A built emulated cluster: namespace names and addresses, node i at index i."""
 
     spec: ClusterSpec
@@ -217,7 +218,7 @@ def clean_stale() -> list[str]:
     return removed
 
 
-def build(spec: ClusterSpec, prefix: str | None = None) -> Cluster:
+def build(spec: ClusterSpec, prefix: str | None = None) -> EmulatedCluster:
     """Create the namespaces, bridge, veths, addresses and tbf shaping of ``spec`` (see module doc).
 
     On any failure the partial setup is torn down before the error propagates.
@@ -229,7 +230,7 @@ def build(spec: ClusterSpec, prefix: str | None = None) -> Cluster:
     if list_namespaces(prefix):
         raise RuntimeError(f"an emulated cluster named {prefix!r} already exists; tear it down first")
     net = ipaddress.ip_network(spec.subnet)
-    cluster = Cluster(spec, prefix, switch_ns=f"{prefix}-br")
+    cluster = EmulatedCluster(spec, prefix, switch_ns=f"{prefix}-br")
     rate = f"{spec.rate_bps}bit"
     shape = ["tbf", "rate", rate, "burst", str(spec.burst_bytes), "latency", f"{spec.latency_ms:g}ms"]
     try:
@@ -255,17 +256,19 @@ def build(spec: ClusterSpec, prefix: str | None = None) -> Cluster:
             _run(["tc", "-n", ns, "qdisc", "add", "dev", NODE_IFNAME, "root", *shape])
             _run(["tc", "-n", sw, "qdisc", "add", "dev", port, "root", *shape])
     except BaseException:
-        teardown(prefix)
+        with _interrupts_deferred():
+            teardown(prefix)
         raise
     return cluster
 
 
 @contextlib.contextmanager
-def emulated_cluster(spec: ClusterSpec, prefix: str | None = None) -> Iterator[Cluster]:
+def emulated_cluster(spec: ClusterSpec, prefix: str | None = None) -> Iterator[EmulatedCluster]:
     """Build the cluster, yield it, and ALWAYS tear it down (errors, Ctrl-C, SIGTERM, SIGHUP).
 
     SIGTERM and SIGHUP are turned into ``SystemExit`` while the cluster exists (in the main thread),
-    so ``finally`` runs instead of the process dying with the namespaces still there.
+    so ``finally`` runs instead of the process dying with the namespaces still there; Ctrl-C
+    (``KeyboardInterrupt``) unwinds the same way, and a second Ctrl-C during the teardown is ignored.
     """
     handlers = {}
     if _in_main_thread():
@@ -280,12 +283,25 @@ def emulated_cluster(spec: ClusterSpec, prefix: str | None = None) -> Iterator[C
     finally:
         try:
             if cluster is not None:
-                teardown(cluster.prefix)
+                with _interrupts_deferred():
+                    teardown(cluster.prefix)
         finally:
             for sig, old in handlers.items():
                 signal.signal(sig, old)
 
 
 def _in_main_thread() -> bool:
-    import threading
     return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Ignore SIGINT inside the block (main thread only): a teardown is never left half done."""
+    if not _in_main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from flashsgd.emulate.netns import Cluster
+from flashsgd.emulate.netns import EmulatedCluster
 
 MASTER_PORT = 29500  # a fresh namespace has every port free
 GRACE_S = 3.0
@@ -39,7 +39,7 @@ class RankError(RuntimeError):
     """A rank of the emulated job failed or timed out; the message names it and shows its log."""
 
 
-def rank_env(cluster: Cluster, rank: int, port: int = MASTER_PORT) -> dict[str, str]:
+def rank_env(cluster: EmulatedCluster, rank: int, port: int = MASTER_PORT) -> dict[str, str]:
     """Environment of ``rank`` (torchrun's variables plus the node's Gloo interface)."""
     spec = cluster.spec
     node, local = divmod(rank, spec.ranks_per_node)
@@ -79,7 +79,7 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             pass
 
 
-def run_ranks(cluster: Cluster, command: list[str], log_dir: str | Path, *,
+def run_ranks(cluster: EmulatedCluster, command: list[str], log_dir: str | Path, *,
               timeout_s: float = 600.0, port: int = MASTER_PORT,
               env: dict[str, str] | None = None) -> float:
     """Run ``command`` as every rank of ``cluster``; returns the wall time in seconds.
