@@ -32,6 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from flashsgd.comm.dense import ALLREDUCE
+from flashsgd.comm.topology import get_topology
 from flashsgd.launch import init_from_env, shutdown
 
 
@@ -49,12 +51,7 @@ def read_counters(ifname: str) -> tuple[int, int]:
 def _allreduce_fn(name: str):
     if name == "native":
         return lambda t, topo: dist.all_reduce(t)
-    try:
-        from flashsgd.comm.dense import ALLREDUCE
-    except ModuleNotFoundError:
-        raise ValueError(f"algorithm {name!r} needs flashsgd.comm.dense, which is not installed; "
-                         "valid here: native") from None
-    fn = ALLREDUCE.get(name)
+    fn = ALLREDUCE.get(name)  # ValueError listing the known names
     return lambda t, topo: fn(t, topo, op="sum")
 
 
@@ -64,7 +61,6 @@ def probe(algorithms: list[str], sizes_bytes: list[int], ifname: str, warmup: in
     rpn = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     topo = None
     if any(a != "native" for a in algorithms):
-        from flashsgd.comm.topology import get_topology
         topo = get_topology(ranks_per_node=rpn)
     counting = rank % rpn == 0  # one reader per node: the counters are per node
     expected = world * (world + 1) / 2  # sum of rank + 1 over ranks, exact in float32
@@ -112,7 +108,8 @@ def probe(algorithms: list[str], sizes_bytes: list[int], ifname: str, warmup: in
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--algorithms", default="native", help="comma-separated dense algorithm names")
+    p.add_argument("--algorithms", default="native",
+                   help=f"comma-separated, from {', '.join(ALLREDUCE.names())}")
     p.add_argument("--sizes-mb", default="8", help="comma-separated message sizes in MB (1e6 bytes)")
     p.add_argument("--ifname", default=os.environ.get("GLOO_SOCKET_IFNAME", "veth0"))
     p.add_argument("--warmup", type=int, default=1)
