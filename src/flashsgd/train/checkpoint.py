@@ -8,11 +8,23 @@ Layout of ``<out>/checkpoints``::
 
 Writing (:func:`save`), collective over the run's group:
 
-1. Every rank writes its file to ``<name>.tmp`` and renames it (``os.replace`` is atomic on POSIX):
-   a reader never sees half a file.
+1. Every rank writes its file to ``<name>.tmp<pid>`` and renames it (``os.replace`` is atomic on
+   POSIX): a reader never sees half a file.
 2. Barrier: all ranks have written.
-3. Rank 0 points ``latest`` at the new directory (temp + rename again) and deletes directories
-   beyond the newest ``keep``. A crash at any point leaves ``latest`` at a complete checkpoint.
+3. Rank 0 removes files in the new directory that are not this run's (rank files beyond this
+   world size, temp files of a killed writer), points ``latest`` at it (temp + rename again) and
+   prunes (:func:`prune`): of the checkpoints at or below this step it keeps the newest ``keep``;
+   checkpoints above this step are left alone (they are not this run's: an older run in the same
+   directory), so ``latest`` never names a deleted directory. A crash at any point leaves
+   ``latest`` at a complete checkpoint.
+
+Resuming (:func:`resume_point`): ``latest`` must name a checkpoint directory (an empty or invalid
+``latest`` is an error that says so, and names the newest intact checkpoint). When the checkpoint
+it names is damaged (a file missing, truncated or not a checkpoint), the run falls back to the
+newest older intact checkpoint and says so in a note for the caller to print: every checkpoint
+continues the run exactly, so the only cost is the steps between the two. The decision reads
+only the files, so every rank (or the launcher, once) reaches the same one. An explicitly named
+damaged checkpoint (:func:`load`) is an error that offers the newest older intact one.
 
 The replicated state (model, optimizer) is written once, by rank 0; the per-rank state is small.
 Multi-node runs need ``out`` on storage every node sees (or at least each node's ranks' files).
@@ -20,14 +32,17 @@ Multi-node runs need ``out`` on storage every node sees (or at least each node's
 Example::
 
     >>> save(ckpt_dir, step, shared={"model": ...}, local={"rng": rng_state()}, keep=2)  # doctest: +SKIP
-    >>> shared, local = load(find_latest(ckpt_dir), rank, world_size)                    # doctest: +SKIP
+    >>> target, note = resume_point(ckpt_dir)                                            # doctest: +SKIP
+    >>> shared, local = load(target, rank, world_size)                                   # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +51,15 @@ import torch
 import torch.distributed as dist
 
 FORMAT = 1
+STEP_DIR = re.compile(r"step-(\d{8,})")  # f"step-{step:08d}"
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or does not match this run."""
+
+
+class _Damaged(CheckpointError):
+    """A checkpoint file is missing, unreadable or not a flashsgd checkpoint (not a mismatch)."""
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -71,9 +91,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))
 
 
+def _check_keep(keep: int) -> None:
+    if not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an integer >= 1 (the checkpoint just written stays), "
+                         f"got {keep!r}")
+
+
 def save(ckpt_dir: str | Path, step: int, shared: dict[str, Any] | None, local: dict[str, Any],
          keep: int = 2, group: Any = None) -> Path:
-    """Steps 1-3 (collective): write this rank's part; rank 0 also ``shared`` and ``latest``."""
+    """Steps 1-3 (collective): write this rank's part; rank 0 also ``shared`` and ``latest``.
+
+    ``keep`` (>= 1): checkpoints at or below ``step`` kept, this one included (:func:`prune`).
+    """
+    _check_keep(keep)
     rank, world = dist.get_rank(), dist.get_world_size()
     root = Path(ckpt_dir)
     target = root / f"step-{step:08d}"
@@ -89,51 +119,179 @@ def save(ckpt_dir: str | Path, step: int, shared: dict[str, Any] | None, local: 
     dist.barrier(group=group)
     # Step 3
     if rank == 0:
+        _remove_strays(target, world)
         _atomic_text(target.name + "\n", root / "latest")
-        done = sorted(p for p in root.glob("step-*") if p.is_dir())
-        for old in done[:-max(1, keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(root, step, keep)
     return target
+
+
+def _remove_strays(target: Path, world_size: int) -> None:
+    """Files in ``target`` that this run did not write: another world size's rank files (an older
+    run's checkpoint of the same step), temp files of a writer killed before its rename."""
+    for path in target.iterdir():
+        rank_file = re.fullmatch(r"rank-(\d+)\.pt", path.name)
+        if ".tmp" in path.name or (rank_file and int(rank_file.group(1)) >= world_size):
+            path.unlink(missing_ok=True)
+
+
+def step_dirs(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(step, directory)`` of every ``step-NNNNNNNN`` directory, by step."""
+    found = []
+    for path in Path(ckpt_dir).glob("step-*"):
+        match = STEP_DIR.fullmatch(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def prune(ckpt_dir: str | Path, step: int, keep: int) -> list[Path]:
+    """Delete the checkpoints at or below ``step`` beyond the newest ``keep`` (>= 1); return them.
+
+    Checkpoints above ``step`` are never touched: they are not this run's, and ``step`` itself
+    (the one ``latest`` names) is always among those kept.
+    """
+    _check_keep(keep)
+    mine = [path for s, path in step_dirs(ckpt_dir) if s <= step]
+    old = mine[:-keep]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
+
+
+def _read_pointer(ckpt_dir: Path) -> Path | None:
+    """The directory ``latest`` names; None when there is no ``latest`` (no checkpoint yet)."""
+    pointer = ckpt_dir / "latest"
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if not name:
+        raise CheckpointError(f"{pointer} is empty; it should name the newest checkpoint "
+                              f"directory (step-NNNNNNNN){_intact_hint(ckpt_dir, None)}")
+    target = ckpt_dir / name
+    if not STEP_DIR.fullmatch(name):
+        problem = "which is not a checkpoint name (step-NNNNNNNN)"
+    elif not target.is_dir():
+        problem = "which does not exist"
+    elif not (target / "shared.pt").is_file():
+        problem = "which is not a checkpoint (no shared.pt)"
+    else:
+        return target
+    raise CheckpointError(f"{pointer} names {name!r}, {problem}{_intact_hint(ckpt_dir, None)}")
 
 
 def find_latest(ckpt_dir: str | Path) -> Path | None:
-    """The directory ``latest`` points at, or None when there is no checkpoint yet."""
-    pointer = Path(ckpt_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    target = Path(ckpt_dir) / pointer.read_text().strip()
-    if not target.is_dir():
-        raise CheckpointError(f"{pointer} points at {target.name!r}, which does not exist")
-    return target
+    """The directory ``latest`` names, or None when there is no checkpoint yet.
+
+    Raises:
+        CheckpointError: ``latest`` is empty, or names something that is not a checkpoint
+            directory; the message names the newest intact checkpoint, if there is one.
+    """
+    return _read_pointer(Path(ckpt_dir))
 
 
 def _load(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} is missing")
+        raise _Damaged(f"checkpoint file {path} is missing")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
-        raise CheckpointError(f"checkpoint file {path} is corrupt or not a flashsgd checkpoint "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+        reason = (str(exc).splitlines() or [""])[0][:200]  # an empty file gives an empty message
+        detail = f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
+        raise _Damaged(f"checkpoint file {path} is corrupt or not a flashsgd checkpoint "
+                       f"({detail})") from None
     if not isinstance(obj, dict) or obj.get("meta", {}).get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint file {path} is not a flashsgd checkpoint of format {FORMAT}")
+        raise _Damaged(f"checkpoint file {path} is not a flashsgd checkpoint of format {FORMAT}")
     return obj
 
 
+def damage(target: str | Path) -> str | None:
+    """What is wrong with the files of checkpoint directory ``target``, or None when it is intact.
+
+    ``shared.pt`` is loaded in full; each rank file (one per rank of the world that wrote it) must
+    exist and have a readable zip directory (``torch.save``'s format; a truncated or overwritten
+    file has none), which reads only the end of each file.
+    """
+    target = Path(target)
+    try:
+        world = _load(target / "shared.pt")["meta"]["world_size"]
+    except _Damaged as exc:
+        return str(exc)
+    for r in range(world):
+        path = target / f"rank-{r:05d}.pt"
+        if not path.is_file():
+            return f"checkpoint file {path} is missing"
+        try:
+            with zipfile.ZipFile(path) as archive:
+                archive.namelist()
+        except (zipfile.BadZipFile, OSError) as exc:
+            return f"checkpoint file {path} is corrupt ({exc})"
+    return None
+
+
+def _newest_intact(ckpt_dir: Path, below: int | None) -> Path | None:
+    """The newest intact checkpoint (below step ``below``, when given)."""
+    for s, path in reversed(step_dirs(ckpt_dir)):
+        if (below is None or s < below) and damage(path) is None:
+            return path
+    return None
+
+
+def _intact_hint(ckpt_dir: Path, below: int | None) -> str:
+    older = _newest_intact(ckpt_dir, below)
+    return (f"; the newest intact checkpoint{' before it' if below is not None else ''} is "
+            f"{older}: resume from it explicitly, or start over in a new directory" if older else "")
+
+
+def resume_point(ckpt_dir: str | Path) -> tuple[Path | None, str | None]:
+    """The checkpoint to resume from and, when it is not the one ``latest`` names, why.
+
+    Returns ``(None, None)`` when there is no checkpoint yet; ``(latest, None)`` when the
+    checkpoint ``latest`` names is intact; ``(older, note)`` when it is damaged and an older one
+    is intact, ``note`` being one line for the caller to print ("... is corrupt ...; resuming from
+    the older intact checkpoint step-00000016 instead").
+
+    Raises:
+        CheckpointError: ``latest`` is empty or invalid, or it names a damaged checkpoint and no
+            older one is intact.
+    """
+    root = Path(ckpt_dir)
+    target = _read_pointer(root)
+    if target is None:
+        return None, None
+    problem = damage(target)
+    if problem is None:
+        return target, None
+    older = _newest_intact(root, int(STEP_DIR.fullmatch(target.name).group(1)))
+    if older is None:
+        raise CheckpointError(f"{problem}; no older intact checkpoint in {root}")
+    return older, f"{problem}; resuming from the older intact checkpoint {older.name} instead"
+
+
 def load(target: str | Path, rank: int, world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(shared, this rank's local state) of the checkpoint directory ``target``."""
+    """(shared, this rank's local state) of the checkpoint directory ``target``.
+
+    Raises:
+        CheckpointError: a file is missing or corrupt (the message offers the newest older intact
+            checkpoint of the same directory), or the checkpoint is from another world size.
+    """
     target = Path(target)
     if not target.is_dir():
         raise CheckpointError(f"checkpoint {target} is not a directory")
-    shared = _load(target / "shared.pt")
-    if shared["meta"]["world_size"] != world_size:
-        raise CheckpointError(f"checkpoint {target} was written by {shared['meta']['world_size']} "
-                              f"workers, this run has {world_size}; per-worker state (hook "
-                              "residuals, sampler shards) cannot be remapped")
-    local = _load(target / f"rank-{rank:05d}.pt")
-    if local["meta"]["step"] != shared["meta"]["step"]:
-        raise CheckpointError(f"checkpoint {target}: rank {rank}'s file is from step "
-                              f"{local['meta']['step']}, shared.pt from {shared['meta']['step']}")
+    step = STEP_DIR.fullmatch(target.name)
+    try:
+        shared = _load(target / "shared.pt")
+        if shared["meta"]["world_size"] != world_size:
+            raise CheckpointError(
+                f"checkpoint {target} was written by {shared['meta']['world_size']} workers, this "
+                f"run has {world_size}; per-worker state (hook residuals, sampler shards) cannot "
+                "be remapped")
+        local = _load(target / f"rank-{rank:05d}.pt")
+        if local["meta"]["step"] != shared["meta"]["step"]:
+            raise _Damaged(f"checkpoint {target}: rank {rank}'s file is from step "
+                           f"{local['meta']['step']}, shared.pt from {shared['meta']['step']}")
+    except _Damaged as exc:
+        hint = _intact_hint(target.parent, int(step.group(1))) if step else ""
+        raise CheckpointError(f"{exc}{hint}") from None
     return shared, local
 
 

@@ -1,0 +1,122 @@
+"""flashsgd.train.checkpoint: the ``latest`` pointer, damaged checkpoints, pruning among runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashsgd.train import checkpoint as ckpt
+
+
+def _write(root: Path, step: int, world: int) -> Path:
+    """A checkpoint as :func:`ckpt.save` lays it out, written without a process group."""
+    target = root / f"step-{step:08d}"
+    target.mkdir(parents=True)
+    meta = {"format": ckpt.FORMAT, "step": step, "world_size": world}
+    torch.save({"meta": meta, "model": {"w": torch.full((3,), float(step))}}, target / "shared.pt")
+    for r in range(world):
+        torch.save({"meta": meta, "rank": r}, target / f"rank-{r:05d}.pt")
+    return target
+
+
+def _point(root: Path, text: str) -> None:
+    (root / "latest").write_text(text)
+
+
+def test_empty_or_invalid_latest_says_so_and_names_the_intact_one(tmp_path):
+    assert ckpt.find_latest(tmp_path) is None and ckpt.resume_point(tmp_path) == (None, None)
+    intact = _write(tmp_path, 4, world=2)
+    cases = {"": "latest is empty; it should name the newest checkpoint directory",
+             "\n": "latest is empty",
+             "banana": "names 'banana', which is not a checkpoint name",
+             "../step-00000004": "which is not a checkpoint name",
+             "step-00000009": "names 'step-00000009', which does not exist"}
+    (tmp_path / "step-00000007").mkdir()
+    cases["step-00000007"] = "names 'step-00000007', which is not a checkpoint (no shared.pt)"
+    for text, expected in cases.items():
+        _point(tmp_path, text)
+        for find in (ckpt.find_latest, ckpt.resume_point):
+            with pytest.raises(ckpt.CheckpointError) as err:
+                find(tmp_path)
+            assert expected in str(err.value), (text, str(err.value))
+            assert f"the newest intact checkpoint is {intact}" in str(err.value)
+
+
+def test_damaged_latest_falls_back_to_the_older_intact_one_with_a_note(tmp_path):
+    old, new = _write(tmp_path, 4, world=2), _write(tmp_path, 8, world=2)
+    _point(tmp_path, new.name + "\n")
+    assert ckpt.resume_point(tmp_path) == (new, None)
+    for name, damage in (("rank-00001.pt", b"\x00" * 10), ("shared.pt", b"not a checkpoint")):
+        good = (new / name).read_bytes()
+        (new / name).write_bytes(damage)
+        target, note = ckpt.resume_point(tmp_path)
+        assert target == old
+        assert f"checkpoint file {new / name} is corrupt" in note
+        assert note.endswith("resuming from the older intact checkpoint step-00000004 instead")
+        (new / name).write_bytes(good)
+    (new / "rank-00001.pt").unlink()
+    assert ckpt.resume_point(tmp_path)[0] == old
+    (old / "shared.pt").write_bytes(b"")
+    with pytest.raises(ckpt.CheckpointError, match="is missing; no older intact checkpoint in"):
+        ckpt.resume_point(tmp_path)
+
+
+def test_loading_a_damaged_checkpoint_offers_the_older_intact_one(tmp_path):
+    old, new = _write(tmp_path, 4, world=1), _write(tmp_path, 8, world=1)
+    shared, local = ckpt.load(new, 0, 1)
+    assert shared["meta"]["step"] == 8 and local["rank"] == 0
+    (new / "shared.pt").write_bytes(b"garbage")
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.load(new, 0, 1)
+    assert "is corrupt or not a flashsgd checkpoint" in str(err.value)
+    assert f"the newest intact checkpoint before it is {old}: resume from it explicitly" in str(err.value)
+    torch.save({"meta": {"format": ckpt.FORMAT, "step": 4, "world_size": 1}},
+               new / "shared.pt")  # the rank file says step 8: a stale mix, not this checkpoint
+    with pytest.raises(ckpt.CheckpointError, match="rank 0's file is from step 8, shared.pt from 4"):
+        ckpt.load(new, 0, 1)
+
+
+def test_prune_keeps_the_newest_at_or_below_the_step_and_leaves_higher_ones(tmp_path):
+    for step in (2, 4, 6, 16, 24):
+        _write(tmp_path, step, world=1)
+    (tmp_path / "step-notes").mkdir()  # not a checkpoint name: never touched
+    deleted = ckpt.prune(tmp_path, 6, keep=2)
+    assert [p.name for p in deleted] == ["step-00000002"]
+    assert [s for s, _ in ckpt.step_dirs(tmp_path)] == [4, 6, 16, 24]
+    assert (tmp_path / "step-notes").is_dir()
+    with pytest.raises(ValueError, match="keep must be an integer >= 1"):
+        ckpt.prune(tmp_path, 6, keep=0)
+
+
+def _save_steps(root: str, steps: list[int], keep: int) -> list[str]:
+    """Each rank saves at ``steps``; returns what ``latest`` named after each save (rank 0)."""
+    rank, seen = dist.get_rank(), []
+    for step in steps:
+        shared = {"model": {"w": torch.full((3,), float(step))}} if rank == 0 else None
+        ckpt.save(root, step, shared, {"rank": rank}, keep=keep)
+        dist.barrier()
+        seen.append((Path(root) / "latest").read_text().strip())
+    return seen
+
+
+def test_save_never_leaves_latest_dangling_over_an_older_run(tmp_path, run_ranks):
+    # an older run of 4 workers finished at step 24 in the same directory
+    for step in (16, 24):
+        _write(tmp_path, step, world=4)
+    _point(tmp_path, "step-00000024\n")
+    seen = run_ranks(_save_steps, 2, str(tmp_path), [4, 8, 12], 2)[0]
+    assert seen == ["step-00000004", "step-00000008", "step-00000012"]
+    assert [s for s, _ in ckpt.step_dirs(tmp_path)] == [8, 12, 16, 24]  # the old run's are kept
+    target, note = ckpt.resume_point(tmp_path)
+    assert target.name == "step-00000012" and note is None
+    shared, local = ckpt.load(target, 1, 2)
+    assert shared["model"]["w"].tolist() == [12.0] * 3 and local["rank"] == 1
+    # this run reaches the old run's step 16: its directory now holds only this run's files
+    run_ranks(_save_steps, 2, str(tmp_path), [16], 2)
+    assert sorted(p.name for p in (tmp_path / "step-00000016").iterdir()) == \
+        ["rank-00000.pt", "rank-00001.pt", "shared.pt"]
+    assert [s for s, _ in ckpt.step_dirs(tmp_path)] == [12, 16, 24]
+    assert ckpt.resume_point(tmp_path)[0].name == "step-00000016"
