@@ -2,13 +2,15 @@
 
 import argparse
 import json
+import re
 import socket
 
 import pytest
 
 from flashsgd.bench import allreduce
-from flashsgd.bench.common import (ALLREDUCE_COLUMNS, bandwidths, bus_factor, format_header,
-                                   format_row, human_size, parse_size, parse_sizes)
+from flashsgd.bench.common import (ALLREDUCE_COLUMNS, bandwidths, bus_factor, check_memory,
+                                   format_header, format_row, human_size, parse_size, parse_sizes,
+                                   ranks_on_this_host)
 from flashsgd.cli import main as cli_main
 
 RESULT_KEYS = {"algorithm", "size_bytes", "count", "dtype", "time_us", "time_us_min", "time_us_max",
@@ -56,9 +58,11 @@ def test_bandwidth_convention_matches_nccl_tests():
     (["--sizes", "2", "--dtype", "float32"], "2 B is smaller than one float32 element"),
     (["--iters", "0"], "--iters must be >= 1"),
     (["--world", "0"], "--world must be an integer >= 1"),
+    (["--world", "8", "--sizes", "4K,100G"], "--sizes 100G: 8 rank(s) x 2 buffer(s) of 100.00 GiB = 1,600.00 GiB, "
+                                             "more than the "),
 ])
 def test_bad_options_are_clear_errors(argv, message, capsys):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         allreduce.config_from_args(_args(*argv))
     assert cli_main(["bench", "allreduce", *argv]) == 2  # one line on stderr, no traceback
     err = capsys.readouterr().err
@@ -111,3 +115,20 @@ def test_runs_under_an_env_rendezvous(tmp_path, monkeypatch, capfd):
                                "--iters", "2", "--warmup", "0", "--json", str(path))) == 0
     doc = _check_json(path, 1, "1x1", ["native", "ring"], [4096])  # WORLD_SIZE wins over --world
     assert doc["meta"]["launcher"] == "torchrun/env"
+
+
+def test_memory_check_counts_every_rank_on_the_host(monkeypatch):
+    check_memory(2**30, 4, 2, 8 * 2**30, "test memory")  # exactly fits
+    with pytest.raises(ValueError, match=re.escape(
+            "--sizes 1G: 4 rank(s) x 2 buffer(s) of 1.00 GiB = 8.00 GiB, more than the 7.00 GiB of "
+            "test memory; the largest size that fits is about 896 MiB")):
+        check_memory(2**30, 4, 2, 7 * 2**30, "test memory")
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FLASHSGD_EMULATED"):
+        monkeypatch.delenv(key, raising=False)
+    assert ranks_on_this_host(8) == 8  # spawned locally: all ranks here
+    for key, value in {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert ranks_on_this_host(8) == 2  # torchrun: this node's ranks
+    monkeypatch.setenv("FLASHSGD_EMULATED", "4x2@1000000000bit")
+    assert ranks_on_this_host(8) == 8  # emulated nodes are namespaces of this one machine

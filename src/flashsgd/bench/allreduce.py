@@ -26,15 +26,20 @@ import torch
 import torch.distributed as dist
 
 from flashsgd.bench.common import (ALLREDUCE_COLUMNS, DTYPES, add_run_arguments, bandwidths,
-                                   bus_factor, check_run_arguments, dtype_name, format_header,
-                                   format_row, human_size, parse_dtype, parse_sizes, run_metadata,
+                                   bus_factor, check_memory, check_run_arguments, dtype_name,
+                                   format_header, format_row, host_memory_available, human_size,
+                                   parse_dtype, parse_sizes, ranks_on_this_host, run_metadata,
                                    time_ops, write_json)
 from flashsgd.comm.dense import ALLREDUCE
 from flashsgd.comm.topology import divisors, get_topology, parse_grid
-from flashsgd.launch import run as launch_run, under_torchrun
+from flashsgd.launch import default_backend, run as launch_run, under_torchrun
 
 HELP = "time native/ring/hierarchical/torus2d all-reduce over message sizes (nccl-tests rows)"
 DEFAULT_SIZES = "4K,64K,1M,16M,128M"
+# Peak buffer bytes per rank, in messages: the message and one working copy. Measured on Gloo at
+# 256 MiB, W = 2 (peak RSS): native 1.25x, ring / hierarchical / torus2d 1.5x (a chunk of n/P
+# received beside the message); NCCL's stages copy the message into a padded buffer: 2x.
+BUFFER_COPIES = 2
 
 
 @dataclass
@@ -184,9 +189,24 @@ def config_from_args(args: argparse.Namespace) -> tuple[AllreduceBenchConfig, in
     elem = torch.empty((), dtype=dtype).element_size()
     if sizes[0] < elem:
         raise ValueError(f"--sizes: {sizes[0]} B is smaller than one {args.dtype} element ({elem} B)")
+    _check_memory(sizes[-1], world)
     cfg = AllreduceBenchConfig(algorithms=algorithms, sizes=sizes, dtype=args.dtype, iters=args.iters,
                                warmup=args.warmup, ranks_per_node=args.ranks_per_node, grid=args.grid)
     return cfg, world
+
+
+def _check_memory(size_bytes: int, world: int) -> None:
+    """ValueError unless every rank sharing this rank's memory can hold ``BUFFER_COPIES`` buffers
+    of the largest size: the GPU's free memory under torchrun with NCCL, else the host's."""
+    if under_torchrun() and default_backend() == "nccl":
+        gpus = torch.cuda.device_count()
+        device = int(os.environ.get("LOCAL_RANK", 0)) % gpus  # as flashsgd.launch places ranks
+        per_gpu = -(-int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // gpus)  # ceil: ranks on one GPU
+        check_memory(size_bytes, per_gpu, BUFFER_COPIES, torch.cuda.mem_get_info(device)[0],
+                     f"free memory on GPU {device}")
+        return
+    check_memory(size_bytes, ranks_on_this_host(world), BUFFER_COPIES, host_memory_available(),
+                 "host memory available (MemAvailable)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,9 +9,10 @@ with its min and max as the spread. :func:`time_ops` interleaves the compared ca
 repetition, so a drifting background load (a shared machine) biases none of them.
 
 Used by ``flashsgd bench allreduce`` and reusable by the other communication benchmarks: call
-:func:`time_ops` (or :func:`time_op`) inside an initialized process group, build rows as dicts,
-print them with :func:`format_row` under :func:`format_header` (extra columns are appended by
-passing a longer column list), and save with :func:`write_json` next to :func:`run_metadata`.
+:func:`time_ops` inside an initialized process group, build rows as dicts, print them with
+:func:`format_row` under :func:`format_header` (extra columns are appended by passing a longer
+column list), and save with :func:`write_json` next to :func:`run_metadata`. Before spawning,
+:func:`check_memory` refuses message sizes whose buffers cannot fit in memory.
 
 Example::
 
@@ -163,12 +164,6 @@ def time_ops(fns: Sequence[Callable[[], Any]], iters: int, warmup: int,
     return [Timing(statistics.median(t), min(t), max(t), iters) for t in per_fn]
 
 
-def time_op(fn: Callable[[], Any], iters: int, warmup: int, group: dist.ProcessGroup | None = None,
-            device: torch.device | None = None) -> Timing:
-    """:func:`time_ops` for a single call."""
-    return time_ops([fn], iters, warmup, group, device)[0]
-
-
 def bus_factor(collective: str, world: int) -> float:
     """nccl-tests' busbw factor: all-reduce 2(P-1)/P, reduce-scatter / all-gather (P-1)/P."""
     if collective == "allreduce":
@@ -229,6 +224,49 @@ def check_run_arguments(args: argparse.Namespace) -> int:
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     return world
+
+
+# ------------------------------------------------------------------------------------ memory -----
+
+def host_memory_available() -> int:
+    """Bytes of host memory available to new allocations: ``MemAvailable`` of /proc/meminfo (free
+    pages plus reclaimable cache), else the free physical pages (``SC_AVPHYS_PAGES``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB (KiB)
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def ranks_on_this_host(world: int) -> int:
+    """How many of the ``world`` ranks share this machine's memory.
+
+    All of them when spawned locally or on an emulated cluster (its "nodes" are namespaces of this
+    one machine: ``FLASHSGD_EMULATED`` is set); ``LOCAL_WORLD_SIZE`` under torchrun.
+    """
+    if under_torchrun() and not os.environ.get("FLASHSGD_EMULATED"):
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return world
+
+
+def check_memory(size_bytes: int, ranks: int, copies: float, available_bytes: int, where: str) -> None:
+    """ValueError unless ``ranks`` x ``copies`` buffers of ``size_bytes`` fit in ``available_bytes``.
+
+    ``where`` names the memory (e.g. "host memory available (MemAvailable)"). The message names the
+    size, the total needed, the memory available and the largest size that would fit.
+    """
+    need = size_bytes * ranks * copies
+    if need <= available_bytes:
+        return
+    fits = int(available_bytes / (ranks * copies))
+    raise ValueError(
+        f"--sizes {human_size(size_bytes)}: {ranks} rank(s) x {copies:g} buffer(s) of "
+        f"{size_bytes / 2**30:,.2f} GiB = {need / 2**30:,.2f} GiB, more than the "
+        f"{available_bytes / 2**30:,.2f} GiB of {where}; the largest size that fits is about "
+        f"{fits / 2**20:,.0f} MiB")
 
 
 def run_metadata(**extra: Any) -> dict:
