@@ -116,8 +116,28 @@ class LARS(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        groups = self._groups_with_grads()  # Step 1
+        if not groups:
+            return loss
+        # Step 2: all ||w|| and ||g|| of adapted groups in two batched calls.
+        adapt_w = [p for g, ps, _, _ in groups if g["lars"] for p in ps]
+        adapt_g = [q for g, _, gs, _ in groups if g["lars"] for q in gs]
+        if adapt_w:
+            w_norm = torch.stack(torch._foreach_norm(adapt_w))  # (n,)
+            g_norm = torch.stack(torch._foreach_norm(adapt_g))  # (n,)
+        offset = 0
+        for group, params, grads, bufs in groups:
+            if group["lars"]:
+                n = len(params)
+                ratio = _trust_ratios(group, w_norm[offset:offset + n], g_norm[offset:offset + n])  # Step 3
+                offset += n
+                _adapted_update(group, params, grads, bufs, ratio)  # Step 4
+            else:
+                _momentum_sgd_update(group, params, grads, bufs)  # Step 4 (excluded group)
+        return loss
 
-        # Step 1: parameters with a gradient, group by group.
+    def _groups_with_grads(self) -> list[tuple[dict, list, list, list]]:
+        """Step 1: (group, params, grads, momentum buffers) of the parameters with a gradient."""
         groups = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -133,63 +153,60 @@ class LARS(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 bufs.append(state["momentum_buffer"])
             groups.append((group, params, grads, bufs))
-        if not groups:
-            return loss
+        return groups
 
-        # Step 2: all ||w|| and ||g|| of adapted groups in two batched calls.
-        adapt_w = [p for g, ps, _, _ in groups if g["lars"] for p in ps]
-        adapt_g = [q for g, _, gs, _ in groups if g["lars"] for q in gs]
-        if adapt_w:
-            w_norm = torch.stack(torch._foreach_norm(adapt_w))  # (n,)
-            g_norm = torch.stack(torch._foreach_norm(adapt_g))  # (n,)
-        offset = 0
-        for group, params, grads, bufs in groups:
-            lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
-            n = len(params)
-            if group["lars"]:
-                # Step 3: trust ratios for this group's slice, zero-norm guards (ratio 1).
-                wn, gn = w_norm[offset:offset + n], g_norm[offset:offset + n]
-                offset += n
-                ratio = group["trust_coefficient"] * wn / (gn + wd * wn + group["eps"])
-                ratio = torch.where((wn > 0) & (gn > 0), ratio, torch.ones_like(ratio))
-                if group["clip"]:
-                    # LARC (apex): ratio <- min(ratio / lr, 1), so lr * ratio <= lr for every tensor.
-                    ratio = torch.clamp(ratio / lr, max=1.0) if lr > 0 else torch.ones_like(ratio)
-                scale = list(ratio.unbind(0))  # n 0-d tensors, broadcast by the foreach ops
-                # Step 4: v = m*v + ratio*g + ratio*wd*w
-                if m != 0.0:
-                    torch._foreach_mul_(bufs, m)
-                else:
-                    torch._foreach_zero_(bufs)
-                torch._foreach_addcmul_(bufs, grads, scale)
-                if wd != 0.0:
-                    torch._foreach_addcmul_(bufs, params, list((ratio * wd).unbind(0)))
-                if group["nesterov"]:
-                    # u + m*v with u = ratio*(g + wd*w)
-                    upd = torch._foreach_mul(grads, scale)
-                    if wd != 0.0:
-                        torch._foreach_addcmul_(upd, params, list((ratio * wd).unbind(0)))
-                    torch._foreach_add_(upd, bufs, alpha=m)
-                    torch._foreach_add_(params, upd, alpha=-lr)
-                else:
-                    torch._foreach_add_(params, bufs, alpha=-lr)
-            else:
-                # Step 4 (excluded group): plain momentum SGD, v = m*v + g + wd*w.
-                if m != 0.0:
-                    torch._foreach_mul_(bufs, m)
-                else:
-                    torch._foreach_zero_(bufs)
-                torch._foreach_add_(bufs, grads)
-                if wd != 0.0:
-                    torch._foreach_add_(bufs, params, alpha=wd)
-                if group["nesterov"]:
-                    upd = torch._foreach_add(grads, bufs, alpha=m)
-                    if wd != 0.0:
-                        torch._foreach_add_(upd, params, alpha=wd)
-                    torch._foreach_add_(params, upd, alpha=-lr)
-                else:
-                    torch._foreach_add_(params, bufs, alpha=-lr)
-        return loss
+
+def _trust_ratios(group: dict, wn: torch.Tensor, gn: torch.Tensor) -> torch.Tensor:
+    """Step 3: the (n,) trust ratios of one group from its ||w|| and ||g|| (ratio 1 on zero norms)."""
+    ratio = group["trust_coefficient"] * wn / (gn + group["weight_decay"] * wn + group["eps"])
+    ratio = torch.where((wn > 0) & (gn > 0), ratio, torch.ones_like(ratio))
+    if group["clip"]:
+        # LARC (apex): ratio <- min(ratio / lr, 1), so lr * ratio <= lr for every tensor.
+        lr = group["lr"]
+        ratio = torch.clamp(ratio / lr, max=1.0) if lr > 0 else torch.ones_like(ratio)
+    return ratio
+
+
+def _adapted_update(group: dict, params: list, grads: list, bufs: list, ratio: torch.Tensor) -> None:
+    """Step 4: v = m*v + ratio*(g + wd*w); w -= lr * (ratio*(g + wd*w) + m*v if nesterov else v)."""
+    lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
+    scale = list(ratio.unbind(0))  # n 0-d tensors, broadcast by the foreach ops
+    if m != 0.0:
+        torch._foreach_mul_(bufs, m)
+    else:
+        torch._foreach_zero_(bufs)
+    torch._foreach_addcmul_(bufs, grads, scale)
+    if wd != 0.0:
+        torch._foreach_addcmul_(bufs, params, list((ratio * wd).unbind(0)))
+    if group["nesterov"]:
+        # u + m*v with u = ratio*(g + wd*w)
+        upd = torch._foreach_mul(grads, scale)
+        if wd != 0.0:
+            torch._foreach_addcmul_(upd, params, list((ratio * wd).unbind(0)))
+        torch._foreach_add_(upd, bufs, alpha=m)
+        torch._foreach_add_(params, upd, alpha=-lr)
+    else:
+        torch._foreach_add_(params, bufs, alpha=-lr)
+
+
+def _momentum_sgd_update(group: dict, params: list, grads: list, bufs: list) -> None:
+    """Step 4 (excluded group): plain momentum SGD, v = m*v + g + wd*w; w -= lr * (g + wd*w + m*v
+    if nesterov else v)."""
+    lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
+    if m != 0.0:
+        torch._foreach_mul_(bufs, m)
+    else:
+        torch._foreach_zero_(bufs)
+    torch._foreach_add_(bufs, grads)
+    if wd != 0.0:
+        torch._foreach_add_(bufs, params, alpha=wd)
+    if group["nesterov"]:
+        upd = torch._foreach_add(grads, bufs, alpha=m)
+        if wd != 0.0:
+            torch._foreach_add_(upd, params, alpha=wd)
+        torch._foreach_add_(params, upd, alpha=-lr)
+    else:
+        torch._foreach_add_(params, bufs, alpha=-lr)
 
 
 def is_bias_or_norm(module: nn.Module, name: str, param: torch.Tensor) -> bool:
