@@ -13,19 +13,21 @@ from torch.utils.data import DataLoader, TensorDataset
 from flashsgd.optim import RECIPES, PlanWarning, Schedule, as_int, prepare, scaled_lr, steps_per_epoch
 
 
-class _Block(nn.Module):
-    def __init__(self):
+class BasicBlock(nn.Module):
+    """Named as torchvision's block: prepare() finds its last BN as ``bn2``."""
+
+    def __init__(self, width=4):
         super().__init__()
-        self.conv = nn.Conv1d(4, 4, 3, padding=1, bias=False)
-        self.last_bn = nn.BatchNorm1d(4)
+        self.conv1, self.bn1 = nn.Conv1d(width, width, 3, padding=1, bias=False), nn.BatchNorm1d(width)
+        self.conv2, self.bn2 = nn.Conv1d(width, width, 3, padding=1, bias=False), nn.BatchNorm1d(width)
 
     def forward(self, x):
-        return x + self.last_bn(self.conv(x))
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
 
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv1d(1, 4, 3, padding=1), nn.BatchNorm1d(4), _Block(), _Block(),
+    return nn.Sequential(nn.Conv1d(1, 4, 3, padding=1), nn.BatchNorm1d(4), BasicBlock(), BasicBlock(),
                          nn.Flatten(), nn.Linear(4 * 8, 10))
 
 
@@ -96,9 +98,9 @@ def test_model_tweaks_are_recorded_and_described():
     recipe = dataclasses.replace(RECIPES["goyal"], bn_momentum=0.3)
     model = _model()
     plan = prepare(recipe, model, 512, 1000, epochs=9)
-    assert plan.model_tweaks == ["bn_momentum=0.3 on 3 BatchNorm layers", "zero gamma of 2 last BNs"]
-    assert "model_tweaks=[bn_momentum=0.3 on 3 BatchNorm layers; zero gamma of 2 last BNs]" in plan.describe()
-    assert torch.count_nonzero(model[2].last_bn.weight) == 0
+    assert plan.model_tweaks == ["bn_momentum=0.3 on 5 BatchNorm layers", "zero gamma of 2 last BNs"]
+    assert "model_tweaks=[bn_momentum=0.3 on 5 BatchNorm layers; zero gamma of 2 last BNs]" in plan.describe()
+    assert torch.count_nonzero(model[2].bn2.weight) == 0 and torch.count_nonzero(model[2].bn1.weight) == 4
 
 
 def test_model_tweaks_false_changes_nothing():
@@ -108,7 +110,7 @@ def test_model_tweaks_false_changes_nothing():
     plan = prepare(recipe, model, 512, 1000, epochs=9, model_tweaks=False)
     assert plan.model_tweaks == [] and "model_tweaks=[none]" in plan.describe()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert [m.momentum for m in model.modules() if isinstance(m, nn.BatchNorm1d)] == [0.1] * 3
+    assert [m.momentum for m in model.modules() if isinstance(m, nn.BatchNorm1d)] == [0.1] * 5
 
 
 def test_zero_init_without_residual_blocks_says_so():
