@@ -82,7 +82,8 @@ def test_validation_predicts_held_out_sizes(tmp_path):
     ({"meta": {"world": 8}, "results": [{"algorithm": "ring"}]}, r"results\[0\] needs"),
     ({"meta": {"world": 8}, "results": [{"algorithm": "noop", "size_bytes": 4, "time_us": 1}]},
      "no results for modelled algorithms"),
-    ({"meta": {"world": 8, "grid": "3x3"}, "results": []}, "grid 3x3 does not match world 8"),
+    ({"meta": {"world": 8, "grid": "3x3"}, "results": []}, "grid 3x3 has 9 ranks but the world size is 8"),
+    ({"meta": {"world": 8, "grid": [2, 2, 2]}, "results": []}, r"meta.grid must be .*\[2, 2, 2\]"),
     ({"meta": {"world": 8, "grid": "big"}, "results": []}, "meta.grid must be"),
 ])
 def test_malformed_bench_files_are_rejected(tmp_path, doc, match):
@@ -147,8 +148,12 @@ def test_cli_bad_inputs(tmp_path):
         run_cli("--algorithm", "rign")
     with pytest.raises(ValueError, match="unknown cluster preset"):
         run_cli("--cluster", "nope")
-    with pytest.raises(ValueError, match="grid 4x100 does not match gpus=1024"):
+    with pytest.raises(ValueError, match="grid 4x100 has 400 ranks but the world size is 1024; valid grids"):
         run_cli("--gpus", "1024", "--algorithm", "torus2d", "--grid", "4x100")
+    with pytest.raises(ValueError, match="grid must look like 'XxY'"):
+        run_cli("--gpus", "8", "--grid", "banana")
+    with pytest.raises(ValueError, match="--grid '4x4' fits none of --sweep-gpus 8,64"):
+        run_cli("--sweep-gpus", "8,64", "--grid", "4x4")
     with pytest.raises(ValueError, match="--images-per-s is required"):
         run_cli("--model", "vgg16")
 

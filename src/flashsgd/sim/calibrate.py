@@ -38,6 +38,7 @@ from typing import Literal
 
 import numpy as np
 
+from flashsgd.comm.topology import parse_grid
 from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.costs import CommSetup
 from flashsgd.sim.network import ClusterModel, Link
@@ -62,18 +63,16 @@ class BenchFile:
     skipped: list[str] = field(default_factory=list)
 
 
-def _parse_grid(value, world: int, path: Path) -> tuple[int, int] | None:
-    """meta.grid as written by the bench: "XxY", [X, Y] or null."""
+def _meta_grid(value, world: int, path: Path) -> tuple[int, int] | None:
+    """meta.grid as written by the bench: "XxY", [X, Y] or null (parsed by
+    :func:`flashsgd.comm.topology.parse_grid`)."""
     if value in (None, "", []):
         return None
     try:
-        x, y = (int(v) for v in (value.lower().split("x") if isinstance(value, str) else value))
-    except (TypeError, ValueError, AttributeError):
-        raise ValueError(f"calibration file {str(path)!r}: meta.grid must be 'XxY' or [X, Y], "
-                         f"got {value!r}") from None
-    if x * y != world:
-        raise ValueError(f"calibration file {str(path)!r}: meta.grid {x}x{y} does not match world {world}")
-    return x, y
+        return parse_grid(value if isinstance(value, str) else tuple(value), world)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"calibration file {str(path)!r}: meta.grid must be 'XxY' or [X, Y] with "
+                         f"X*Y = world {world}, got {value!r} ({exc})") from None
 
 
 def load_bench(path: str | Path, statistic: Literal["time_us", "time_us_min"] = "time_us") -> BenchFile:
@@ -100,7 +99,7 @@ def load_bench(path: str | Path, statistic: Literal["time_us", "time_us_min"] = 
     rpn = meta.get("ranks_per_node", world)
     if not isinstance(rpn, int) or rpn < 1:
         raise ValueError(f"calibration file {str(path)!r}: meta.ranks_per_node must be an int >= 1")
-    grid = _parse_grid(meta.get("grid"), world, path)
+    grid = _meta_grid(meta.get("grid"), world, path)
     rows, skipped = [], set()
     for i, r in enumerate(doc["results"]):
         try:

@@ -3,7 +3,8 @@
 Examples:
   flashsgd simulate --cluster abci --gpus 1024 --model resnet50 --batch-per-gpu 32 \\
       --algorithm torus2d --grid 32x32 --precision fp16
-  flashsgd simulate --cluster abci --sweep-gpus 8,64,512,4096 --algorithm all --plot eff.png
+  flashsgd simulate --cluster abci --sweep-gpus 8,64,512,4096 --algorithm all --json runs/eff.json
+      # table, runs/eff.json, and the efficiency plot next to it: runs/eff.png
   flashsgd simulate --cluster local --calibration ar.json --gpus 8 --algorithm ring
   flashsgd simulate --calibration ar.json --validate        # fit on half the sizes, predict the rest
 """
@@ -14,7 +15,9 @@ import argparse
 import json
 import time
 from dataclasses import replace
+from pathlib import Path
 
+from flashsgd.comm.topology import parse_grid
 from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.engine import SimConfig, SimResult, simulate, sweep
 from flashsgd.sim.network import CLUSTERS, get_cluster
@@ -29,14 +32,6 @@ def _ints(text: str) -> list[int]:
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return out
-
-
-def _grid(text: str) -> tuple[int, int]:
-    try:
-        x, y = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--grid must look like 4x256, got {text!r}") from None
-    return x, y
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ResNet-50 figure for --precision)")
     p.add_argument("--algorithm", action="append", metavar="NAME",
                    help=f"repeatable or comma list, or 'all': {', '.join(ALGORITHMS.names())}")
-    p.add_argument("--grid", type=_grid, help="torus2d grid XxY (default: near-square, X per node)")
+    p.add_argument("--grid", help="torus2d grid XxY, X*Y = --gpus or one of --sweep-gpus "
+                                  "(default: near-square, X per node)")
     p.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP-style bucket cap (MB)")
     p.add_argument("--groups", type=_ints, metavar="N,N,...",
@@ -75,8 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="topk/gtopk bytes per index: 4 (int32, the papers; default) or 8 (int64, "
                         "what flashsgd's comm/sparse.py sends)")
     p.add_argument("--json", metavar="PATH", help="write inputs and results as JSON")
-    p.add_argument("--plot", metavar="PATH", default="sim_sweep.png",
-                   help="with --sweep-gpus: scaling-efficiency PNG (default sim_sweep.png; '' for none)")
+    p.add_argument("--out", metavar="DIR",
+                   help="with --sweep-gpus: write the scaling-efficiency plot as DIR/sim_sweep.png")
+    p.add_argument("--plot", metavar="PATH",
+                   help="with --sweep-gpus: the plot's path (default: next to --json, same name .png, "
+                        "or in --out; none without either)")
 
 
 def _algorithms(values: list[str] | None) -> list[str]:
@@ -86,6 +85,22 @@ def _algorithms(values: list[str] | None) -> list[str]:
     for n in names:
         ALGORITHMS.get(n)  # ValueError listing the known names
     return list(dict.fromkeys(names))
+
+
+def _grid(text: str | None, gpus: list[int]) -> tuple[int, int] | None:
+    """``--grid`` parsed by :func:`flashsgd.comm.topology.parse_grid` against the GPU count(s)."""
+    if text is None:
+        return None
+    errors = []
+    for p in gpus:
+        try:
+            return parse_grid(text, p)
+        except ValueError as exc:
+            errors.append(exc)
+    if len(gpus) == 1:
+        raise errors[0]
+    raise ValueError(f"--grid {text!r} fits none of --sweep-gpus {','.join(map(str, gpus))}: X*Y must "
+                     f"equal one of them ({errors[0]})")
 
 
 def _cluster(args):
@@ -167,7 +182,18 @@ def _print_table(results: list[SimResult], algos: list[str], gpus: list[int]) ->
         print(f"{p:>6} " + " ".join(f"{c:>20}" for c in cells))
 
 
-def plot_efficiency(results: list[SimResult], path: str, title: str) -> None:
+def plot_path(plot: str | None, out: str | None, json_path: str | None) -> Path | None:
+    """Where the sweep's plot goes: ``--plot``, else ``--out``/sim_sweep.png, else beside ``--json``."""
+    if plot:
+        return Path(plot)
+    if out:
+        return Path(out) / "sim_sweep.png"
+    if json_path:
+        return Path(json_path).with_suffix(".png")
+    return None
+
+
+def plot_efficiency(results: list[SimResult], path: str | Path, title: str) -> None:
     """Scaling efficiency vs GPUs, one line per algorithm (log2 x axis)."""
     import matplotlib
 
@@ -193,6 +219,7 @@ def plot_efficiency(results: list[SimResult], path: str, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, ncol=2, loc="best", framealpha=0.9)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
 
@@ -225,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
     base = SimConfig(algorithm=algos[0], gpus=args.gpus, images_per_s=ips,
                      batch_per_gpu=args.batch_per_gpu, precision=args.precision,
                      bucket_mb=args.bucket_mb, groups=tuple(args.groups) if args.groups else None,
-                     overlap=not args.no_overlap, grid=args.grid, density=args.density,
+                     overlap=not args.no_overlap,
+                     grid=_grid(args.grid, args.sweep_gpus or [args.gpus]), density=args.density,
                      index_bytes=args.index_bytes)
     grad_mb = workload.num_params * (2 if args.precision == "fp16" else 4) / 1e6
     print(f"{cluster.describe()}\nworkload {workload.name}: {workload.num_tensors} tensors, "
@@ -240,10 +268,13 @@ def run(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - t0
         _print_table(results, algos, args.sweep_gpus)
         print(f"simulated {len(results)} configurations in {elapsed:.3f} s")
-        if args.plot:
-            plot_efficiency(results, args.plot, f"{workload.name}, {args.precision}, batch "
+        png = plot_path(args.plot, args.out, args.json)
+        if png is not None:
+            plot_efficiency(results, png, f"{workload.name}, {args.precision}, batch "
                             f"{args.batch_per_gpu}/GPU, {ips:g} img/s/GPU, cluster {cluster.name}")
-            print(f"wrote {args.plot}")
+            print(f"wrote {png.resolve()}")
+        else:
+            print("no plot written: add --plot PATH, --out DIR or --json PATH")
         report["sweep_seconds"] = elapsed
     else:
         results = [simulate(workload, cluster, replace(base, algorithm=a)) for a in algos]
@@ -256,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _write_json(path: str | None, report: dict) -> None:
     if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as fh:
             json.dump(report, fh, indent=2, default=str)
-        print(f"wrote {path}")
+        print(f"wrote {Path(path).resolve()}")
