@@ -167,7 +167,8 @@ class Plan:
         return sum(self.steps_in_epoch(e) for e in range(self.epochs))
 
     def lr_at_step(self, step: int) -> float:
-        """LR at global step ``step`` (pure; follows the batch table and the scaling rule).
+        """LR at global step ``step`` (a function of ``step`` alone; follows the batch table and the
+        scaling rule).
 
         Past :meth:`total_steps` the LR stays at its final value and a :class:`PlanWarning` is
         given once per plan: the loop runs more steps than planned (a loader that keeps the last
