@@ -34,7 +34,7 @@ from flashsgd.comm.dense import ALLREDUCE
 from flashsgd.comm.topology import divisors, get_topology, parse_grid
 from flashsgd.launch import default_backend, run as launch_run, under_torchrun
 
-HELP = "time native/ring/hierarchical/torus2d all-reduce over message sizes (nccl-tests rows)"
+HELP = f"time {'/'.join(ALLREDUCE.names())} all-reduce over message sizes (nccl-tests rows)"
 DEFAULT_SIZES = "4K,64K,1M,16M,128M"
 # Peak buffer bytes per rank, in messages: the message and one working copy. Measured on Gloo at
 # 256 MiB, W = 2 (peak RSS): native 1.25x, ring / hierarchical / torus2d 1.5x (a chunk of n/P

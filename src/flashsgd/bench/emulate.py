@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-mb", type=float, default=8.0,
                         help="message size (MB) of the link-byte probe; 0 disables the probe")
     parser.add_argument("--probe-algorithms", default=None,
-                        help="comma-separated dense algorithms to probe (default: those in the results, "
-                             "or 'native' without a benchmark)")
+                        help=f"comma-separated, from {', '.join(ALLREDUCE.names())} (default: those in "
+                             "the results, or 'native' without a benchmark)")
     parser.add_argument("--sizes-mb", default="1,10",
                         help="sizes of the built-in probe benchmark when no benchmark is given")
     parser.add_argument("--timeout", type=float, default=900.0, help="deadline per launch, seconds")
