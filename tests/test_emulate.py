@@ -15,7 +15,7 @@ import pytest
 from flashsgd.emulate import netns
 from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_available, parse_rate,
                                     parse_shape)
-from flashsgd.emulate.report import annotate, bound_s, bytes_per_payload_byte
+from flashsgd.emulate.report import annotate, bound_s, bytes_per_payload_byte, format_table
 
 
 def _unavailable_reason() -> str | None:
@@ -95,6 +95,8 @@ def test_annotation_of_sparse_rows():
     assert gtopk["emu_frac_of_bound"] == pytest.approx(14.0)  # 14x faster than any dense all-reduce
     assert gtopk["emu_node_gbps"] == pytest.approx(900_000 * 8 / 0.1 / 1e9)
     assert "bytes_per_rank" in gtopk["emu_bytes_source"]
+    names = [line.split()[0] for line in format_table(doc).splitlines()[1:]]
+    assert names == ["dense", "gtopk@0.001"]  # a sparse exchange (density < 1) is named with its density
 
 
 def test_unavailable_is_reported(monkeypatch, capsys):

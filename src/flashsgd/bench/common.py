@@ -21,6 +21,7 @@ Example::
     >>> format_row({"size_bytes": 4096, "count": 1024, "dtype": "float32", "algorithm": "ring",
     ...             "time_us": 80.0, "algbw_gbps": 0.0512, "busbw_gbps": 0.0896,
     ...             "ratio_to_native": None}, ALLREDUCE_COLUMNS)
+    '       4096       1024  float32         ring       80.0          -          -   0.051   0.090        -'
 """
 
 from __future__ import annotations
