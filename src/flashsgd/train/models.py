@@ -7,7 +7,7 @@ the torchvision/"v1.5" layout used by Goyal et al. and MLPerf) and the CIFAR Res
 parameter tensors and 25,557,032 parameters (REFERENCES.md), checked in the tests.
 
 Every residual block names its last BatchNorm ``last_bn``, so that
-:func:`flashsgd.optim.recipes.apply_model_tweaks` (Goyal et al.: gamma = 0 for the last BN of each
+:func:`flashsgd.optim.plan.apply_model_tweaks` (Goyal et al.: gamma = 0 for the last BN of each
 residual block) finds it. BatchNorm is plain ``nn.BatchNorm2d``: statistics per worker, never
 SyncBatchNorm (Goyal et al. sec. 5.1).
 
@@ -173,7 +173,7 @@ def build_model(name: str, num_classes: int, channels: int = 32) -> nn.Module:
     """A model by registry name, or ``torchvision:NAME`` where torchvision imports (never required).
 
     Zero-gamma of each residual block's last BN (Goyal et al.) is a recipe step:
-    :func:`flashsgd.optim.recipes.apply_model_tweaks`.
+    :func:`flashsgd.optim.plan.apply_model_tweaks`.
     """
     if name.startswith("torchvision:"):
         try:
