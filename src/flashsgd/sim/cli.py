@@ -122,15 +122,20 @@ def _cluster(args):
     return get_cluster(args.cluster or "abci"), None, None
 
 
+def _print_errors(rows: list[dict]) -> None:
+    """One line per prediction: algorithm, size, measured and predicted time, relative error."""
+    print(f"{'algorithm':>14} {'size_B':>10} {'measured_us':>12} {'predicted_us':>12} {'error':>8}")
+    for r in rows:
+        print(f"{r['algorithm']:>14} {int(r['size_bytes']):>10} {r['measured_us']:>12.1f} "
+              f"{r['predicted_us']:>12.1f} {r['rel_error']:>+8.1%}")
+
+
 def _validate(bench, mode: str) -> dict:
     from flashsgd.sim.calibrate import validate
 
     v = validate(bench, mode)
     print(f"validation ({mode} fit on sizes {[int(s) for s in v.fit_sizes]}; predicting the others):")
-    print(f"{'algorithm':>14} {'size_B':>10} {'measured_us':>12} {'predicted_us':>12} {'error':>8}")
-    for r in v.rows:
-        print(f"{r['algorithm']:>14} {int(r['size_bytes']):>10} {r['measured_us']:>12.1f} "
-              f"{r['predicted_us']:>12.1f} {r['rel_error']:>+8.1%}")
+    _print_errors(v.rows)
     print(f"max |error| for messages >= 1 MB: {v.max_error(1 << 20):.1%} (target 25%); "
           f"all sizes: {v.max_error():.1%}")
     return {"mode": mode, "fit_sizes": v.fit_sizes, "rows": v.rows,
@@ -150,10 +155,7 @@ def _predict_file(path: str, params: dict, statistic: str, calib) -> dict:
     rows = [dict(algorithm=m.algorithm, size_bytes=m.size_bytes, measured_us=m.time_s * 1e6,
                  predicted_us=p * 1e6, rel_error=(p - m.time_s) / m.time_s) for m, p in zip(ms, pred)]
     print(f"prediction of {path} ({len(rows)} points):")
-    print(f"{'algorithm':>14} {'size_B':>10} {'measured_us':>12} {'predicted_us':>12} {'error':>8}")
-    for r in rows:
-        print(f"{r['algorithm']:>14} {int(r['size_bytes']):>10} {r['measured_us']:>12.1f} "
-              f"{r['predicted_us']:>12.1f} {r['rel_error']:>+8.1%}")
+    _print_errors(rows)
     big = [abs(r["rel_error"]) for r in rows if r["size_bytes"] >= 1 << 20]
     worst = max(big) if big else float("nan")
     print(f"max |error| for messages >= 1 MB: {worst:.1%} (target 25%)")
