@@ -242,6 +242,12 @@ def torus2d(n_bytes, setup: CommSetup) -> Cost:
 # ---------------------------------------------------------------- log-depth algorithms ------------
 
 
+def _call_overhead(n: np.ndarray, setup: CommSetup, calls: int) -> Cost:
+    """The fixed cost of ``calls`` collective calls, shaped like ``n``."""
+    z = np.zeros_like(n)
+    return Cost(z, z, z, np.full_like(n, calls * setup.cluster.call_overhead_s))
+
+
 def _fold(n: np.ndarray, setup: CommSetup) -> tuple[int, Cost]:
     """MPICH fold for non-powers of two: P' = 2^floor(lgP); one step in, one step out."""
     p = setup.gpus
@@ -262,7 +268,7 @@ def recursive_doubling(n_bytes, setup: CommSetup) -> Cost:
     for i in range(p2.bit_length() - 1):
         lat, bw = step_cost(n, 1, pair_levels(1 << i, setup.local_ranks, setup))  # every rank sends
         cost = cost + Cost(lat, bw, n * g, np.zeros_like(n))
-    return cost + Cost(*(np.zeros_like(n),) * 3, np.full_like(n, setup.cluster.call_overhead_s))
+    return cost + _call_overhead(n, setup, calls=1)
 
 
 def rabenseifner(n_bytes, setup: CommSetup) -> Cost:
@@ -278,7 +284,7 @@ def rabenseifner(n_bytes, setup: CommSetup) -> Cost:
         chunk = n / (1 << (i + 1))
         lat, bw = step_cost(chunk, 2, pair_levels(p2 >> (i + 1), setup.local_ranks, setup))
         cost = cost + Cost(lat, bw, chunk * g, np.zeros_like(n))
-    return cost + Cost(*(np.zeros_like(n),) * 3, np.full_like(n, setup.cluster.call_overhead_s))
+    return cost + _call_overhead(n, setup, calls=1)
 
 
 def binomial(n_bytes, setup: CommSetup) -> Cost:
@@ -291,4 +297,4 @@ def binomial(n_bytes, setup: CommSetup) -> Cost:
         # node; once 2^i >= L at most one rank per node crosses.
         lat, bw = step_cost(n, 2, pair_levels(1 << i, 1, setup))  # reduce round + broadcast round
         cost = cost + Cost(lat, bw, n * g, np.zeros_like(n))
-    return cost + Cost(*(np.zeros_like(n),) * 3, np.full_like(n, 2 * setup.cluster.call_overhead_s))
+    return cost + _call_overhead(n, setup, calls=2)
