@@ -27,8 +27,8 @@ from flashsgd.sim.costs import CommSetup, Cost, CostFn, zero_cost
 
 ALGORITHMS: Registry[CostFn] = Registry("simulated algorithm")
 for _name, _fn in (
-    ("native", costs.ring),  # NCCL/Gloo pick a ring for large messages (stated assumption)
     ("ring", costs.ring),
+    ("native", costs.ring),  # NCCL/Gloo pick a ring for large messages (stated assumption)
     ("hierarchical", costs.hierarchical),
     ("torus2d", costs.torus2d),
     ("recursive_doubling", costs.recursive_doubling),
