@@ -1,0 +1,268 @@
+"""`flashsgd compare`: one plot and one table from several `flashsgd train` run directories.
+
+Reads each run's metrics.jsonl, config.toml and plan.json (nothing is trained or rewritten) and
+shows what a user looks at to choose an algorithm: test accuracy and loss against the optimizer
+step, the samples seen and the wall time, and a table of final and best accuracy, time to a
+target accuracy, throughput and the gradient exchange's share of a step.
+
+Runs whose settings differ only in run.seed (and in keys that cannot change results, such as
+run.out) are one setting: the table reports the mean and min..max over its seeds, the plot draws
+the mean with a min..max band. Labels name what differs between the settings ("ring" vs
+"gtopk density=0.01"); a comm option the run's algorithm does not use never counts as a
+difference. --labels replaces them (one per setting, comma-separated).
+
+The plot goes to --out, else next to --json (same name, .png), else compare.png in the runs'
+common parent directory. Exit codes: 0 done, 2 bad input (one line naming the directory or flag).
+
+Examples:
+  flashsgd compare runs/ring runs/gtopk
+  flashsgd compare runs/dense-s1 runs/dense-s2 runs/dense-s3 runs/gtopk-s1 runs/gtopk-s2 \\
+      runs/gtopk-s3 --target 98 --out sparse.png --json sparse.json
+  flashsgd compare runs/a runs/b --labels "dense,gTop-k 0.1%"
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+WARMUP_STEPS = 2
+"""Steps left out of throughput and communication share (DDP bucket rebuild), as in summary.json."""
+
+
+@dataclass
+class Run:
+    """One run directory: its results and the settings that can change them."""
+
+    path: Path
+    seed: int
+    settings: dict[str, Any]
+    """Config keys (flat field names) that can change results, run.seed excluded."""
+    algorithm: str
+    target_accuracy: float
+    steps: list[dict]
+    evals: list[dict]
+
+
+def _used_comm_keys(plan_path: Path) -> set[str] | None:
+    """Comm options the run's hook took (plan.json's hook_options); None when not recorded.
+
+    A length such as ``density_warmup_epochs`` goes with the option it lengthens (``density_warmup``).
+    """
+    if not plan_path.is_file():
+        return None
+    options = json.loads(plan_path.read_text()).get("hook_options")
+    if options is None:
+        return None
+    return {"algorithm", "bucket_mb"} | set(options) | {f"{k}_epochs" for k in options}
+
+
+def load_run(path: str | Path) -> Run:
+    """Read one run directory; ValueError naming it when it is not a run or has no evaluation."""
+    from flashsgd.train import config as C
+    from flashsgd.train.report import read_metrics
+    from flashsgd.train.rundir import NEUTRAL_KEYS
+
+    path = Path(path)
+    for name in ("metrics.jsonl", "config.toml"):
+        if not (path / name).is_file():
+            raise ValueError(f"{str(path)!r} is not a run directory of `flashsgd train` (no {name})")
+    steps, evals = read_metrics(path / "metrics.jsonl")
+    if not evals:
+        raise ValueError(f"{str(path)!r} has no evaluation yet (no eval row in metrics.jsonl); "
+                         f"compare runs that finished at least one epoch")
+    cfg = C.resolve(path / "config.toml")
+    used = _used_comm_keys(path / "plan.json")
+    settings = {}
+    for section, values in dataclasses.asdict(cfg).items():
+        for key, value in values.items():
+            if key in NEUTRAL_KEYS or key == "seed":
+                continue
+            if section == "comm" and used is not None and key not in used:
+                continue  # e.g. density of a dense all-reduce: not a difference between runs
+            settings[key] = value
+    return Run(path, cfg.run.seed, settings, cfg.comm.algorithm, cfg.run.target_accuracy, steps, evals)
+
+
+def group_runs(runs: list[Run]) -> list[list[Run]]:
+    """Runs with equal settings (any seed) as one group, in the order of their first run."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(json.dumps(run.settings, sort_keys=True, default=str), []).append(run)
+    return list(groups.values())
+
+
+def derive_labels(groups: list[list[Run]]) -> list[str]:
+    """What differs between the groups' settings: the algorithm bare, other keys as key=value.
+
+    Example: ``["ring", "gtopk density=0.01"]``. A key that only some groups have (a comm option
+    of some algorithms) is shown where its values differ between those groups or it is not the
+    default. Falls back to directory names when two labels would be equal.
+    """
+    from flashsgd.train.config import TrainConfig
+
+    defaults = {k: v for sec in dataclasses.asdict(TrainConfig()).values() for k, v in sec.items()}
+    settings = [g[0].settings for g in groups]
+    shown = []
+    for key in sorted({k for s in settings for k in s}):
+        values = {repr(s[key]) for s in settings if key in s}
+        partial = any(key not in s for s in settings)
+        if len(values) > 1 or (partial and values != {repr(defaults.get(key))}):
+            shown.append(key)
+    labels = []
+    for s, group in zip(settings, groups):
+        parts = [str(s["algorithm"])] if "algorithm" in shown else []
+        parts += [f"{k}={s[k]:g}" if isinstance(s[k], float) else f"{k}={s[k]}"
+                  for k in shown if k != "algorithm" and k in s]
+        labels.append(" ".join(parts) or group[0].algorithm)
+    if len(set(labels)) < len(labels):
+        labels = [",".join(r.path.name for r in g) for g in groups]
+    return labels
+
+
+def time_to_target(evals: list[dict], target: float) -> float | None:
+    """Wall time (elapsed_s) of the first evaluation with test accuracy >= ``target`` (%), or None."""
+    return next((e["elapsed_s"] for e in evals if e["test_accuracy"] >= target), None)
+
+
+def run_numbers(run: Run, target: float) -> dict[str, float | None]:
+    """One run's table numbers (throughput and comm share: median / mean over steps >= 2)."""
+    timed = [s for s in run.steps if s["step"] >= WARMUP_STEPS] or run.steps
+    return {
+        "steps": run.steps[-1]["step"] + 1 if run.steps else 0,
+        "final_test_accuracy": run.evals[-1]["test_accuracy"],
+        "best_test_accuracy": max(e["test_accuracy"] for e in run.evals),
+        "time_to_target_s": time_to_target(run.evals, target),
+        "images_per_s": statistics.median(s["images_per_s"] for s in timed) if timed else None,
+        "comm_share": statistics.mean(s["t_comm_s"] / s["t_step_s"] for s in timed if s["t_step_s"] > 0)
+        if timed else None,
+    }
+
+
+def _spread(values: list[float | None]) -> dict[str, Any]:
+    """mean, min, max of the values that are not None, and all values (None: not reached)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"mean": None, "min": None, "max": None, "values": values}
+    return {"mean": statistics.mean(present), "min": min(present), "max": max(present), "values": values}
+
+
+def table_rows(groups: list[list[Run]], labels: list[str], target: float) -> list[dict[str, Any]]:
+    """Per group: label, algorithm, runs, seeds, and every number of :func:`run_numbers` as
+    {mean, min, max, values}; plus ``final_accuracy_diff`` (mean final accuracy minus the first
+    group's, percentage points)."""
+    rows = []
+    for label, group in zip(labels, groups):
+        numbers = [run_numbers(r, target) for r in group]
+        row: dict[str, Any] = {"label": label, "algorithm": group[0].algorithm,
+                               "runs": [str(r.path) for r in group], "seeds": [r.seed for r in group]}
+        for key in numbers[0]:
+            row[key] = _spread([n[key] for n in numbers])
+        rows.append(row)
+    first = rows[0]["final_test_accuracy"]["mean"]
+    for row in rows:
+        row["final_accuracy_diff"] = row["final_test_accuracy"]["mean"] - first
+    return rows
+
+
+def _cell(spread: dict[str, Any], fmt: str, unit: str = "") -> str:
+    """``mean`` or ``mean (min..max)``; time to target: ``not reached`` or ``k/n reached``."""
+    n, values = len(spread["values"]), spread["values"]
+    if spread["mean"] is None:
+        return "not reached"
+    text = f"{spread['mean']:{fmt}}{unit}"
+    if spread["min"] != spread["max"]:
+        text += f" ({spread['min']:{fmt}}..{spread['max']:{fmt}})"
+    reached = sum(v is not None for v in values)
+    return text + (f" [{reached}/{n} reached]" if reached < n else "")
+
+
+def _percent(spread: dict[str, Any]) -> dict[str, Any]:
+    """A spread of fractions as percent (mean, min and max)."""
+    return {**spread, **{k: 100 * spread[k] for k in ("mean", "min", "max")}}
+
+
+def format_table(rows: list[dict[str, Any]], target: float) -> str:
+    """The stdout table, one line per setting (seeds: mean (min..max))."""
+    head = ["setting", "algorithm", "seeds", "steps", "final acc %", "best acc %",
+            f"time to {target:g}%", "images/s", "comm share", "final vs first"]
+    lines = [head]
+    for r in rows:
+        lines.append([
+            r["label"], r["algorithm"], str(len(r["runs"])), _cell(r["steps"], ".0f"),
+            _cell(r["final_test_accuracy"], ".2f"), _cell(r["best_test_accuracy"], ".2f"),
+            _cell(r["time_to_target_s"], ".1f", " s"), _cell(r["images_per_s"], ",.0f"),
+            _cell(_percent(r["comm_share"]), ".0f", "%") if r["comm_share"]["mean"] is not None else "-",
+            f"{r['final_accuracy_diff']:+.2f} pt",
+        ])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def default_plot_path(dirs: list[str], json_path: str | None) -> Path:
+    """Next to --json, else compare.png in the run directories' common parent."""
+    if json_path:
+        return Path(json_path).with_suffix(".png")
+    parent = os.path.commonpath([str(Path(d).resolve().parent) for d in dirs])
+    return Path(parent) / "compare.png"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dirs", nargs="+", metavar="RUN_DIR", help="run directories of `flashsgd train`")
+    parser.add_argument("--labels", default=None,
+                        help="comma-separated names, one per setting (seeds of one setting share one); "
+                             "default: what differs between the settings")
+    parser.add_argument("--target", type=float, default=None,
+                        help="test accuracy (%%) for the time-to-target column "
+                             "(default: the first run's run.target_accuracy)")
+    parser.add_argument("--out", default=None, metavar="FILE.png",
+                        help="the plot (default: next to --json, else compare.png in the runs' parent)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON")
+
+
+def compare(dirs: list[str], labels: str | None = None, target: float | None = None,
+            out: str | None = None, json_path: str | None = None) -> list[dict[str, Any]]:
+    """Load, group, label; print the table; write the plot (and JSON); return the table rows.
+
+    Raises ValueError (one line naming the directory or flag) on bad input.
+    """
+    from flashsgd.train.compare_plot import plot_comparison
+
+    runs = [load_run(d) for d in dirs]
+    groups = group_runs(runs)
+    if labels is None:
+        names = derive_labels(groups)
+    else:
+        names = [s.strip() for s in labels.split(",")]
+        if len(names) != len(groups):
+            raise ValueError(f"--labels has {len(names)} labels for {len(groups)} settings "
+                             f"(runs that differ only in run.seed are one setting: "
+                             f"{' | '.join(', '.join(r.path.name for r in g) for g in groups)})")
+    target = runs[0].target_accuracy if target is None else target
+    if not math.isfinite(target):
+        raise ValueError(f"--target {target}: must be a finite accuracy in percent")
+    rows = table_rows(groups, names, target)
+    png = Path(out) if out else default_plot_path(dirs, json_path)
+    plot_comparison(groups, names, png, target)
+    print(format_table(rows, target))
+    if json_path:
+        Path(json_path).write_text(json.dumps({"target_accuracy": target, "settings": rows}, indent=2) + "\n")
+    print(f"\nplot: {png.resolve()}" + (f"\ntable: {Path(json_path).resolve()}" if json_path else ""))
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        compare(args.dirs, args.labels, args.target, args.out, args.json)
+    except (ValueError, OSError) as exc:
+        print(f"flashsgd compare: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
