@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flashsgd.cli import main
-from flashsgd.train.compare import compare
+from flashsgd.train.compare import Run, compare, derive_labels
 from flashsgd.train.report import read_metrics
 
 TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--progress", "false",
@@ -105,3 +105,20 @@ def test_bad_input_is_one_line_naming_it(runs, tmp_path, capsys):
                                    str(runs["gtopk"]), "--labels", "a,b,c", "--out", str(tmp_path / "c.png")])
     assert "3 labels for 2 settings" in err
     assert not (tmp_path / "c.png").exists()
+
+
+def _setting(path: str, **settings) -> list[Run]:
+    return [Run(Path(path), 0, settings, settings["algorithm"], 97.0, [], [])]
+
+
+def test_labels_name_what_differs():
+    ring = _setting("r", algorithm="ring", recipe="fujitsu")
+    sparse = _setting("s1", algorithm="gtopk", recipe="fujitsu", density=0.001, selection="sampled")
+    denser = _setting("s2", algorithm="gtopk", recipe="fujitsu", density=0.01, selection="sampled")
+    # density: differs between the runs that take it; selection: the default everywhere it is used
+    assert derive_labels([ring, sparse, denser]) == ["ring", "gtopk density=0.001", "gtopk density=0.01"]
+    assert derive_labels([ring, sparse]) == ["ring", "gtopk"]  # 0.001 is the default density
+    goyal = _setting("g", algorithm="ring", recipe="goyal")
+    assert derive_labels([ring, goyal]) == ["recipe=fujitsu", "recipe=goyal"]
+    assert derive_labels([ring]) == ["ring"]
+    assert derive_labels([ring, _setting("r2", algorithm="ring", recipe="fujitsu")]) == ["r", "r2"]

@@ -112,7 +112,7 @@ def derive_labels(groups: list[list[Run]]) -> list[str]:
     defaults = {k: v for sec in dataclasses.asdict(TrainConfig()).values() for k, v in sec.items()}
     settings = [g[0].settings for g in groups]
     shown = []
-    for key in sorted({k for s in settings for k in s}):
+    for key in dict.fromkeys(k for s in settings for k in s):  # config order
         values = {repr(s[key]) for s in settings if key in s}
         partial = any(key not in s for s in settings)
         if len(values) > 1 or (partial and values != {repr(defaults.get(key))}):
@@ -136,14 +136,14 @@ def time_to_target(evals: list[dict], target: float) -> float | None:
 def run_numbers(run: Run, target: float) -> dict[str, float | None]:
     """One run's table numbers (throughput and comm share: median / mean over steps >= 2)."""
     timed = [s for s in run.steps if s["step"] >= WARMUP_STEPS] or run.steps
+    shares = [s["t_comm_s"] / s["t_step_s"] for s in timed if s["t_step_s"] > 0]
     return {
         "steps": run.steps[-1]["step"] + 1 if run.steps else 0,
         "final_test_accuracy": run.evals[-1]["test_accuracy"],
         "best_test_accuracy": max(e["test_accuracy"] for e in run.evals),
         "time_to_target_s": time_to_target(run.evals, target),
         "images_per_s": statistics.median(s["images_per_s"] for s in timed) if timed else None,
-        "comm_share": statistics.mean(s["t_comm_s"] / s["t_step_s"] for s in timed if s["t_step_s"] > 0)
-        if timed else None,
+        "comm_share": statistics.mean(shares) if shares else None,
     }
 
 
