@@ -97,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     except launch.WorkerError as exc:
         _report_failure(exc, Path(cfg.run.out))
         return 1
+    except launch.Interrupted as exc:  # SIGINT / SIGTERM: the workers were stopped with us
+        print(f"flashsgd train: interrupted ({exc}); the run can be resumed from its last checkpoint",
+              file=sys.stderr)
+        return 128 + exc.signum
     except ValueError as exc:  # plan or run-directory checks, before any worker started
         print(f"flashsgd train: error: {exc}", file=sys.stderr)
         return 2
