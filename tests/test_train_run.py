@@ -53,7 +53,7 @@ def _final_state(out):
 
 
 def test_resume_gives_the_same_parameters(tmp_path):
-    common = dict(workers=2, deterministic=True, checkpoint_every=4, comm="ring", seed=3)
+    common = dict(workers=2, deterministic=True, checkpoint_every=4, algorithm="ring", seed=3)
     train(tiny(tmp_path / "a", **common))
     train(tiny(tmp_path / "b", max_steps=6, **common))             # interrupted after step 6
     train(tiny(tmp_path / "b", **common))                           # --resume auto continues
@@ -77,7 +77,7 @@ def test_nonfinite_skip_counts_and_stop_names_the_step(tmp_path):
 def test_dead_or_hung_worker_fails_the_run_in_time(tmp_path, mode):
     t0 = time.monotonic()
     with pytest.raises(WorkerError) as err:
-        train(tiny(tmp_path, workers=2, fail_at=f"1:2:{mode}", timeout_s=4, comm="native"))
+        train(tiny(tmp_path, workers=2, fail_at=f"1:2:{mode}", timeout_s=4, algorithm="native"))
     assert time.monotonic() - t0 < 60
     msg = str(err.value)
     survivor = "failed at step 2" in msg and "died or hung longer than run.timeout_s=4" in msg
