@@ -103,9 +103,10 @@ def test_registry_names_and_unknown_hook():
 
 @pytest.mark.parametrize("name, options, message", [
     ("torus2d", {"grd": "2x2"}, "hook 'torus2d' got unknown option\\(s\\) grd; valid: ranks_per_node, "
-                                "grid, threaded"),
-    ("native", {"grid": "2x2"}, "hook 'native' got unknown option\\(s\\) grid; valid: \\(none\\)"),
-    ("noop", {"threaded": True}, "valid: \\(none\\)"),
+                                "grid, threaded, timeout_s"),
+    ("native", {"grid": "2x2"}, "hook 'native' got unknown option\\(s\\) grid; valid: timeout_s"),
+    ("noop", {"threaded": True}, "valid: timeout_s"),
+    ("native", {"timeout_s": float("nan")}, "timeout_s must be a finite number of seconds > 0, got nan"),
 ])
 def test_unknown_options_list_valid_ones(name, options, message):
     with pytest.raises(ValueError, match=message):

@@ -62,7 +62,8 @@ def test_registered_and_bad_options():
     for opts, word in (({"density": 0}, "density"), ({"density": 1.5}, "density"),
                        ({"start_iter": 1}, "start_iter"), ({"selection": "fast"}, "selection"),
                        ({"density_warmup": 0.25, "density_warmup_steps": -3}, "density_warmup_steps"),
-                       ({"density_warmup_mode": "cosine"}, "density_warmup_mode"), ({"bogus": 1}, "bogus")):
+                       ({"density_warmup_mode": "cosine"}, "density_warmup_mode"), ({"bogus": 1}, "bogus"),
+                       ({"timeout_s": 0}, "timeout_s must be a finite number of seconds > 0, got 0")):
         with pytest.raises(ValueError, match=word):
             register_hook(net, "gtopk", **opts)
 

@@ -38,6 +38,15 @@ a relative error of order (P-1) * eps_dtype * sum|x_i| / |sum x_i| (eps = 2^-11 
 bf16). Upcasting chunks to fp32 would need fp32 on the wire (twice the bytes) to help. ``avg``
 divides the sum by the world size once at the end (DDP's averaging).
 
+Deadline: every send and receive of the rings waits at most ``topology.timeout_s`` (see
+:func:`~flashsgd.comm.topology.get_topology`; the stage functions take ``timeout_s=``) and then
+raises :class:`~flashsgd.comm.errors.PeerTimeout` naming this rank, the peer rank it waited for,
+the algorithm and the step, e.g. "rank 0: no data from peer rank 1 within 10 s (ring all-reduce,
+reduce-scatter step 2)". In a ring only the neighbour of a stopped rank waits on it directly; the
+others time out waiting on a neighbour that is itself stuck, so the blamed peers form a chain
+that ends at the stopped rank. On NCCL the native collectives are bounded by the groups' timeout
+(the topology creates its subgroups with it) and NCCL's watchdog.
+
 Safety: with ``check=True`` (the default for direct calls) every rank first all-gathers a 4-integer
 descriptor (length, dtype, op, algorithm) on the world group, one tiny collective, and every rank
 raises the same :class:`ValueError` when they differ, instead of hanging or mis-reducing. The DDP
@@ -55,6 +64,7 @@ Example::
 
 from __future__ import annotations
 
+import datetime
 from typing import Callable, Sequence
 
 import torch
@@ -62,7 +72,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from flashsgd.comm import topology as topology_module
-from flashsgd.comm.topology import Topology, get_topology
+from flashsgd.comm.topology import Topology, default_timeout_s, get_topology
+from flashsgd.comm.waits import gather_from_peers, wait_peer
 from flashsgd.registry import Registry
 
 AllReduceFn = Callable[..., torch.Tensor]
@@ -93,11 +104,14 @@ def validate(tensor: torch.Tensor, op: str) -> torch.Tensor:
     return tensor.view(-1)
 
 
-def check_consistent(flat: torch.Tensor, op: str, algorithm: str) -> None:
+def check_consistent(flat: torch.Tensor, op: str, algorithm: str,
+                     timeout_s: float | None = None) -> None:
     """Raise the same ValueError on every rank if ranks disagree on length, dtype, op or algorithm.
 
     One all-gather of 4 int64 per rank on the world group: cost a * lgP-ish, negligible next to any
-    real message, but paid per call, hence opt-out (``check=False``) on the hook hot path.
+    real message, but paid per call, hence opt-out (``check=False``) on the hook hot path. On CPU
+    it is a direct exchange (:func:`~flashsgd.comm.waits.gather_from_peers`) whose waits last at
+    most ``timeout_s`` (``None``: the default group's timeout) and name a missing rank.
     """
     world = dist.get_world_size()
     if world == 1:
@@ -106,8 +120,12 @@ def check_consistent(flat: torch.Tensor, op: str, algorithm: str) -> None:
     mine = torch.tensor([flat.numel(), list(DTYPES).index(flat.dtype), OPS.index(op),
                          names.index(algorithm) if algorithm in names else -1],
                         dtype=torch.int64, device=flat.device)
-    every = torch.empty(world * 4, dtype=torch.int64, device=flat.device)
-    _all_gather_single(every, mine)
+    if flat.is_cuda:  # NCCL: its collective, bounded by the group's timeout
+        every = torch.empty(world * 4, dtype=torch.int64, device=flat.device)
+        _all_gather_single(every, mine)
+    else:
+        timeout_s = default_timeout_s() if timeout_s is None else timeout_s
+        every = gather_from_peers(mine, None, timeout_s, f"{algorithm} all-reduce, input check")
     rows = every.view(world, 4).tolist()  # (W, 4)
     if all(r == rows[0] for r in rows):
         return
@@ -130,7 +148,7 @@ def _prepare(tensor: torch.Tensor, op: str, check: bool, algorithm: str,
         raise ValueError(f"topology describes {topo.world_size} ranks but the world size is "
                          f"{dist.get_world_size()}; build it with get_topology() in this process group")
     if check:
-        check_consistent(flat, op, algorithm)
+        check_consistent(flat, op, algorithm, topo.timeout_s)
     return flat, topo
 
 
@@ -158,18 +176,19 @@ def _native_stages(flat: torch.Tensor, group: ProcessGroup | None) -> bool:
 
 
 def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
-              groups: tuple[ProcessGroup, ProcessGroup]) -> None:
+              groups: tuple[ProcessGroup, ProcessGroup], ranks: Sequence[int], timeout_s: float,
+              where: str) -> None:
     """One ring step: post the receive from ``src`` and the send to ``dst``, then wait for both.
 
-    ``groups`` = (send group, receive group), see :func:`_directions`.
+    ``groups`` = (send group, receive group), see :func:`_directions`; ``src``/``dst`` are
+    positions in ``ranks`` (the global ranks named if a wait passes ``timeout_s``).
     """
-    works = []
-    if recv.numel():
-        works.append(dist.irecv(recv, group=groups[1], group_src=src))
-    if send.numel():
-        works.append(dist.isend(send, group=groups[0], group_dst=dst))
-    for w in works:
-        w.wait()
+    recv_work = dist.irecv(recv, group=groups[1], group_src=src) if recv.numel() else None
+    send_work = dist.isend(send, group=groups[0], group_dst=dst) if send.numel() else None
+    if recv_work is not None:
+        wait_peer(recv_work, ranks[src], timeout_s, where)
+    if send_work is not None:
+        wait_peer(send_work, ranks[dst], timeout_s, where, sending=True)
 
 
 SEGMENT_BYTES = 1 << 20
@@ -179,9 +198,10 @@ rings); chunks up to this size go as one message (no extra latency for small mes
 
 
 def _exchange_add(send: torch.Tensor, dst: int, into: torch.Tensor, tmp: torch.Tensor, src: int,
-                  groups: tuple[ProcessGroup, ProcessGroup]) -> None:
+                  groups: tuple[ProcessGroup, ProcessGroup], ranks: Sequence[int], timeout_s: float,
+                  where: str) -> None:
     """One reduce step: send ``send`` to ``dst``; receive ``into.numel()`` values from ``src`` and
-    add them into ``into``, segment by segment as they arrive."""
+    add them into ``into``, segment by segment as they arrive (each wait at most ``timeout_s``)."""
     seg = max(1, SEGMENT_BYTES // max(1, into.element_size()))
     tmp = tmp[:into.numel()]
     recvs = [(dist.irecv(tmp[lo:lo + seg], group=groups[1], group_src=src), lo)
@@ -189,10 +209,10 @@ def _exchange_add(send: torch.Tensor, dst: int, into: torch.Tensor, tmp: torch.T
     sends = [dist.isend(send[lo:lo + seg], group=groups[0], group_dst=dst)
              for lo in range(0, send.numel(), seg)]
     for work, lo in recvs:
-        work.wait()
+        wait_peer(work, ranks[src], timeout_s, where)
         into[lo:lo + seg].add_(tmp[lo:lo + seg])  # reduction in the tensor's dtype
     for work in sends:
-        work.wait()
+        wait_peer(work, ranks[dst], timeout_s, where, sending=True)
 
 
 def _directions(p: int, P: int, group: ProcessGroup, duplex: ProcessGroup | None
@@ -243,14 +263,16 @@ def duplex_groups(topo: Topology) -> dict[str, ProcessGroup | None]:
             continue
         for members in groups:
             if members not in made:
-                made[members] = dist.new_group(list(members))
+                made[members] = dist.new_group(list(members),
+                                               timeout=datetime.timedelta(seconds=topo.timeout_s))
         out[kind] = made[tuple(mine[kind])]
     _DUPLEX[topo] = out
     return out
 
 
 def reduce_scatter(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | None,
-                   duplex: ProcessGroup | None = None) -> tuple[int, int]:
+                   duplex: ProcessGroup | None = None, *, timeout_s: float | None = None,
+                   where: str = "ring") -> tuple[int, int]:
     """Ring reduce-scatter of ``flat`` over ``ranks``; returns the ``[lo, hi)`` shard this rank owns.
 
     Patarasuk & Yuan 2009. After the call ``flat[lo:hi]`` holds the sum over ``ranks``; the rest of
@@ -260,6 +282,10 @@ def reduce_scatter(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup
     1. Split ``flat`` into P chunks (:func:`chunk_bounds`); position p will own chunk p.
     2. For s = 0 .. P-2: send chunk (p-s-1) mod P to the right neighbour, receive chunk (p-s-2) mod
        P from the left one and add it into the local copy (it is sent on at step s+1).
+
+    Each wait on a neighbour lasts at most ``timeout_s`` seconds (``None``: the default process
+    group's timeout), then raises :class:`~flashsgd.comm.errors.PeerTimeout` naming it and
+    ``where`` (the caller's description, e.g. ``"torus2d all-reduce, row"``) with the step.
     """
     P = len(ranks)
     if P == 1 or group is None:
@@ -281,16 +307,18 @@ def reduce_scatter(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup
     # Step 2: (P-1) steps, each moving one chunk of <= n/P elements per rank.
     right, left = (p + 1) % P, (p - 1) % P
     groups = _directions(p, P, group, duplex)
+    timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     tmp = flat.new_empty(b[1])
     for s in range(P - 1):
         k_send, k_recv = (p - s - 1) % P, (p - s - 2) % P
         _exchange_add(flat[b[k_send]:b[k_send + 1]], right, flat[b[k_recv]:b[k_recv + 1]], tmp, left,
-                      groups)
+                      groups, ranks, timeout_s, f"{where}, reduce-scatter step {s}")
     return b[p], b[p + 1]
 
 
 def all_gather(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | None,
-               duplex: ProcessGroup | None = None) -> None:
+               duplex: ProcessGroup | None = None, *, timeout_s: float | None = None,
+               where: str = "ring") -> None:
     """Ring all-gather: position p contributes chunk p of ``flat``; afterwards all of ``flat`` is filled.
 
     The inverse stage of :func:`reduce_scatter`. Cost over P ranks: (P-1) a + (P-1)/P n b.
@@ -298,6 +326,8 @@ def all_gather(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | N
     1. Split ``flat`` into the same P chunks as :func:`reduce_scatter`.
     2. For s = 0 .. P-2: send chunk (p-s) mod P to the right neighbour and receive chunk (p-s-1)
        mod P from the left one directly into place.
+
+    Deadline and ``where`` as in :func:`reduce_scatter`.
     """
     P = len(ranks)
     n = flat.numel()
@@ -317,25 +347,28 @@ def all_gather(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | N
     # Step 2
     right, left = (p + 1) % P, (p - 1) % P
     groups = _directions(p, P, group, duplex)
+    timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     for s in range(P - 1):
         k_send, k_recv = (p - s) % P, (p - s - 1) % P
-        _exchange(flat[b[k_send]:b[k_send + 1]], right, flat[b[k_recv]:b[k_recv + 1]], left, groups)
+        _exchange(flat[b[k_send]:b[k_send + 1]], right, flat[b[k_recv]:b[k_recv + 1]], left, groups,
+                  ranks, timeout_s, f"{where}, all-gather step {s}")
 
 
 def ring_allreduce(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | None,
-                   duplex: ProcessGroup | None = None) -> None:
+                   duplex: ProcessGroup | None = None, *, timeout_s: float | None = None,
+                   where: str = "ring") -> None:
     """Sum ``flat`` over ``ranks`` in place: :func:`reduce_scatter` then :func:`all_gather`.
 
     Cost: 2(P-1) a + 2(P-1)/P n b + (P-1)/P n g (bandwidth-optimal). On NCCL a single native
-    ``all_reduce`` on the group.
+    ``all_reduce`` on the group. Deadline and ``where`` as in :func:`reduce_scatter`.
     """
     if len(ranks) == 1 or group is None or flat.numel() == 0:
         return
     if _native_stages(flat, group):
         dist.all_reduce(flat, group=group)
         return
-    reduce_scatter(flat, ranks, group, duplex)
-    all_gather(flat, ranks, group, duplex)
+    reduce_scatter(flat, ranks, group, duplex, timeout_s=timeout_s, where=where)
+    all_gather(flat, ranks, group, duplex, timeout_s=timeout_s, where=where)
 
 
 # ------------------------------------------------------------------------------ algorithms ------
@@ -387,9 +420,9 @@ def ring(tensor: torch.Tensor, topology: Topology | None = None, op: str = "sum"
     group = dist.group.WORLD if topo.world_size > 1 else None
     # Step 1
     duplex = duplex_groups(topo)["world"]
-    reduce_scatter(flat, world, group, duplex)
+    reduce_scatter(flat, world, group, duplex, timeout_s=topo.timeout_s, where="ring all-reduce")
     # Step 2
-    all_gather(flat, world, group, duplex)
+    all_gather(flat, world, group, duplex, timeout_s=topo.timeout_s, where="ring all-reduce")
     return _finish(tensor, op, topo.world_size)
 
 
@@ -419,7 +452,7 @@ def hierarchical(tensor: torch.Tensor, topology: Topology | None = None, op: str
         >>> hierarchical(t, get_topology(ranks_per_node=4))  # 8 ranks = 2 nodes x 4
     """
     flat, topo = _prepare(tensor, op, check, "hierarchical", topology)
-    _two_level(flat, topo, inner="node", outer="cross")  # Steps 1-3
+    _two_level(flat, topo, "hierarchical", inner="node", outer="cross")  # Steps 1-3
     return _finish(tensor, op, topo.world_size)
 
 
@@ -448,26 +481,29 @@ def torus2d(tensor: torch.Tensor, topology: Topology | None = None, op: str = "s
         >>> torus2d(t, get_topology(grid="2x4"))  # 8 ranks: rows of 2, columns of 4
     """
     flat, topo = _prepare(tensor, op, check, "torus2d", topology)
-    _two_level(flat, topo, inner="row", outer="col")  # Steps 1-3
+    _two_level(flat, topo, "torus2d", inner="row", outer="col")  # Steps 1-3
     return _finish(tensor, op, topo.world_size)
 
 
-def _two_level(flat: torch.Tensor, topo: Topology, inner: str, outer: str) -> None:
+def _two_level(flat: torch.Tensor, topo: Topology, algorithm: str, inner: str, outer: str) -> None:
     """The three stages shared by hierarchical (node/cross) and torus2d (row/col), in place.
 
     Step 1: ring reduce-scatter over the ``inner`` group: this rank owns its group's sum of one
     1/|inner| shard. Step 2: ring all-reduce of that shard over the ``outer`` group (the |inner|
     outer groups run concurrently). Step 3: ring all-gather over the ``inner`` group.
     """
-    duplex = duplex_groups(topo)
+    duplex, timeout_s = duplex_groups(topo), topo.timeout_s
     inner_ranks, inner_group = getattr(topo, f"{inner}_ranks"), getattr(topo, f"{inner}_group")
+    outer_ranks, outer_group = getattr(topo, f"{outer}_ranks"), getattr(topo, f"{outer}_group")
     # Step 1
-    lo, hi = reduce_scatter(flat, inner_ranks, inner_group, duplex[inner])
+    lo, hi = reduce_scatter(flat, inner_ranks, inner_group, duplex[inner], timeout_s=timeout_s,
+                            where=f"{algorithm} all-reduce, {inner} stage")
     # Step 2
-    ring_allreduce(flat[lo:hi], getattr(topo, f"{outer}_ranks"), getattr(topo, f"{outer}_group"),
-                   duplex[outer])
+    ring_allreduce(flat[lo:hi], outer_ranks, outer_group, duplex[outer], timeout_s=timeout_s,
+                   where=f"{algorithm} all-reduce, {outer} stage")
     # Step 3
-    all_gather(flat, inner_ranks, inner_group, duplex[inner])
+    all_gather(flat, inner_ranks, inner_group, duplex[inner], timeout_s=timeout_s,
+               where=f"{algorithm} all-reduce, {inner} stage")
 
 
 def allreduce(tensor: torch.Tensor, algorithm: str = "ring", topology: Topology | None = None,

@@ -14,7 +14,12 @@ Hooks (factories registered in :data:`flashsgd.comm.hooks.HOOKS`):
 =============== ===============================================================================
 
 The three dense hooks take ``ranks_per_node``, ``grid`` (the :class:`Topology`, built once at
-registration, a collective call on every rank) and ``threaded``. They call the algorithm with
+registration, a collective call on every rank), ``threaded`` and ``timeout_s`` (the deadline of
+every wait on a peer, :attr:`Topology.timeout_s`; ``None``: the default process group's timeout):
+a rank that stops makes its peers raise :class:`~flashsgd.comm.errors.PeerTimeout` from
+``backward()`` within about ``timeout_s``. ``native`` accepts ``timeout_s`` too, so one set of
+options fits every hook, but DDP's built-in all-reduce is bounded by its process group's timeout
+(``init_process_group(timeout=...)``); ``noop`` never waits. They call the algorithm with
 ``op="avg"`` (sum, then divide by the world size: DDP's default semantics) and ``check=False``
 (DDP gives every rank identical buckets; a per-bucket length check would add latency).
 
@@ -64,7 +69,7 @@ import torch.distributed as dist
 from flashsgd.comm.dense import ALLREDUCE, DTYPES, duplex_groups
 from flashsgd.comm.hook_common import (CommThread, HookFactory, StatelessHookState,
                                        completed_future, ddp_hook)
-from flashsgd.comm.topology import Topology, get_topology
+from flashsgd.comm.topology import Topology, check_timeout_s, get_topology
 
 DENSE_HOOKS = ("ring", "hierarchical", "torus2d")
 
@@ -80,16 +85,17 @@ class DenseHookState(StatelessHookState):
         ranks_per_node: L (``None``: detected); used by hierarchical and the default grid.
         grid: ``"XxY"`` for torus2d (``None``: X = L).
         threaded: run the all-reduce on a communication thread (see the module docstring).
+        timeout_s: deadline of every wait on a peer, seconds (``None``: the default group's).
     """
 
     __slots__ = (
-        "ranks_per_node", "grid", "threaded",      # hyper-parameters
+        "ranks_per_node", "grid", "threaded", "timeout_s",  # hyper-parameters
         "topology", "comm",                         # internal (not checkpointed)
         "buckets", "elements",                      # stats: calls and elements reduced
     )
 
     def __init__(self, name: str, ranks_per_node: int | None = None, grid: str | None = None,
-                 threaded: bool = True) -> None:
+                 threaded: bool = True, timeout_s: float | None = None) -> None:
         if name not in ALLREDUCE or name == "native":
             raise ValueError(f"dense hook algorithm must be one of "
                              f"{', '.join(n for n in ALLREDUCE.names() if n != 'native')}, got {name!r}")
@@ -97,7 +103,9 @@ class DenseHookState(StatelessHookState):
             raise ValueError(f"threaded must be True or False, got {threaded!r}")
         super().__init__(name)
         self.ranks_per_node, self.grid, self.threaded = ranks_per_node, grid, threaded
-        self.topology: Topology | None = get_topology(ranks_per_node=ranks_per_node, grid=grid)
+        self.timeout_s = None if timeout_s is None else check_timeout_s(timeout_s)
+        self.topology: Topology | None = get_topology(ranks_per_node=ranks_per_node, grid=grid,
+                                                      timeout_s=timeout_s)
         duplex_groups(self.topology)  # collective: create any extra groups now, not in backward
         self.comm: CommThread | None = CommThread() if threaded else None
         self.buckets = 0
@@ -105,7 +113,8 @@ class DenseHookState(StatelessHookState):
 
     def __getstate__(self) -> dict:
         return {"name": self.name, "ranks_per_node": self.ranks_per_node, "grid": self.grid,
-                "threaded": self.threaded, "buckets": self.buckets, "elements": self.elements}
+                "threaded": self.threaded, "timeout_s": self.timeout_s, "buckets": self.buckets,
+                "elements": self.elements}
 
     def __setstate__(self, state: dict) -> None:
         for key, value in state.items():
@@ -126,7 +135,8 @@ def dense_hook(state: DenseHookState, bucket: dist.GradBucket) -> torch.futures.
     # Step 1
     buf = bucket.buffer()
     if state.topology is None:  # unpickled state: rebuild (every rank does it at the same bucket)
-        state.topology = get_topology(ranks_per_node=state.ranks_per_node, grid=state.grid)
+        state.topology = get_topology(ranks_per_node=state.ranks_per_node, grid=state.grid,
+                                      timeout_s=state.timeout_s)
     fn, topo = ALLREDUCE.get(state.name), state.topology
     state.buckets += 1
     state.elements += buf.numel()
@@ -145,22 +155,27 @@ def noop_hook(state: StatelessHookState, bucket: dist.GradBucket) -> torch.futur
     return completed_future(bucket.buffer())
 
 
-def make_native(ddp_model: Any) -> tuple[StatelessHookState, None]:
-    """``native``: register nothing, DDP's built-in all-reduce stays."""
+def make_native(ddp_model: Any, timeout_s: float | None = None) -> tuple[StatelessHookState, None]:
+    """``native``: register nothing, DDP's built-in all-reduce stays (bounded by its process
+    group's timeout; ``timeout_s`` is validated, so every hook takes the same options)."""
+    if timeout_s is not None:
+        check_timeout_s(timeout_s)
     return StatelessHookState("native"), None
 
 
-def make_noop(ddp_model: Any) -> tuple[StatelessHookState, Callable]:
-    """``noop``: no communication (the benchmark ceiling)."""
+def make_noop(ddp_model: Any, timeout_s: float | None = None) -> tuple[StatelessHookState, Callable]:
+    """``noop``: no communication (the benchmark ceiling), hence no wait for ``timeout_s`` to bound."""
+    if timeout_s is not None:
+        check_timeout_s(timeout_s)
     return StatelessHookState("noop"), noop_hook
 
 
 def dense_factory(name: str) -> HookFactory:
     """The factory of the dense hook ``name`` (one of :data:`DENSE_HOOKS`)."""
     def make(ddp_model: Any, ranks_per_node: int | None = None, grid: str | None = None,
-             threaded: bool = True) -> tuple[DenseHookState, Callable]:
+             threaded: bool = True, timeout_s: float | None = None) -> tuple[DenseHookState, Callable]:
         _check_model(ddp_model, name)
-        return DenseHookState(name, ranks_per_node, grid, threaded), dense_hook
+        return DenseHookState(name, ranks_per_node, grid, threaded, timeout_s), dense_hook
 
     make.__name__ = f"make_{name}"
     make.__doc__ = f"Hook averaging each bucket with the {name} all-reduce."

@@ -43,30 +43,50 @@ class CommThread:
     """One daemon thread that runs submitted calls in FIFO order and completes their Futures.
 
     FIFO on every rank + DDP launching buckets in index order = the same collective order on every
-    rank. Started lazily on first use (so it never exists across a fork).
+    rank. Started lazily on first use (so it never exists across a fork). Its waits are the
+    algorithms' own (each bounded by their deadline, see :mod:`flashsgd.comm.waits`). After a call
+    fails, the ranks' collective sequences no longer match, so every later call (queued or
+    submitted) fails at once with the same exception instead of waiting out its own deadline.
     """
 
-    __slots__ = ("_queue", "_thread")
+    __slots__ = ("_queue", "_thread", "_error")
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def submit(self, fn: Callable[[], Any]) -> torch.futures.Future:
+        """Queue ``fn``; return a Future of its result, completed by the thread.
+
+        A failure reaches DDP's C++ side as an error whose text starts with the exception's type
+        and message (e.g. "PeerTimeout: rank 0: no data from peer rank 1 ..."): the returned Future
+        is a ``.then()`` of the thread's, which re-raises inside the callback (it never blocks:
+        the callback runs once the value is there). A bare Python-side exception would reach DDP
+        as "Unable to cast <message> to Tensor".
+        """
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, name="flashsgd-comm", daemon=True)
             self._thread.start()
         fut: torch.futures.Future = torch.futures.Future()
         self._queue.put((fn, fut))
-        return fut
+        return fut.then(_value)
 
     def _loop(self) -> None:
         while True:
             fn, fut = self._queue.get()
+            if self._error is not None:
+                fut.set_exception(self._error)
+                continue
             try:
                 fut.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - DDP re-raises it from fut.wait()
+                self._error = exc
                 fut.set_exception(exc)
+
+
+def _value(fut: torch.futures.Future) -> Any:
+    return fut.value()  # completed: returns the value or raises the thread's exception
 
 
 class StatelessHookState:

@@ -25,7 +25,10 @@ holds only the other subtree's mass), which is the precise form of "what was not
 local values that did not survive the global selection".
 
 Indices travel as int64 and values are bit-cast into the same int64 message (never converted to
-float32, which would corrupt indices >= 2^24). Selection (exact and sampled-threshold top-k) and
+float32, which would corrupt indices >= 2^24). Deadline: every wait on a peer (the all-gather's
+messages, the butterfly's swaps, the size check) lasts at most ``timeout_s`` seconds (``None``:
+the default process group's timeout) and then raises :class:`~flashsgd.comm.errors.PeerTimeout`
+naming the peer rank. Selection (exact and sampled-threshold top-k) and
 the density schedule are in :mod:`flashsgd.comm.sparse_select`, re-exported here.
 
 Example::
@@ -44,14 +47,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from flashsgd.comm.topology import default_timeout_s
+from flashsgd.comm.waits import gather_from_peers, global_rank, wait_peer
+
 # selection and density live in sparse_select; re-exported here (one import site for callers)
 from flashsgd.comm.sparse_select import (DEFAULT_DENSITY, SELECTIONS,  # noqa: F401
                                          DensitySchedule, SelectionWorkspace, density_at,
                                          k_from_density, topk_exact, topk_sampled,
                                          validate_density)
-
-# newer torch names it all_gather_single (all_gather_into_tensor warns as deprecated)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 # ------------------------------------------------------------------------------- merge ----------
@@ -209,19 +212,23 @@ def _group_info(group: ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def check_sizes(k: int, numel: int, n_pairs: int, group: ProcessGroup | None, what: str) -> None:
+def _timeout(timeout_s: float | None) -> float:
+    return default_timeout_s() if timeout_s is None else timeout_s
+
+
+def check_sizes(k: int, numel: int, n_pairs: int, group: ProcessGroup | None, what: str,
+                timeout_s: float | None = None) -> None:
     """Raise the same ValueError on every rank unless all ranks pass the same k, numel and #pairs.
 
-    One all-gather of 3 int64 per rank (log P alpha): mismatched sizes would otherwise make the
-    send/recv of the exchange hang or fail with an opaque transport error.
+    One exchange of 3 int64 per rank (:func:`~flashsgd.comm.waits.gather_from_peers`, one alpha):
+    mismatched sizes would otherwise make the send/recv of the exchange hang or fail with an
+    opaque transport error. Each wait lasts at most ``timeout_s`` (``None``: the group's default).
     """
     rank, world = _group_info(group)
     if world == 1:
         return
     header = torch.tensor([k, numel, n_pairs], dtype=torch.int64)
-    out = torch.empty(world * 3, dtype=torch.int64)
-    _all_gather_single(out, header, group=group)
-    rows = out.view(world, 3).tolist()
+    rows = gather_from_peers(header, group, _timeout(timeout_s), f"{what}, size check").tolist()
     if any(row != rows[0] for row in rows):
         desc = ", ".join(f"rank {r}: k={a}, numel={b}, pairs={c}" for r, (a, b, c) in enumerate(rows))
         raise ValueError(f"{what}: mismatched lengths across ranks ({desc}); every rank must pass "
@@ -230,17 +237,19 @@ def check_sizes(k: int, numel: int, n_pairs: int, group: ProcessGroup | None, wh
 
 def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
                    group: ProcessGroup | None = None, check: bool = True,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, *, timeout_s: float | None = None) -> torch.Tensor:
     """Top-k S-SGD exchange: all-gather every rank's k pairs and sum them into a dense vector.
 
     Algorithm:
         1. Pack the k indices (int64) and the bit-cast values into one int64 message.
-        2. All-gather the P messages (Gloo/NCCL ring: (P-1) messages sent per rank).
+        2. All-gather the P messages by direct exchange (every rank sends its message to each of
+           the P-1 others: :func:`~flashsgd.comm.waits.gather_from_peers`).
         3. Scatter-add the P k values into a zero vector of ``numel``, in rank order (the same
            order on every rank, so the result is identical everywhere).
 
-    Cost: ring all-gather (P-1) a + (P-1) k s b with s = 12 bytes per fp32 pair, plus O(Pk) adds
-    and an O(numel) zero fill; bytes sent per rank: (P-1) * :func:`message_bytes`.
+    Cost: a + (P-1) k s b with s = 12 bytes per fp32 pair (the bytes of a ring all-gather, P-1
+    messages, sent concurrently: one latency instead of P-1), plus O(Pk) adds and an O(numel)
+    zero fill; bytes sent per rank: (P-1) * :func:`message_bytes`.
 
     Args:
         values, indices: this rank's k pairs (the same k on every rank).
@@ -248,9 +257,13 @@ def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
         group: process group (None: the default group).
         check: verify equal k and numel on all ranks first (one tiny all-gather).
         out: flat tensor of ``numel`` to write the sum into (overwritten; saves an allocation).
+        timeout_s: deadline of each wait on a peer, seconds (``None``: the group's default).
 
     Returns:
         The dense sum over ranks (not averaged), dtype of ``values`` (``out`` if given).
+
+    Raises:
+        PeerTimeout: a peer's message did not arrive within ``timeout_s`` (names that rank).
 
     Example::
 
@@ -260,16 +273,13 @@ def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
     k = values.numel()
     values, indices = _canonical(values, indices, k, numel)
     rank, world = _group_info(group)
+    timeout_s = _timeout(timeout_s) if world > 1 else 0.0
     if check:
-        check_sizes(k, numel, k, group, "topk_allgather")
+        check_sizes(k, numel, k, group, "topk_allgather", timeout_s)
     # Step 1
     msg = _pack(values, indices)
     # Step 2
-    if world > 1:
-        gathered = torch.empty(world * msg.numel(), dtype=torch.int64)
-        _all_gather_single(gathered, msg, group=group)
-    else:
-        gathered = msg
+    gathered = gather_from_peers(msg, group, timeout_s, "topk all-gather") if world > 1 else msg
     # Step 3
     if out is None:
         out = torch.zeros(numel, dtype=values.dtype)
@@ -283,15 +293,21 @@ def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
     return out
 
 
-def _swap(send: torch.Tensor, recv: torch.Tensor, peer: int, group: ProcessGroup | None) -> None:
-    """Send ``send`` to and receive ``recv`` from group rank ``peer`` at the same time."""
-    works = [dist.irecv(recv, group=group, group_src=peer), dist.isend(send, group=group, group_dst=peer)]
-    for w in works:
-        w.wait()
+def _swap(send: torch.Tensor | None, recv: torch.Tensor | None, peer: int,
+          group: ProcessGroup | None, timeout_s: float, where: str) -> None:
+    """Send ``send`` to and receive ``recv`` from group rank ``peer`` at the same time (either may
+    be None: a one-way step); each wait lasts at most ``timeout_s``."""
+    recv_work = dist.irecv(recv, group=group, group_src=peer) if recv is not None else None
+    send_work = dist.isend(send, group=group, group_dst=peer) if send is not None else None
+    if recv_work is not None:
+        wait_peer(recv_work, global_rank(group, peer), timeout_s, where)
+    if send_work is not None:
+        wait_peer(send_work, global_rank(group, peer), timeout_s, where, sending=True)
 
 
 def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int,
-                    group: ProcessGroup | None = None, check: bool = True) -> GTopk:
+                    group: ProcessGroup | None = None, check: bool = True, *,
+                    timeout_s: float | None = None) -> GTopk:
     """Global Top-k of the sum over ranks by a butterfly of pairwise merges (gTop-k, Shi et al. 2019).
 
     Algorithm (P ranks, P2 = largest power of two <= P, E = P - P2 extra ranks):
@@ -319,10 +335,14 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
         numel: length of the dense gradient (indices in [0, numel)).
         group: process group (None: the default group).
         check: verify equal k and numel on all ranks first (one tiny all-gather).
+        timeout_s: deadline of each wait on a peer, seconds (``None``: the group's default).
 
     Returns:
         :class:`GTopk` ``(values, indices, counted)``: the k summed values and their indices,
         identical on every rank, and this rank's local indices whose values are in the sum.
+
+    Raises:
+        PeerTimeout: the partner of a round sent nothing within ``timeout_s`` (names that rank).
 
     Example::
 
@@ -333,24 +353,23 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
     """
     values, indices = _canonical(values, indices, k, numel)
     rank, world = _group_info(group)
+    timeout_s = _timeout(timeout_s) if world > 1 else 0.0
     if check:
-        check_sizes(k, numel, values.numel(), group, "gtopk_allreduce")
+        check_sizes(k, numel, values.numel(), group, "gtopk_allreduce", timeout_s)
     if world == 1:
         return GTopk(values, indices, indices)
     dtype = values.dtype
     p2 = 1 << (world.bit_length() - 1)
     mine = indices  # my local indices still counted
-    # Step 1: fold in
-    if rank >= p2:
-        dist.send(_pack(values, indices), group=group, group_dst=rank - p2)
+    if rank >= p2:  # Step 1 (send my pairs) and Step 3 (receive the result), as an extra rank
         msg = torch.empty(_message_len(k, dtype, k), dtype=torch.int64)
-        dist.recv(msg, group=group, group_src=rank - p2)  # Step 3 (receiving side)
+        _swap(_pack(values, indices), msg, rank - p2, group, timeout_s, "gtopk all-reduce, fold-in")
         gv, gi, mask = _unpack(msg, k, dtype, k)
         return GTopk(gv.clone(), gi.clone(), indices[mask.bool()])
     guest = None  # the folded-in rank's local indices still counted
-    if rank + p2 < world:
+    if rank + p2 < world:  # Step 1: fold in
         msg = torch.empty(_message_len(k, dtype), dtype=torch.int64)
-        dist.recv(msg, group=group, group_src=rank + p2)
+        _swap(None, msg, rank + p2, group, timeout_s, "gtopk all-reduce, fold-in")
         ov, oi = _unpack(msg, k, dtype)
         guest_all = oi.clone()
         values, indices = merge_topk(values, indices, ov, oi, k)
@@ -358,7 +377,8 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
     # Step 2: butterfly
     recv = torch.empty(_message_len(k, dtype), dtype=torch.int64)
     for i in range(p2.bit_length() - 1):
-        _swap(_pack(values, indices), recv, rank ^ (1 << i), group)
+        _swap(_pack(values, indices), recv, rank ^ (1 << i), group, timeout_s,
+              f"gtopk all-reduce, butterfly round {i}")
         ov, oi = _unpack(recv, k, dtype)
         values, indices = merge_topk(values, indices, ov, oi, k)
         mine = _counted(mine, indices)
@@ -367,7 +387,8 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
     # Step 3: fold out
     if guest is not None:
         mask = torch.isin(guest_all, guest).to(torch.uint8)  # (k,) 1 = that local value counted
-        dist.send(_pack(values, indices, mask), group=group, group_dst=rank + p2)
+        _swap(_pack(values, indices, mask), None, rank + p2, group, timeout_s,
+              "gtopk all-reduce, fold-out")
     return GTopk(values, indices, mine)
 
 

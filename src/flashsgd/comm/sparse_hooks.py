@@ -38,7 +38,9 @@ id-based parameter map; an unpickled state must be re-attached with
 Options (``register_hook(ddp, "topk" | "gtopk", ...)``): ``density`` (0.001, the paper's),
 ``density_warmup`` (None: the start density of the warm-up), ``density_warmup_steps`` (0),
 ``density_warmup_mode`` ("exponential"), ``start_iter`` (2), ``selection`` ("exact" | "sampled"),
-``seed`` (0, for the sampled selection).
+``seed`` (0, for the sampled selection), ``timeout_s`` (None: the default process group's timeout;
+the deadline of every wait on a peer, dense warm-up included: a rank that stops makes the others
+raise :class:`~flashsgd.comm.errors.PeerTimeout` naming the peer they waited for).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ import torch
 import torch.distributed as dist
 
 from flashsgd.comm.hook_common import completed_future, ddp_hook
+from flashsgd.comm.topology import check_timeout_s, default_timeout_s
+from flashsgd.comm.waits import wait_collective
 from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, DensitySchedule, SelectionWorkspace,
                                   check_sizes, gtopk_allreduce, gtopk_bytes_sent, k_from_density,
                                   topk_allgather, topk_bytes_sent)
@@ -68,11 +72,12 @@ class SparseHookState:
         seed: seed of the sampled selection's sample (rank added, so ranks sample differently).
         process_group: DDP's group (None: the default group).
         param_positions: ``{id(parameter): position in model.parameters()}`` (residual remapping).
+        timeout_s: deadline of every wait on a peer, seconds (``None``: the default group's).
     """
 
     __slots__ = (
         # hyper-parameters
-        "algorithm", "schedule", "start_iter", "selection", "seed", "process_group",
+        "algorithm", "schedule", "start_iter", "selection", "seed", "process_group", "timeout_s",
         # internal state
         "iter", "residuals", "layouts", "pending", "param_positions", "generator", "workspace",
         "checked",
@@ -82,7 +87,8 @@ class SparseHookState:
 
     def __init__(self, algorithm: str, schedule: DensitySchedule, start_iter: int = 2,
                  selection: str = "exact", seed: int = 0, process_group: Any = None,
-                 param_positions: dict[int, int] | None = None) -> None:
+                 param_positions: dict[int, int] | None = None,
+                 timeout_s: float | None = None) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         if not isinstance(schedule, DensitySchedule):
@@ -94,6 +100,7 @@ class SparseHookState:
             raise ValueError(f"selection must be one of {sorted(SELECTIONS)}, got {selection!r}")
         self.algorithm, self.schedule, self.start_iter = algorithm, schedule, start_iter
         self.selection, self.seed, self.process_group = selection, int(seed), process_group
+        self.timeout_s = None if timeout_s is None else check_timeout_s(timeout_s)
         self.param_positions = param_positions
         self.iter = 0
         self.residuals: dict[int, torch.Tensor] = {}   # bucket index -> flat residual
@@ -140,12 +147,13 @@ class SparseHookState:
 
     def __getstate__(self) -> dict:
         """Everything but the process group, the id-based parameter map and the workspace."""
-        return {"hyper": (self.algorithm, self.schedule, self.start_iter, self.selection, self.seed),
+        return {"hyper": (self.algorithm, self.schedule, self.start_iter, self.selection, self.seed,
+                          self.timeout_s),
                 "state": self.state_dict()}
 
     def __setstate__(self, state: dict) -> None:
-        algorithm, schedule, start_iter, selection, seed = state["hyper"]
-        self.__init__(algorithm, schedule, start_iter, selection, seed)
+        algorithm, schedule, start_iter, selection, seed, timeout_s = state["hyper"]
+        self.__init__(algorithm, schedule, start_iter, selection, seed, timeout_s=timeout_s)
         self.load_state_dict(state["state"])
 
     # ------------------------------------------------------------------------- residuals ----
@@ -219,7 +227,10 @@ def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.future
     if state.iter < state.start_iter:
         buf.div_(world)
         if n:
-            dist.all_reduce(buf, group=state.process_group)
+            work = dist.all_reduce(buf, group=state.process_group, async_op=True)
+            timeout_s = default_timeout_s() if state.timeout_s is None else state.timeout_s
+            wait_collective(work, state.process_group, timeout_s,
+                            f"{state.algorithm} hook, dense iteration {state.iter}")
         state.bytes_sent += (2 * (world - 1) * n * buf.element_size()) // world  # ring volume
         state.dense_buckets += 1
         state.last_density = 1.0
@@ -246,15 +257,16 @@ def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Ten
     else:
         values, indices = SELECTIONS["exact"](acc, k)
     if idx not in state.checked:  # once per bucket: the same numel on every rank
-        check_sizes(k, n, k, group, f"{state.algorithm} hook, bucket {idx}")
+        check_sizes(k, n, k, group, f"{state.algorithm} hook, bucket {idx}", state.timeout_s)
         state.checked.add(idx)
     # Step 3: exchange; Step 5: the bucket becomes sum / world
     if state.algorithm == "topk":
-        topk_allgather(values, indices, n, group, check=False, out=buf).div_(world)
+        topk_allgather(values, indices, n, group, check=False, out=buf,
+                       timeout_s=state.timeout_s).div_(world)
         counted = indices
         state.bytes_sent += topk_bytes_sent(k, world, values.dtype)
     else:
-        res = gtopk_allreduce(values, indices, k, n, group, check=False)
+        res = gtopk_allreduce(values, indices, k, n, group, check=False, timeout_s=state.timeout_s)
         counted = res.counted
         buf.zero_()
         buf[res.indices] = res.values.div(world)
@@ -271,15 +283,16 @@ def sparse_factory(algorithm: str) -> Callable:
     """The factory of the sparse hook ``algorithm`` (one of :data:`ALGORITHMS`)."""
     def make(ddp_model: Any, density: float = DEFAULT_DENSITY, density_warmup: float | None = None,
              density_warmup_steps: int = 0, density_warmup_mode: str = "exponential",
-             start_iter: int = 2, selection: str = "exact",
-             seed: int = 0) -> tuple[SparseHookState, Callable]:
+             start_iter: int = 2, selection: str = "exact", seed: int = 0,
+             timeout_s: float | None = None) -> tuple[SparseHookState, Callable]:
         schedule = DensitySchedule(density, density_warmup, density_warmup_steps, density_warmup_mode)
         module = getattr(ddp_model, "module", ddp_model)
         for name, p in module.named_parameters():
             if p.requires_grad and not p.is_floating_point():
                 raise ValueError(f"hook {algorithm!r}: parameter {name!r} is {p.dtype}; "
                                  "gradients must be floating point")
-        state = SparseHookState(algorithm, schedule, start_iter, selection, seed).bind(ddp_model)
+        state = SparseHookState(algorithm, schedule, start_iter, selection, seed,
+                                timeout_s=timeout_s).bind(ddp_model)
         return state, sparse_hook
 
     make.__name__ = f"make_{algorithm}"

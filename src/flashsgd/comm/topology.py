@@ -12,8 +12,13 @@ that share a local rank across nodes (the inter-node stage of hierarchical all-r
 
 torch.distributed requires every rank to call ``new_group`` for every group, in the same order,
 even for groups it is not in. :func:`get_topology` does that once per
-(world, L, grid) and caches the result. Groups of one rank are ``None`` (nothing to communicate), a
+(world, L, grid, timeout) and caches the result. Groups of one rank are ``None`` (nothing to communicate), a
 group equal to the whole world is the default group, and groups with the same members are shared.
+
+Deadline: ``Topology.timeout_s`` bounds every wait of the algorithms that run over it (each
+send/receive of :mod:`flashsgd.comm.dense`'s rings) and is the timeout of its subgroups
+(``new_group(timeout=...)``; without it a subgroup gets torch's 30 min default, not the world's).
+``None`` takes the default process group's timeout (``init_process_group(timeout=...)``).
 
 Example::
 
@@ -24,6 +29,8 @@ Example::
 
 from __future__ import annotations
 
+import datetime
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -56,6 +63,7 @@ class Topology:
     rank: int
     ranks_per_node: int          # L
     grid: tuple[int, int]        # (X, Y): X ranks per row, Y rows
+    timeout_s: float             # deadline of every wait on a peer, and of the subgroups, seconds
     node_ranks: tuple[int, ...]  # the L ranks of this rank's node
     cross_ranks: tuple[int, ...]  # the N ranks with this rank's local rank, one per node
     row_ranks: tuple[int, ...]   # the X ranks of this rank's grid row
@@ -80,7 +88,7 @@ class Topology:
     def describe(self) -> str:
         x, y = self.grid
         return (f"world {self.world_size} = {self.num_nodes} node(s) x {self.ranks_per_node} "
-                f"rank(s)/node, grid {x}x{y}")
+                f"rank(s)/node, grid {x}x{y}, timeout {self.timeout_s:g} s")
 
 
 def divisors(n: int) -> list[int]:
@@ -116,6 +124,33 @@ def parse_grid(grid: str | tuple[int, int] | None, world_size: int,
     return x, y
 
 
+def check_timeout_s(timeout_s: float, name: str = "timeout_s") -> float:
+    """Return ``timeout_s`` as a float if it is a finite number of seconds > 0, else raise ValueError."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
+            not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def default_timeout_s() -> float:
+    """The default process group's timeout in seconds (``init_process_group(timeout=...)``).
+
+    torch 2.13 has no public getter for a group's timeout: ``init_process_group`` stores it only in
+    the backend's options (``ProcessGroupGloo.Options._timeout``, likewise for NCCL), so it is read
+    from there; if a future torch moves it, torch's documented default
+    (``torch.distributed.default_pg_timeout``, 30 min) is returned instead.
+    """
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda" if "nccl" in str(dist.get_backend()) else "cpu")
+    try:
+        timeout = dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        timeout = dist.default_pg_timeout
+    return timeout.total_seconds()
+
+
 def _check_ranks_per_node(ranks_per_node: int, world_size: int, source: str) -> int:
     if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or world_size % ranks_per_node:
         raise ValueError(f"ranks_per_node={ranks_per_node!r} (from {source}) must divide the world "
@@ -148,7 +183,8 @@ def detect_ranks_per_node(world_size: int) -> tuple[int, str]:
     return per_host, "hostnames"
 
 
-def _make_groups(member_lists: list[tuple[int, ...]], made: dict) -> list[ProcessGroup | None]:
+def _make_groups(member_lists: list[tuple[int, ...]], made: dict,
+                 timeout_s: float) -> list[ProcessGroup | None]:
     import torch.distributed as dist
 
     groups = []
@@ -159,19 +195,22 @@ def _make_groups(member_lists: list[tuple[int, ...]], made: dict) -> list[Proces
             groups.append(dist.group.WORLD)
         else:
             if members not in made:
-                made[members] = dist.new_group(list(members))
+                made[members] = dist.new_group(list(members),
+                                               timeout=datetime.timedelta(seconds=timeout_s))
             groups.append(made[members])
     return groups
 
 
-def get_topology(ranks_per_node: int | None = None,
-                 grid: str | tuple[int, int] | None = None) -> Topology:
+def get_topology(ranks_per_node: int | None = None, grid: str | tuple[int, int] | None = None,
+                 timeout_s: float | None = None) -> Topology:
     """Build (once) and return this rank's :class:`Topology` over the default process group.
 
     Args:
         ranks_per_node: L, ranks per node; ``None`` detects it (see :func:`detect_ranks_per_node`).
             Set it to emulate a multi-node layout on one machine.
         grid: ``"XxY"`` or ``(X, Y)`` with X * Y = W; ``None`` gives X = L.
+        timeout_s: deadline of every wait on a peer in the algorithms, and timeout of the
+            subgroups, in seconds; ``None``: the default process group's timeout.
 
     Must be called by every rank with the same arguments (it creates process groups).
     """
@@ -180,13 +219,14 @@ def get_topology(ranks_per_node: int | None = None,
     if not dist.is_initialized():
         raise RuntimeError("get_topology() needs an initialized default process group "
                            "(torch.distributed.init_process_group, torchrun, or flashsgd.launch)")
+    timeout_s = default_timeout_s() if timeout_s is None else check_timeout_s(timeout_s)
     world, rank = dist.get_world_size(), dist.get_rank()
     if ranks_per_node is None:
         ranks_per_node, _ = detect_ranks_per_node(world)
     else:
         _check_ranks_per_node(ranks_per_node, world, "argument")
     xy = parse_grid(grid, world, default_x=ranks_per_node)
-    key = (dist.group.WORLD, ranks_per_node, xy)
+    key = (dist.group.WORLD, ranks_per_node, xy, timeout_s)
     if key in _CACHE:
         return _CACHE[key]
     L, (X, Y) = ranks_per_node, xy
@@ -197,12 +237,12 @@ def get_topology(ranks_per_node: int | None = None,
     cols = [tuple(range(x, world, X)) for x in range(X)]
     made: dict = {}
     # Same order on every rank: rows, columns, nodes, cross-node.
-    row_groups = _make_groups(rows, made)
-    col_groups = _make_groups(cols, made)
-    node_groups = _make_groups(nodes, made)
-    cross_groups = _make_groups(crosses, made)
+    row_groups = _make_groups(rows, made, timeout_s)
+    col_groups = _make_groups(cols, made, timeout_s)
+    node_groups = _make_groups(nodes, made, timeout_s)
+    cross_groups = _make_groups(crosses, made, timeout_s)
     topo = Topology(
-        world_size=world, rank=rank, ranks_per_node=L, grid=(X, Y),
+        world_size=world, rank=rank, ranks_per_node=L, grid=(X, Y), timeout_s=timeout_s,
         node_ranks=nodes[rank // L], cross_ranks=crosses[rank % L],
         row_ranks=rows[rank // X], col_ranks=cols[rank % X],
         node_group=node_groups[rank // L], cross_group=cross_groups[rank % L],

@@ -1,0 +1,83 @@
+"""Waits on peers with a deadline: every send, receive and collective wait of flashsgd's algorithms.
+
+Gloo's point-to-point operations have no deadline of their own: ``isend``/``irecv`` then
+``work.wait()`` blocks for as long as the peer stays silent (one stopped rank hung a whole run
+for 589 s). ``work.wait(timeout=...)`` bounds each wait; on torch 2.13 Gloo then raises
+``RuntimeError`` ("Timed out waiting 3000ms for recv operation to complete" for send/recv,
+"Operation timed out!" for collectives), and a broken connection raises ``RuntimeError``
+("Connection closed by peer"). :func:`wait_peer` turns those into
+:class:`~flashsgd.comm.errors.PeerTimeout` / :class:`~flashsgd.comm.errors.PeerError` naming the
+peer rank that was waited for, so the rank that stopped can be told from the ranks that waited.
+
+Example::
+
+    >>> work = dist.irecv(buf, group=group, group_src=1)
+    >>> wait_peer(work, peer=1, timeout_s=10.0, where="ring all-reduce, all-gather step 0")
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flashsgd.comm.errors import PeerError, PeerTimeout
+
+
+def _failure(exc: RuntimeError, peer: int | None, timeout_s: float, where: str,
+             members: tuple[int, ...] = (), sending: bool = False) -> PeerError:
+    rank = dist.get_rank()
+    if "timed out" in str(exc).lower():
+        return PeerTimeout(rank, peer, timeout_s, where, members, sending)
+    return PeerError(rank, peer, where, str(exc).strip().splitlines()[-1] if str(exc) else repr(exc))
+
+
+def wait_peer(work: Any, peer: int, timeout_s: float, where: str, sending: bool = False) -> None:
+    """Wait for one ``isend``/``irecv`` with peer ``peer`` (a global rank) at most ``timeout_s``.
+
+    Raises:
+        PeerTimeout: nothing moved within ``timeout_s`` seconds.
+        PeerError: the transport failed (e.g. the peer's connection closed).
+    """
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise _failure(exc, peer, timeout_s, where, sending=sending) from exc
+
+
+def wait_collective(work: Any, group: Any, timeout_s: float, where: str) -> None:
+    """Wait for a collective's work at most ``timeout_s``; a failure names the group's ranks
+    (``peer=None``: a collective does not say which member was late)."""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        members = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        raise _failure(exc, None, timeout_s, where, members) from exc
+
+
+def global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of ``group_rank`` in ``group`` (``None``: the default group)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def gather_from_peers(msg: torch.Tensor, group: Any, timeout_s: float, where: str) -> torch.Tensor:
+    """All-gather equal-length flat messages by direct exchange: ``(P, len)``, row r from rank r.
+
+    Every rank posts a receive from and a send to each of the other P - 1 ranks, then waits for
+    each with the deadline, so a missing rank is named by every other rank (in a ring, only its
+    neighbour could see it). Cost: one round of P - 1 concurrent messages per rank,
+    a + (P-1) m b through one link: the bytes of a ring all-gather, with one latency instead of P-1.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    out = msg.new_empty(world, msg.numel())  # (P, len)
+    out[rank] = msg
+    peers = [p for p in range(world) if p != rank]
+    recvs = [dist.irecv(out[p], group=group, group_src=p) for p in peers]
+    sends = [dist.isend(msg, group=group, group_dst=p) for p in peers]
+    for p, work in zip(peers, recvs):
+        wait_peer(work, global_rank(group, p), timeout_s, where)
+    for p, work in zip(peers, sends):
+        wait_peer(work, global_rank(group, p), timeout_s, where, sending=True)
+    return out
