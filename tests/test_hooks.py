@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd.comm.dense_hooks import DenseHookState
-from flashsgd.comm.hook_common import StatelessHookState
+from flashsgd.comm import PeerTimeout
+from flashsgd.comm.hook_common import CommThread, StatelessHookState
 from flashsgd.comm.hooks import HOOKS, register_hook
 
 STEPS = 3
@@ -159,3 +160,14 @@ def test_hook_modules_import_one_way():
             "assert 'flashsgd.comm.hooks' not in sys.modules, 'cycle'")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert HOOKS.names() == ["native", "noop", "ring", "hierarchical", "torus2d", "topk", "gtopk"]
+
+
+def test_comm_thread_fails_fast_after_a_failure():
+    # After one failed call the ranks' collective sequences differ: later calls must not run.
+    thread, ran = CommThread(), []
+    first = thread.submit(lambda: (_ for _ in ()).throw(PeerTimeout(0, 1, 2.0, "ring all-reduce")))
+    second = thread.submit(lambda: ran.append(1))
+    for fut in (first, second):
+        with pytest.raises(RuntimeError, match="PeerTimeout: rank 0: no data from peer rank 1"):
+            fut.wait()
+    assert ran == []

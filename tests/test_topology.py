@@ -88,3 +88,22 @@ def _shutdown_forgets_groups():
 def test_shutdown_drops_cached_groups_before_destroying(run_ranks):
     # Cached subgroups outliving their process group aborted ~1 exit in 3 under torchrun.
     assert run_ranks(_shutdown_forgets_groups, 4) == [(0, 0, False)] * 4
+
+
+def _timeouts():
+    world_default = get_topology(ranks_per_node=2).timeout_s
+    topo = get_topology(ranks_per_node=2, timeout_s=7)
+    backend = topo.node_group._get_backend(torch.device("cpu"))  # no public getter in torch 2.13
+    try:
+        get_topology(ranks_per_node=2, timeout_s=float("inf"))
+        bad = "no error"
+    except ValueError as exc:
+        bad = str(exc)
+    return world_default, topo.timeout_s, backend.options._timeout.total_seconds(), bad
+
+
+def test_timeout_defaults_to_the_world_and_reaches_subgroups(run_ranks):
+    # new_group() without timeout= gives a subgroup torch's 30 min default, not the world's.
+    for default, chosen, subgroup, bad in run_ranks(_timeouts, 4, timeout_s=50):
+        assert (default, chosen, subgroup) == (50.0, 7.0, 7.0)
+        assert bad == "timeout_s must be a finite number of seconds > 0, got inf"

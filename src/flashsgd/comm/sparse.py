@@ -305,6 +305,27 @@ def _swap(send: torch.Tensor | None, recv: torch.Tensor | None, peer: int,
         wait_peer(send_work, global_rank(group, peer), timeout_s, where, sending=True)
 
 
+def _extra_rank(values: torch.Tensor, indices: torch.Tensor, k: int, partner: int,
+                group: ProcessGroup | None, timeout_s: float) -> GTopk:
+    """gTop-k on an extra rank r >= P2: Step 1, send my k pairs to ``partner`` = r - P2; Step 3,
+    receive the final pairs and the mask of my local indices that survived."""
+    msg = torch.empty(_message_len(k, values.dtype, k), dtype=torch.int64)
+    _swap(_pack(values, indices), msg, partner, group, timeout_s, "gtopk all-reduce, fold-in")
+    gv, gi, mask = _unpack(msg, k, values.dtype, k)
+    return GTopk(gv.clone(), gi.clone(), indices[mask.bool()])
+
+
+def _fold_in(values: torch.Tensor, indices: torch.Tensor, k: int, guest: int,
+             group: ProcessGroup | None, timeout_s: float
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gTop-k Step 1 on rank r < E: receive the k pairs of extra rank ``guest`` = r + P2 and merge
+    them into mine; returns (the guest's indices, merged values, merged indices)."""
+    msg = torch.empty(_message_len(k, values.dtype), dtype=torch.int64)
+    _swap(None, msg, guest, group, timeout_s, "gtopk all-reduce, fold-in")
+    ov, oi = _unpack(msg, k, values.dtype)
+    return (oi.clone(), *merge_topk(values, indices, ov, oi, k))
+
+
 def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int,
                     group: ProcessGroup | None = None, check: bool = True, *,
                     timeout_s: float | None = None) -> GTopk:
@@ -361,18 +382,11 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
     dtype = values.dtype
     p2 = 1 << (world.bit_length() - 1)
     mine = indices  # my local indices still counted
-    if rank >= p2:  # Step 1 (send my pairs) and Step 3 (receive the result), as an extra rank
-        msg = torch.empty(_message_len(k, dtype, k), dtype=torch.int64)
-        _swap(_pack(values, indices), msg, rank - p2, group, timeout_s, "gtopk all-reduce, fold-in")
-        gv, gi, mask = _unpack(msg, k, dtype, k)
-        return GTopk(gv.clone(), gi.clone(), indices[mask.bool()])
+    if rank >= p2:  # Steps 1 and 3 as an extra rank
+        return _extra_rank(values, indices, k, rank - p2, group, timeout_s)
     guest = None  # the folded-in rank's local indices still counted
     if rank + p2 < world:  # Step 1: fold in
-        msg = torch.empty(_message_len(k, dtype), dtype=torch.int64)
-        _swap(None, msg, rank + p2, group, timeout_s, "gtopk all-reduce, fold-in")
-        ov, oi = _unpack(msg, k, dtype)
-        guest_all = oi.clone()
-        values, indices = merge_topk(values, indices, ov, oi, k)
+        guest_all, values, indices = _fold_in(values, indices, k, rank + p2, group, timeout_s)
         mine, guest = _counted(mine, indices), _counted(guest_all, indices)
     # Step 2: butterfly
     recv = torch.empty(_message_len(k, dtype), dtype=torch.int64)
