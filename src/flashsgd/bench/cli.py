@@ -17,6 +17,7 @@ BENCHMARKS = {
     "recipe": "flashsgd.bench.recipe",
     "train": "flashsgd.bench.train",
     "emulate": "flashsgd.bench.emulate",
+    "scaling": "flashsgd.bench.scaling",
 }
 
 

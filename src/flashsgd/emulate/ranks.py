@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from flashsgd.emulate.netns import EmulatedCluster
 
@@ -81,7 +82,7 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 
 def run_ranks(cluster: EmulatedCluster, command: list[str], log_dir: str | Path, *,
               timeout_s: float = 600.0, port: int = MASTER_PORT,
-              env: dict[str, str] | None = None) -> float:
+              env: dict[str, str] | None = None, poll: Callable[[], None] | None = None) -> float:
     """Run ``command`` as every rank of ``cluster``; returns the wall time in seconds.
 
     Args:
@@ -90,6 +91,7 @@ def run_ranks(cluster: EmulatedCluster, command: list[str], log_dir: str | Path,
         log_dir: where ``rank<r>.log`` files go.
         timeout_s: deadline for the whole job.
         env: extra variables for every rank.
+        poll: called about every 50 ms while the ranks run (e.g. to advance a progress bar).
 
     Raises:
         RankError: a rank exited non-zero (its log tail is included) or the deadline passed.
@@ -139,6 +141,8 @@ def run_ranks(cluster: EmulatedCluster, command: list[str], log_dir: str | Path,
                 waiting = [r for r, c in enumerate(codes) if c is None]
                 raise RankError(f"timed out after {timeout_s:.0f} s waiting for ranks {waiting}; "
                                 f"rank {waiting[0]}'s log ends with:\n{_tail(logs[waiting[0]])}")
+            if poll is not None:
+                poll()
             time.sleep(0.05)
     finally:
         _kill(procs + ([store] if store is not None else []))

@@ -1,0 +1,240 @@
+"""One rank of `flashsgd bench scaling`: real training steps per communication hook, timed.
+
+Run by :mod:`flashsgd.bench.scaling` on every rank of an emulated cluster (torchrun's environment,
+see :mod:`flashsgd.emulate.ranks`) as ``python -m flashsgd.bench.scaling_rank SPEC.json OUT.json``.
+The step is the trainer's (:meth:`flashsgd.train.trainer.Worker.train_step`, composed from the same
+building blocks): a :class:`~flashsgd.train.data.ShardedSampler` batch of the run's dataset, forward,
+loss (sum x W / B, Goyal et al. 2017), backward through DDP + the hook
+(:func:`flashsgd.train.trainer.build_ddp`), the small all-reduce of [loss, samples, non-finite],
+and the recipe's optimizer step (:func:`flashsgd.optim.plan.prepare`: LARS or SGD).
+
+Algorithm (:func:`rank_main`):
+
+1. Per hook of the spec's ``comms``: resolve the config (:func:`flashsgd.train.config.resolve`) and
+   the plan (:func:`flashsgd.train.plan.build_plan`); a hook that cannot run here (ValueError, the
+   same on every rank) becomes a row with ``skipped`` = the reason.
+2. Build each hook's model (same seed), optimizer, DDP + hook (:class:`Trainer`); ``warmup``
+   untimed steps each (DDP rebuilds its buckets after the first; sparse hooks compress from the
+   third).
+3. ``iters`` rounds of one timed step per hook, the order rotating every round, each step after a
+   barrier; a step's time is the slowest rank's (all-reduce MAX). Rank 0's split: forward, backward
+   (with the exchange of synchronous hooks), the hook's own time
+   (:class:`~flashsgd.train.trainer.CommTimer`), sync all-reduce, optimizer.
+4. Sparse hooks: the compression (accumulate + selection) of each DDP bucket timed apart on this
+   rank, at the same CPU share.
+5. Rank 0 writes the rows to ``OUT.json``; before every step it appends the hook's name to
+   ``OUT.json.progress`` (the host's progress bar, and the hook a failed job was running).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from flashsgd import launch
+
+
+def run_config(spec: dict, comm: str, world: int) -> dict:
+    """The flat config keys (:func:`flashsgd.train.config.resolve`) of one measured hook."""
+    batch = spec["batch"] * world
+    return {"dataset": spec["dataset"], "image_shape": spec["image_shape"], "model": spec["model"],
+            "channels": spec["channels"], "num_samples": batch * (spec["warmup"] + spec["iters"] + 1),
+            "recipe": spec["recipe"], "proxy_tuning": False, "global_batch": batch,
+            "algorithm": comm, "ranks_per_node": spec["ranks_per_node"], "density": spec["density"],
+            "selection": spec["selection"], "bucket_mb": spec["bucket_mb"], "workers": world,
+            "timeout_s": spec["timeout_s"], "threads": spec["threads"], "progress": False,
+            "out": spec["out_dir"], "seed": 0}
+
+
+class Trainer:
+    """Model, optimizer, DDP + hook and sampler of one hook's measurement (Step 2)."""
+
+    def __init__(self, plan, data, device) -> None:
+        from flashsgd.optim.plan import prepare
+        from flashsgd.train.data import ShardedSampler
+        from flashsgd.train.models import build_model
+        from flashsgd.train.trainer import CommTimer, build_ddp
+
+        cfg = plan.config
+        self.plan, self.data, self.device = plan, data, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(cfg.run.seed)
+        self.model = build_model(cfg.model.model, data.num_classes, cfg.model.channels).to(device)
+        self.optimizer = prepare(plan.recipe, self.model, cfg.optim.global_batch, plan.num_train,
+                                 epochs=plan.recipe.epochs).optimizer
+        self.timer = CommTimer()
+        self.ddp, self.hook_state, _ = build_ddp(plan, self.model, device, self.timer)
+        self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing,
+                                                 reduction="sum")
+        self.sampler = ShardedSampler(plan.num_train, self.rank, self.world, cfg.run.seed)
+        self.sampler.set_epoch(0, plan.batch_at(0))
+        self.batches = iter(self.sampler)
+        self.sizes = self.sampler.global_sizes()
+        self.aug = torch.Generator().manual_seed(cfg.run.seed * 7919 + self.rank)
+        self.step_no = 0
+
+    def step(self) -> dict[str, float]:
+        """One training step as the trainer runs it; returns rank 0's split in seconds."""
+        t0 = time.perf_counter()
+        i = self.step_no % len(self.sizes)
+        idx = next(self.batches)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.plan.lr_at(i / len(self.sizes))
+        x, y = self.data.train.batch(idx, self.aug, train=True)
+        x, y = x.to(self.device), y.to(self.device)
+        comm0 = self.timer.seconds
+        t1 = time.perf_counter()
+        loss_sum = self.loss_fn(self.ddp(x), y)
+        t2 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=False)
+        (loss_sum * (self.world / self.sizes[i])).backward()
+        t3 = time.perf_counter()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        bad = (~torch.isfinite(torch.stack([g.sum() for g in grads]).sum())).double()
+        stats = torch.stack([loss_sum.detach().double(), torch.tensor(float(len(y)), dtype=torch.float64),
+                             bad])
+        dist.all_reduce(stats)
+        t4 = time.perf_counter()
+        if stats[2].item() == 0:
+            self.optimizer.step()
+        t5 = time.perf_counter()
+        self.step_no += 1
+        return {"data": t1 - t0, "forward": t2 - t1, "backward": t3 - t2, "hook": self.timer.seconds - comm0,
+                "sync": t4 - t3, "optimizer": t5 - t4, "loss": stats[0].item() / stats[1].item()}
+
+    def bucket_bytes(self) -> list[int]:
+        """DDP's gradient bucket sizes in bytes (after its rebuild), in reduction order."""
+        text = str(self.ddp._get_ddp_logging_data().get("bucket_sizes", ""))
+        return [int(v) for v in text.replace(" ", "").split(",") if v]
+
+
+def model_info(spec: dict) -> dict:
+    """Parameters and per-tensor gradient sizes in backward order (the simulator's workload)."""
+    from flashsgd.train.config import resolve
+    from flashsgd.train.models import build_model
+    from flashsgd.train.trainer import load_data
+
+    data = load_data(resolve(cli=run_config(spec, "noop", 1)))
+    model = build_model(spec["model"], data.num_classes, spec["channels"])
+    numels = [p.numel() for p in model.parameters() if p.requires_grad][::-1]  # backward order
+    return {"params": sum(numels), "numels": numels}
+
+
+def compression_seconds(spec: dict, bucket_bytes: list[int], reps: int = 5) -> float:
+    """Step 4: median time of the sparse hooks' local work per step (accumulate + selection), summed
+    over the DDP buckets: :data:`flashsgd.comm.sparse_select.SELECTIONS` on a bucket-sized tensor."""
+    from flashsgd.comm.sparse_select import SELECTIONS, SelectionWorkspace, k_from_density
+
+    total = 0.0
+    g = torch.Generator().manual_seed(1)
+    for nbytes in bucket_bytes:
+        n = max(1, nbytes // 4)
+        grad, residual = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        k, ws, times = k_from_density(n, spec["density"]), SelectionWorkspace(), []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            acc = residual.add(grad)
+            if spec["selection"] == "sampled":
+                SELECTIONS["sampled"](acc, k, generator=g, workspace=ws)
+            else:
+                SELECTIONS["exact"](acc, k)
+            times.append(time.perf_counter() - t0)
+        total += statistics.median(times)
+    return total
+
+
+def build(spec: dict, comm: str, data) -> "Trainer | dict":
+    """Steps 1-2 for one hook: its trainer, or a ``skipped`` row naming why it cannot run here."""
+    from flashsgd.train.config import resolve
+    from flashsgd.train.plan import build_plan
+    from flashsgd.train.trainer import setup_process
+
+    world = dist.get_world_size()
+    try:
+        plan = build_plan(resolve(cli=run_config(spec, comm, world)), world, len(data.train),
+                          local_spawn=False)
+        return Trainer(plan, data, setup_process(plan))
+    except ValueError as exc:  # the same on every rank: the hook cannot run at this world/layout
+        return {"comm": comm, "skipped": str(exc).splitlines()[0]}
+
+
+def timed_steps(spec: dict, trainers: dict, progress: Path | None) -> dict[str, list]:
+    """Steps 2-3: warm-up per hook, then ``iters`` rounds of one step per hook, the order rotating
+    each round (drifting background load biases no hook); each step after a barrier."""
+    for comm, trainer in trainers.items():
+        for _ in range(spec["warmup"]):
+            _tick(progress, comm)
+            trainer.step()
+    names = list(trainers)
+    out: dict[str, list] = {c: [] for c in names}
+    for i in range(spec["iters"]):
+        for comm in names[i % len(names):] + names[:i % len(names)]:
+            _tick(progress, comm)
+            dist.barrier()
+            t0 = time.perf_counter()
+            split = trainers[comm].step()
+            out[comm].append((time.perf_counter() - t0, split))
+    return out
+
+
+def row_of(spec: dict, comm: str, trainer: Trainer, steps: list) -> dict:
+    """The row of one hook: step times of the slowest rank, rank 0's split (Step 3), compression
+    (Step 4)."""
+    slowest = torch.tensor([d for d, _ in steps], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    splits = [s for _, s in steps]
+    buckets = trainer.bucket_bytes()
+    plan = trainer.plan
+    row = {"comm": comm, "step_s": slowest.tolist(), "bucket_bytes": buckets,
+           "split_s": {k: statistics.median(s[k] for s in splits) for k in splits[0] if k != "loss"},
+           "loss_first": splits[0]["loss"], "loss_last": splits[-1]["loss"],
+           "hook_options": plan.hook_options, "grid": list(plan.grid) if plan.grid else None,
+           "loadavg": os.getloadavg()}
+    if comm in ("topk", "gtopk"):
+        row["compression_s"] = compression_seconds(spec, buckets)
+    return row
+
+
+def _tick(progress: Path | None, comm: str) -> None:
+    """One line per step, written before it starts (the host counts them; the last names the hook
+    a failed job was running)."""
+    if progress is not None:
+        with open(progress, "a") as fh:
+            fh.write(comm + "\n")
+
+
+def rank_main(spec: dict, out: str) -> None:
+    """All of the spec's hooks on this rank; rank 0 writes ``out`` (Step 5)."""
+    from flashsgd.train.config import resolve
+    from flashsgd.train.trainer import load_data
+
+    rank = dist.get_rank()
+    data = load_data(resolve(cli=run_config(spec, "noop", dist.get_world_size())))
+    progress = Path(out + ".progress") if rank == 0 else None
+    built = {comm: build(spec, comm, data) for comm in spec["comms"]}
+    trainers = {c: t for c, t in built.items() if isinstance(t, Trainer)}
+    steps = timed_steps(spec, trainers, progress)
+    rows = [row_of(spec, c, t, steps[c]) if isinstance(t, Trainer) else t for c, t in built.items()]
+    if rank == 0:
+        Path(out).write_text(json.dumps({"rows": rows}))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m flashsgd.bench.scaling_rank SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+    launch.run(rank_main, (spec, argv[1]), world_size=int(os.environ["WORLD_SIZE"]), backend="gloo",
+               timeout_s=spec["timeout_s"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

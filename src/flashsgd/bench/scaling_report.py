@@ -1,0 +1,158 @@
+"""Rows, table, JSON and plot of `flashsgd bench scaling` (the gTop-k paper's efficiency figure).
+
+Per measured row (:func:`summarize`): step time median and min..max over the timed steps (each the
+slowest rank's), samples/s = global batch / median step, compute = the noop step at the same node
+count, exposed communication = step - compute, compression = the sparse hooks' selection (timed
+apart), scaling efficiency = noop step / step at the same node count (the fair ceiling: W ranks
+share this machine's cores, so compute per rank changes with N) and efficiency vs one node =
+samples/s / (N x samples/s of the noop row at the smallest node count).
+
+The simulator (:mod:`flashsgd.sim.scaling`) is fitted on the calibration shapes (the smallest and
+the largest multi-rank shape) and predicts every row; the plot draws each measured line solid and
+its prediction dashed in the same colour (Shi et al. 2019, arXiv 1901.04359, Fig. 6 layout).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def summarize(rows: list[dict], batch: int) -> list[dict]:
+    """Add the derived columns to every measured row (in place); returns ``rows``."""
+    noop = {(r["nodes"], r["ranks_per_node"]): statistics.median(r["step_s"])
+            for r in rows if r["comm"] == "noop" and "step_s" in r}
+    one = min(noop, key=lambda s: (s[0], s[1])) if noop else None
+    for r in rows:
+        if "step_s" not in r:
+            continue
+        shape, step = (r["nodes"], r["ranks_per_node"]), statistics.median(r["step_s"])
+        compute = noop.get(shape)
+        r.update(step_ms=step * 1e3, min_ms=min(r["step_s"]) * 1e3, max_ms=max(r["step_s"]) * 1e3,
+                 samples_per_s=batch * r["world"] / step,
+                 compute_ms=compute * 1e3 if compute else None,
+                 exposed_comm_ms=(step - compute) * 1e3 if compute else None,
+                 compression_ms=r["compression_s"] * 1e3 if "compression_s" in r else None,
+                 efficiency=compute / step if compute else None)
+        if one is not None:
+            base = batch * one[0] * one[1] / noop[one]  # samples/s of the smallest shape's noop
+            r["efficiency_vs_1node"] = r["samples_per_s"] / (base * r["nodes"] / one[0])
+    return rows
+
+
+def simulate_rows(rows: list[dict], density: float) -> tuple[dict | None, list[dict]]:
+    """Fit the simulator on this run's calibration shapes and predict every row (or say why not)."""
+    from flashsgd.sim import scaling as sim
+
+    measured = [r for r in rows if "step_s" in r]
+    try:
+        shapes = sim.default_calibration_shapes(measured)
+        f = sim.fit(measured, shapes, density)
+    except ValueError as exc:
+        return {"error": str(exc)}, []
+    preds = sim.predict(f, measured)
+    return {"params": f.params, "calibration_shapes": [list(s) for s in shapes],
+            "max_error_calibration": sim.max_error(preds, "calibration"),
+            "max_error_validation": sim.max_error(preds, "validation"),
+            "describe": f.describe(measured[0]["link_bps"] if measured else None)}, preds
+
+
+def build_document(spec: dict, rows: list[dict], info: dict, rate: int, args, started: float,
+                   load0: tuple) -> dict:
+    """The JSON document: settings, machine, load, rows, the simulator's fit and predictions."""
+    import torch
+
+    summarize(rows, spec["batch"])
+    fit, preds = simulate_rows(rows, spec["density"])
+    by = {(p["comm"], p["nodes"], p["ranks_per_node"]): p for p in preds}
+    for r in rows:
+        p = by.get((r["comm"], r["nodes"], r["ranks_per_node"]))
+        if p is not None and p["predicted_s"] is not None:
+            r.update(predicted_ms=p["predicted_s"] * 1e3, prediction_role=p["role"],
+                     prediction_error=p["error"])
+    meta = {"benchmark": "scaling", "argv": sys.argv, **{k: v for k, v in spec.items()},
+            "link_bps": rate, "comm_compute": args.comm_compute, "link_arg": args.link,
+            "params": info.get("params"), "numels": info.get("numels"),
+            "grad_bytes": 4 * info["params"] if info.get("params") else None,
+            "cpus": os.cpu_count(), "machine": platform.machine(), "kernel": platform.release(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "loadavg_start": load0, "loadavg_end": os.getloadavg(), "elapsed_s": time.time() - started,
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
+    return {"meta": meta, "rows": rows, "simulator": fit}
+
+
+def _fmt(v, spec: str, scale: float = 1.0) -> str:
+    return "-" if v is None else format(v * scale, spec)
+
+
+def format_table(doc: dict) -> str:
+    """The table printed at the end of a run (one line per row, skipped/failed rows with why)."""
+    m = doc["meta"]
+    lines = [f"# bench scaling: {m['model']} ({m['params'] or 0:,} parameters, {(m['grad_bytes'] or 0) / 1e6:.2f} MB "
+             f"gradient), batch {m['batch']}/rank, recipe {m['recipe']}, link {m['link_bps'] / 1e6:.3f} Mbit/s"
+             + (f" (--comm-compute {m['comm_compute']:g})" if m["comm_compute"] else ""),
+             f"# {m['cpus']} CPUs, load avg {m['loadavg_start'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} "
+             f"at end; median of {m['iters']} steps after {m['warmup']} warm-up; {m['elapsed_s']:.0f} s",
+             f"{'shape':>5} {'comm':>12} {'step ms':>8} {'min..max':>15} {'samples/s':>9} {'compute':>8} "
+             f"{'exposed':>8} {'compr.':>7} {'eff':>6} {'eff/1n':>6} {'sim ms':>8} {'err':>7} {'load':>5}"]
+    for r in doc["rows"]:
+        shape = f"{r['nodes']}x{r['ranks_per_node']}"
+        if "step_s" not in r:
+            why = r.get("skipped") or r.get("error", "")
+            lines.append(f"{shape:>5} {r['comm']:>12} {'skipped' if 'skipped' in r else 'FAILED'}: "
+                         f"{why.strip().splitlines()[-1] if why.strip() else ''}"[:300])
+            continue
+        lines.append(
+            f"{shape:>5} {r['comm']:>12} {r['step_ms']:8.1f} {r['min_ms']:7.1f}..{r['max_ms']:<7.1f} "
+            f"{r['samples_per_s']:9.1f} {_fmt(r['compute_ms'], '8.1f')} {_fmt(r['exposed_comm_ms'], '8.1f')} "
+            f"{_fmt(r['compression_ms'], '7.1f')} {_fmt(r['efficiency'], '6.1%')} "
+            f"{_fmt(r.get('efficiency_vs_1node'), '6.1%')} {_fmt(r.get('predicted_ms'), '8.1f')} "
+            f"{_fmt(r.get('prediction_error'), '+7.1%')} {r['loadavg'][0]:5.2f}")
+    sim = doc.get("simulator") or {}
+    if "params" in sim:
+        lines.append(f"# simulator fitted on shapes {sim['calibration_shapes']} (the other shapes validate): "
+                     f"max |error| calibration {sim['max_error_calibration']:.1%}, validation "
+                     f"{sim['max_error_validation']:.1%}\n{sim['describe']}")
+    elif sim:
+        lines.append(f"# simulator: {sim['error']}")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: str | Path) -> None:
+    """Scaling efficiency vs nodes per hook: measured solid, the simulator's prediction dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc["rows"] if r.get("efficiency") is not None and r["comm"] != "noop"]
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for i, comm in enumerate(dict.fromkeys(r["comm"] for r in rows)):
+        rs = sorted((r for r in rows if r["comm"] == comm), key=lambda r: r["nodes"])
+        color = f"C{i % 10}"
+        ax.plot([r["nodes"] for r in rs], [100 * r["efficiency"] for r in rs], "-o", color=color, label=comm)
+        sim = [r for r in rs if r.get("predicted_ms")]
+        if sim:
+            ax.plot([r["nodes"] for r in sim], [100 * r["compute_ms"] / r["predicted_ms"] for r in sim],
+                    "--", color=color, alpha=0.7, linewidth=1)
+    nodes = sorted({r["nodes"] for r in doc["rows"]})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(nodes, [str(n) for n in nodes])
+    ax.minorticks_off()
+    ax.set_xlabel(f"nodes (x {doc['meta']['ranks_per_node']} rank)")
+    ax.set_ylabel("scaling efficiency vs noop at same N (%)")
+    ax.set_ylim(0, 110)
+    m = doc["meta"]
+    ax.set_title(f"{m['model']}, link {m['link_bps'] / 1e6:.3g} Mbit/s"
+                 + (f" (dense comm = {m['comm_compute']:g}x compute)" if m["comm_compute"] else "")
+                 + "; dashed: simulator", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)

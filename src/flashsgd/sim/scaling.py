@@ -1,0 +1,246 @@
+"""Predict `flashsgd bench scaling` rows: a closed-form step-time model calibrated on measured rows.
+
+The measured step of hook ``a`` at N nodes of L ranks (world W = N L) is modelled as::
+
+    step(a, N) = compute(N) + sum over DDP buckets j of comm_a(n_j, W, L)
+
+    comm_a(n) = s(N) [ c_msg A + c_byte Bcpu + c_elem E + c_call C + c_sparse S ] + beta_link B
+
+* ``compute(N)``: the noop hook's measured step at the same node count (forward, backward, the
+  trainer's small sync all-reduce and the optimizer; the noop rows are inputs, never predicted);
+* ``s(N) = compute(N) / compute(N0)``: the CPU-sharing slowdown (W ranks share this machine's cores,
+  so every CPU cost of the exchange grows with it; N0 the smallest measured node count);
+* A, B, Bcpu, E, C, S: the coefficients of the algorithm's own closed-form cost
+  (:data:`flashsgd.sim.algorithms.ALGORITHMS`, formulas in :mod:`flashsgd.sim.costs`) evaluated on unit
+  clusters: A = message steps on the critical path, B = bytes on the critical path over the
+  inter-node link (its flows sharing the node's link), Bcpu = bytes on the critical path on any
+  level (our send/recv stages copy every byte), E = elements selected over (sparse: the local top-k
+  and the 2k -> k merges), C = collective calls, S = sparse exchanges;
+* the parameters, all >= 0: ``c_msg`` (s per message step: no latency is injected by the emulation,
+  so this is the per-message CPU cost), ``beta_link`` (s per byte on a tbf link; nominal 8 / rate),
+  ``c_byte`` (CPU s per byte moved), ``c_elem`` (selection and merge s per element), ``c_call``
+  (s per collective call), ``c_sparse`` (s per sparse exchange: packing and bookkeeping).
+
+DDP's reduction of the last bucket cannot overlap backward; with the 1-2 buckets of the small
+models measured here the exchange is taken as exposed (no overlap term).
+
+Algorithm (:func:`fit`): build the (A, B, Bcpu, E, C, S) row of every calibration row, scale the CPU
+columns by s(N), subtract compute(N) from the measured median step, and solve a non-negative least
+squares problem on the relative error of the step (:func:`_nnls_weighted`). :func:`predict` gives
+every row; rows of hooks the simulator does not model (``powersgd``...) are listed as such.
+
+Example::
+
+    >>> doc = load_scaling("docs/data/scaling_8x1.json")                 # doctest: +SKIP
+    >>> f = fit(doc.rows, calibration_shapes=[(2, 1), (8, 1)])          # doctest: +SKIP
+    >>> [round(r["error"], 3) for r in predict(f, doc.rows)]            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from flashsgd.sim.algorithms import ALGORITHMS
+from flashsgd.sim.costs import CommSetup
+from flashsgd.sim.network import ClusterModel, Link
+
+PARAMS = ("c_msg", "beta_link", "c_byte", "c_elem", "c_call", "c_sparse")
+CPU_PARAMS = ("c_msg", "c_byte", "c_elem", "c_call", "c_sparse")
+_INF_GBPS = 1e300   # a link that costs nothing per byte
+_UNIT_GBPS = 1e-9   # 1 s per byte
+
+
+@dataclass(frozen=True)
+class ScalingRows:
+    """A `bench scaling` JSON file: its settings and its measured rows."""
+
+    path: str
+    meta: dict
+    rows: list[dict]
+
+
+def median_step_s(row: dict) -> float:
+    return statistics.median(row["step_s"])
+
+
+def load_scaling(path: str | Path) -> ScalingRows:
+    """Read a ``flashsgd bench scaling --json`` file; ValueError naming what is missing."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"scaling file {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"scaling file {str(path)!r} is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or "rows" not in doc or "meta" not in doc:
+        raise ValueError(f"scaling file {str(path)!r}: need 'meta' and 'rows' (written by "
+                         "`flashsgd bench scaling --json`)")
+    rows = []
+    for i, r in enumerate(doc["rows"]):
+        if "step_s" not in r:
+            continue  # skipped or failed rows carry no time
+        for key in ("comm", "nodes", "ranks_per_node", "world", "link_bps", "bucket_bytes"):
+            if key not in r:
+                raise ValueError(f"scaling file {str(path)!r}: rows[{i}] lacks {key!r}")
+        rows.append({**r, "source": str(path)})
+    meta = doc["meta"]
+    for key in ("density",):
+        if key not in meta:
+            raise ValueError(f"scaling file {str(path)!r}: meta lacks {key!r}")
+    return ScalingRows(str(path), meta, rows)
+
+
+def _unit(row: dict, *, alpha: float = 0.0, inter_gbps: float = _INF_GBPS, intra_gbps: float = _INF_GBPS,
+          call: float = 0.0, sparse: float = 0.0, select: float = 0.0) -> ClusterModel:
+    return ClusterModel(name="unit", ranks_per_node=row["ranks_per_node"],
+                        intra=Link(alpha, intra_gbps), inter=Link(alpha, inter_gbps),
+                        call_overhead_s=call, sparse_overhead_s=sparse, select_s_per_elem=select)
+
+
+def design(row: dict, density: float) -> np.ndarray:
+    """(A, B, Bcpu, E, C, S) of ``row``'s exchange, summed over its DDP buckets."""
+    clusters = (_unit(row, alpha=1.0), _unit(row, inter_gbps=_UNIT_GBPS),
+                _unit(row, inter_gbps=_UNIT_GBPS, intra_gbps=_UNIT_GBPS), _unit(row, select=1.0),
+                _unit(row, call=1.0), _unit(row, sparse=1.0))
+    grid = tuple(row["grid"]) if row.get("grid") and row["comm"] == "torus2d" else None
+    n = np.asarray(row["bucket_bytes"], dtype=float)
+    fn = ALGORITHMS.get(row["comm"])
+    out = []
+    for cluster in clusters:
+        setup = CommSetup(gpus=row["world"], cluster=cluster, grid=grid, density=density,
+                          value_bytes=4, index_bytes=8)  # comm/sparse.py sends int64 indices
+        out.append(float(np.sum(fn(n, setup).total)) if row["world"] > 1 else 0.0)
+    return np.array(out)
+
+
+def compute_by_shape(rows: list[dict]) -> dict[tuple[int, int], float]:
+    """(nodes, ranks per node) -> the noop row's median step (the compute of that shape)."""
+    return {(r["nodes"], r["ranks_per_node"]): median_step_s(r) for r in rows if r["comm"] == "noop"}
+
+
+def cpu_share(rows: list[dict]) -> dict[tuple[int, int], float]:
+    """s(N): each shape's noop step over the smallest world's noop step (CPU-sharing slowdown)."""
+    compute = compute_by_shape(rows)
+    if not compute:
+        raise ValueError("the rows have no 'noop' row: the compute of each node count is the noop "
+                         "step (run bench scaling with noop in --comm)")
+    base = compute[min(compute, key=lambda s: (s[0] * s[1], s))]
+    return {shape: t / base for shape, t in compute.items()}
+
+
+def modelled(row: dict) -> bool:
+    return row["comm"] in ALGORITHMS
+
+
+@dataclass(frozen=True)
+class ScalingFit:
+    """Fitted parameters (seconds per unit, see :data:`PARAMS`) and where they came from."""
+
+    params: dict[str, float]
+    calibration: list[tuple[str, int, int]]
+    """(comm, nodes, ranks per node) of every row used."""
+    density: float
+    compute: dict[tuple[int, int], float]
+    share: dict[tuple[int, int], float]
+
+    def describe(self, link_bps: float | None = None) -> str:
+        p = self.params
+        nominal = f" (nominal 8/rate {8 / link_bps * 1e9:.2f} ns/B: x{p['beta_link'] * link_bps / 8:.2f})" \
+            if link_bps else ""
+        return "\n".join([
+            f"  c_msg     {p['c_msg'] * 1e6:10.1f} us per message step (CPU, x s(N))",
+            f"  beta_link {p['beta_link'] * 1e9:10.2f} ns per byte on the link{nominal}",
+            f"  c_byte    {p['c_byte'] * 1e9:10.3f} ns per byte moved (CPU, x s(N))",
+            f"  c_elem    {p['c_elem'] * 1e9:10.3f} ns per element selected or merged (CPU, x s(N))",
+            f"  c_call    {p['c_call'] * 1e6:10.1f} us per collective call (CPU, x s(N))",
+            f"  c_sparse  {p['c_sparse'] * 1e6:10.1f} us per sparse exchange (CPU, x s(N))",
+            "  compute   " + ", ".join(f"{n}x{r}: {t * 1e3:.1f} ms (s={self.share[(n, r)]:.2f})"
+                                       for (n, r), t in sorted(self.compute.items())),
+        ])
+
+
+def _scaled_row(row: dict, density: float, share: dict) -> np.ndarray:
+    x = design(row, density)
+    s = share[(row["nodes"], row["ranks_per_node"])]
+    return np.array([v * (s if name in CPU_PARAMS else 1.0) for name, v in zip(PARAMS, x)])
+
+
+def fit(rows: list[dict], calibration_shapes: list[tuple[int, int]], density: float) -> ScalingFit:
+    """Fit :data:`PARAMS` to the modelled, non-noop rows of ``calibration_shapes`` (N, L)."""
+    share, compute = cpu_share(rows), compute_by_shape(rows)
+    cal = [r for r in rows if (r["nodes"], r["ranks_per_node"]) in calibration_shapes
+           and r["comm"] != "noop" and modelled(r) and r["world"] > 1]
+    missing = [s for s in calibration_shapes if s not in compute]
+    if missing:
+        raise ValueError(f"calibration shapes {missing} have no noop row (compute unknown); measured "
+                         f"shapes: {sorted(compute)}")
+    if len(cal) < len(PARAMS):
+        raise ValueError(f"calibration needs >= {len(PARAMS)} measured rows of modelled hooks at "
+                         f"{calibration_shapes}, got {len(cal)}")
+    x = np.array([_scaled_row(r, density, share) for r in cal])
+    comm = np.array([median_step_s(r) - compute[(r["nodes"], r["ranks_per_node"])] for r in cal])
+    # Relative error of the predicted step (not of the small, noisy communication part alone);
+    # columns scaled to unit norm first (their units differ by ~1e9).
+    t = np.array([median_step_s(r) for r in cal])
+    scale = np.maximum(np.linalg.norm(x, axis=0), 1e-300)
+    coef = _nnls_weighted(x / scale, comm, t) / scale
+    return ScalingFit(dict(zip(PARAMS, map(float, coef))),
+                      [(r["comm"], r["nodes"], r["ranks_per_node"]) for r in cal], density, compute, share)
+
+
+def _nnls_weighted(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """min || (x c - y) / w || with c >= 0 (drop the most negative coefficient and refit)."""
+    active = list(range(x.shape[1]))
+    a, b = x / w[:, None], y / w
+    while True:
+        c = np.zeros(x.shape[1])
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        c[active] = sol
+        if np.all(c >= 0) or len(active) == 1:
+            return np.maximum(c, 0.0)
+        active.remove(active[int(np.argmin(sol))])
+
+
+def predict(f: ScalingFit, rows: list[dict]) -> list[dict]:
+    """Predicted step of every row: role (calibration / validation / input / not modelled), error."""
+    cal = set(f.calibration)
+    coef = np.array([f.params[p] for p in PARAMS])
+    out = []
+    for r in rows:
+        shape = (r["nodes"], r["ranks_per_node"])
+        measured = median_step_s(r)
+        base = {"comm": r["comm"], "nodes": r["nodes"], "ranks_per_node": r["ranks_per_node"],
+                "world": r["world"], "measured_s": measured, "source": r.get("source")}
+        if r["comm"] == "noop":
+            out.append({**base, "role": "input (compute)", "predicted_s": measured, "error": 0.0})
+            continue
+        if not modelled(r) or shape not in f.compute:
+            why = "not modelled" if not modelled(r) else "no noop row at this shape"
+            out.append({**base, "role": why, "predicted_s": None, "error": None})
+            continue
+        share = dict(f.share)
+        share.setdefault(shape, f.compute[shape] / min(f.compute.values()))
+        pred = f.compute[shape] + float(_scaled_row(r, f.density, share) @ coef)
+        role = "calibration" if (r["comm"], *shape) in cal else "validation"
+        out.append({**base, "role": role, "predicted_s": pred, "error": (pred - measured) / measured})
+    return out
+
+
+def max_error(predictions: list[dict], role: str) -> float:
+    errs = [abs(p["error"]) for p in predictions if p["role"] == role and p["error"] is not None]
+    return max(errs) if errs else math.nan
+
+
+def default_calibration_shapes(rows: list[dict]) -> list[tuple[int, int]]:
+    """The smallest and the largest multi-rank shape (the others validate)."""
+    shapes = sorted({(r["nodes"], r["ranks_per_node"]) for r in rows if r["world"] > 1},
+                    key=lambda s: (s[0] * s[1], s))
+    if not shapes:
+        raise ValueError("no rows with >= 2 ranks: nothing communicates, nothing to calibrate")
+    return sorted({shapes[0], shapes[-1]})
