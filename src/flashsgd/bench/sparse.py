@@ -15,8 +15,8 @@ Rows: select / comm milliseconds and their sum (``sel+comm``: one aggregation, a
 the end-to-end step (``e2e``: plus error feedback and the dense average, what the hook does),
 bytes sent per rank, and ratios to dense measured in the same run (``x dense`` = dense time /
 sel+comm time, ``e2e x`` = dense time / e2e time). Bytes: dense is the ring volume
-2(P-1)/P * 4 m (what Gloo's bandwidth-optimal algorithms move), topk a ring all-gather's (P-1)
-messages, gtopk the exact bytes our sends hand to Gloo (max over ranks); a message is 12 bytes per
+2(P-1)/P * 4 m (what Gloo's bandwidth-optimal algorithms move), topk (P-1) messages (its direct
+exchange sends the bytes of a ring all-gather), gtopk the exact bytes our sends hand to Gloo (max over ranks); a message is 12 bytes per
 (fp32 value, int64 index) pair.
 
 Selection mode (``--selection``): one process, a random fp32 vector of ``--numel``, per density:
@@ -189,7 +189,7 @@ def bench_worker(cfg: SparseBenchConfig) -> dict | None:
                         torch_threads_per_rank=torch.get_num_threads(), loadavg_1m_end=os.getloadavg()[0],
                         timing="median over iters of the max over ranks of one barrier-synchronized "
                                "call; all functions of a density interleaved",
-                        bytes="dense: ring volume 2(P-1)/P*4m; topk: (P-1) messages (ring all-gather); "
+                        bytes="dense: ring volume 2(P-1)/P*4m; topk: (P-1) messages (direct exchange); "
                               "gtopk: exact bytes sent, max over ranks; 12 B per fp32 pair")
     return {"meta": meta, "results": results}
 

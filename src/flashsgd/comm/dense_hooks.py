@@ -39,10 +39,11 @@ two modes:
   is returned. Lost: overlap of this bucket's communication with the backward computation of the
   layers that remain; the backward thread waits for each bucket's all-reduce.
 
-Measured (``python benchmarks/hook_threading.py --world 4 --grid 2x2``, docs/benchmarks.md "Dense
-all-reduce"), on the shared 2-core machine: a 1.1 M-parameter MLP step took 204 ms with the ring
-hook synchronous vs 141 ms threaded (native DDP: 97 ms), torus2d 175 vs 118 ms; the thread pays
-even with 4 ranks on 2 cores, since a rank waiting on its peers leaves the core to backward.
+Measured (``python benchmarks/hook_threading.py --world 4 --grid 2x2 --rounds 4 --steps 5``,
+docs/benchmarks.md "DDP hooks: synchronous vs communication thread"), on the shared 2-core
+machine: a 1.09 M-parameter MLP training step took 93.5 ms with the ring hook synchronous vs
+85.6 ms threaded (native DDP: 59.1 ms), torus2d 98.3 vs 75.5 ms (1.08-1.30x for the thread); it
+pays even with 4 ranks on 2 cores, since a rank waiting on its peers leaves the core to backward.
 
 bucket_cap_mb (DDP's knob, default 25 MB; the first bucket is 1 MB) sets the message size of
 each call: one bucket = one all-reduce. Large buckets put the algorithms in the bandwidth regime,
