@@ -58,7 +58,7 @@ def simulate_rows(rows: list[dict], density: float) -> tuple[dict | None, list[d
     return {"params": f.params, "calibration_shapes": [list(s) for s in shapes],
             "max_error_calibration": sim.max_error(preds, "calibration"),
             "max_error_validation": sim.max_error(preds, "validation"),
-            "describe": f.describe(measured[0]["link_bps"] if measured else None)}, preds
+            "describe": f.describe()}, preds
 
 
 def build_document(spec: dict, rows: list[dict], info: dict, rate: int, args, started: float,

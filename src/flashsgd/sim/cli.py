@@ -7,6 +7,8 @@ Examples:
       # table, runs/eff.json, and the efficiency plot next to it: runs/eff.png
   flashsgd simulate --cluster local --calibration ar.json --gpus 8 --algorithm ring
   flashsgd simulate --calibration ar.json --validate        # fit on half the sizes, predict the rest
+  flashsgd simulate --calibrate scaling.json --calibrate-on 2x1,8x1
+      # fit the step model to `bench scaling` rows of these shapes, predict every row
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predict", metavar="PATH",
                    help="with --calibration: predict every point of another bench file (same world "
                         "and layout, e.g. a second run) from the fit, print the errors, and exit")
+    p.add_argument("--calibrate", action="append", metavar="PATH",
+                   help="`flashsgd bench scaling --json` file (repeatable): fit the step model "
+                        "(flashsgd.sim.scaling) to its rows, predict every row, and exit")
+    p.add_argument("--calibrate-on", metavar="NxR,...",
+                   help="with --calibrate: shapes whose rows calibrate (default: the smallest and "
+                        "largest multi-rank shape of the first file); the others validate")
     p.add_argument("--show", action="store_true", help="print the cluster parameters")
     p.add_argument("--gpus", type=int, default=256, help="number of GPUs (default 256)")
     p.add_argument("--sweep-gpus", type=_ints, metavar="N,N,...", help="simulate each GPU count")
@@ -227,6 +235,13 @@ def plot_efficiency(results: list[SimResult], path: str | Path, title: str) -> N
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        from flashsgd.sim.scaling_cli import run_calibration
+
+        run_calibration(args.calibrate, args.calibrate_on, args.json)
+        return 0
+    if args.calibrate_on:
+        raise ValueError("--calibrate-on needs --calibrate PATH")
     cluster, bench, fitted = _cluster(args)
     report: dict = {"cluster": cluster.describe()}
     if args.show:

@@ -4,7 +4,7 @@ The measured step of hook ``a`` at N nodes of L ranks (world W = N L) is modelle
 
     step(a, N) = compute(N) + sum over DDP buckets j of comm_a(n_j, W, L)
 
-    comm_a(n) = s(N) [ c_msg A + c_byte Bcpu + c_elem E + c_call C + c_sparse S ] + beta_link B
+    comm_a(n) = s(N) [ c_msg A + c_byte Bcpu + c_elem E + c_call C + c_sparse S ] + link_factor B 8 / rate
 
 * ``compute(N)``: the noop hook's measured step at the same node count (forward, backward, the
   trainer's small sync all-reduce and the optimizer; the noop rows are inputs, never predicted);
@@ -13,11 +13,13 @@ The measured step of hook ``a`` at N nodes of L ranks (world W = N L) is modelle
 * A, B, Bcpu, E, C, S: the coefficients of the algorithm's own closed-form cost
   (:data:`flashsgd.sim.algorithms.ALGORITHMS`, formulas in :mod:`flashsgd.sim.costs`) evaluated on unit
   clusters: A = message steps on the critical path, B = bytes on the critical path over the
-  inter-node link (its flows sharing the node's link), Bcpu = bytes on the critical path on any
+  inter-node link (its flows sharing the node's link; B 8 / rate is their time at the nominal tbf
+  rate), Bcpu = bytes on the critical path on any
   level (our send/recv stages copy every byte), E = elements selected over (sparse: the local top-k
   and the 2k -> k merges), C = collective calls, S = sparse exchanges;
 * the parameters, all >= 0: ``c_msg`` (s per message step: no latency is injected by the emulation,
-  so this is the per-message CPU cost), ``beta_link`` (s per byte on a tbf link; nominal 8 / rate),
+  so this is the per-message CPU cost), ``link_factor`` (the link's time over its nominal rate's:
+  TCP/IP headers and tbf bursts; 1.0 = exactly the configured rate),
   ``c_byte`` (CPU s per byte moved), ``c_elem`` (selection and merge s per element), ``c_call``
   (s per collective call), ``c_sparse`` (s per sparse exchange: packing and bookkeeping).
 
@@ -50,7 +52,7 @@ from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.costs import CommSetup
 from flashsgd.sim.network import ClusterModel, Link
 
-PARAMS = ("c_msg", "beta_link", "c_byte", "c_elem", "c_call", "c_sparse")
+PARAMS = ("c_msg", "link_factor", "c_byte", "c_elem", "c_call", "c_sparse")
 CPU_PARAMS = ("c_msg", "c_byte", "c_elem", "c_call", "c_sparse")
 _INF_GBPS = 1e300   # a link that costs nothing per byte
 _UNIT_GBPS = 1e-9   # 1 s per byte
@@ -149,13 +151,12 @@ class ScalingFit:
     compute: dict[tuple[int, int], float]
     share: dict[tuple[int, int], float]
 
-    def describe(self, link_bps: float | None = None) -> str:
+    def describe(self) -> str:
+        """The calibrated parameters, one per line with its unit (printed by bench and simulate)."""
         p = self.params
-        nominal = f" (nominal 8/rate {8 / link_bps * 1e9:.2f} ns/B: x{p['beta_link'] * link_bps / 8:.2f})" \
-            if link_bps else ""
         return "\n".join([
             f"  c_msg     {p['c_msg'] * 1e6:10.1f} us per message step (CPU, x s(N))",
-            f"  beta_link {p['beta_link'] * 1e9:10.2f} ns per byte on the link{nominal}",
+            f"  link      {p['link_factor']:10.3f} x the time of the bytes at the nominal link rate",
             f"  c_byte    {p['c_byte'] * 1e9:10.3f} ns per byte moved (CPU, x s(N))",
             f"  c_elem    {p['c_elem'] * 1e9:10.3f} ns per element selected or merged (CPU, x s(N))",
             f"  c_call    {p['c_call'] * 1e6:10.1f} us per collective call (CPU, x s(N))",
@@ -168,7 +169,8 @@ class ScalingFit:
 def _scaled_row(row: dict, density: float, share: dict) -> np.ndarray:
     x = design(row, density)
     s = share[(row["nodes"], row["ranks_per_node"])]
-    return np.array([v * (s if name in CPU_PARAMS else 1.0) for name, v in zip(PARAMS, x)])
+    unit = {"link_factor": 8.0 / row["link_bps"]}  # bytes -> seconds at the nominal rate
+    return np.array([v * (s if name in CPU_PARAMS else unit[name]) for name, v in zip(PARAMS, x)])
 
 
 def fit(rows: list[dict], calibration_shapes: list[tuple[int, int]], density: float) -> ScalingFit:
@@ -219,6 +221,10 @@ def predict(f: ScalingFit, rows: list[dict]) -> list[dict]:
                 "world": r["world"], "measured_s": measured, "source": r.get("source")}
         if r["comm"] == "noop":
             out.append({**base, "role": "input (compute)", "predicted_s": measured, "error": 0.0})
+            continue
+        if r["world"] == 1:  # nothing is exchanged: predicted = compute, not a test of the model
+            out.append({**base, "role": "one rank", "predicted_s": f.compute.get(shape),
+                        "error": None})
             continue
         if not modelled(r) or shape not in f.compute:
             why = "not modelled" if not modelled(r) else "no noop row at this shape"

@@ -1,0 +1,222 @@
+"""`flashsgd bench scaling` (issue 14): link choice, reliability, the step model, and a --quick run."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flashsgd.bench import scaling
+from flashsgd.emulate.netns import EmulationUnavailable, check_available
+from flashsgd.emulate.ranks import RankError
+from flashsgd.sim import scaling as sim
+
+
+def _unavailable_reason() -> str | None:
+    try:
+        check_available()
+    except EmulationUnavailable as exc:
+        return str(exc)
+    return None
+
+
+REASON = _unavailable_reason()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
+
+
+def _args(**over) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    scaling.add_arguments(p)
+    ns = p.parse_args([])
+    for k, v in over.items():
+        setattr(ns, k, v)
+    return ns
+
+
+# ---- link choice and settings (no root) --------------------------------------------------------
+
+def test_choose_rate_makes_dense_ring_take_r_times_compute():
+    # 1 MB gradient on 8 ranks: 2 * 7/8 * 1e6 B = 1.75e6 B per link = 14e6 bit; in 2 x 0.5 s -> 14 Mbit/s
+    assert scaling.choose_rate(1e6, 8, 0.5, 2.0) == 14_000_000
+    assert scaling.ring_link_bytes(1e6, 2) == 1e6
+    with pytest.raises(ValueError, match=">= 2 ranks"):
+        scaling.choose_rate(1e6, 1, 0.5, 2.0)
+
+
+def test_settings_defaults_quick_and_bad_values():
+    spec = scaling.settings(_args())
+    assert spec["nodes"] == [1, 2, 4, 8] and spec["comms"][0] == "noop"
+    from flashsgd.comm.hooks import HOOKS
+
+    assert set(spec["comms"]) == set(HOOKS.names())  # new hooks appear without a change here
+    quick = scaling.settings(_args(quick=True))
+    assert quick["nodes"] == [1, 2] and quick["iters"] < spec["iters"]
+    assert scaling.settings(_args(comm="gtopk"))["comms"] == ["noop", "gtopk"]  # the ceiling added
+    with pytest.raises(ValueError, match="warmup"):
+        scaling.settings(_args(warmup=1))
+    with pytest.raises(ValueError, match="hook"):
+        scaling.settings(_args(comm="nosuchhook"))
+
+
+def test_no_emulation_is_a_clear_message(monkeypatch, capsys):
+    def unavailable():
+        raise EmulationUnavailable("the emulated cluster needs root; running as uid 1000")
+
+    monkeypatch.setattr(scaling, "check_available", unavailable)
+    assert scaling.run(_args(quick=True)) == 2
+    assert "cannot emulate a cluster here: the emulated cluster needs root" in capsys.readouterr().err
+
+
+# ---- reliability of the per-node-count loop (cluster and ranks faked) ---------------------------
+
+class _FakeProgress:
+    def __init__(self):
+        self.file, self.seen, self.skipped = None, 0, 0
+        self.bar = argparse.Namespace(total=0)
+
+    def watch(self, file, label):
+        self.file = file
+
+    def poll(self):
+        pass
+
+    def running(self):
+        return Path(str(self.file)).read_text().split()[-1]
+
+    def skip(self, n):
+        self.skipped += n
+
+
+def _fake_jobs(monkeypatch, fail_on: str | None):
+    """run_ranks writes one row per hook of the spec, or dies while running ``fail_on``."""
+    built = []
+
+    @contextlib.contextmanager
+    def cluster(shape):
+        built.append(shape)
+        yield object()
+        built.append("torn down")
+
+    def run_ranks(cluster, command, log_dir, **kw):
+        spec, out = json.loads(Path(command[-2]).read_text()), Path(command[-1])
+        Path(str(out) + ".progress").write_text("\n".join(spec["comms"]) + "\n")
+        if fail_on in spec["comms"]:
+            Path(str(out) + ".progress").write_text(f"noop\n{fail_on}\n")
+            raise RankError(f"rank 1 (node 1) exited with code 1; ... {fail_on} died")
+        out.write_text(json.dumps({"rows": [{"comm": c, "step_s": [0.1]} for c in spec["comms"]]}))
+        return 1.0
+
+    monkeypatch.setattr(scaling, "emulated_cluster", cluster)
+    monkeypatch.setattr(scaling, "run_ranks", run_ranks)
+    return built
+
+
+def _spec(**over):
+    return {**scaling.settings(_args(quick=True)), "subnet": "10.214.0.0/24", **over}
+
+
+def test_a_failing_hook_is_reported_and_the_others_still_run(monkeypatch, tmp_path):
+    built = _fake_jobs(monkeypatch, fail_on="ring")
+    rows = scaling.run_node_count(_spec(), 2, 10**8, ["noop", "ring", "gtopk"], tmp_path, tmp_path,
+                                  _FakeProgress(), 1e6)
+    by = {r["comm"]: r for r in rows}
+    assert "ring died" in by["ring"]["error"]
+    assert by["noop"]["step_s"] and by["gtopk"]["step_s"]  # rerun without the failed hook
+    assert all(r["nodes"] == 2 and r["world"] == 2 for r in rows)
+    assert built[-1] == "torn down"
+
+
+def test_a_link_too_slow_for_the_timeout_skips_with_the_reason(monkeypatch, tmp_path):
+    _fake_jobs(monkeypatch, fail_on=None)
+    progress = _FakeProgress()
+    # 100 MB at 1 Mbit/s on 2 ranks: 800 s per all-reduce, over a 120 s timeout
+    rows = scaling.run_node_count(_spec(timeout_s=120.0), 2, 10**6, ["noop", "ring", "topk"], tmp_path,
+                                  tmp_path, progress, 100e6)
+    by = {r["comm"]: r for r in rows}
+    assert "step_s" in by["noop"]
+    for c in ("ring", "topk"):
+        assert "over the collective timeout --timeout 120 s" in by[c]["skipped"]
+    assert progress.skipped == 2 * (_spec()["warmup"] + _spec()["iters"])
+
+
+# ---- the step model (torch-free) ---------------------------------------------------------------
+
+TRUE = {"c_msg": 300e-6, "link_factor": 1.1, "c_byte": 2e-9, "c_elem": 5e-9, "c_call": 1e-3,
+        "c_sparse": 2e-3}
+
+
+def _rows_from_model(params: dict) -> list[dict]:
+    """Rows whose steps the model gives exactly, for 1, 2, 4, 8 nodes x 1 and 4 x 2."""
+    compute = {(1, 1): 0.05, (2, 1): 0.05, (4, 1): 0.1, (8, 1): 0.2, (4, 2): 0.2}
+    rows = []
+    for (n, r), t in compute.items():
+        rows.append({"comm": "noop", "nodes": n, "ranks_per_node": r, "world": n * r, "step_s": [t],
+                     "link_bps": 2e7, "bucket_bytes": [1048576, 30000]})
+        for comm in ("native", "ring", "hierarchical", "torus2d", "topk", "gtopk"):
+            row = {"comm": comm, "nodes": n, "ranks_per_node": r, "world": n * r, "link_bps": 2e7,
+                   "bucket_bytes": [1048576, 30000], "grid": [r, n]}
+            share = {s: c / 0.05 for s, c in compute.items()}
+            x = sim._scaled_row(row, 0.001, share)
+            row["step_s"] = [t + float(x @ np.array([params[p] for p in sim.PARAMS]))]
+            rows.append(row)
+    return rows
+
+
+def test_fit_recovers_the_model_and_validates_on_other_shapes():
+    rows = _rows_from_model(TRUE)
+    f = sim.fit(rows, [(2, 1), (8, 1)], 0.001)
+    preds = sim.predict(f, rows)
+    assert sim.max_error(preds, "validation") < 1e-6 and sim.max_error(preds, "calibration") < 1e-6
+    roles = {(p["comm"], p["nodes"], p["ranks_per_node"]): p["role"] for p in preds}
+    assert roles["ring", 4, 1] == "validation" and roles["ring", 8, 1] == "calibration"
+    assert roles["noop", 4, 2] == "input (compute)" and roles["gtopk", 1, 1] == "one rank"
+
+
+def test_fit_needs_noop_and_enough_rows():
+    rows = [r for r in _rows_from_model(TRUE) if r["comm"] != "noop"]
+    with pytest.raises(ValueError, match="noop"):
+        sim.fit(rows, [(2, 1)], 0.001)
+    with pytest.raises(ValueError, match=">= 6 measured rows"):
+        sim.fit([r for r in _rows_from_model(TRUE) if r["comm"] in ("noop", "ring")], [(2, 1)], 0.001)
+
+
+def test_simulate_calibrate_cli_is_torch_free(tmp_path):
+    path = tmp_path / "scaling.json"
+    path.write_text(json.dumps({"meta": {"density": 0.001}, "rows": _rows_from_model(TRUE)}))
+    code = ("import sys; from flashsgd.cli import main; rc = main(['simulate', '--calibrate', sys.argv[1], "
+            "'--calibrate-on', '2x1,8x1', '--json', sys.argv[2]]); "
+            "assert 'torch' not in sys.modules, 'simulate imported torch'; sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "fit.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "validation rows 0.0%" in out.stdout and "c_msg" in out.stdout
+    report = json.loads((tmp_path / "fit.json").read_text())
+    assert report["calibration_shapes"] == [[2, 1], [8, 1]]
+    assert abs(report["params"]["link_factor"] - 1.1) < 1e-6
+
+
+# ---- the real thing ----------------------------------------------------------------------------
+
+@needs_netns
+def test_quick_run_on_an_emulated_cluster(tmp_path):
+    out = tmp_path / "quick.json"
+    proc = subprocess.run([sys.executable, "-m", "flashsgd", "bench", "scaling", "--quick",
+                           "--comm", "noop,native,ring,gtopk", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = {(r["comm"], r["nodes"]): r for r in doc["rows"]}
+    for comm in ("noop", "native", "ring", "gtopk"):
+        for n in (1, 2):
+            assert rows[comm, n]["step_ms"] > 0, rows[comm, n]
+    assert rows["noop", 2]["efficiency"] == 1.0
+    assert rows["gtopk", 2]["compression_ms"] > 0
+    assert doc["meta"]["link_bps"] > 0 and "--comm-compute 2" in proc.stderr
+    assert out.with_suffix(".png").exists()
+    assert "efficiency" in proc.stdout or "eff" in proc.stdout
