@@ -4,8 +4,23 @@ flashsgd never writes its own transport or rendezvous. Under ``torchrun`` (any n
 process group comes from the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...). On one
 machine without torchrun, :func:`spawn` starts W local processes that rendezvous through a
 ``torch.distributed.TCPStore`` hosted by the parent on an OS-chosen port (no port races), run the
-function, and send back its return value. Every wait has a deadline: a rank that raises, dies or
-hangs makes :func:`spawn` fail with a message naming the rank, never an endless hang.
+function, and send back its return value.
+
+A spawned job never hangs, never leaves orphans and names the rank at fault:
+
+- Every collective has the run's ``timeout_s`` (``init_process_group(timeout=...)``), and the whole
+  run an optional ``deadline_s``.
+- When a rank fails, the launcher keeps listening until every rank has reported or exited, or
+  nothing new has arrived for ``SETTLE_S``; then the rank that died or stopped
+  responding is named first and its peers' errors are summarised as consequences
+  (:mod:`flashsgd.launch_failures`): "rank 1 exited with code -9 (SIGKILL); ranks 0,2,3 then
+  failed: Connection closed by peer".
+- SIGTERM or SIGINT to the launcher is forwarded to the workers as SIGTERM; after
+  ``SIGNAL_GRACE_S`` the stragglers are killed and :class:`Interrupted` is raised (exit code
+  128 + signal, as a shell reports it). Workers ignore SIGINT themselves (a terminal's Ctrl-C
+  reaches the whole process group; the launcher decides).
+- Workers die with the launcher, even one killed by SIGKILL: Linux ``prctl(PR_SET_PDEATHSIG)``,
+  elsewhere a thread that watches ``os.getppid()``.
 
 Example::
 
@@ -19,23 +34,48 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import dataclasses
 import datetime
 import gc
+import math
 import multiprocessing as mp
 import os
 import queue as queue_module
+import signal
+import sys
+import threading
 import time
-import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from flashsgd.launch_failures import RankOutcome, WorkerError, attribute, describe_exception
+
+__all__ = ["Interrupted", "WorkerError", "default_backend", "init_from_env", "run", "shutdown",
+           "spawn", "under_torchrun"]
+
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+SETTLE_S = 5.0        # after a failure: quiet time before the ranks still silent are called hung
+SIGNAL_GRACE_S = 5.0  # after a forwarded SIGTERM: time the workers get before SIGKILL
+POLL_S = 0.2          # how often the launcher looks at exits, signals and the deadline
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-class WorkerError(RuntimeError):
-    """A rank raised, died or timed out; the message names the rank and carries its traceback."""
+class Interrupted(BaseException):
+    """The launcher received ``signum`` (SIGTERM / SIGINT) and stopped its workers.
+
+    A ``BaseException`` like ``KeyboardInterrupt``: an ``except Exception`` meant for errors does
+    not swallow it. ``exit_code`` is what a shell reports for a process killed by that signal
+    (143 for SIGTERM, 130 for SIGINT); a command line exits with it.
+    """
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+        super().__init__(f"interrupted by {signal.Signals(self.signum).name}; workers stopped")
 
 
 def under_torchrun() -> bool:
@@ -44,18 +84,19 @@ def under_torchrun() -> bool:
 
 
 def default_backend() -> str:
-    """NCCL when CUDA is available, Gloo otherwise (DESIGN.md: the engine is torch.distributed)."""
+    """NCCL when CUDA is available, Gloo otherwise (the engine is torch.distributed)."""
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> str:
     """Join torchrun's process group from the environment; returns the backend.
 
-    The store is torchrun's (``TORCHELASTIC_USE_AGENT_STORE``) or hosted by rank 0, and every
-    elastic attempt gets its own key prefix (``TORCHELASTIC_RESTART_COUNT``): with plain
-    ``env://`` the ranks of a group restarted by ``--max-restarts`` read the dead attempt's
-    addresses from the reused agent store and fail in Gloo's ``connectFullMesh`` ("Connection
-    refused"; seen on torch 2.13).
+    ``timeout_s`` bounds the rendezvous and every collective of the default group
+    (``init_process_group(timeout=...)``). The store is torchrun's (``TORCHELASTIC_USE_AGENT_STORE``)
+    or hosted by rank 0, and every elastic attempt gets its own key prefix
+    (``TORCHELASTIC_RESTART_COUNT``): with plain ``env://`` the ranks of a group restarted by
+    ``--max-restarts`` read the dead attempt's addresses from the reused agent store and fail in
+    Gloo's ``connectFullMesh`` ("Connection refused"; seen on torch 2.13).
     """
     backend = backend or default_backend()
     if backend == "nccl":
@@ -84,13 +125,47 @@ def shutdown() -> None:
     gc.collect()
 
 
-def _worker(rank: int, world_size: int, ports: Any, backend: str, fn: Callable, args: Sequence,
-            env: dict[str, str], results: Any, timeout_s: float) -> None:
+# ------------------------------------------------------------------------ worker side -------------
+
+def _parent_death_signal() -> bool:
+    """Ask Linux to SIGKILL this process when its parent dies; False where that is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int, every_s: float = 1.0) -> threading.Thread:
+    """The portable fallback: a daemon thread that SIGKILLs this process once ``parent_pid`` is gone
+    (the process is re-parented, so ``os.getppid()`` changes)."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(every_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="flashsgd-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker never outlives the launcher (even one killed by SIGKILL, which runs no cleanup)."""
+    if not _parent_death_signal():
+        _watch_parent(parent_pid)
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _join_group(rank: int, world_size: int, ports: Any, backend: str, env: dict[str, str],
+                timeout_s: float) -> None:
+    """Rendezvous on the parent's store and create the default process group."""
     try:
         port = ports.get(timeout=timeout_s)
     except queue_module.Empty:
-        results.put((rank, False, f"no rendezvous port from the parent within {timeout_s:.0f} s"))
-        return
+        raise TimeoutError(f"no rendezvous port from the parent within {timeout_s:g} s") from None
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
         "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
@@ -100,24 +175,168 @@ def _worker(rank: int, world_size: int, ports: Any, backend: str, fn: Callable, 
     os.environ.update(env)
     # W ranks share the machine's cores: one intra-op thread each unless there are cores to spare.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _worker(rank: int, world_size: int, ports: Any, backend: str, fn: Callable, args: Sequence,
+            env: dict[str, str], results: Any, timeout_s: float, parent_pid: int) -> None:
+    """One rank: die with the parent, join the group, run ``fn``, report its result or error."""
+    _exit_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides, and forwards SIGTERM
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        result = fn(*args)
-        results.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - everything is reported to the parent
-        results.put((rank, False, traceback.format_exc()))
+        _join_group(rank, world_size, ports, backend, env, timeout_s)
+        report = (rank, True, fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        report = (rank, False, describe_exception(exc))
+    # Deliver the report before anything slow (shutdown; a busy core): the launcher judges who is
+    # silent by what has arrived, so a sent report must not wait in this process's feeder thread.
+    results.put(report)
+    results.close()
+    results.join_thread()
+    shutdown()
+
+
+# ------------------------------------------------------------------------ launcher side -----------
+
+@dataclasses.dataclass
+class _Job:
+    """What the launcher knows about its ranks: the processes, their reports and exits."""
+
+    procs: list[Any]
+    results: Any
+    reports: dict[int, tuple[bool, Any]] = dataclasses.field(default_factory=dict)
+    exits: dict[int, int] = dataclasses.field(default_factory=dict)  # exited without a report
+
+    def collect(self, wait_s: float) -> None:
+        """Take every report that arrives within ``wait_s``; note ranks that exited without one.
+
+        Exits are looked at before the queue is drained: a worker's report is in the pipe before
+        its process ends, so a rank seen exited and still without a report has none.
+        """
+        ended = {r: p.exitcode for r, p in enumerate(self.procs) if p.exitcode is not None}
+        try:
+            rank, ok, value = self.results.get(timeout=wait_s)
+            while True:
+                self.reports[rank] = (ok, value)
+                rank, ok, value = self.results.get_nowait()
+        except queue_module.Empty:
+            pass
+        self.exits.update({r: c for r, c in ended.items() if r not in self.reports})
+
+    def accounted(self) -> int:
+        return len(self.reports) + len(self.exits)
+
+    def done(self) -> bool:
+        return len(self.reports) == len(self.procs) and all(ok for ok, _ in self.reports.values())
+
+    def failed(self) -> bool:
+        return bool(self.exits) or not all(ok for ok, _ in self.reports.values())
+
+    def outcomes(self) -> list[RankOutcome]:
+        out = []
+        for r in range(len(self.procs)):
+            if r in self.reports:
+                ok, value = self.reports[r]
+                out.append(RankOutcome(r, "ok") if ok else RankOutcome(r, "raised", **value))
+            elif r in self.exits:
+                out.append(RankOutcome(r, "exited", exitcode=self.exits[r]))
+            else:
+                out.append(RankOutcome(r, "silent"))
+        return out
+
+
+@contextlib.contextmanager
+def _caught_signals() -> Iterator[list[int]]:
+    """SIGTERM / SIGINT numbers received while inside, instead of their usual effect.
+
+    Signal handlers can only be installed from the main thread; elsewhere the signals keep their
+    usual effect (and the workers still die with this process).
+    """
+    caught: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
+                for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield caught
     finally:
-        shutdown()
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+def _settle(job: _Job, settle_s: float, caught: list[int]) -> None:
+    """After a failure: listen until every rank is accounted for or nothing new came for ``settle_s``."""
+    seen, quiet_since = job.accounted(), time.monotonic()
+    while job.accounted() < len(job.procs) and not caught \
+            and time.monotonic() - quiet_since < settle_s:
+        job.collect(POLL_S)
+        if job.accounted() != seen:
+            seen, quiet_since = job.accounted(), time.monotonic()
+
+
+def _interrupt(job: _Job, signum: int, caught: list[int]) -> Interrupted:
+    """Forward SIGTERM to the running workers and give them ``SIGNAL_GRACE_S`` (a second signal
+    cuts that short); the stragglers are killed on the way out of :func:`spawn`."""
+    for p in job.procs:
+        if p.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)
+    end = time.monotonic() + SIGNAL_GRACE_S
+    while len(caught) < 2 and time.monotonic() < end and any(p.exitcode is None for p in job.procs):
+        time.sleep(0.05)
+    return Interrupted(signum)
+
+
+def _wait(job: _Job, deadline_s: float | None, caught: list[int]) -> WorkerError | Interrupted | None:
+    """Collect the ranks' results; the error to raise when the job failed, was stopped or late."""
+    deadline = time.monotonic() + deadline_s if deadline_s is not None else math.inf
+    while not job.done():
+        job.collect(POLL_S)
+        if caught:
+            return _interrupt(job, caught[0], caught)
+        if job.failed():
+            _settle(job, SETTLE_S, caught)
+            return _interrupt(job, caught[0], caught) if caught else attribute(job.outcomes())
+        if time.monotonic() > deadline and not job.done():
+            return attribute([o for o in job.outcomes() if o.state != "ok"],
+                             reason=f"the run passed its deadline (deadline_s={deadline_s:g})")
+    return None
+
+
+def _reap(procs: list[Any], grace_s: float) -> None:
+    """Join every worker within ``grace_s`` in all, then SIGKILL and join what is left."""
+    end = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _check_spawn_args(world_size: int, backend: str, timeout_s: float, deadline_s: float | None,
+                      start_method: str | None) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+    if deadline_s is not None and not (isinstance(deadline_s, (int, float))
+                                       and math.isfinite(deadline_s) and deadline_s > 0):
+        raise ValueError(f"deadline_s must be None or a finite number > 0, got {deadline_s!r}")
+    if start_method not in (None, "fork", "spawn"):
+        raise ValueError(f"start_method must be None, 'fork' or 'spawn', got {start_method!r}")
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
-          backend: str = "gloo", timeout_s: float = 300.0, start_method: str | None = None,
-          env: dict[str, str] | None = None) -> list[Any]:
+          backend: str = "gloo", timeout_s: float = 300.0, deadline_s: float | None = None,
+          start_method: str | None = None, env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` local ranks in a fresh process group; return per-rank results.
 
     Args:
@@ -125,19 +344,19 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
         world_size: number of ranks, >= 1.
         args: positional arguments for ``fn`` (picklable under "spawn").
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
-        timeout_s: deadline for the whole run and for every collective inside it.
+        timeout_s: deadline of the rendezvous and of every collective of the default group; a dead
+            or hung rank fails its peers' collectives after at most this long.
+        deadline_s: deadline of the whole run, or None (default) for none.
         start_method: ``"fork"`` (default for Gloo on Linux: workers inherit imported torch, ~0.2 s
             to start 4 ranks instead of ~5 s) or ``"spawn"`` (default for NCCL: CUDA needs it).
         env: extra environment variables for the workers.
 
     Raises:
-        WorkerError: a rank raised (its traceback is included), exited without a result, or the
-            deadline passed (the ranks still running are named and killed).
+        WorkerError: a rank raised, exited without a result, or stopped responding, or the
+            deadline passed; the cause is named first (see :mod:`flashsgd.launch_failures`).
+        Interrupted: this process received SIGTERM or SIGINT; the workers were stopped.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    _check_spawn_args(world_size, backend, timeout_s, deadline_s, start_method)
     if start_method is None:
         fork_ok = backend == "gloo" and "fork" in mp.get_all_start_methods()
         start_method = "fork" if fork_ok else "spawn"
@@ -145,60 +364,40 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
     results, ports = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world_size, ports, backend, fn, tuple(args), dict(env or {}),
-                               results, timeout_s))
+                               results, timeout_s, os.getpid()))
              for r in range(world_size)]
     for p in procs:
         p.start()
-    # The store's server thread starts only after every fork: a thread alive at fork time can leave
-    # a lock held in the child forever (seen as a rare rendezvous hang before this ordering).
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    for _ in procs:
-        ports.put(store.port)
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
+    job, error, store = _Job(procs, results), None, None
     try:
-        while len(out) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=0.2)
-            except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if r not in out and p.exitcode is not None and p.exitcode != 0]
-                if dead:
-                    # give a crashing rank's own report a moment to arrive before blaming the exit
-                    try:
-                        rank, ok, value = results.get(timeout=1.0)
-                    except queue_module.Empty:
-                        raise WorkerError(
-                            f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
-                            "without a result") from None
-                elif time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(out))
-                    raise WorkerError(f"timed out after {timeout_s:.0f} s waiting for ranks {missing}")
-                else:
-                    continue
-            if not ok:
-                raise WorkerError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+        with _caught_signals() as caught:  # after the forks: workers keep the default handlers
+            # The store's server thread starts only after every fork: a thread alive at fork time
+            # can leave a lock held in the child forever (seen as a rare rendezvous hang before).
+            store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+            for _ in procs:
+                ports.put(store.port)
+            error = _wait(job, deadline_s, caught)
     finally:
-        for p in procs:
-            p.join(timeout=5.0 if len(out) == world_size else 0.5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _reap(procs, grace_s=5.0 if job.done() else 0.5)
         results.close()
         ports.close()
-        ports.join_thread()  # no feeder thread may outlive this call into the next fork
+        # No thread of this call may live on into the next fork: not the ports' feeder, and not
+        # the store's server (the error raised below keeps this frame, and so ``store``, alive).
+        ports.join_thread()
         del store
-    return [out[r] for r in range(world_size)]
+    if error is not None:
+        raise error
+    return [job.reports[r][1] for r in range(world_size)]
 
 
 def run(fn: Callable[..., Any], args: Sequence = (), *, world_size: int, backend: str | None = None,
-        timeout_s: float = 300.0) -> Any:
+        timeout_s: float = 300.0, deadline_s: float | None = None) -> Any:
     """Run ``fn(*args)`` under torchrun's process group if there is one, else on spawned local ranks.
 
-    Returns rank 0's result in the local case and this rank's result under torchrun.
+    Returns rank 0's result in the local case and this rank's result under torchrun. ``timeout_s``
+    bounds every collective in both cases; ``deadline_s`` (whole run) applies to spawned ranks
+    (under torchrun the job's lifetime, signals and restarts are torchrun's).
     """
     if under_torchrun():
         init_from_env(backend, timeout_s)
@@ -206,4 +405,5 @@ def run(fn: Callable[..., Any], args: Sequence = (), *, world_size: int, backend
             return fn(*args)
         finally:
             shutdown()
-    return spawn(fn, world_size, args, backend=backend or "gloo", timeout_s=timeout_s)[0]
+    return spawn(fn, world_size, args, backend=backend or "gloo", timeout_s=timeout_s,
+                 deadline_s=deadline_s)[0]
