@@ -18,7 +18,7 @@ cause and whose ``details`` carry every traceback.
 
 Example::
 
-    >>> err = attribute([RankOutcome(0, "raised", error="RuntimeError: Connection closed by peer",
+    >>> err = attribute([RankOutcome(0, "raised", error="Connection closed by peer",
     ...                              comm=True), RankOutcome(1, "exited", exitcode=-9)])
     >>> str(err)
     'rank 1 exited with code -9 (SIGKILL); rank 0 then failed: Connection closed by peer'
