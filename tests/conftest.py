@@ -19,7 +19,8 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("FLASHSGD_TEST_TIMEOUT", "120"))
 
 
 def _run_ranks(fn, world, *args, timeout_s=DEFAULT_TIMEOUT_S, env=None):
-    return spawn(fn, world, args, backend="gloo", timeout_s=timeout_s, start_method="fork", env=env)
+    return spawn(fn, world, args, backend="gloo", timeout_s=timeout_s, deadline_s=timeout_s,
+                 start_method="fork", env=env)
 
 
 @pytest.fixture

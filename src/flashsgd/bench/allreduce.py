@@ -211,7 +211,7 @@ def _check_memory(size_bytes: int, world: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg, world = config_from_args(args)  # ValueError: flashsgd.cli prints it as a one-line error
-    out = launch_run(bench_worker, (cfg,), world_size=world, timeout_s=args.timeout)
+    out = launch_run(bench_worker, (cfg,), world_size=world, timeout_s=args.timeout, deadline_s=args.timeout)
     if out is not None and args.json:
         out["meta"]["config"] = asdict(cfg)
         write_json(args.json, out["meta"], out["results"])

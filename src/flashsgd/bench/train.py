@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if launch.under_torchrun():
         res = launch.run(_bench, (opts, False), world_size=args.workers)
     else:
-        res = launch.spawn(_bench, args.workers, (opts, True), timeout_s=1800)[0]
+        res = launch.spawn(_bench, args.workers, (opts, True), timeout_s=300, deadline_s=1800)[0]
     if res is None or (launch.under_torchrun() and dist.is_initialized() and dist.get_rank() != 0):
         return 0
     meta = run_metadata(benchmark="train", **{k: v for k, v in opts.items()}, world=res["world"],

@@ -175,10 +175,10 @@ def decide(cfg: TrainConfig, target_steps: int) -> Start:
     summary = _complete_summary(out, target_steps)
     if summary is not None:
         return Start("complete", summary=summary)
-    latest = ckpt.find_latest(out / "checkpoints")
+    latest, note = ckpt.resume_point(out / "checkpoints")
     if latest is None:
         return Start("fresh", note="the previous attempt left no checkpoint")
-    return Start("resume", checkpoint=latest)
+    return Start("resume", checkpoint=latest, note=note or "")
 
 
 @contextlib.contextmanager
