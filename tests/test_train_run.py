@@ -124,3 +124,43 @@ def test_killed_worker_restarts_and_resumes_from_checkpoint(tmp_path):
     assert kill_step - 2 <= resumed[0] <= kill_step, (kill_step, resumed)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 14 and summary["epochs"] == 2
+
+
+def _hook_names():
+    from flashsgd.comm.hooks import HOOKS
+
+    return [n for n in HOOKS.names() if n != "noop"]  # noop never communicates: nothing to wait on
+
+
+@pytest.mark.parametrize("algorithm", _hook_names())
+def test_a_hung_worker_is_named_within_the_timeout_for_every_hook(tmp_path, algorithm):
+    """Every wait in every algorithm honours run.timeout_s and the hung rank is named first."""
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        train(tiny(tmp_path, workers=4, fail_at="1:3:hang", timeout_s=5, algorithm=algorithm,
+                   density=0.05))
+    elapsed = time.monotonic() - t0
+    assert str(err.value).startswith("rank 1 stopped responding"), err.value.details
+    assert err.value.causes == (1,)
+    assert elapsed < 5 + 25, elapsed  # start-up (4 processes on 2 cores), 3 steps, timeout, settle
+
+
+def test_sigterm_stops_the_run_and_its_workers(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "flashsgd", "train", *TINY, "--epochs", "30",
+                             "--out", str(out)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "interrupted" in err and "Traceback" not in err
+    time.sleep(1.0)
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert left == [], f"workers still running: {left}"
+    # the run directory is consistent: a resume continues from the last complete checkpoint
+    assert main(["train", *TINY, "--epochs", "30", "--out", str(out), "--max-steps", "1"]) == 0

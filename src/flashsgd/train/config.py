@@ -27,13 +27,17 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
+
+from flashsgd.train.config_values import choices_of, coerce
+
+__all__ = ["TrainConfig", "DataConfig", "ModelConfig", "OptimConfig", "CommConfig", "RunConfig",
+           "choice", "choices_of", "coerce", "resolve", "validate", "to_dict", "dumps", "field_index",
+           "field_docs", "section_types", "parse_fail_at", "SECTIONS"]
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -235,71 +239,6 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def choices_of(f: dataclasses.Field, hint: Any) -> list[str] | None:
-    """The valid values of a field: its registry's names (``choice``) or its ``Literal`` args."""
-    if "choices" in f.metadata:
-        return list(f.metadata["choices"]())
-    if typing.get_origin(hint) is Literal:
-        return [str(a) for a in typing.get_args(hint)]
-    return None
-
-
-def coerce(key: str, value: Any, hint: Any, choices: Callable[[], list[str]] | None = None) -> Any:
-    """Check/convert ``value`` (from TOML or a CLI string) to the type ``hint``; ValueError names key.
-
-    ``choices`` (a registry's names) restricts a ``str`` field; numbers must be finite.
-    """
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union:  # Optional[X]
-        inner = [a for a in args if a is not type(None)][0]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
-            return None
-        return coerce(key, value, inner, choices)
-    if choices is not None:
-        valid = choices()
-        if value not in valid:
-            raise ValueError(f"config key {key!r}: invalid value {value!r}; valid choices: "
-                             f"{', '.join(valid)}")
-        return value
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"config key {key!r}: invalid value {value!r}; valid choices: "
-                             f"{', '.join(map(str, args))}")
-        return value
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ValueError(f"config key {key!r}: expected true or false, got {value!r}")
-    if hint in (int, float):
-        return _number(key, value, hint)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ValueError(f"config key {key!r}: expected a string, got {value!r}")
-        return value
-    raise TypeError(f"unsupported config type {hint!r} for {key!r}")  # pragma: no cover
-
-
-def _number(key: str, value: Any, hint: type) -> int | float:
-    """An int (any integral number, e.g. numpy's) or a finite float; strings are parsed."""
-    if isinstance(value, bool):
-        raise ValueError(f"config key {key!r}: expected {hint.__name__}, got {value!r}")
-    try:
-        out = hint(value) if isinstance(value, str) else value
-    except ValueError:
-        raise ValueError(f"config key {key!r}: expected {hint.__name__}, got {value!r}") from None
-    if hint is int:
-        if not isinstance(out, numbers.Integral):
-            raise ValueError(f"config key {key!r}: expected an integer, got {value!r}")
-        return int(out)
-    if not isinstance(out, numbers.Real):
-        raise ValueError(f"config key {key!r}: expected {hint.__name__}, got {value!r}")
-    if not math.isfinite(out):
-        raise ValueError(f"config key {key!r}: expected a finite number, got {value!r}")
-    return float(out)
-
-
 def _positive(cfg: TrainConfig, section: str, key: str, allow_zero: bool = False) -> None:
     v = getattr(getattr(cfg, section), key)
     if v < 0 or (v == 0 and not allow_zero):
@@ -431,14 +370,3 @@ def dumps(cfg: TrainConfig) -> str:
 
     return "# flashsgd train: resolved configuration (unset optional keys take the recipe's value)\n" \
         + tomli_w.dumps(to_dict(cfg))
-
-
-def save(cfg: TrainConfig, path: str | Path) -> None:
-    Path(path).write_text(dumps(cfg))
-
-
-def from_dict(data: dict[str, dict[str, Any]]) -> TrainConfig:
-    cfg = TrainConfig()
-    for section, values in data.items():
-        apply(cfg, section, values, "config dict")
-    return validate(cfg)

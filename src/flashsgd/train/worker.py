@@ -1,0 +1,216 @@
+"""One rank of a `flashsgd train` run: Steps 1-6 of :mod:`flashsgd.train.trainer`, in named methods.
+
+Papers: Goyal et al. 2017 (per-worker BN, the loss normalized by the global batch, linear scaling
+and warmup), Mikami et al. 2018 (batch-size control), Yamazaki et al. 2019 (LARS), Shi et al. 2019
+(gTop-k) - through the :class:`~flashsgd.train.plan.RunPlan` every rank receives.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flashsgd.optim.plan import prepare
+from flashsgd.train import checkpoint as ckpt
+from flashsgd.train.data import Datasets, ShardedSampler
+from flashsgd.train.models import build_model
+from flashsgd.train.plan import RunPlan
+from flashsgd.train.report import Metrics, summarize
+from flashsgd.train.rundir import Start
+from flashsgd.train.trainer import (CommTimer, average_buffers, build_ddp, evaluate, inject_fault,
+                                    setup_process)
+
+
+class Worker:
+    """One rank of a run: Steps 1-6 of the module docstring (:meth:`run`)."""
+
+    def __init__(self, plan: RunPlan, data: Datasets, start: Start) -> None:
+        self.plan, self.data, self.cfg = plan, data, plan.config
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = setup_process(plan)                                              # Step 1
+        torch.manual_seed(self.cfg.run.seed)                                           # Step 2
+        self.model = build_model(self.cfg.model.model, data.num_classes, self.cfg.model.channels).to(self.device)
+        recipe_plan = prepare(plan.recipe, self.model, self.cfg.optim.global_batch, plan.num_train,
+                              epochs=plan.recipe.epochs)  # the recipe is already rescaled
+        self.optimizer, self.model_tweaks = recipe_plan.optimizer, recipe_plan.model_tweaks
+        self.timer = CommTimer()
+        self.ddp, self.hook_state, self.topology = build_ddp(plan, self.model, self.device, self.timer)
+        self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing, reduction="sum")
+        self.sampler = ShardedSampler(plan.num_train, self.rank, self.world, self.cfg.run.seed)
+        self.aug = torch.Generator().manual_seed(self.cfg.run.seed * 7919 + self.rank)  # per-rank augmentation
+        self.progress: dict[str, Any] = {"step": 0, "epoch": 0, "elapsed_s": 0.0, "skipped": 0,
+                                         "tta_s": None, "evals": []}
+        self.out = Path(self.cfg.run.out)
+        self.start = start
+        if start.checkpoint is not None:                                               # Step 3
+            self.restore(start.checkpoint)
+        else:
+            self.sampler.set_epoch(0, plan.batch_at(0))
+        self.metrics = Metrics(self.out, self.rank == 0,
+                               resumed_from=self.progress["step"] if start.checkpoint else None)
+        self.bar = None
+        self.fault = self.cfg.run.fail_at or os.environ.get("FLASHSGD_FAIL_AT", "")
+
+    # ---------------------------------------------------------------- Step 3: checkpoints -------
+    def restore(self, target: Path) -> None:
+        """Load model, optimizer, sampler position, hook state, RNG streams and progress."""
+        shared, local = ckpt.load(target, self.rank, self.world)
+        ckpt.load_model_state(self.model, shared["model"], str(target))
+        with torch.no_grad():  # this worker's own BN statistics (shared["model"] has the average)
+            for name, b in self.model.named_buffers():
+                if name in local["buffers"]:
+                    b.copy_(local["buffers"][name])
+        self.optimizer.load_state_dict(shared["optimizer"])
+        self.sampler.load_state_dict(shared["sampler"])
+        self.hook_state.load_state_dict(local["hook"])
+        ckpt.set_rng_state(local["rng"])
+        self.aug.set_state(local["aug"])
+        self.progress = dict(shared["progress"])
+
+    def save_checkpoint(self) -> None:
+        """Shared: the model with worker-averaged BN statistics (for eval / inference); local: this
+        worker's own statistics, so that a resumed run continues exactly as an uninterrupted one."""
+        avg = average_buffers(self.model, inplace=False)
+        local = {"hook": self.hook_state.state_dict(), "rng": ckpt.rng_state(), "aug": self.aug.get_state(),
+                 "buffers": {n: b.clone() for n, b in self.model.named_buffers() if n in avg}}
+        shared = None
+        if self.rank == 0:
+            shared = {"model": {**self.model.state_dict(), **avg}, "optimizer": self.optimizer.state_dict(),
+                      "sampler": self.sampler.state_dict(), "progress": self.progress}
+        ckpt.save(self.out / "checkpoints", self.progress["step"], shared, local,
+                  keep=self.cfg.run.keep_checkpoints)
+
+    # ---------------------------------------------------------------- Step 4: one step ----------
+    def train_step(self, epoch: int, i: int, idx: torch.Tensor, sizes: list[int]) -> None:
+        """Forward, backward (hook exchange), agreement on the loss and non-finite values, step."""
+        step, world, r = self.progress["step"], self.world, self.cfg.run
+        t0 = time.perf_counter()
+        make_nan = inject_fault(self.fault, self.rank, step)
+        lr = self.plan.lr_at(epoch + i / len(sizes))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = self.data.train.batch(idx, self.aug, train=True)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        comm0 = self.timer.seconds
+        t1 = time.perf_counter()
+        loss_sum = self.loss_fn(self.ddp(x), y)
+        if make_nan:
+            loss_sum = loss_sum * float("nan")
+        t2 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=False)
+        (loss_sum * (world / sizes[i])).backward()
+        t3 = time.perf_counter()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        bad = (~torch.isfinite(torch.stack([g.sum() for g in grads]).sum())).float() \
+            + (~torch.isfinite(loss_sum.detach())).float()
+        stats = torch.stack([loss_sum.detach().double(), torch.tensor(float(len(y)), dtype=torch.float64,
+                             device=self.device), bad.double()]).to(self.device)
+        dist.all_reduce(stats)
+        t4 = time.perf_counter()
+        skipped = stats[2].item() > 0
+        if skipped and r.nonfinite == "stop":
+            raise FloatingPointError(f"non-finite loss or gradient at step {step} (epoch {epoch}); "
+                                     "set run.nonfinite = 'skip' to skip such steps instead")
+        if skipped:
+            self.progress["skipped"] += 1
+            self.optimizer.zero_grad(set_to_none=False)
+        else:
+            self.optimizer.step()
+        t5 = time.perf_counter()
+        self.progress["step"] = step + 1
+        self.progress["elapsed_s"] = time.perf_counter() - self.t_start
+        loss = stats[0].item() / stats[1].item()
+        self.metrics.step(step=step, epoch=epoch + (i + 1) / len(sizes), loss=loss, lr=lr,
+                          global_batch=sizes[i], scheduled_batch=self.sampler.global_batch,
+                          local_batch=len(y), images_per_s=sizes[i] / (t5 - t0), t_step_s=t5 - t0,
+                          t_data_s=t1 - t0, t_forward_s=t2 - t1, t_backward_s=t3 - t2,
+                          t_comm_s=self.timer.seconds - comm0, t_sync_s=t4 - t3, t_optimizer_s=t5 - t4,
+                          skipped=bool(skipped))
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(epoch=epoch, loss=f"{loss:.3f}", lr=f"{lr:.3g}", refresh=False)
+
+    # ---------------------------------------------------------------- Steps 4-5: epochs ---------
+    def run_epoch(self, epoch: int) -> bool:
+        """Train the rest of ``epoch``; True when ``run.max_steps`` stopped it."""
+        r = self.cfg.run
+        if self.sampler.global_batch != self.plan.batch_at(epoch) or self.sampler.epoch != epoch:
+            self.sampler.set_epoch(epoch, self.plan.batch_at(epoch))
+        sizes = self.sampler.global_sizes()
+        for idx in self.sampler:
+            self.train_step(epoch, self.sampler.position - 1, idx, sizes)
+            if r.checkpoint_every and self.progress["step"] % r.checkpoint_every == 0 \
+                    and self.sampler.position < len(sizes):
+                self.save_checkpoint()
+            if r.max_steps and self.progress["step"] >= r.max_steps:
+                return True
+        return False
+
+    def evaluate_now(self, epoch: float, at_stop: bool = False) -> None:
+        """Step 5: worker-averaged BN statistics, test accuracy and loss, time to accuracy."""
+        average_buffers(self.model)
+        acc, test_loss = evaluate(self.model, self.data.test, self.rank, self.world, self.device)
+        p = self.progress
+        p["elapsed_s"] = time.perf_counter() - self.t_start
+        if p["tta_s"] is None and acc >= self.cfg.run.target_accuracy:
+            p["tta_s"] = p["elapsed_s"]
+        p["evals"].append([epoch, p["step"], acc, p["elapsed_s"]])
+        self.metrics.eval(epoch=epoch, step=p["step"], test_accuracy=acc, test_loss=test_loss,
+                          elapsed_s=p["elapsed_s"], **({"at_stop": True} if at_stop else {}))
+        if self.bar is not None:
+            self.bar.set_postfix(epoch=epoch, acc=f"{acc:.2f}%", refresh=True)
+
+    def end_epoch(self, epoch: int) -> None:
+        """Step 5: after the last step of ``epoch`` (0-based): evaluate when due, checkpoint."""
+        done = epoch + 1
+        self.progress["epoch"] = done
+        if done % self.cfg.run.eval_every == 0 or done == self.plan.epochs:
+            self.evaluate_now(done)
+        self.sampler.set_epoch(done, self.plan.batch_at(min(done, self.plan.epochs - 1)))
+        self.save_checkpoint()
+
+    def train_loop(self) -> None:
+        """Step 4-5 over the remaining epochs; a stop at ``run.max_steps`` checkpoints, then evaluates."""
+        epoch = self.sampler.epoch
+        while epoch < self.plan.epochs:
+            if self.run_epoch(epoch):
+                self.save_checkpoint()
+                if not self.progress["evals"] or self.progress["evals"][-1][1] != self.progress["step"]:
+                    self.evaluate_now(epoch + self.sampler.position / len(self.sampler), at_stop=True)
+                return
+            self.end_epoch(epoch)
+            epoch += 1
+
+    def run(self) -> dict[str, Any]:
+        """Steps 4-6; returns the summary (rank 0) or {} (other ranks)."""
+        r = self.cfg.run
+        if self.rank == 0:
+            print(self.plan.describe(self.topology.describe())
+                  + f"\n  model       {self.cfg.model.model} "
+                  f"({sum(p.numel() for p in self.model.parameters()):,} parameters) on {self.device}; "
+                  f"tweaks: {'; '.join(self.model_tweaks) or 'none'}"
+                  f"\n  start       {self.start.describe()}", flush=True)
+            if r.progress:
+                from tqdm import tqdm
+                self.bar = tqdm(total=self.plan.target_steps, initial=self.progress["step"], unit="step",
+                                dynamic_ncols=True)
+        self.t_start = time.perf_counter() - self.progress["elapsed_s"]
+        try:
+            self.train_loop()
+        except RuntimeError as exc:  # a peer died or hung: say so, with the step
+            raise RuntimeError(
+                f"rank {self.rank}: failed at step {self.progress['step']} - a collective failed, so a "
+                f"worker died or hung longer than run.timeout_s={r.timeout_s:g} s "
+                f"({str(exc).splitlines()[0][:300]})") from exc
+        if self.bar is not None:
+            self.bar.close()
+        result = {}
+        if self.rank == 0:
+            result = summarize(self.plan, self.progress, self.topology, self.metrics, self.timer.seconds)
+        self.metrics.close()
+        return result
