@@ -96,3 +96,21 @@ def test_a_failed_run_is_one_line_per_rank_and_a_log(tmp_path, capfd):
     assert "rank 1" in err[0] and "error.log" in err[-1]
     assert "Traceback" not in "\n".join(err)
     assert (out / "error.log").is_file()
+
+
+def test_a_damaged_newest_checkpoint_falls_back_and_an_empty_latest_is_named(tmp_path, capfd):
+    out = tmp_path / "run"
+    assert _train(out, "--max-steps", "9", "--checkpoint-every", "4") == 0
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-00000009"
+    (ckpts / "step-00000009" / "shared.pt").write_bytes(b"torn write")
+    capfd.readouterr()
+    assert _train(out, "--checkpoint-every", "4") == 0
+    printed = capfd.readouterr().out
+    assert "resuming from the older intact checkpoint step-00000008" in printed
+    assert json.loads((out / "summary.json").read_text())["steps"] == 14
+    (out / "summary.json").unlink()
+    (ckpts / "latest").write_text("")
+    assert _train(out, "--checkpoint-every", "4") == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "latest" in err[0] and "empty" in err[0], err
