@@ -1,6 +1,6 @@
 """`flashsgd bench recipe`: does the large-batch recipe close the accuracy gap? (MNIST-1D proxy)
 
-The small-scale proxy of ../shared/REFERENCES.md ("Small-scale proxy"): the small 1D CNN
+The small-scale proxy (MNIST-1D, Greydanus 2020, standing in for ImageNet): the small 1D CNN
 (:class:`~flashsgd.train.mnist1d.MNIST1DCNN`) on MNIST-1D (32,000 train / 8,000 test), single
 process, the same number of epochs at every batch size:
 

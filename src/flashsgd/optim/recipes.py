@@ -2,7 +2,7 @@
 
 Papers: Goyal et al. 2017 (arXiv 1706.02677), Mikami et al. 2018 (Sony, arXiv 1811.05233),
 Yamazaki et al. 2019 (Fujitsu, arXiv 1903.12650) and its MLPerf v0.6 job; You et al. 2017 (LARS).
-See ../shared/REFERENCES.md and docs/recipe.md. A :class:`Recipe` holds batch-size-independent
+See docs/recipe.md for every value and its source. A :class:`Recipe` holds batch-size-independent
 hyper-parameters (LR per reference batch, lengths in epochs); :func:`flashsgd.optim.plan.prepare`
 derives everything that depends on the global batch and the dataset size.
 

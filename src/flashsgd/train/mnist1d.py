@@ -3,7 +3,7 @@
 Paper: Greydanus 2020, "Scaling down Deep Learning" (MNIST-1D; the ``mnist1d`` package). The data
 are generated from ten 1-D templates with random padding, translation, shear, scaling and
 correlated noise; nothing is downloaded. ``num_samples=40000`` gives 32,000 train / 8,000 test
-sequences of length 40 (REFERENCES.md, "Small-scale proxy").
+sequences of length 40: the project's small-scale proxy for ImageNet-scale recipes (docs/recipe.md).
 
 Example::
 

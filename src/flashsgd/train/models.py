@@ -4,7 +4,8 @@ Papers: He et al. 2016, "Deep Residual Learning for Image Recognition" (arXiv 15
 ImageNet ResNets (7x7 stem, max-pool, four stages, stride on the 3x3 conv of a bottleneck as in
 the torchvision/"v1.5" layout used by Goyal et al. and MLPerf) and the CIFAR ResNet-20 (3 stages of
 3 basic blocks, 16/32/64 channels, parameter-free "option A" shortcuts). ResNet-50 has 161
-parameter tensors and 25,557,032 parameters (REFERENCES.md), checked in the tests.
+parameter tensors and 25,557,032 parameters (as torchvision's resnet50 and the gTop-k paper's
+25.6 M-gradient figure), checked in the tests.
 
 Every residual block names its last BatchNorm ``last_bn``, so that
 :func:`flashsgd.optim.plan.apply_model_tweaks` (Goyal et al.: gamma = 0 for the last BN of each
