@@ -9,21 +9,28 @@ Paper: Shi et al. 2019, gTop-k S-SGD (arXiv 1901.04359); the exchanges are in
     ckpt["hook"] = state.state_dict(); state.load_state_dict(ckpt["hook"])
 
 Per bucket and step (after ``start_iter`` dense iterations):
-    1. acc = bucket gradient + this bucket's residual (local, un-averaged units).
+    1. acc = bucket gradient + this bucket's residual (local, un-averaged units). With DGC's
+       corrections (Lin et al. 2018, arXiv 1712.01887; :mod:`flashsgd.comm.sparse_corrections`):
+       the gradient is first clipped to ``local_clip``; with ``momentum_correction`` = m > 0 the
+       velocity u = m*u + g (not g) is added to the residual, and the optimizer must run
+       without momentum (``state.owns_momentum``).
     2. k = ceil(density(step) * numel), step = iterations seen by the hook (dense ones included);
        select the k largest |acc| (``exact``: torch.topk,
        ``sampled``: sampled threshold, :func:`~flashsgd.comm.sparse.topk_sampled`).
     3. Exchange: ``topk`` all-gathers every rank's pairs and sums them; ``gtopk`` runs the
        butterfly merge tree and keeps the global k.
     4. residual = acc with the counted local entries zeroed (error feedback invariant:
-       sum_r acc_r == world * update + sum_r residual_r).
+       sum_r acc_r == world * update + sum_r residual_r); with ``momentum_masking`` the
+       velocity is zeroed there too (DGC's momentum-factor masking).
     5. The bucket becomes sum / world (DDP's average semantics), zero outside the selected indices.
 
-Iterations ``0 .. start_iter-1`` use a dense all-reduce (grad / world, summed), as DDP does: DDP
+Iterations ``0 .. start_iter-1`` use a dense all-reduce (grad / world, summed; with momentum
+correction the velocity u = m*u + g, so that these steps are plain momentum SGD), as DDP does: DDP
 rebuilds its buckets after the first iteration, so no residual exists before the layout is final.
 Residuals are keyed by bucket index and remember which parameters (by position in the model) they
 cover; if the layout ever differs (a rebuild, or a checkpoint from another ``bucket_cap_mb``),
-all residuals are split per parameter and re-assembled for the new buckets, so no mass is lost.
+all residuals (and velocities) are split per parameter and re-assembled for the new buckets, so
+no mass is lost.
 
 Gloo has no futures for send/recv, so the sparse step runs synchronously inside the
 hook and returns a completed Future: the communication of a bucket does not overlap the backward
@@ -38,7 +45,10 @@ id-based parameter map; an unpickled state must be re-attached with
 Options (``register_hook(ddp, "topk" | "gtopk", ...)``): ``density`` (0.001, the paper's),
 ``density_warmup`` (None: the start density of the warm-up), ``density_warmup_steps`` (0),
 ``density_warmup_mode`` ("exponential"), ``start_iter`` (2), ``selection`` ("exact" | "sampled"),
-``seed`` (0, for the sampled selection), ``timeout_s`` (None: the default process group's timeout;
+``seed`` (0, for the sampled selection), ``momentum_correction`` (0.0: off; the momentum
+factor, e.g. 0.9), ``nesterov`` (False), ``momentum_masking`` (True; used with momentum
+correction), ``local_clip`` (None: off; the L2 norm each rank's bucket gradient is clipped to
+before accumulation), ``timeout_s`` (None: the default process group's timeout;
 the deadline of every wait on a peer, dense warm-up included: a rank that stops makes the others
 raise :class:`~flashsgd.comm.errors.PeerTimeout` naming the peer they waited for).
 """
@@ -52,6 +62,8 @@ import torch
 import torch.distributed as dist
 
 from flashsgd.comm.hook_common import completed_future, ddp_hook
+from flashsgd.comm.sparse_corrections import (accumulate_velocity_, check_local_clip, check_momentum,
+                                              clip_local_, mask_momentum_)
 from flashsgd.comm.topology import check_timeout_s, default_timeout_s
 from flashsgd.comm.waits import wait_collective
 from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, DensitySchedule, SelectionWorkspace,
@@ -73,14 +85,19 @@ class SparseHookState:
         process_group: DDP's group (None: the default group).
         param_positions: ``{id(parameter): position in model.parameters()}`` (residual remapping).
         timeout_s: deadline of every wait on a peer, seconds (``None``: the default group's).
+        momentum_correction: momentum factor applied in the hook (0: off; DGC's momentum correction).
+        nesterov: Nesterov form of the hook's momentum.
+        momentum_masking: zero the velocity where entries were sent (with momentum correction).
+        local_clip: L2 norm each rank's bucket gradient is clipped to before accumulation (None: off).
     """
 
     __slots__ = (
         # hyper-parameters
         "algorithm", "schedule", "start_iter", "selection", "seed", "process_group", "timeout_s",
+        "momentum", "nesterov", "momentum_masking", "local_clip",
         # internal state
-        "iter", "residuals", "layouts", "pending", "param_positions", "generator", "workspace",
-        "checked",
+        "iter", "residuals", "velocities", "layouts", "pending", "pending_velocities",
+        "param_positions", "generator", "workspace", "checked",
         # stats
         "bytes_sent", "sparse_buckets", "dense_buckets", "last_density", "residual_remaps",
     )
@@ -88,7 +105,9 @@ class SparseHookState:
     def __init__(self, algorithm: str, schedule: DensitySchedule, start_iter: int = 2,
                  selection: str = "exact", seed: int = 0, process_group: Any = None,
                  param_positions: dict[int, int] | None = None,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, momentum_correction: float = 0.0,
+                 nesterov: bool = False, momentum_masking: bool = True,
+                 local_clip: float | None = None) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         if not isinstance(schedule, DensitySchedule):
@@ -101,11 +120,17 @@ class SparseHookState:
         self.algorithm, self.schedule, self.start_iter = algorithm, schedule, start_iter
         self.selection, self.seed, self.process_group = selection, int(seed), process_group
         self.timeout_s = None if timeout_s is None else check_timeout_s(timeout_s)
+        self.momentum, self.nesterov = check_momentum(momentum_correction, nesterov)
+        if not isinstance(momentum_masking, bool):
+            raise ValueError(f"momentum_masking must be True or False, got {momentum_masking!r}")
+        self.momentum_masking, self.local_clip = momentum_masking, check_local_clip(local_clip)
         self.param_positions = param_positions
         self.iter = 0
         self.residuals: dict[int, torch.Tensor] = {}   # bucket index -> flat residual
+        self.velocities: dict[int, torch.Tensor] = {}  # bucket index -> flat velocity (momentum corr.)
         self.layouts: dict[int, tuple] = {}            # bucket index -> parameter positions
         self.pending: dict[int, torch.Tensor] | None = None  # per-parameter residuals to re-assemble
+        self.pending_velocities: dict[int, torch.Tensor] | None = None  # the same, for velocities
         self.generator: torch.Generator | None = None
         self.workspace = SelectionWorkspace()
         self.checked: set[int] = set()
@@ -115,6 +140,11 @@ class SparseHookState:
         self.last_density = 1.0
         self.residual_remaps = 0
 
+    @property
+    def owns_momentum(self) -> bool:
+        """True when the hook applies momentum (momentum correction): the optimizer must not."""
+        return self.momentum > 0
+
     # ---------------------------------------------------------------------- checkpointing ---
     def state_dict(self) -> dict:
         """Iteration, residuals with their parameter layouts, RNG state and counters (tensors cloned)."""
@@ -123,6 +153,8 @@ class SparseHookState:
             "residuals": {k: v.clone() for k, v in self.residuals.items()},
             "layouts": dict(self.layouts),
             "pending": {k: v.clone() for k, v in (self.pending or {}).items()},
+            "velocities": {k: v.clone() for k, v in self.velocities.items()},
+            "pending_velocities": {k: v.clone() for k, v in (self.pending_velocities or {}).items()},
             "generator": None if self.generator is None else self.generator.get_state(),
             "stats": {"bytes_sent": self.bytes_sent, "sparse_buckets": self.sparse_buckets,
                       "dense_buckets": self.dense_buckets, "residual_remaps": self.residual_remaps,
@@ -137,6 +169,9 @@ class SparseHookState:
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
         self.layouts = {int(k): tuple(tuple(x) for x in v) for k, v in state["layouts"].items()}
         self.pending = {int(k): v.clone() for k, v in state.get("pending", {}).items()} or None
+        self.velocities = {int(k): v.clone() for k, v in state.get("velocities", {}).items()}
+        self.pending_velocities = {int(k): v.clone()
+                                   for k, v in state.get("pending_velocities", {}).items()} or None
         self.generator = None
         if state.get("generator") is not None:
             self.generator = torch.Generator()
@@ -149,11 +184,14 @@ class SparseHookState:
         """Everything but the process group, the id-based parameter map and the workspace."""
         return {"hyper": (self.algorithm, self.schedule, self.start_iter, self.selection, self.seed,
                           self.timeout_s),
+                "corrections": {"momentum_correction": self.momentum, "nesterov": self.nesterov,
+                                "momentum_masking": self.momentum_masking, "local_clip": self.local_clip},
                 "state": self.state_dict()}
 
     def __setstate__(self, state: dict) -> None:
         algorithm, schedule, start_iter, selection, seed, timeout_s = state["hyper"]
-        self.__init__(algorithm, schedule, start_iter, selection, seed, timeout_s=timeout_s)
+        self.__init__(algorithm, schedule, start_iter, selection, seed, timeout_s=timeout_s,
+                      **state.get("corrections", {}))
         self.load_state_dict(state["state"])
 
     # ------------------------------------------------------------------------- residuals ----
@@ -171,40 +209,75 @@ class SparseHookState:
 
     def residual(self, bucket: dist.GradBucket) -> torch.Tensor:
         """This bucket's residual (zeros the first time), re-assembled if the layout changed."""
-        idx, buf = bucket.index(), bucket.buffer()
-        layout = self.layout(bucket)
-        res = self.residuals.get(idx)
-        if res is not None and (self.layouts.get(idx) != layout or res.numel() != buf.numel()):
+        self._check_layout(bucket)
+        return _assemble(self.residuals.get(bucket.index()), self.pending, self.layout(bucket),
+                         bucket.buffer())
+
+    def velocity(self, bucket: dist.GradBucket) -> torch.Tensor:
+        """This bucket's velocity (momentum correction; zeros the first time), as :meth:`residual`."""
+        self._check_layout(bucket)
+        return _assemble(self.velocities.get(bucket.index()), self.pending_velocities,
+                         self.layout(bucket), bucket.buffer())
+
+    def keep(self, bucket: dist.GradBucket, residual: torch.Tensor | None,
+             velocity: torch.Tensor | None) -> None:
+        """Store this bucket's residual and velocity (None: none kept) with the bucket's layout."""
+        idx = bucket.index()
+        if residual is not None:
+            self.residuals[idx] = residual
+        if velocity is not None:
+            self.velocities[idx] = velocity
+        self.layouts[idx] = self.layout(bucket)
+
+    def _check_layout(self, bucket: dist.GradBucket) -> None:
+        """Split every stored tensor per parameter when this bucket's layout changed."""
+        idx, numel = bucket.index(), bucket.buffer().numel()
+        known = self.layouts.get(idx)
+        stored = [t for t in (self.residuals.get(idx), self.velocities.get(idx)) if t is not None]
+        if known is not None and (known != self.layout(bucket) or any(t.numel() != numel for t in stored)):
             self._split_residuals()  # DDP rebuilt its buckets, or a checkpoint of another layout
-            res = None
-        if res is None:
-            res = torch.zeros_like(buf)
-        if self.pending:  # per-parameter pieces waiting for the bucket that now holds them
-            offset = 0
-            for pos, size in layout:
-                piece = self.pending.pop(pos, None) if pos is not None else None
-                if piece is not None:
-                    res[offset:offset + size] += piece.to(res.dtype)
-                offset += size
-        return res
 
     def _split_residuals(self) -> None:
-        """Move every bucket residual into ``pending``, one piece per parameter position."""
-        pieces: dict[int, torch.Tensor] = dict(self.pending or {})
-        for idx, res in self.residuals.items():
-            layout = self.layouts[idx]
-            if any(pos is None for pos, _ in layout):
-                warnings.warn("sparse hook: the bucket layout changed and this state does not know the "
-                              "parameters' positions (unpickled without register_hook); residuals "
-                              "reset to zero", RuntimeWarning, stacklevel=3)
-                continue
-            offset = 0
-            for pos, size in layout:
-                pieces[pos] = res[offset:offset + size].clone()
-                offset += size
-        self.pending = pieces
-        self.residuals, self.layouts = {}, {}
+        """Move every bucket residual (velocity) into ``pending`` (``pending_velocities``), one
+        piece per parameter position."""
+        if any(pos is None for layout in self.layouts.values() for pos, _ in layout):
+            warnings.warn("sparse hook: the bucket layout changed and this state does not know the "
+                          "parameters' positions (unpickled without register_hook); residuals "
+                          "reset to zero", RuntimeWarning, stacklevel=3)
+        self.pending = _split(self.residuals, self.layouts, self.pending)
+        self.pending_velocities = _split(self.velocities, self.layouts, self.pending_velocities)
+        self.residuals, self.velocities, self.layouts = {}, {}, {}
         self.residual_remaps += 1
+
+
+def _split(tensors: dict[int, torch.Tensor], layouts: dict[int, tuple],
+           pending: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
+    """``pending`` plus every bucket tensor cut into per-parameter pieces (by layout position);
+    buckets whose layout has unknown positions are dropped (the caller warns)."""
+    pieces: dict[int, torch.Tensor] = dict(pending or {})
+    for idx, flat in tensors.items():
+        layout = layouts[idx]
+        if any(pos is None for pos, _ in layout):
+            continue
+        offset = 0
+        for pos, size in layout:
+            pieces[pos] = flat[offset:offset + size].clone()
+            offset += size
+    return pieces
+
+
+def _assemble(stored: torch.Tensor | None, pending: dict[int, torch.Tensor] | None, layout: tuple,
+              buf: torch.Tensor) -> torch.Tensor:
+    """``stored`` (zeros when None) plus the pieces of ``pending`` this layout holds (popped)."""
+    out = torch.zeros_like(buf) if stored is None else stored
+    if pending:  # per-parameter pieces waiting for the bucket that now holds them
+        offset = 0
+        for pos, size in layout:
+            piece = pending.pop(pos, None) if pos is not None else None
+            if piece is not None:
+                out[offset:offset + size] += piece.to(out.dtype)
+            offset += size
+    return out
 
 
 def _world(state: SparseHookState) -> int:
@@ -225,6 +298,9 @@ def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.future
     buf = bucket.buffer()
     world, n = _world(state), buf.numel()
     if state.iter < state.start_iter:
+        clip_local_(buf, state.local_clip)
+        if state.owns_momentum:  # dense momentum SGD: the bucket becomes this rank's velocity
+            _dense_momentum(state, bucket, buf)
         buf.div_(world)
         if n:
             work = dist.all_reduce(buf, group=state.process_group, async_op=True)
@@ -241,11 +317,35 @@ def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.future
     return completed_future(buf)
 
 
+def _dense_momentum(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tensor) -> None:
+    """A dense iteration with momentum correction: ``buf`` <- the momentum update of its gradient
+    (``u = m*u + g``, or ``g + m*u`` after ``u = m*u + g`` for Nesterov, torch.optim.SGD's forms)."""
+    velocity = state.velocity(bucket)
+    update = torch.zeros_like(buf)
+    # DGC's velocity is m * (torch's buffer) in the Nesterov form; the update is the same
+    accumulate_velocity_(update, velocity, buf, state.momentum, state.nesterov)
+    buf.copy_(update)
+    state.keep(bucket, None, velocity)
+
+
+def _accumulate(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Step 1: (acc, velocity or None): the residual plus the (clipped) gradient, or plus the
+    velocity with momentum correction (the residual tensor is reused as acc's storage)."""
+    acc = state.residual(bucket)
+    clip_local_(buf, state.local_clip)
+    if not state.owns_momentum:
+        return acc.add_(buf), None
+    velocity = state.velocity(bucket)
+    accumulate_velocity_(acc, velocity, buf, state.momentum, state.nesterov)
+    return acc, velocity
+
+
 def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tensor, world: int) -> None:
     group, idx, n = state.process_group, bucket.index(), buf.numel()
     rank = dist.get_rank(group)
-    # Step 1: acc = gradient + residual (the residual tensor is reused as acc's storage)
-    acc = state.residual(bucket).add_(buf)
+    # Step 1: acc = gradient (or velocity) + residual
+    acc, velocity = _accumulate(state, bucket, buf)
     # Step 2: k from the schedule, local selection
     density = state.schedule(state.iter)
     k = k_from_density(n, density)
@@ -271,10 +371,11 @@ def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Ten
         buf.zero_()
         buf[res.indices] = res.values.div(world)
         state.bytes_sent += gtopk_bytes_sent(k, world, rank, values.dtype)
-    # Step 4: residual = acc minus what was counted
+    # Step 4: residual = acc minus what was counted; momentum-factor masking
     acc.index_fill_(0, counted, 0)
-    state.residuals[idx] = acc
-    state.layouts[idx] = state.layout(bucket)
+    if velocity is not None and state.momentum_masking:
+        mask_momentum_(velocity, counted)
+    state.keep(bucket, acc, velocity)
     state.sparse_buckets += 1
     state.last_density = density
 
@@ -284,15 +385,19 @@ def sparse_factory(algorithm: str) -> Callable:
     def make(ddp_model: Any, density: float = DEFAULT_DENSITY, density_warmup: float | None = None,
              density_warmup_steps: int = 0, density_warmup_mode: str = "exponential",
              start_iter: int = 2, selection: str = "exact", seed: int = 0,
-             timeout_s: float | None = None) -> tuple[SparseHookState, Callable]:
+             timeout_s: float | None = None, momentum_correction: float = 0.0,
+             nesterov: bool = False, momentum_masking: bool = True,
+             local_clip: float | None = None) -> tuple[SparseHookState, Callable]:
         schedule = DensitySchedule(density, density_warmup, density_warmup_steps, density_warmup_mode)
         module = getattr(ddp_model, "module", ddp_model)
         for name, p in module.named_parameters():
             if p.requires_grad and not p.is_floating_point():
                 raise ValueError(f"hook {algorithm!r}: parameter {name!r} is {p.dtype}; "
                                  "gradients must be floating point")
-        state = SparseHookState(algorithm, schedule, start_iter, selection, seed,
-                                timeout_s=timeout_s).bind(ddp_model)
+        state = SparseHookState(algorithm, schedule, start_iter, selection, seed, timeout_s=timeout_s,
+                                momentum_correction=momentum_correction, nesterov=nesterov,
+                                momentum_masking=momentum_masking,
+                                local_clip=local_clip).bind(ddp_model)
         return state, sparse_hook
 
     make.__name__ = f"make_{algorithm}"

@@ -1,0 +1,98 @@
+"""Deep Gradient Compression's corrections to sparsified SGD, as in-place steps on one flat bucket.
+
+Paper: Lin, Han, Mao, Wang, Dally 2018, "Deep Gradient Compression" (DGC, arXiv 1712.01887),
+sec. 3.2-3.3 and Algorithm 1 (with momentum correction), and the authors' code
+(github.com/synxlin/deep-gradient-compression, ``dgc/memory.py``). Used by the ``topk`` / ``gtopk``
+hooks of :mod:`flashsgd.comm.sparse_hooks`, per bucket and rank, before the selection:
+
+1. :func:`clip_local_` - local gradient clipping: this rank's bucket gradient is scaled to a norm
+   of at most ``max_norm`` before it enters the accumulation (DGC sec. 3.3: clip before
+   accumulating, so that a few large gradients cannot dominate the residual for many steps).
+2. :func:`accumulate_velocity_` - momentum correction: the momentum is applied here, on the local
+   gradient, and the *velocity* is accumulated into the residual (DGC eq. 6-7)::
+
+       u = m * u + g;        v = v + u              (heavy ball)
+       u = m * (u + g);      v = v + u + g          (Nesterov, the DGC code's form)
+
+   so that the sparse update that leaves the rank is the part of ``v`` that momentum SGD would
+   have applied. The optimizer must then run with momentum 0 (the velocity is already in the
+   update); :func:`check_momentum_owner` refuses both at once.
+3. :func:`mask_momentum_` - momentum-factor masking: ``u`` is zeroed where ``v`` was sent (DGC
+   sec. 3.3), so that a sent coordinate's old velocity does not keep pushing it ("stale momentum").
+
+Cost: clipping one norm and one scale (2 passes over the bucket), momentum 2 passes, masking a
+scatter of k entries.
+
+Example::
+
+    >>> g, u, v = torch.ones(4), torch.zeros(4), torch.zeros(4)
+    >>> accumulate_velocity_(v, u, clip_local_(g, 4.0), momentum=0.9)
+    >>> mask_momentum_(u, torch.tensor([0])); u.tolist()
+    [0.0, 1.0, 1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def check_momentum(momentum: float, nesterov: bool) -> tuple[float, bool]:
+    """Validate the hook's momentum-correction factor: a number in [0, 1); Nesterov needs > 0."""
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum_correction must be a momentum factor in [0, 1) (0: off; DGC and "
+                         f"the recipes use 0.9), got {momentum!r}")
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"nesterov must be True or False, got {nesterov!r}")
+    if nesterov and momentum == 0.0:
+        raise ValueError("nesterov=True needs momentum_correction > 0 (got 0: no momentum in the hook)")
+    return float(momentum), nesterov
+
+
+def check_local_clip(max_norm: float | None) -> float | None:
+    """Validate the local clipping norm: None (off) or a finite number > 0."""
+    if max_norm is None:
+        return None
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) \
+            or not (math.isfinite(max_norm) and max_norm > 0):
+        raise ValueError(f"local_clip must be None (off) or a gradient norm > 0, got {max_norm!r}")
+    return float(max_norm)
+
+
+def check_momentum_owner(hook_momentum: float, optimizer_momentum: float) -> None:
+    """ValueError when the hook's momentum correction and the optimizer would both apply momentum.
+
+    Momentum correction moves the momentum into the compressor: build the optimizer with
+    momentum 0 (and nesterov False) when the hook's ``owns_momentum`` is True.
+    """
+    if hook_momentum > 0 and optimizer_momentum > 0:
+        raise ValueError(f"momentum applied twice: the sparse hook's momentum_correction="
+                         f"{hook_momentum:g} accumulates the velocity, and the optimizer has momentum="
+                         f"{optimizer_momentum:g}; set the optimizer's momentum to 0 (nesterov off) or "
+                         f"momentum_correction to 0")
+
+
+def clip_local_(grad: torch.Tensor, max_norm: float | None) -> torch.Tensor:
+    """Step 1: scale ``grad`` in place to an L2 norm <= ``max_norm`` (None: unchanged); returns it."""
+    if max_norm is not None:
+        norm = torch.linalg.vector_norm(grad)
+        # one scale factor, min(1, max_norm / norm): torch.nn.utils.clip_grad_norm_'s rule
+        grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return grad
+
+
+def accumulate_velocity_(residual: torch.Tensor, velocity: torch.Tensor, grad: torch.Tensor,
+                         momentum: float, nesterov: bool = False) -> None:
+    """Step 2: ``u = m*u + g; v += u`` (Nesterov: ``u = m*(u + g); v += u + g``), in place."""
+    if nesterov:
+        velocity.add_(grad).mul_(momentum)
+        residual.add_(velocity).add_(grad)
+    else:
+        velocity.mul_(momentum).add_(grad)
+        residual.add_(velocity)
+
+
+def mask_momentum_(velocity: torch.Tensor, sent: torch.Tensor) -> None:
+    """Step 3: zero the velocity at the ``sent`` indices (int64, into the flat bucket)."""
+    velocity.index_fill_(0, sent, 0)
