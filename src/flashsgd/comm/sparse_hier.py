@@ -1,0 +1,158 @@
+"""Hierarchical sparse exchange ``hgtopk``: dense inside a node, gTop-k across nodes.
+
+Paper: Shi et al. 2019, gTop-k S-SGD (arXiv 1901.04359) for the cross-node merge tree; the
+two-level layout is the hierarchical all-reduce's (Jia et al. 2018, arXiv 1807.11205): links
+inside a node are fast, so only the slow cross-node links carry sparse traffic.
+
+On N nodes x R ranks per node (:class:`~flashsgd.comm.topology.Topology`), every rank holds its
+accumulated gradient ``acc_r = grad_r + residual_r``:
+
+1. Node sum: a dense reduce of the R ranks' ``acc`` to the node's leader (local rank 0) over the
+   node group (fast links): ``A_n = sum_{r in n} acc_r``.
+2. The leader selects the k largest |A_n| (any selection of :data:`~.sparse_select.SELECTIONS`).
+3. gTop-k among the N leaders (the cross group of local rank 0,
+   :func:`~flashsgd.comm.sparse.gtopk_allreduce`): the global k pairs and the node's counted
+   indices (those of A_n's values that survived every merge).
+4. The leader broadcasts the global pairs and the counted indices inside the node.
+5. Each rank zeroes the counted indices of its own ``acc`` (its residual, kept per rank).
+
+Error feedback stays exact: the global values at the counted indices of node n hold all of
+``A_n`` there, i.e. every rank's acc at those indices, and exactly those are zeroed, so
+``sum_r acc_r == global + sum_r residual_r`` as for flat gTop-k.
+
+Cost (m elements, 4-byte values, k pairs of s = 12 bytes, a/b intra-node, A/B cross-node):
+reduce and broadcast inside the node ~ log2(R)(a + 4m b) + log2(R)(a + 20k b); gTop-k over N
+leaders: log2(N)(A + s k B). Flat gTop-k over N R ranks pays log2(N R) rounds of s k bytes on the
+slow links (when ranks of a node share the node's link, R messages at a time) and R times the
+selection work per node; hgtopk pays one selection per node and log2(N) rounds.
+
+Example::
+
+    >>> topo = get_topology(ranks_per_node=2)
+    >>> acc = grad + residual
+    >>> res = hgtopk_allreduce(acc, k, topo, out=bucket)   # bucket = global sum, sparse
+    >>> residual = acc.index_fill_(0, res.counted, 0)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from flashsgd.comm.sparse import (GTopk, _bytes_as_int64, gtopk_allreduce, gtopk_bytes_sent,
+                                  topk_exact)
+from flashsgd.comm.topology import Topology, check_timeout_s
+from flashsgd.comm.waits import wait_collective
+
+Select = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def check_node_layout(ranks_per_node: int, world_size: int) -> int:
+    """Return ``ranks_per_node`` if it is an integer >= 1 dividing ``world_size``, else ValueError
+    naming the value and the valid ones (no process group work: call before building groups)."""
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or \
+            ranks_per_node < 1 or world_size % ranks_per_node:
+        valid = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        raise ValueError(f"hgtopk: ranks_per_node must divide the world size {world_size}; got "
+                         f"{ranks_per_node!r}, valid: {valid}")
+    return ranks_per_node
+
+
+def _broadcast_msg(res: GTopk, k: int) -> torch.Tensor:
+    """int64 message: k global indices, k counted indices padded with -1, the values' bytes."""
+    counted = torch.full((k,), -1, dtype=torch.int64)
+    counted[:res.counted.numel()] = res.counted
+    return torch.cat([res.indices, counted, _bytes_as_int64(res.values.contiguous().view(torch.uint8))])
+
+
+def _unpack_broadcast(msg: torch.Tensor, k: int, dtype: torch.dtype) -> GTopk:
+    item = torch.empty(0, dtype=dtype).element_size()
+    counted = msg[k:2 * k]
+    values = msg[2 * k:].view(torch.uint8)[:k * item].view(dtype)
+    return GTopk(values, msg[:k], counted[counted >= 0])
+
+
+def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torch.Tensor,
+                     select: Select = topk_exact, check: bool = True,
+                     timeout_s: float | None = None) -> GTopk:
+    """Hierarchical gTop-k of the sum of every rank's ``acc``: node reduce, leaders' gTop-k, broadcast.
+
+    Steps 1-4 of the module docstring; step 5 (the residual) is the caller's:
+    ``acc.index_fill_(0, result.counted, 0)``.
+
+    Args:
+        acc: this rank's flat accumulated gradient (read only).
+        k: pairs in the result, 1 <= k <= numel (the same on every rank).
+        topology: from :func:`~flashsgd.comm.topology.get_topology` (node and cross groups).
+        out: flat tensor of acc's numel; overwritten with the global sum at the k indices, zero
+            elsewhere (not averaged).
+        select: ``select(x, k) -> (values, int64 indices)``, the leader's local selection.
+        check: verify equal k and numel across the leaders first (one tiny exchange).
+        timeout_s: deadline of each wait on a peer (``None``: the topology's).
+
+    Returns:
+        :class:`~flashsgd.comm.sparse.GTopk`: the global values and indices (identical on every
+        rank) and the indices of this rank's ``acc`` whose values are inside the sum.
+
+    Raises:
+        PeerTimeout: a peer of the node collectives or of the leaders' exchange did not answer.
+
+    Example::
+
+        >>> res = hgtopk_allreduce(acc, k, get_topology(ranks_per_node=2), out=bucket)
+        >>> bucket.div_(dist.get_world_size()); acc.index_fill_(0, res.counted, 0)
+    """
+    n = acc.numel()
+    if out.dim() != 1 or out.numel() != n or acc.dim() != 1:
+        raise ValueError(f"acc and out must be flat with the same numel, got {tuple(acc.shape)} "
+                         f"and {tuple(out.shape)}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+        raise ValueError(f"k must be an integer in [1, numel={n}], got {k!r}")
+    timeout_s = topology.timeout_s if timeout_s is None else check_timeout_s(timeout_s)
+    leader = topology.local_rank == 0
+    node = topology.node_group
+    # Step 1: node sum on the leader (out is the buffer; acc stays this rank's)
+    out.copy_(acc)
+    if node is not None:
+        work = dist.reduce(out, dst=topology.node_ranks[0], group=node, async_op=True)
+        wait_collective(work, node, timeout_s, "hgtopk, node reduce")
+    msg = torch.empty(2 * k + -(-k * acc.element_size() // 8), dtype=torch.int64)
+    if leader:
+        # Step 2: the leader's selection over the node sum
+        values, indices = select(out, k)
+        # Step 3: gTop-k among the leaders (a single node: its own selection is the result)
+        if topology.num_nodes > 1:
+            res = gtopk_allreduce(values, indices, k, n, topology.cross_group, check=check,
+                                  timeout_s=timeout_s)
+        else:
+            res = GTopk(values, indices, indices)
+        msg = _broadcast_msg(res, k)
+    # Step 4: the result to every rank of the node
+    if node is not None:
+        work = dist.broadcast(msg, src=topology.node_ranks[0], group=node, async_op=True)
+        wait_collective(work, node, timeout_s, "hgtopk, node broadcast")
+    res = _unpack_broadcast(msg, k, acc.dtype)
+    out.zero_()
+    out[res.indices] = res.values
+    return res
+
+
+def hgtopk_bytes_sent(k: int, topology: Topology, numel: int,
+                      dtype: torch.dtype = torch.float32) -> dict[str, int]:
+    """Bytes this rank hands to the backend in :func:`hgtopk_allreduce`, by link level.
+
+    ``{"node": ..., "cross": ...}``: inside the node, a non-leader sends its dense acc (4 m bytes
+    for fp32; the reduce's tree may forward more on larger nodes) and the leader the broadcast
+    message to each of the R - 1 others (upper bound: Gloo's broadcast tree); across nodes, the
+    leader the bytes of :func:`~flashsgd.comm.sparse.gtopk_bytes_sent` over the N leaders.
+    """
+    item = torch.empty(0, dtype=dtype).element_size()
+    r = topology.ranks_per_node
+    bcast = 8 * (2 * k + -(-k * item // 8))
+    if topology.local_rank:
+        return {"node": numel * item, "cross": 0}
+    node_bytes = (r - 1) * bcast
+    cross = gtopk_bytes_sent(k, topology.num_nodes, topology.node, dtype)
+    return {"node": node_bytes, "cross": cross}
