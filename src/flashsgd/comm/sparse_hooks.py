@@ -42,9 +42,14 @@ layouts, the sampled selection's RNG state, counters). Pickling drops the proces
 id-based parameter map; an unpickled state must be re-attached with
 ``ddp.register_comm_hook(state.bind(ddp), sparse_hook)`` (it refuses to run unbound).
 
-Options (``register_hook(ddp, "topk" | "gtopk", ...)``): ``density`` (0.001, the paper's),
+``hgtopk`` (:mod:`flashsgd.comm.sparse_hier`): the node's ranks reduce acc densely to their
+leader, which selects and runs gTop-k with the other nodes' leaders, then broadcasts the result
+inside the node; every rank keeps its own residual. Option ``ranks_per_node``.
+
+Options (``register_hook(ddp, "topk" | "gtopk" | "hgtopk", ...)``): ``density`` (0.001, the paper's),
 ``density_warmup`` (None: the start density of the warm-up), ``density_warmup_steps`` (0),
-``density_warmup_mode`` ("exponential"), ``start_iter`` (2), ``selection`` ("exact" | "sampled"),
+``density_warmup_mode`` ("exponential"), ``start_iter`` (2), ``selection`` ("exact" | "sampled" |
+"threshold"), ``threshold_tolerance`` (0.25) and ``threshold_every`` (8) for "threshold",
 ``seed`` (0, for the sampled selection), ``momentum_correction`` (0.0: off; the momentum
 factor, e.g. 0.9), ``nesterov`` (False), ``momentum_masking`` (True; used with momentum
 correction), ``local_clip`` (None: off; the L2 norm each rank's bucket gradient is clipped to
@@ -64,13 +69,15 @@ import torch.distributed as dist
 from flashsgd.comm.hook_common import completed_future, ddp_hook
 from flashsgd.comm.sparse_corrections import (accumulate_velocity_, check_local_clip, check_momentum,
                                               clip_local_, mask_momentum_)
-from flashsgd.comm.topology import check_timeout_s, default_timeout_s
+from flashsgd.comm.topology import check_timeout_s, default_timeout_s, get_topology
 from flashsgd.comm.waits import wait_collective
 from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, DensitySchedule, SelectionWorkspace,
                                   check_sizes, gtopk_allreduce, gtopk_bytes_sent, k_from_density,
                                   topk_allgather, topk_bytes_sent)
+from flashsgd.comm.sparse_hier import check_node_layout, hgtopk_allreduce, hgtopk_bytes_sent
+from flashsgd.comm.sparse_select import ThresholdReuse, topk_threshold
 
-ALGORITHMS = ("topk", "gtopk")
+ALGORITHMS = ("topk", "gtopk", "hgtopk")
 
 
 class SparseHookState:
@@ -80,7 +87,8 @@ class SparseHookState:
         algorithm: ``"topk"`` or ``"gtopk"``.
         schedule: the density per iteration (:class:`~flashsgd.comm.sparse.DensitySchedule`).
         start_iter: dense iterations before sparsification starts, >= 2 (DDP's bucket rebuild).
-        selection: ``"exact"`` or ``"sampled"``.
+        selection: ``"exact"``, ``"sampled"`` or ``"threshold"`` (exact top-k from block maxima,
+            threshold kept across iterations: :func:`~flashsgd.comm.sparse_select.topk_threshold`).
         seed: seed of the sampled selection's sample (rank added, so ranks sample differently).
         process_group: DDP's group (None: the default group).
         param_positions: ``{id(parameter): position in model.parameters()}`` (residual remapping).
@@ -89,15 +97,19 @@ class SparseHookState:
         nesterov: Nesterov form of the hook's momentum.
         momentum_masking: zero the velocity where entries were sent (with momentum correction).
         local_clip: L2 norm each rank's bucket gradient is clipped to before accumulation (None: off).
+        ranks_per_node: ``hgtopk`` (:mod:`flashsgd.comm.sparse_hier`): ranks per node (None:
+            detected by :func:`~flashsgd.comm.topology.get_topology`).
+        threshold_tolerance, threshold_every: the ``threshold`` selection's reuse of its threshold
+            (:class:`~flashsgd.comm.sparse_select.ThresholdReuse`).
     """
 
     __slots__ = (
         # hyper-parameters
         "algorithm", "schedule", "start_iter", "selection", "seed", "process_group", "timeout_s",
-        "momentum", "nesterov", "momentum_masking", "local_clip",
+        "momentum", "nesterov", "momentum_masking", "local_clip", "ranks_per_node",
         # internal state
         "iter", "residuals", "velocities", "layouts", "pending", "pending_velocities",
-        "param_positions", "generator", "workspace", "checked",
+        "param_positions", "generator", "workspace", "checked", "reuse", "topology",
         # stats
         "bytes_sent", "sparse_buckets", "dense_buckets", "last_density", "residual_remaps",
     )
@@ -107,7 +119,8 @@ class SparseHookState:
                  param_positions: dict[int, int] | None = None,
                  timeout_s: float | None = None, momentum_correction: float = 0.0,
                  nesterov: bool = False, momentum_masking: bool = True,
-                 local_clip: float | None = None) -> None:
+                 local_clip: float | None = None, ranks_per_node: int | None = None,
+                 threshold_tolerance: float = 0.25, threshold_every: int = 8) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         if not isinstance(schedule, DensitySchedule):
@@ -125,6 +138,9 @@ class SparseHookState:
             raise ValueError(f"momentum_masking must be True or False, got {momentum_masking!r}")
         self.momentum_masking, self.local_clip = momentum_masking, check_local_clip(local_clip)
         self.param_positions = param_positions
+        self.ranks_per_node = ranks_per_node
+        self.reuse = ThresholdReuse(threshold_tolerance, threshold_every)
+        self.topology = None  # hgtopk: set by bind()
         self.iter = 0
         self.residuals: dict[int, torch.Tensor] = {}   # bucket index -> flat residual
         self.velocities: dict[int, torch.Tensor] = {}  # bucket index -> flat velocity (momentum corr.)
@@ -156,6 +172,7 @@ class SparseHookState:
             "velocities": {k: v.clone() for k, v in self.velocities.items()},
             "pending_velocities": {k: v.clone() for k, v in (self.pending_velocities or {}).items()},
             "generator": None if self.generator is None else self.generator.get_state(),
+            "thresholds": self.reuse.state_dict(),
             "stats": {"bytes_sent": self.bytes_sent, "sparse_buckets": self.sparse_buckets,
                       "dense_buckets": self.dense_buckets, "residual_remaps": self.residual_remaps,
                       "last_density": self.last_density},
@@ -176,6 +193,8 @@ class SparseHookState:
         if state.get("generator") is not None:
             self.generator = torch.Generator()
             self.generator.set_state(state["generator"])
+        if state.get("thresholds") is not None:
+            self.reuse.load_state_dict(state["thresholds"])
         for key, value in state.get("stats", {}).items():
             setattr(self, key, value)
         self.checked = set()
@@ -186,12 +205,15 @@ class SparseHookState:
                           self.timeout_s),
                 "corrections": {"momentum_correction": self.momentum, "nesterov": self.nesterov,
                                 "momentum_masking": self.momentum_masking, "local_clip": self.local_clip},
+                "exchange": {"ranks_per_node": self.ranks_per_node,
+                             "threshold_tolerance": self.reuse.tolerance,
+                             "threshold_every": self.reuse.every},
                 "state": self.state_dict()}
 
     def __setstate__(self, state: dict) -> None:
         algorithm, schedule, start_iter, selection, seed, timeout_s = state["hyper"]
         self.__init__(algorithm, schedule, start_iter, selection, seed, timeout_s=timeout_s,
-                      **state.get("corrections", {}))
+                      **state.get("corrections", {}), **state.get("exchange", {}))
         self.load_state_dict(state["state"])
 
     # ------------------------------------------------------------------------- residuals ----
@@ -205,6 +227,8 @@ class SparseHookState:
         module = getattr(ddp_model, "module", ddp_model)
         self.param_positions = {id(p): i for i, p in enumerate(module.parameters())}
         self.process_group = getattr(ddp_model, "process_group", None)
+        if self.algorithm == "hgtopk":  # every rank builds the node / cross groups, same order
+            self.topology = get_topology(self.ranks_per_node, timeout_s=self.timeout_s)
         return self
 
     def residual(self, bucket: dist.GradBucket) -> torch.Tensor:
@@ -349,23 +373,24 @@ def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Ten
     # Step 2: k from the schedule, local selection
     density = state.schedule(state.iter)
     k = k_from_density(n, density)
-    if state.selection == "sampled":
-        if state.generator is None:
-            state.generator = torch.Generator().manual_seed(state.seed * 65537 + rank)
-        values, indices = SELECTIONS["sampled"](acc, k, generator=state.generator,
-                                               workspace=state.workspace)
-    else:
-        values, indices = SELECTIONS["exact"](acc, k)
     if idx not in state.checked:  # once per bucket: the same numel on every rank
         check_sizes(k, n, k, group, f"{state.algorithm} hook, bucket {idx}", state.timeout_s)
         state.checked.add(idx)
     # Step 3: exchange; Step 5: the bucket becomes sum / world
-    if state.algorithm == "topk":
+    if state.algorithm == "hgtopk":  # Step 2 by the node's leader, on the node sum
+        res = hgtopk_allreduce(acc, k, state.topology, out=buf, check=False, timeout_s=state.timeout_s,
+                               select=lambda x, k_: _select(state, x, k_, idx, rank))
+        buf.div_(world)
+        counted = res.counted
+        state.bytes_sent += sum(hgtopk_bytes_sent(k, state.topology, n, buf.dtype).values())
+    elif state.algorithm == "topk":
+        values, indices = _select(state, acc, k, idx, rank)
         topk_allgather(values, indices, n, group, check=False, out=buf,
                        timeout_s=state.timeout_s).div_(world)
         counted = indices
         state.bytes_sent += topk_bytes_sent(k, world, values.dtype)
     else:
+        values, indices = _select(state, acc, k, idx, rank)
         res = gtopk_allreduce(values, indices, k, n, group, check=False, timeout_s=state.timeout_s)
         counted = res.counted
         buf.zero_()
@@ -380,6 +405,17 @@ def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Ten
     state.last_density = density
 
 
+def _select(state: SparseHookState, x: torch.Tensor, k: int, idx: int, rank: int):
+    """Step 2: the state's selection of k entries of x (bucket ``idx``)."""
+    if state.selection == "threshold":
+        return topk_threshold(x, k, reuse=state.reuse, key=idx)
+    if state.selection == "sampled":
+        if state.generator is None:
+            state.generator = torch.Generator().manual_seed(state.seed * 65537 + rank)
+        return SELECTIONS["sampled"](x, k, generator=state.generator, workspace=state.workspace)
+    return SELECTIONS["exact"](x, k)
+
+
 def sparse_factory(algorithm: str) -> Callable:
     """The factory of the sparse hook ``algorithm`` (one of :data:`ALGORITHMS`)."""
     def make(ddp_model: Any, density: float = DEFAULT_DENSITY, density_warmup: float | None = None,
@@ -387,8 +423,14 @@ def sparse_factory(algorithm: str) -> Callable:
              start_iter: int = 2, selection: str = "exact", seed: int = 0,
              timeout_s: float | None = None, momentum_correction: float = 0.0,
              nesterov: bool = False, momentum_masking: bool = True,
-             local_clip: float | None = None) -> tuple[SparseHookState, Callable]:
+             local_clip: float | None = None, ranks_per_node: int | None = None,
+             threshold_tolerance: float = 0.25, threshold_every: int = 8
+             ) -> tuple[SparseHookState, Callable]:
         schedule = DensitySchedule(density, density_warmup, density_warmup_steps, density_warmup_mode)
+        if ranks_per_node is not None:  # checked before any process group is built
+            if algorithm != "hgtopk":
+                raise ValueError(f"hook {algorithm!r}: ranks_per_node applies to 'hgtopk' only")
+            check_node_layout(ranks_per_node, dist.get_world_size(getattr(ddp_model, "process_group", None)))
         module = getattr(ddp_model, "module", ddp_model)
         for name, p in module.named_parameters():
             if p.requires_grad and not p.is_floating_point():
@@ -397,7 +439,9 @@ def sparse_factory(algorithm: str) -> Callable:
         state = SparseHookState(algorithm, schedule, start_iter, selection, seed, timeout_s=timeout_s,
                                 momentum_correction=momentum_correction, nesterov=nesterov,
                                 momentum_masking=momentum_masking,
-                                local_clip=local_clip).bind(ddp_model)
+                                local_clip=local_clip, ranks_per_node=ranks_per_node,
+                                threshold_tolerance=threshold_tolerance,
+                                threshold_every=threshold_every).bind(ddp_model)
         return state, sparse_hook
 
     make.__name__ = f"make_{algorithm}"
