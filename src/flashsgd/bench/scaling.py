@@ -54,7 +54,7 @@ from flashsgd.emulate.ranks import MASTER_PORT, RankError, run_ranks
 HELP = "training steps per hook on an emulated cluster of 1..N nodes: efficiency vs nodes, with the simulator"
 FAST_LINK_BPS = 10 ** 10  # the link of the --comm-compute measurement (noop sends nothing)
 QUICK = {"nodes": "1,2", "warmup": 2, "iters": 3, "batch": 16}
-FULL = {"nodes": "1,2,4,8", "warmup": 3, "iters": 8, "batch": 32}
+FULL = {"nodes": "1,2,4,8", "warmup": 3, "iters": 12, "batch": 32}
 
 
 def _ints(text: str) -> list[int]:
@@ -77,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     link.add_argument("--comm-compute", type=float, default=None, metavar="R",
                       help="choose the link so that dense ring all-reduce takes R x the noop step at the "
                            "largest node count (default 2 when --link is not given)")
+    parser.add_argument("--link-follows-cpu", action="store_true",
+                        help="with --comm-compute: at N nodes use the link rate x noop(largest N) / noop(N), "
+                             "so link time / compute is what a cluster of whole machines would have at every "
+                             "N (ranks here share the cores: compute per rank grows with N)")
     parser.add_argument("--model", default="resnet20", help="a name in flashsgd.train.models.MODELS")
     parser.add_argument("--dataset", default="synthetic", help="the trainer's data.dataset")
     parser.add_argument("--image-shape", default="cifar", help="synthetic input: cifar or imagenet")
@@ -238,44 +242,57 @@ def run_node_count(spec: dict, nodes: int, rate_bps: int, comms: list[str], work
 def measure(spec: dict, args: argparse.Namespace, work: Path, log_dir: Path) -> tuple[list, dict, int, dict]:
     """Steps 2-3 over all node counts (largest first).
 
-    Returns (rows, model info, link rate in bit/s, the --comm-compute probe or {}).
+    Returns (rows, model info, link rate at the largest node count in bit/s, the noop probes of
+    --comm-compute: {nodes: probe}).
     """
     nodes = sorted(spec["nodes"], reverse=True)
     per_comm = spec["warmup"] + spec["iters"]
-    progress = Progress(len(nodes) * len(spec["comms"]) * per_comm + (per_comm if args.link is None else 0))
+    probes_planned = 0 if args.link else (sum(n > 1 for n in nodes) if args.link_follows_cpu else 1)
+    progress = Progress((len(nodes) * len(spec["comms"]) + probes_planned) * per_comm)
     info = scaling_rank.model_info({**spec, "out_dir": str(work)})
     grad_bytes = 4 * info["params"]  # fp32 gradients
-    rows, probe = [], {}
-    rate = parse_rate(args.link) if args.link else None
+    rows, probes = [], {}
+    top = parse_rate(args.link) if args.link else None
     try:
         for n in nodes:
-            if rate is None:  # Step 2: --comm-compute R, from the noop step at the largest N
-                rate, probe = comm_compute_rate(spec, n, grad_bytes, args.comm_compute, work, log_dir, progress)
+            rate = top
+            if top is None:  # Step 2: --comm-compute R, from the noop step at the largest N
+                probes[n] = noop_probe(spec, n, work, log_dir, progress)
+                top = rate = choose_rate(grad_bytes, n * spec["ranks_per_node"], probes[n]["noop_median_s"],
+                                         args.comm_compute)
+                _say_rate(spec, n, grad_bytes, probes[n]["noop_median_s"], rate, f"--comm-compute {args.comm_compute:g}")
+            elif args.link_follows_cpu and n > 1:  # the link shrinks with the CPU share of a rank
+                probes[n] = noop_probe(spec, n, work, log_dir, progress)
+                largest = probes[max(probes)]["noop_median_s"]
+                rate = max(int(top * largest / probes[n]["noop_median_s"]), 10 ** 5)
+                _say_rate(spec, n, grad_bytes, probes[n]["noop_median_s"], rate, "--link-follows-cpu")
+            if n in probes:
+                probes[n]["link_bps"] = rate
             rows += run_node_count(spec, n, rate, spec["comms"], work, log_dir, progress, grad_bytes)
     finally:
         progress.bar.close()
-    return rows, info, rate, probe
+    return rows, info, top, probes
 
 
-def comm_compute_rate(spec: dict, nodes: int, grad_bytes: float, ratio: float, work: Path, log_dir: Path,
-                      progress: Progress) -> tuple[int, dict]:
-    """Step 2: the noop step at ``nodes`` on a fast link -> the link rate of :func:`choose_rate`.
+def noop_probe(spec: dict, nodes: int, work: Path, log_dir: Path, progress: Progress) -> dict:
+    """Step 2: the noop step at ``nodes`` on a fast link (noop sends nothing).
 
-    The noop row measured here only chooses the rate; the main job measures noop again beside
-    the other hooks (the compute of the efficiency), so load drift between jobs biases nothing.
+    It only chooses the rate: the main job measures noop again beside the other hooks (the
+    compute of the efficiency), so load drift between jobs biases no row.
     """
-    first = run_node_count(spec, nodes, FAST_LINK_BPS, ["noop"], work, log_dir / "rate", progress, None)
+    first = run_node_count(spec, nodes, FAST_LINK_BPS, ["noop"], work, log_dir / f"probe{nodes}", progress, None)
     if "step_s" not in first[0]:
-        raise RankError(f"the noop measurement at {nodes} nodes (for --comm-compute) failed: "
+        raise RankError(f"the noop measurement at {nodes} nodes (choosing the link rate) failed: "
                         f"{first[0].get('error') or first[0].get('skipped')}")
-    t = statistics.median(first[0]["step_s"])
+    return {"nodes": nodes, "noop_step_s": first[0]["step_s"], "noop_median_s": statistics.median(first[0]["step_s"])}
+
+
+def _say_rate(spec: dict, nodes: int, grad_bytes: float, noop_s: float, rate: int, why: str) -> None:
     world = nodes * spec["ranks_per_node"]
-    rate = choose_rate(grad_bytes, world, t, ratio)
-    tqdm_write(f"--comm-compute {ratio:g}: noop step {t * 1e3:.1f} ms at {nodes}x{spec['ranks_per_node']}, "
-               f"gradient {grad_bytes / 1e6:.2f} MB, dense ring {ring_link_bytes(grad_bytes, world) / 1e6:.2f} "
-               f"MB per link -> link {rate / 1e6:.3f} Mbit/s")
-    return rate, {"nodes": nodes, "noop_step_s": first[0]["step_s"], "noop_median_s": t, "ratio": ratio,
-                  "link_bps": rate}
+    ring_s = ring_link_bytes(grad_bytes, world) * 8 / rate
+    tqdm_write(f"{why}: noop step {noop_s * 1e3:.1f} ms at {nodes}x{spec['ranks_per_node']}, gradient "
+               f"{grad_bytes / 1e6:.2f} MB, dense ring {ring_link_bytes(grad_bytes, world) / 1e6:.2f} MB per link "
+               f"-> link {rate / 1e6:.3f} Mbit/s (ring {ring_s * 1e3:.0f} ms = {ring_s / noop_s:.2f} x compute)")
 
 
 def tqdm_write(text: str) -> None:
@@ -297,6 +314,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.link is None and args.comm_compute is None:
         args.comm_compute = 2.0
+    if args.link_follows_cpu and args.link:
+        print("flashsgd bench scaling: --link-follows-cpu scales the rate chosen by --comm-compute; "
+              "drop --link", file=sys.stderr)
+        return 2
     spec["subnet"] = args.subnet
     try:
         check_available()
@@ -307,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.logs) if args.logs else work / "logs"
     started, load0 = time.time(), os.getloadavg()
     try:                                                                            # Steps 2-3
-        rows, info, rate, probe = measure(spec, args, work, log_dir)
+        rows, info, rate, probes = measure(spec, args, work, log_dir)
     except RankError as exc:
         print(f"flashsgd bench scaling: {exc}\n(per-rank logs kept in {log_dir})", file=sys.stderr)
         return 1
@@ -317,8 +338,12 @@ def run(args: argparse.Namespace) -> int:
         return 130
     if not args.logs:
         shutil.rmtree(work, ignore_errors=True)
+    if args.json:  # the measurements first: nothing below can lose them
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"meta": {**spec, "link_bps": rate}, "rows": rows}, indent=1))
     doc = report.build_document(spec, rows, info, rate, args, started, load0)      # Steps 4-5
-    doc["meta"]["comm_compute_probe"] = probe
+    doc["meta"]["noop_probes"] = probes
+    doc["meta"]["link_follows_cpu"] = args.link_follows_cpu
     print(report.format_table(doc))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

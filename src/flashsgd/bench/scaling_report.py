@@ -63,7 +63,10 @@ def simulate_rows(rows: list[dict], density: float) -> tuple[dict | None, list[d
 
 def build_document(spec: dict, rows: list[dict], info: dict, rate: int, args, started: float,
                    load0: tuple) -> dict:
-    """The JSON document: settings, machine, load, rows, the simulator's fit and predictions."""
+    """The JSON document: settings, machine, load, rows, the simulator's fit and predictions.
+
+    ``meta.link_bps`` is the rate at the largest node count; each row carries its own ``link_bps``.
+    """
     import torch
 
     summarize(rows, spec["batch"])
@@ -98,7 +101,7 @@ def format_table(doc: dict) -> str:
              f"# {m['cpus']} CPUs, load avg {m['loadavg_start'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} "
              f"at end; median of {m['iters']} steps after {m['warmup']} warm-up; {m['elapsed_s']:.0f} s",
              f"{'shape':>5} {'comm':>12} {'step ms':>8} {'min..max':>15} {'samples/s':>9} {'compute':>8} "
-             f"{'exposed':>8} {'compr.':>7} {'eff':>6} {'eff/1n':>6} {'sim ms':>8} {'err':>7} {'load':>5}"]
+             f"{'exposed':>8} {'compr.':>7} {'eff':>6} {'eff/1n':>6} {'sim ms':>8} {'err':>7} {'Mbit/s':>7} {'load':>5}"]
     for r in doc["rows"]:
         shape = f"{r['nodes']}x{r['ranks_per_node']}"
         if "step_s" not in r:
@@ -111,7 +114,7 @@ def format_table(doc: dict) -> str:
             f"{r['samples_per_s']:9.1f} {_fmt(r['compute_ms'], '8.1f')} {_fmt(r['exposed_comm_ms'], '8.1f')} "
             f"{_fmt(r['compression_ms'], '7.1f')} {_fmt(r['efficiency'], '6.1%')} "
             f"{_fmt(r.get('efficiency_vs_1node'), '6.1%')} {_fmt(r.get('predicted_ms'), '8.1f')} "
-            f"{_fmt(r.get('prediction_error'), '+7.1%')} {r['loadavg'][0]:5.2f}")
+            f"{_fmt(r.get('prediction_error'), '+7.1%')} {r['link_bps'] / 1e6:7.2f} {r['loadavg'][0]:5.2f}")
     sim = doc.get("simulator") or {}
     if "params" in sim:
         lines.append(f"# simulator fitted on shapes {sim['calibration_shapes']} (the other shapes validate): "
@@ -145,9 +148,10 @@ def plot(doc: dict, path: str | Path) -> None:
     ax.minorticks_off()
     ax.set_xlabel(f"nodes (x {doc['meta']['ranks_per_node']} rank)")
     ax.set_ylabel("scaling efficiency vs noop at same N (%)")
-    ax.set_ylim(0, 110)
+    ax.set_ylim(0, max([110.0] + [100 * r["efficiency"] + 5 for r in rows]))
     m = doc["meta"]
     ax.set_title(f"{m['model']}, link {m['link_bps'] / 1e6:.3g} Mbit/s"
+                 + (" at the largest N, x CPU share below" if m.get("link_follows_cpu") else "")
                  + (f" (dense comm = {m['comm_compute']:g}x compute)" if m["comm_compute"] else "")
                  + "; dashed: simulator", fontsize=9)
     ax.grid(True, alpha=0.3)
