@@ -40,6 +40,8 @@ def main(argv: list[str]) -> None:
 
     def with_extra(cfg, ranks_per_node, steps_per_epoch):
         options = original(cfg, ranks_per_node, steps_per_epoch)
+        if cfg.comm.algorithm in ("topk", "gtopk"):  # the sparse factory refuses it outside hgtopk
+            options.pop("ranks_per_node", None)
         options.update(extra)
         return options
 

@@ -15,7 +15,9 @@ imports: they never import this one):
   (all-reduce algorithms of :mod:`flashsgd.comm.dense`; threading, overlap and bucket sizes are
   discussed there);
 - :mod:`flashsgd.comm.sparse_hooks`: ``topk``, ``gtopk`` (sparsified exchange with error
-  feedback, Shi et al. 2019, arXiv 1901.04359).
+  feedback, Shi et al. 2019, arXiv 1901.04359);
+- :mod:`flashsgd.comm.powersgd_hooks`: ``powersgd`` (torch's PowerSGD hook, Vogels et al. 2019,
+  arXiv 1905.13727, with a checkpointable state).
 
 Example::
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from flashsgd.comm import dense_hooks, sparse_hooks
+from flashsgd.comm import dense_hooks, powersgd_hooks, sparse_hooks
 from flashsgd.comm.hook_common import HookFactory
 from flashsgd.registry import Registry
 
@@ -40,6 +42,7 @@ for _name in dense_hooks.DENSE_HOOKS:
     HOOKS.add(_name, dense_hooks.dense_factory(_name))
 for _name in sparse_hooks.ALGORITHMS:
     HOOKS.add(_name, sparse_hooks.sparse_factory(_name))
+HOOKS.add("powersgd", powersgd_hooks.make_powersgd)
 
 
 def hook_options(name: str, **offered: Any) -> dict[str, Any]:

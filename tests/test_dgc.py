@@ -1,0 +1,132 @@
+"""DGC corrections in the ``topk`` / ``gtopk`` hooks (flashsgd.comm.sparse_corrections): momentum
+correction, momentum-factor masking, local clipping, their checkpoints and their bad input."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from flashsgd.comm.hooks import register_hook
+from flashsgd.comm.sparse_corrections import (accumulate_velocity_, check_momentum_owner,
+                                              clip_local_, mask_momentum_)
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+
+
+def _train(model, opt, steps, first=0):
+    for s in range(first, first + steps):
+        g = torch.Generator().manual_seed(1000 * s + dist.get_rank())
+        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 5, (16,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_bad_options_name_the_value():
+    net = nn.Linear(2, 2)
+    for opts, word in (({"momentum_correction": 1.0}, "momentum_correction must be a momentum factor"),
+                       ({"momentum_correction": -0.1}, "momentum_correction"),
+                       ({"nesterov": True}, "nesterov=True needs momentum_correction > 0"),
+                       ({"momentum_masking": "yes"}, "momentum_masking must be True or False"),
+                       ({"local_clip": 0}, "local_clip must be None"),
+                       ({"local_clip": float("inf")}, "local_clip"),
+                       ({"momentum_corection": 0.9}, "unknown option.*momentum_corection.*momentum_correction")):
+        with pytest.raises(ValueError, match=word):
+            register_hook(net, "topk", **opts)
+
+
+def test_momentum_owner_conflict():
+    check_momentum_owner(0.9, 0.0)
+    check_momentum_owner(0.0, 0.9)
+    with pytest.raises(ValueError, match="momentum applied twice.*momentum_correction=0.9.*momentum=0.9"):
+        check_momentum_owner(0.9, 0.9)
+
+
+def test_correction_steps():
+    g = torch.tensor([3.0, 4.0])
+    assert torch.equal(clip_local_(g.clone(), None), g)
+    torch.testing.assert_close(clip_local_(g.clone(), 1.0).norm(), torch.tensor(1.0))
+    # heavy ball: u = m*u + g; v += u.  Nesterov (DGC's code): u = m*(u + g); v += u + g
+    v, u = torch.zeros(2), torch.ones(2)
+    accumulate_velocity_(v, u, g, 0.5)
+    assert u.tolist() == [3.5, 4.5] and v.tolist() == [3.5, 4.5]
+    v, u = torch.zeros(2), torch.ones(2)
+    accumulate_velocity_(v, u, g, 0.5, nesterov=True)
+    assert u.tolist() == [2.0, 2.5] and v.tolist() == [5.0, 6.5]
+    mask_momentum_(u, torch.tensor([1]))
+    assert u.tolist() == [2.0, 0.0]
+
+
+def _equivalence_body():
+    """Density 1.0, no masking: the hook's momentum == the optimizer's momentum (SGD, both forms),
+    through DDP's bucket rebuild; a checkpoint into another bucket layout keeps the trajectory."""
+    for nesterov in (False, True):
+        ref = DDP(_net(), bucket_cap_mb=0.01)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, nesterov=nesterov)
+        _train(ref, opt_ref, 6)
+        for hook in ("topk", "gtopk"):
+            model = DDP(_net(), bucket_cap_mb=0.01)
+            state = register_hook(model, hook, density=1.0, momentum_correction=0.9, nesterov=nesterov,
+                                  momentum_masking=False)
+            assert state.owns_momentum
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            _train(model, opt, 3)
+            # checkpoint (through torch.save, weights only) into a model with other buckets
+            buf = io.BytesIO()
+            torch.save(state.state_dict(), buf)
+            buf.seek(0)
+            model_b = DDP(copy.deepcopy(model.module), bucket_cap_mb=0.004)
+            state_b = register_hook(model_b, hook, density=1.0, momentum_correction=0.9,
+                                    nesterov=nesterov, momentum_masking=False)
+            state_b.load_state_dict(torch.load(buf, weights_only=True))
+            opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1)
+            _train(model_b, opt_b, 3, first=3)
+            assert state_b.residual_remaps >= 1
+            torch.testing.assert_close(_params(model_b), _params(ref), rtol=1e-5, atol=1e-6)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_momentum_correction_is_momentum_sgd_at_density_one(run_ranks, world):
+    assert all(run_ranks(_equivalence_body, world))
+
+
+def _masking_body():
+    """Masking zeroes the velocity exactly where the residual was emptied (the sent entries);
+    without it the velocity survives there. Clipping bounds the applied gradient."""
+    out = {}
+    for masking in (True, False):
+        model = DDP(_net(), bucket_cap_mb=0.01)
+        state = register_hook(model, "topk", density=0.05, momentum_correction=0.9,
+                              momentum_masking=masking)
+        _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 5)
+        sent = [state.residuals[i] == 0 for i in state.residuals]
+        out[masking] = [state.velocities[i][s] for i, s in zip(state.residuals, sent)]
+    assert all(torch.all(v == 0) for v in out[True])
+    assert any(torch.any(v != 0) for v in out[False])
+    # local clipping: with density 1 every rank's clipped gradient is applied, so the
+    # average gradient has norm <= the clip (one bucket: bucket_cap_mb large)
+    model = DDP(_net())
+    register_hook(model, "gtopk", density=1.0, local_clip=1e-3)
+    x = torch.randn(16, 20)
+    nn.functional.cross_entropy(model(x), torch.zeros(16, dtype=torch.long)).backward()
+    norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert 0 < norm <= 1e-3 * (1 + 1e-5), norm.item()
+    return True
+
+
+def test_masking_and_clipping(run_ranks):
+    assert all(run_ranks(_masking_body, 2))

@@ -1,0 +1,79 @@
+"""DDP hook ``powersgd`` (flashsgd.comm.powersgd_hooks): torch's PowerSGD hook by name, its options,
+and checkpoints through state_dict()/load_state_dict()."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from flashsgd.comm.hooks import HOOKS, hook_options, register_hook
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+
+
+def _train(model, opt, steps, first=0):
+    for s in range(first, first + steps):
+        g = torch.Generator().manual_seed(1000 * s + dist.get_rank())
+        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 5, (16,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_registered_options_and_bad_input():
+    assert "powersgd" in HOOKS
+    assert hook_options("powersgd", matrix_approximation_rank=2, density=0.01, seed=3, timeout_s=9.0) == \
+        {"matrix_approximation_rank": 2, "seed": 3, "timeout_s": 9.0}
+    net = nn.Linear(2, 2)
+    for opts, word in (({"matrix_approximation_rank": 0}, "matrix_approximation_rank must be an integer >= 1"),
+                       ({"start_iter": 1}, "start_iter must be an integer >= 2"),
+                       ({"timeout_s": 0}, "timeout_s"), ({"density": 0.1}, "unknown option")):
+        with pytest.raises(ValueError, match=word):
+            register_hook(net, "powersgd", **opts)
+
+
+def _body():
+    # 1. it compresses (differs from dense after start_iter) and trains
+    ref = DDP(_net())
+    _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), 6)
+    model = DDP(_net())
+    state = register_hook(model, "powersgd", matrix_approximation_rank=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, opt, 3)
+    assert state.powersgd.iter == 3, state.powersgd.iter
+    assert state.powersgd.q_memory_dict, "nothing compressed"
+    # 2. checkpoint round trip (torch.save, weights only) gives the same trajectory
+    buf = io.BytesIO()
+    torch.save({"hook": state.state_dict(), "model": model.module.state_dict(),
+                "opt": opt.state_dict()}, buf)
+    _train(model, opt, 3, first=3)
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    fresh = _net(seed=5)
+    fresh.load_state_dict(ck["model"])
+    model_b = DDP(fresh)
+    state_b = register_hook(model_b, "powersgd", matrix_approximation_rank=2)
+    state_b.load_state_dict(ck["hook"])
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1, momentum=0.9)
+    opt_b.load_state_dict(copy.deepcopy(ck["opt"]))
+    _train(model_b, opt_b, 3, first=3)
+    assert torch.equal(_params(model), _params(model_b)), (_params(model) - _params(model_b)).abs().max()
+    assert not torch.allclose(_params(model), _params(ref))
+    return True
+
+
+def test_powersgd_ddp_checkpoint(run_ranks):
+    assert all(run_ranks(_body, 2))
