@@ -130,3 +130,31 @@ def _masking_body():
 
 def test_masking_and_clipping(run_ranks):
     assert all(run_ranks(_masking_body, 2))
+
+
+def test_run_checks_conflicts_and_step_count_bound():
+    from flashsgd.comm.sparse_checks import MIN_COVERAGE, check_optimizer_momentum, check_sparse_run, coverage
+
+    with pytest.raises(ValueError, match="warm-up lasts 500 steps, longer than the run \\(120 steps\\)"):
+        check_sparse_run("gtopk", {"density": 0.01, "density_warmup": 0.25, "density_warmup_steps": 500},
+                         total_steps=120, world=4)
+    with pytest.raises(ValueError, match="momentum applied twice"):
+        check_sparse_run("gtopk", {"density": 0.5, "momentum_correction": 0.9}, 1000, 4,
+                         optimizer_momentum=0.9)
+    assert check_sparse_run("torus2d", {"density": 1e-6}, 10, 4) == []
+    # the bound: gtopk sends density * numel per step, topk up to world times that
+    assert coverage("gtopk", 1002, 8, 0.001) == pytest.approx(1.0)
+    assert coverage("topk", 1002, 8, 0.001) == pytest.approx(8.0)
+    assert coverage("gtopk", 12, 4, 0.01, density_warmup=1.0, density_warmup_steps=4) == pytest.approx(
+        0.01 ** 0.5 + 0.01 ** 0.75 + 8 * 0.01)  # steps 2, 3 of the warm-up, then 8 at 0.01
+    (warning,) = check_sparse_run("gtopk", {"density": 0.001}, 1002, 8)
+    assert "at most 1.0 times" in warning and f">= {int(MIN_COVERAGE / 0.001) + 1} steps" in warning
+    assert check_sparse_run("gtopk", {"density": 0.1}, 1002, 8) == []
+    # a hook that owns the momentum refuses an optimizer with momentum
+    net = nn.Linear(2, 2)
+
+    class Owner:
+        owns_momentum, momentum = True, 0.9
+    check_optimizer_momentum(Owner(), torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="optimizer has momentum=0.9"):
+        check_optimizer_momentum(Owner(), torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
