@@ -73,6 +73,11 @@ def test_no_emulation_is_a_clear_message(monkeypatch, capsys):
     assert "cannot emulate a cluster here: the emulated cluster needs root" in capsys.readouterr().err
 
 
+def test_link_follows_cpu_needs_the_chosen_rate(capsys):
+    assert scaling.run(_args(link="100mbit", link_follows_cpu=True)) == 2
+    assert "--link-follows-cpu scales the rate chosen by --comm-compute" in capsys.readouterr().err
+
+
 # ---- reliability of the per-node-count loop (cluster and ranks faked) ---------------------------
 
 class _FakeProgress:
