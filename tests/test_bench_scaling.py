@@ -153,7 +153,8 @@ def test_a_link_too_slow_for_the_timeout_skips_with_the_reason(monkeypatch, tmp_
 # ---- the step model (torch-free) ---------------------------------------------------------------
 
 TRUE = {"c_msg": 300e-6, "link_factor": 1.1, "c_byte": 2e-9, "c_elem": 5e-9, "c_call": 1e-3,
-        "c_sparse": 2e-3}
+        "c_sparse": 2e-3, "c_flop": 1e-9}
+MATRICES = [[10, 64], [10, 1], [64, 576], [64, 1], [64, 1], [16, 27]]  # fc, bias, conv, bn, bn, conv1
 
 
 def _rows_from_model(params: dict) -> list[dict]:
@@ -163,9 +164,9 @@ def _rows_from_model(params: dict) -> list[dict]:
     for (n, r), t in compute.items():
         rows.append({"comm": "noop", "nodes": n, "ranks_per_node": r, "world": n * r, "step_s": [t],
                      "link_bps": 2e7, "bucket_bytes": [1048576, 30000]})
-        for comm in ("native", "ring", "hierarchical", "torus2d", "topk", "gtopk"):
+        for comm in ("native", "ring", "hierarchical", "torus2d", "topk", "gtopk", "hgtopk", "powersgd"):
             row = {"comm": comm, "nodes": n, "ranks_per_node": r, "world": n * r, "link_bps": 2e7,
-                   "bucket_bytes": [1048576, 30000], "grid": [r, n]}
+                   "bucket_bytes": [1048576, 30000], "grid": [r, n], "matrices": MATRICES}
             share = {s: c / 0.05 for s, c in compute.items()}
             x = sim._scaled_row(row, 0.001, share)
             row["step_s"] = [t + float(x @ np.array([params[p] for p in sim.PARAMS]))]
@@ -187,13 +188,13 @@ def test_fit_needs_noop_and_enough_rows():
     rows = [r for r in _rows_from_model(TRUE) if r["comm"] != "noop"]
     with pytest.raises(ValueError, match="noop"):
         sim.fit(rows, [(2, 1)], 0.001)
-    with pytest.raises(ValueError, match=">= 6 measured rows"):
+    with pytest.raises(ValueError, match=">= 7 measured rows"):
         sim.fit([r for r in _rows_from_model(TRUE) if r["comm"] in ("noop", "ring")], [(2, 1)], 0.001)
 
 
 def test_simulate_calibrate_cli_is_torch_free(tmp_path):
     path = tmp_path / "scaling.json"
-    path.write_text(json.dumps({"meta": {"density": 0.001}, "rows": _rows_from_model(TRUE)}))
+    path.write_text(json.dumps({"meta": {"density": 0.001, "matrices": MATRICES}, "rows": _rows_from_model(TRUE)}))
     code = ("import sys; from flashsgd.cli import main; rc = main(['simulate', '--calibrate', sys.argv[1], "
             "'--calibrate-on', '2x1,8x1', '--json', sys.argv[2]]); "
             "assert 'torch' not in sys.modules, 'simulate imported torch'; sys.exit(rc)")
@@ -204,6 +205,7 @@ def test_simulate_calibrate_cli_is_torch_free(tmp_path):
     report = json.loads((tmp_path / "fit.json").read_text())
     assert report["calibration_shapes"] == [[2, 1], [8, 1]]
     assert abs(report["params"]["link_factor"] - 1.1) < 1e-6
+    assert abs(report["params"]["c_flop"] - 1e-9) < 1e-12
 
 
 # ---- the real thing ----------------------------------------------------------------------------

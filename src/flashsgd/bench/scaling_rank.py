@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from flashsgd import launch
+from flashsgd.comm.sparse_hooks import ALGORITHMS as SPARSE_HOOKS
 
 
 def run_config(spec: dict, comm: str, world: int) -> dict:
@@ -116,15 +117,19 @@ class Trainer:
 
 
 def model_info(spec: dict) -> dict:
-    """Parameters and per-tensor gradient sizes in backward order (the simulator's workload)."""
+    """Parameters, per-tensor gradient sizes and matrix shapes in backward order (the simulator's
+    workload)."""
     from flashsgd.train.config import resolve
     from flashsgd.train.models import build_model
     from flashsgd.train.trainer import load_data
 
     data = load_data(resolve(cli=run_config(spec, "noop", 1)))
     model = build_model(spec["model"], data.num_classes, spec["channels"])
-    numels = [p.numel() for p in model.parameters() if p.requires_grad][::-1]  # backward order
-    return {"params": sum(numels), "numels": numels}
+    params = [p for p in model.parameters() if p.requires_grad][::-1]  # backward order
+    numels = [p.numel() for p in params]
+    # as torch's PowerSGD hook views each gradient: shape[0] x the rest
+    matrices = [[p.shape[0], p.numel() // p.shape[0]] for p in params]
+    return {"params": sum(numels), "numels": numels, "matrices": matrices}
 
 
 def compression_seconds(spec: dict, bucket_bytes: list[int], reps: int = 5) -> float:
@@ -144,7 +149,7 @@ def compression_seconds(spec: dict, bucket_bytes: list[int], reps: int = 5) -> f
             if spec["selection"] == "sampled":
                 SELECTIONS["sampled"](acc, k, generator=g, workspace=ws)
             else:
-                SELECTIONS["exact"](acc, k)
+                SELECTIONS[spec["selection"]](acc, k)
             times.append(time.perf_counter() - t0)
         total += statistics.median(times)
     return total
@@ -197,7 +202,7 @@ def row_of(spec: dict, comm: str, trainer: Trainer, steps: list) -> dict:
            "loss_first": splits[0]["loss"], "loss_last": splits[-1]["loss"],
            "hook_options": plan.hook_options, "grid": list(plan.grid) if plan.grid else None,
            "loadavg": os.getloadavg()}
-    if comm in ("topk", "gtopk"):
+    if comm in SPARSE_HOOKS:
         row["compression_s"] = compression_seconds(spec, buckets)
     return row
 

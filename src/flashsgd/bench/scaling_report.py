@@ -44,11 +44,11 @@ def summarize(rows: list[dict], batch: int) -> list[dict]:
     return rows
 
 
-def simulate_rows(rows: list[dict], density: float) -> tuple[dict | None, list[dict]]:
+def simulate_rows(rows: list[dict], density: float, matrices: list | None) -> tuple[dict | None, list[dict]]:
     """Fit the simulator on this run's calibration shapes and predict every row (or say why not)."""
     from flashsgd.sim import scaling as sim
 
-    measured = [r for r in rows if "step_s" in r]
+    measured = [{**r, "matrices": matrices} for r in rows if "step_s" in r]
     try:
         shapes = sim.default_calibration_shapes(measured)
         f = sim.fit(measured, shapes, density)
@@ -70,7 +70,7 @@ def build_document(spec: dict, rows: list[dict], info: dict, rate: int, args, st
     import torch
 
     summarize(rows, spec["batch"])
-    fit, preds = simulate_rows(rows, spec["density"])
+    fit, preds = simulate_rows(rows, spec["density"], info.get("matrices"))
     by = {(p["comm"], p["nodes"], p["ranks_per_node"]): p for p in preds}
     for r in rows:
         p = by.get((r["comm"], r["nodes"], r["ranks_per_node"]))
@@ -79,7 +79,7 @@ def build_document(spec: dict, rows: list[dict], info: dict, rate: int, args, st
                      prediction_error=p["error"])
     meta = {"benchmark": "scaling", "argv": sys.argv, **{k: v for k, v in spec.items()},
             "link_bps": rate, "comm_compute": args.comm_compute, "link_arg": args.link,
-            "params": info.get("params"), "numels": info.get("numels"),
+            "params": info.get("params"), "numels": info.get("numels"), "matrices": info.get("matrices"),
             "grad_bytes": 4 * info["params"] if info.get("params") else None,
             "cpus": os.cpu_count(), "machine": platform.machine(), "kernel": platform.release(),
             "python": platform.python_version(), "torch": torch.__version__,

@@ -1,73 +1,80 @@
-"""`flashsgd bench sparse`: Top-k and gTop-k exchange vs dense all-reduce; top-k selection speed.
+"""`flashsgd bench sparse`: Top-k, gTop-k and hierarchical gTop-k against dense all-reduce, split
+into phases and set beside the wire time and the memory floor; top-k selection speed.
 
-Exchange mode (default): ``--world`` ranks (spawned, or under torchrun / any launcher that sets
-RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each with a random fp32 gradient of ``--numel``
-elements (default 25,557,032: ResNet-50). For every density, interleaved (common.time_ops:
-barrier before each call, a call's time is its slowest rank, median over ``--iters``):
+Exchange mode (default): ``--world`` ranks (spawned, or under torchrun / ``flashsgd bench emulate``),
+each with a random fp32 gradient of ``--numel`` elements (default 25,557,032: ResNet-50). For every
+density, interleaved (common.time_ops: barrier before each call, a call's time is its slowest rank,
+median over ``--iters``):
 
-1. ``dense``: ``torch.distributed.all_reduce`` of the whole gradient (native; the baseline).
-2. ``select``: the local selection of k = ceil(density * numel) entries (``--selector``).
-3. ``topk`` / ``gtopk`` communication only: the exchange of pre-selected pairs.
-4. ``topk`` / ``gtopk`` end to end: acc = grad + residual, select, exchange, dense average,
-   residual update (what the DDP hook does for one bucket of that size).
+1. ``add``: one ``torch.add`` over the gradient on every rank at once: the unit of a memory pass
+   (ranks sharing a core included).
+2. ``dense``: ``torch.distributed.all_reduce`` of the whole gradient (native; the baseline).
+3. per algorithm (``topk``, ``gtopk``, ``hgtopk``) and variant (eager, or the add and block maxima
+   fused by ``torch.compile``: ``--fuse``): one bucket's step as the DDP hook does it, with error
+   feedback (:mod:`flashsgd.bench.sparse_steps`): its phases accum / select / exchange / merge /
+   scatter are clocked on rank 0.
 
-Rows: select / comm milliseconds and their sum (``sel+comm``: one aggregation, as in Shi et al.),
-the end-to-end step (``e2e``: plus error feedback and the dense average, what the hook does),
-bytes sent per rank, and ratios to dense measured in the same run (``x dense`` = dense time /
-sel+comm time, ``e2e x`` = dense time / e2e time). Bytes: dense is the ring volume
-2(P-1)/P * 4 m (what Gloo's bandwidth-optimal algorithms move), topk (P-1) messages (its direct
-exchange sends the bytes of a ring all-gather), gtopk the exact bytes our sends hand to Gloo (max over ranks); a message is 12 bytes per
-(fp32 value, int64 index) pair.
+Row columns: ``e2e`` (median, min, max), the phase medians, ``passes`` = (accum + select +
+scatter) / add (the compression's cost in memory passes), ``wire`` = bytes through the busiest
+node link / ``--link`` rate (0 without ``--link``), ``floor`` = FLOOR_PASSES x add + wire (what this
+design cannot go below on this machine), ``e2e/floor``, bytes sent per rank (max over ranks), and
+``x dense`` = dense time / e2e time in the same run.
 
 Selection mode (``--selection``): one process, a random fp32 vector of ``--numel``, per density:
-``torch.topk(|x|)`` (the raw op), :func:`~flashsgd.comm.sparse.topk_exact` and
-:func:`~flashsgd.comm.sparse.topk_sampled`; median time, speed-up over torch.topk, and the fraction
-of the exact top-k's squared L2 mass that the sampled one keeps.
-
-Densities default to 0.001 (:data:`~flashsgd.comm.sparse.DEFAULT_DENSITY`, Shi et al.'s and the
-hooks' default); selection to ``sampled``.
+``torch.add`` (the pass unit), ``torch.topk(|x|)``, the exact / sampled / threshold selections
+(threshold with and without reuse), and the compression of one bucket (add + maxima + selection,
+eager and compiled); time, speed-up over torch.topk, passes, and the squared mass kept.
 
 Example::
 
-    flashsgd bench sparse --world 8 --densities 0.001,0.01 --json runs/sparse.json
-    flashsgd bench sparse --selection --json runs/selection.json
+    flashsgd bench emulate --cluster 8x1 --link 1gbit -- sparse --densities 0.001,0.01 --link 1gbit
+    flashsgd bench emulate --cluster 4x2 --link 1gbit -- sparse --algorithms gtopk,hgtopk --link 1gbit
+    flashsgd bench sparse --selection --fuse both --json runs/selection.json
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from flashsgd.bench.common import (add_run_arguments, check_run_arguments, format_header, format_row,
-                                   run_metadata, time_ops, write_json)
-from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, SelectionWorkspace, gtopk_allreduce,
-                                  gtopk_bytes_sent, k_from_density, topk_allgather, topk_bytes_sent,
-                                  validate_density)
+                                   ranks_on_this_host, run_metadata, time_ops, write_json)
+from flashsgd.bench.sparse_steps import (FLOOR_PASSES, PHASES, SparseStepOptions, make_step,
+                                         wire_bytes_per_node)
+from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, SelectionWorkspace, gtopk_bytes_sent,
+                                  k_from_density, topk_bytes_sent, validate_density)
+from flashsgd.comm.sparse_fused import compiled_available, compress_
+from flashsgd.comm.sparse_hier import check_node_layout
+from flashsgd.comm.sparse_select import ThresholdReuse, topk_threshold
+from flashsgd.comm.topology import get_topology
+from flashsgd.emulate.netns import parse_rate
 from flashsgd.launch import run as launch_run, under_torchrun
 
-HELP = "time Top-k / gTop-k sparse exchange against dense all-reduce, and top-k selection"
+HELP = "time Top-k / gTop-k / hierarchical gTop-k against dense all-reduce, and top-k selection"
 RESNET50_NUMEL = 25_557_032
+ALGORITHMS = ("topk", "gtopk", "hgtopk")
 
 EXCHANGE_COLUMNS = [
-    ("algorithm", "algorithm", 10, "s"), ("density", "density", 9, "g"), ("k", "k", 10, "d"),
-    ("select_ms", "select(ms)", 11, ".1f"), ("comm_ms", "comm(ms)", 10, ".1f"),
-    ("agg_ms", "sel+comm", 10, ".1f"), ("e2e_ms", "e2e(ms)", 10, ".1f"), ("e2e_ms_min", "min", 9, ".1f"),
-    ("e2e_ms_max", "max", 9, ".1f"), ("bytes_per_rank", "bytes/rank", 12, "d"),
-    ("agg_ratio_to_dense", "x dense", 9, ".2f"), ("ratio_to_dense", "e2e x", 7, ".2f"),
-    ("bytes_ratio_to_dense", "B/dense", 9, ".4f"),
+    ("algorithm", "algorithm", 16, "s"), ("density", "density", 8, "g"), ("k", "k", 9, "d"),
+    ("e2e_ms", "e2e(ms)", 9, ".1f"), ("e2e_ms_min", "min", 8, ".1f"), ("e2e_ms_max", "max", 8, ".1f"),
+    ("accum_ms", "accum", 7, ".1f"), ("select_ms", "select", 7, ".1f"),
+    ("exchange_ms", "exch", 7, ".1f"), ("merge_ms", "merge", 7, ".1f"), ("scatter_ms", "scat", 7, ".1f"),
+    ("passes", "passes", 7, ".2f"), ("wire_ms", "wire", 7, ".1f"), ("floor_ms", "floor", 7, ".1f"),
+    ("e2e_over_floor", "e2e/fl", 7, ".2f"), ("bytes_per_rank", "bytes/rank", 11, "d"),
+    ("ratio_to_dense", "x dense", 8, ".2f"),
 ]
 SELECTION_COLUMNS = [
-    ("method", "method", 12, "s"), ("density", "density", 9, "g"), ("k", "k", 10, "d"),
+    ("method", "method", 20, "s"), ("density", "density", 9, "g"), ("k", "k", 10, "d"),
     ("time_ms", "time(ms)", 10, ".1f"), ("time_ms_min", "min", 9, ".1f"),
-    ("time_ms_max", "max", 9, ".1f"), ("speedup_vs_torch_topk", "x topk", 8, ".2f"),
-    ("l2_mass_kept", "L2 kept", 9, ".4f"),
+    ("time_ms_max", "max", 9, ".1f"), ("passes", "passes", 7, ".2f"),
+    ("speedup_vs_torch_topk", "x topk", 8, ".2f"), ("l2_mass_kept", "L2 kept", 9, ".4f"),
 ]
 
 
@@ -79,9 +86,15 @@ class SparseBenchConfig:
     """Gradient elements per rank (fp32)."""
     densities: list[float] = field(default_factory=lambda: [DEFAULT_DENSITY])
     algorithms: list[str] = field(default_factory=lambda: ["topk", "gtopk"])
-    """Sparse algorithms timed against dense."""
-    selector: str = "sampled"
-    """Selection used by the exchange rows: a name in SELECTIONS ('exact' or 'sampled')."""
+    """Sparse algorithms timed against dense (topk, gtopk, hgtopk)."""
+    selector: str = "threshold"
+    """Selection used by the exchange rows: a name in SELECTIONS."""
+    fuse: list[bool] = field(default_factory=lambda: [False])
+    """Variants: eager (False) and/or the add + block maxima fused by torch.compile (True)."""
+    link_bps: int | None = None
+    """Link rate of the emulated cluster in bits/s (wire time); None: no wire time."""
+    ranks_per_node: int | None = None
+    """hgtopk's and the wire time's node layout (None: LOCAL_WORLD_SIZE, else 1)."""
     iters: int = 5
     warmup: int = 1
     verbose: bool = True
@@ -89,83 +102,76 @@ class SparseBenchConfig:
 
 # ------------------------------------------------------------------------------ exchange --------
 
-def _exchange_fns(cfg: SparseBenchConfig, algo: str, density: float, grad: torch.Tensor,
-                  state: dict) -> tuple:
-    """(comm-only fn, end-to-end fn) for one algorithm and density (see module docstring)."""
-    m, world = grad.numel(), dist.get_world_size()
-    k = k_from_density(m, density)
-    select = SELECTIONS[cfg.selector]
-    kwargs = {"workspace": state["ws"]} if cfg.selector == "sampled" else {}
-    values, indices = select(grad, k, **kwargs)
-    out = state["out"]
+def _rpn(cfg: SparseBenchConfig, world: int) -> int:
+    rpn = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return check_node_layout(rpn, world)
 
-    def exchange(v, i):
-        if algo == "topk":
-            topk_allgather(v, i, m, check=False, out=out).div_(world)
-            return i
-        res = gtopk_allreduce(v, i, k, m, check=False)
-        out.zero_()
-        out[res.indices] = res.values.div(world)
-        return res.counted
 
-    def end_to_end():
-        acc = torch.add(grad, state["residual"], out=state["acc"])      # Step 1
-        v, i = select(acc, k, **kwargs)                                    # Step 2
-        counted = exchange(v, i)                                           # Step 3
-        acc.index_fill_(0, counted, 0)                                     # Step 4: residual
-        state["acc"], state["residual"] = state["residual"], acc
+def _bytes_per_rank(algo: str, k: int, world: int, rpn: int, numel: int) -> int:
+    if algo == "topk":
+        return topk_bytes_sent(k, world)
+    if algo == "gtopk":
+        return max(gtopk_bytes_sent(k, world, r) for r in range(world))
+    nodes = world // rpn
+    leader = max(gtopk_bytes_sent(k, nodes, n) for n in range(nodes)) if nodes > 1 else 0
+    return max(leader + (rpn - 1) * 8 * (2 * k + -(-k // 2)), 4 * numel if rpn > 1 else 0)
 
-    return (lambda: exchange(values, indices)), end_to_end, k
+
+def _phase_medians(step, warmup: int) -> dict[str, float]:
+    timed = step.splits[warmup:] or step.splits
+    return {f"{p}_ms": statistics.median(s[p] for s in timed) * 1e3 for p in PHASES}
 
 
 def measure(cfg: SparseBenchConfig) -> list[dict]:
-    """Per-rank body: time dense, selection, topk and gtopk for every density (collective)."""
+    """Per-rank body: time add, dense and every sparse step for every density (collective)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    m = cfg.numel
+    m, rpn = cfg.numel, _rpn(cfg, world)
+    topology = get_topology(rpn) if "hgtopk" in cfg.algorithms else None
     grad = torch.randn(m, generator=torch.Generator().manual_seed(rank))
-    state = {"ws": SelectionWorkspace(), "out": torch.empty(m), "acc": torch.empty(m),
-             "residual": torch.zeros(m)}
-    dense_buf = torch.zeros(m)
-    select = SELECTIONS[cfg.selector]
-    kwargs = {"workspace": state["ws"]} if cfg.selector == "sampled" else {}
+    dense_buf, add_out = torch.zeros(m), torch.empty(m)
     talk = cfg.verbose and rank == 0
     if talk:
         print(format_header(EXCHANGE_COLUMNS), flush=True)
-    dense_bytes = 2 * (world - 1) * m * 4 // world  # ring volume, 4 bytes per fp32
     rows = []
     for density in cfg.densities:
         k = k_from_density(m, density)
-        fns = [lambda: dist.all_reduce(dense_buf), lambda: select(grad, k, **kwargs)]
-        for algo in cfg.algorithms:
-            comm, e2e, _ = _exchange_fns(cfg, algo, density, grad, state)
-            state["residual"].zero_()
-            fns += [comm, e2e]
-        timings = time_ops(fns, cfg.iters, cfg.warmup)
-        dense_s, select_s = timings[0].median_s, timings[1].median_s
-        dense_row = {"algorithm": "dense", "density": 1.0, "k": m, "comm_ms": dense_s * 1e3,
-                     "e2e_ms": dense_s * 1e3, "e2e_ms_min": timings[0].min_s * 1e3,
-                     "e2e_ms_max": timings[0].max_s * 1e3, "bytes_per_rank": dense_bytes,
-                     "ratio_to_dense": 1.0, "agg_ms": dense_s * 1e3, "agg_ratio_to_dense": 1.0,
-                     "bytes_ratio_to_dense": 1.0, "for_density": density}
-        batch = [dense_row]
-        for j, algo in enumerate(cfg.algorithms):
-            comm_t, e2e_t = timings[2 + 2 * j], timings[3 + 2 * j]
-            if algo == "topk":
-                sent = topk_bytes_sent(k, world)
-            else:
-                sent = max(gtopk_bytes_sent(k, world, r) for r in range(world))
+        variants = [(a, f) for a in cfg.algorithms for f in cfg.fuse]
+        steps = [make_step(a, grad, k, SparseStepOptions(cfg.selector, f, topology)) for a, f in variants]
+        fns = [lambda: torch.add(grad, dense_buf, out=add_out), lambda: dist.all_reduce(dense_buf)]
+        timings = time_ops(fns + steps, cfg.iters, cfg.warmup)
+        add_s, dense_s = timings[0].median_s, timings[1].median_s
+        rate = cfg.link_bps / 8 if cfg.link_bps else None
+        dense_wire = wire_bytes_per_node("dense", k, m, world, rpn) / rate * 1e3 if rate else 0.0
+        # the pass unit: no e2e_ms key, so `bench emulate` does not take it for an exchange
+        batch = [{"algorithm": "add (1 pass)", "density": 1.0, "k": m, "accum_ms": add_s * 1e3,
+                  "add_ms_min": timings[0].min_s * 1e3, "add_ms_max": timings[0].max_s * 1e3,
+                  "passes": 1.0, "for_density": density},
+                 {"algorithm": "dense", "density": 1.0, "k": m, "e2e_ms": dense_s * 1e3,
+                  "e2e_ms_min": timings[1].min_s * 1e3, "e2e_ms_max": timings[1].max_s * 1e3,
+                  "exchange_ms": dense_s * 1e3, "wire_ms": dense_wire,
+                  "floor_ms": dense_wire, "e2e_over_floor": dense_s * 1e3 / dense_wire if dense_wire else None,
+                  "bytes_per_rank": 2 * (world - 1) * m * 4 // world, "ratio_to_dense": 1.0,
+                  "for_density": density}]
+        for (algo, fused), step, t in zip(variants, steps, timings[2:]):
+            phases = _phase_medians(step, cfg.warmup)
+            wire = wire_bytes_per_node(algo, k, m, world, rpn) / rate * 1e3 if rate else 0.0
+            floor = FLOOR_PASSES[(algo, fused)] * add_s * 1e3 + wire
             batch.append({
-                "algorithm": algo, "density": density, "k": k, "select_ms": select_s * 1e3,
-                "comm_ms": comm_t.median_s * 1e3, "agg_ms": (select_s + comm_t.median_s) * 1e3,
-                "agg_ratio_to_dense": dense_s / (select_s + comm_t.median_s),
-                "e2e_ms": e2e_t.median_s * 1e3,
-                "e2e_ms_min": e2e_t.min_s * 1e3, "e2e_ms_max": e2e_t.max_s * 1e3,
-                "bytes_per_rank": sent, "ratio_to_dense": dense_s / e2e_t.median_s,
-                "comm_ratio_to_dense": dense_s / comm_t.median_s,
-                "bytes_ratio_to_dense": sent / dense_bytes,
-                "bytes_vs_2k8log2W": (sent / (2 * k * 8 * math.log2(world))
-                                      if world > 1 else None),
+                "algorithm": algo + ("+compiled" if fused else ""), "density": density, "k": k,
+                "e2e_ms": t.median_s * 1e3, "e2e_ms_min": t.min_s * 1e3, "e2e_ms_max": t.max_s * 1e3,
+                **phases,
+                "passes": (phases["accum_ms"] + phases["select_ms"] + phases["scatter_ms"]) / (add_s * 1e3),
+                "wire_ms": wire, "floor_ms": floor, "floor_passes": FLOOR_PASSES[(algo, fused)],
+                "e2e_over_floor": t.median_s * 1e3 / floor,
+                "bytes_per_rank": _bytes_per_rank(algo, k, world, rpn, m),
+                "ratio_to_dense": dense_s / t.median_s,
+                "ratio_to_topk": None,
             })
+        by_name = {r["algorithm"]: r for r in batch}
+        for row in batch[2:]:
+            base = by_name.get("topk+compiled" if row["algorithm"].endswith("+compiled") else "topk")
+            if base:
+                row["ratio_to_topk"] = base["e2e_ms"] / row["e2e_ms"]
         for row in batch:
             if talk:
                 print(format_row(row, EXCHANGE_COLUMNS), flush=True)
@@ -176,31 +182,57 @@ def measure(cfg: SparseBenchConfig) -> list[dict]:
 def bench_worker(cfg: SparseBenchConfig) -> dict | None:
     """Rank body used by ``launch.run``: measure; rank 0 returns ``{"meta", "results"}``."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    on_host = ranks_on_this_host(world)
     if cfg.verbose and rank == 0:
         print(f"# flashsgd bench sparse: world {world}, backend {dist.get_backend()}, numel {cfg.numel}, "
               f"selector {cfg.selector}, iters {cfg.iters}, warmup {cfg.warmup}, torch "
-              f"{torch.__version__}, {os.cpu_count()} cpu(s), {torch.get_num_threads()} thread(s)/rank, "
-              f"loadavg {os.getloadavg()[0]:.1f}", flush=True)
+              f"{torch.__version__}, {os.cpu_count()} cpu(s), {on_host} rank(s) on this host, "
+              f"{torch.get_num_threads()} thread(s)/rank, loadavg {os.getloadavg()[0]:.1f}", flush=True)
+    load_start = os.getloadavg()[0]
     results = measure(cfg)
     if rank != 0:
         return None
     meta = run_metadata(benchmark="sparse", mode="exchange", world=world, backend=dist.get_backend(),
                         launcher="torchrun/env" if under_torchrun() else "flashsgd.launch.spawn",
-                        torch_threads_per_rank=torch.get_num_threads(), loadavg_1m_end=os.getloadavg()[0],
+                        torch_threads_per_rank=torch.get_num_threads(),
+                        ranks_per_core=on_host / (os.cpu_count() or 1),
+                        loadavg_1m_start=load_start, loadavg_1m_end=os.getloadavg()[0],
+                        compiled_available=compiled_available() if True in cfg.fuse else None,
                         timing="median over iters of the max over ranks of one barrier-synchronized "
-                               "call; all functions of a density interleaved",
+                               "call; all functions of a density interleaved; phases: rank 0's medians",
                         bytes="dense: ring volume 2(P-1)/P*4m; topk: (P-1) messages (direct exchange); "
-                              "gtopk: exact bytes sent, max over ranks; 12 B per fp32 pair")
+                              "gtopk: exact bytes sent, max over ranks; hgtopk: leader's or a member's "
+                              "dense acc, the larger; 12 B per fp32 pair",
+                        wire="bytes through the busiest node link / link rate (sparse_steps.wire_bytes_per_node)",
+                        floor="FLOOR_PASSES x add time (same run, all ranks adding) + wire")
     return {"meta": meta, "results": results}
 
 
 # ----------------------------------------------------------------------------- selection --------
 
+def _selection_methods(cfg: SparseBenchConfig, x: torch.Tensor, k: int) -> dict:
+    """name -> callable, for :func:`measure_selection`."""
+    ws, gen, reuse = SelectionWorkspace(), torch.Generator().manual_seed(1), ThresholdReuse()
+    residual, grad = torch.zeros_like(x), x * 0.5
+    methods = {
+        "add (1 pass)": lambda: torch.add(x, grad, out=residual),
+        "torch.topk": lambda: torch.topk(x.abs(), k, sorted=False),
+        "exact": lambda: SELECTIONS["exact"](x, k),
+        "sampled": lambda: SELECTIONS["sampled"](x, k, workspace=ws, generator=gen),
+        "threshold": lambda: topk_threshold(x, k),
+        "threshold+reuse": lambda: topk_threshold(x, k, reuse=reuse),
+    }
+    for fused in cfg.fuse:  # one bucket's compression: residual += grad, maxima, selection
+        kept = ThresholdReuse()
+        methods["compress" + ("+compiled" if fused else "")] = (
+            lambda fused=fused, kept=kept: compress_(residual, grad, k, reuse=kept, compiled=fused))
+    return methods
+
+
 def measure_selection(cfg: SparseBenchConfig) -> list[dict]:
-    """Single process: torch.topk vs topk_exact vs topk_sampled on a random fp32 vector."""
+    """Single process: torch.add (the pass unit), torch.topk and every selection on a random fp32
+    vector, and the compression of one bucket (eager / compiled)."""
     x = torch.randn(cfg.numel, generator=torch.Generator().manual_seed(0))
-    ws = SelectionWorkspace()
-    gen = torch.Generator().manual_seed(1)
     talk = cfg.verbose
     if talk:
         print(f"# flashsgd bench sparse --selection: numel {cfg.numel} fp32 (randn), torch "
@@ -210,31 +242,30 @@ def measure_selection(cfg: SparseBenchConfig) -> list[dict]:
     rows = []
     for density in cfg.densities:
         k = k_from_density(cfg.numel, density)
-        methods = {
-            "torch.topk": lambda: torch.topk(x.abs(), k, sorted=False),
-            "exact": lambda: SELECTIONS["exact"](x, k),
-            "sampled": lambda: SELECTIONS["sampled"](x, k, workspace=ws, generator=gen),
-        }
+        methods = _selection_methods(cfg, x, k)
         exact_mass = SELECTIONS["exact"](x, k)[0].double().square().sum().item()
-        sampled_mass = SELECTIONS["sampled"](x, k, workspace=ws, generator=gen)[0].double().square().sum().item()
+        mass = {name: methods[name]()[0].double().square().sum().item() / exact_mass
+                for name in ("exact", "sampled", "threshold", "threshold+reuse")}
         # interleave the methods repetition by repetition: drifting load hits all alike
         samples = {name: [] for name in methods}
         for name, fn in methods.items():
             for _ in range(cfg.warmup):
-                fn()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # a compile fallback warns once; still timed
+                    fn()
         for _ in range(cfg.iters):
             for name, fn in methods.items():
                 t0 = time.perf_counter()
                 fn()
                 samples[name].append(time.perf_counter() - t0)
         base = statistics.median(samples["torch.topk"])
+        unit = statistics.median(samples["add (1 pass)"])
         for name, ts in samples.items():
             med = statistics.median(ts)
             row = {"method": name, "density": density, "k": k, "time_ms": med * 1e3,
-                   "time_ms_min": min(ts) * 1e3, "time_ms_max": max(ts) * 1e3,
-                   "speedup_vs_torch_topk": base / med,
-                   "l2_mass_kept": sampled_mass / exact_mass if name == "sampled" else
-                   (1.0 if name == "exact" else None)}
+                   "time_ms_min": min(ts) * 1e3, "time_ms_max": max(ts) * 1e3, "passes": med / unit,
+                   "speedup_vs_torch_topk": base / med if name != "add (1 pass)" else None,
+                   "l2_mass_kept": mass.get(name)}
             rows.append(row)
             if talk:
                 print(format_row(row, SELECTION_COLUMNS), flush=True)
@@ -249,10 +280,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"gradient elements per rank (default {RESNET50_NUMEL}, ResNet-50)")
     parser.add_argument("--densities", default=str(DEFAULT_DENSITY),
                         help=f"comma-separated, each in (0, 1] (default {DEFAULT_DENSITY}, the paper's)")
-    parser.add_argument("--algorithms", default="topk,gtopk", help="comma-separated from topk, gtopk")
-    parser.add_argument("--selector", default="sampled", choices=sorted(SELECTIONS),
-                        help="selection used in the exchange rows: exact (torch.topk) or sampled "
-                             "(sampled threshold; default)")
+    parser.add_argument("--algorithms", default="topk,gtopk",
+                        help=f"comma-separated from {', '.join(ALGORITHMS)} (default topk,gtopk)")
+    parser.add_argument("--selector", default="threshold", choices=sorted(SELECTIONS),
+                        help="selection used in the exchange rows: exact (torch.topk), sampled "
+                             "(sampled threshold) or threshold (block maxima, kept threshold; default)")
+    parser.add_argument("--fuse", default="eager", choices=["eager", "compiled", "both"],
+                        help="add + block maxima: eager passes, fused by torch.compile, or both "
+                             "variants side by side (default eager)")
+    parser.add_argument("--link", default=None,
+                        help="link rate of the emulated cluster (e.g. 1gbit) for the wire-time column")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="node layout for hgtopk and the wire time (default: LOCAL_WORLD_SIZE, else 1)")
     parser.add_argument("--selection", action="store_true",
                         help="run the single-process selection micro-benchmark instead")
     parser.add_argument("--threads", type=int, default=0,
@@ -273,11 +312,19 @@ def config_from_args(args: argparse.Namespace) -> tuple[SparseBenchConfig, int]:
     for d in densities:
         validate_density(d, "--densities")
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    bad = [a for a in algorithms if a not in ("topk", "gtopk")]
+    bad = [a for a in algorithms if a not in ALGORITHMS]
     if bad or not algorithms:
-        raise ValueError(f"--algorithms: unknown {bad or '(empty)'}; valid: topk, gtopk")
+        raise ValueError(f"--algorithms: unknown {bad or '(empty)'}; valid: {', '.join(ALGORITHMS)}")
+    link = parse_rate(args.link) if args.link else None
+    if args.ranks_per_node is not None:
+        check_node_layout(args.ranks_per_node, world)
+    fuse = {"eager": [False], "compiled": [True], "both": [False, True]}[args.fuse]
+    if fuse != [False] and args.selector != "threshold" and not args.selection:
+        raise ValueError(f"--fuse {args.fuse} fuses the threshold selector's block maxima; "
+                         f"use --selector threshold (got {args.selector!r})")
     cfg = SparseBenchConfig(numel=args.numel, densities=densities, algorithms=algorithms,
-                            selector=args.selector, iters=args.iters, warmup=args.warmup)
+                            selector=args.selector, fuse=fuse, link_bps=link,
+                            ranks_per_node=args.ranks_per_node, iters=args.iters, warmup=args.warmup)
     return cfg, world
 
 

@@ -3,8 +3,9 @@
 Every name maps to a cost function ``cost(n_bytes, setup) -> Cost`` (:data:`flashsgd.sim.costs.CostFn`):
 the dense all-reduces of :mod:`flashsgd.sim.costs` and the sparse exchanges of
 :mod:`flashsgd.sim.costs_sparse` (formulas in the docstring table of :mod:`flashsgd.sim.costs`).
-``native``, ``ring``, ``hierarchical``, ``torus2d``, ``topk`` and ``gtopk`` are flashsgd's own
-algorithms (``flashsgd.comm.dense``, ``flashsgd.comm.sparse``); the others are simulator-only
+``native``, ``ring``, ``hierarchical``, ``torus2d``, ``topk``, ``gtopk``, ``hgtopk`` and ``powersgd``
+are flashsgd's own hooks (``flashsgd.comm.dense``, ``flashsgd.comm.sparse``, ``comm.sparse_hier``,
+``comm.powersgd_hooks``; PowerSGD in :mod:`flashsgd.sim.costs_lowrank`); the others are simulator-only
 references. Adding an algorithm is one line in :data:`ALGORITHMS`: the CLI (``--algorithm``), the
 calibration and the tests read the names from it.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashsgd.registry import Registry
-from flashsgd.sim import costs, costs_sparse
+from flashsgd.sim import costs, costs_lowrank, costs_sparse
 from flashsgd.sim.costs import CommSetup, Cost, CostFn, zero_cost
 
 ALGORITHMS: Registry[CostFn] = Registry("simulated algorithm")
@@ -37,6 +38,8 @@ for _name, _fn in (
     ("topk", costs_sparse.topk),
     ("gtopk", costs_sparse.gtopk),
     ("gtopk_tree", costs_sparse.gtopk_tree),
+    ("hgtopk", costs_sparse.hgtopk),
+    ("powersgd", costs_lowrank.powersgd),
 ):
     ALGORITHMS.add(_name, _fn)
 del _name, _fn

@@ -79,6 +79,11 @@ class CommSetup:
     index_bytes: int = 4
     """Bytes per sparse index: 4 (int32, the papers' format) or 8 (int64, what ``comm/sparse.py``
     sends)."""
+    matrices: tuple[tuple[int, int], ...] | None = None
+    """PowerSGD: (rows, cols) of every gradient tensor of the message, viewed as torch's hook views
+    it (``shape[0] x rest``; 1-D tensors as (n, 1)); None: the message is one square matrix."""
+    lowrank: int = 1
+    """PowerSGD: rank r of the approximation."""
 
     def __post_init__(self) -> None:
         p, lpn = self.gpus, self.cluster.ranks_per_node

@@ -10,6 +10,8 @@ Low Bandwidth Networks" (arXiv 1901.04359). Registered by name in
   rank swaps its k pairs with rank XOR 2^i and both merge; the P - P' extra ranks folded in before
   and out after (P' = largest power of two <= P). Per-rank bytes: :func:`gtopk_bytes_per_rank`,
   equal to ``flashsgd.comm.sparse.gtopk_bytes_sent`` with ``index_bytes=8`` (tested).
+- ``hgtopk``: ``flashsgd.comm.sparse_hier``: dense reduce to a leader per node, gTop-k among the
+  leaders, broadcast inside the node (:func:`hgtopk`).
 - ``gtopk_tree`` (simulator-only): Shi et al.'s reference implementation, a tree reduction of
   pairwise merges then a broadcast of the k result pairs (2 ceil(lgP) rounds); what the paper's
   figures were measured with.
@@ -29,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -152,4 +155,40 @@ def gtopk_tree(n_bytes, setup: CommSetup) -> Cost:
         # Step 3 (broadcast) sends the final k pairs back down the same tree: 2 messages per level.
         lat, bw = step_cost(k * pair, 2, pair_levels(1 << i, 1, setup))
         cost = cost + Cost(lat, bw, merge, np.zeros_like(n))
+    return cost
+
+
+def hgtopk(n_bytes, setup: CommSetup) -> Cost:
+    """Hierarchical gTop-k as ``comm/sparse_hier.py`` runs it: dense inside a node, gTop-k across.
+
+    Steps (L ranks per node, N nodes): 1. binomial reduce of the n-byte accumulated gradient to the
+    node's leader over the intra link: ceil(lgL) (a + n b + n g); 2-3. the leader's selection and
+    :func:`gtopk` among the N leaders (one flow per node on the inter link); 4. broadcast of the k
+    result pairs and the k counted indices inside the node: ceil(lgL) (a + (k s + 8 k) b).
+    """
+    n = np.asarray(n_bytes, dtype=float)
+    if setup.gpus == 1:
+        return zero_cost(n)
+    c, lr = setup.cluster, setup.local_ranks
+    nodes = setup.gpus // lr
+    z = np.zeros_like(n)
+    intra = [(c.intra.alpha_s, c.intra.beta_s_per_byte)]
+    steps = math.ceil(math.log2(lr)) if lr > 1 else 0
+    cost = zero_cost(n)
+    if steps:
+        # Step 1: node sum to the leader (binomial tree, full n bytes per round).
+        lat, bw = step_cost(n, steps, intra)
+        cost = cost + Cost(lat, bw, steps * n * c.gamma_s_per_byte, z)
+    if nodes > 1:
+        # Steps 2-3: selection at the leader, gTop-k among the leaders (one rank per node crosses).
+        leaders = dataclasses.replace(setup, gpus=nodes, grid=None,
+                                      cluster=dataclasses.replace(c, ranks_per_node=1))
+        cost = cost + gtopk(n, leaders)
+    else:
+        cost = cost + _sparse_start(n, setup)[2]
+    if steps:
+        # Step 4: the global pairs and the counted indices (int64) back to every rank of the node.
+        k = _k(n, setup)[1]
+        lat, bw = step_cost(sparse_message_bytes(k, setup) + 8 * k, steps, intra)
+        cost = cost + Cost(lat, bw, z, z)
     return cost

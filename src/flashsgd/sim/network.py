@@ -77,6 +77,8 @@ class ClusterModel:
     """Fixed cost of one sparse exchange (top-k bookkeeping, index packing, host syncs)."""
     select_s_per_elem: float = 0.0
     """Top-k selection time per gradient element (a few passes over the gradient)."""
+    flop_s: float = 0.0
+    """Seconds per floating-point operation of a compressor's matrix products (PowerSGD)."""
     resnet50_images_per_s: dict[str, float] = field(default_factory=dict)
     """Single-GPU ResNet-50 training throughput by precision (``fp16``/``fp32``), if known."""
     source: str = ""
@@ -85,7 +87,7 @@ class ClusterModel:
     def __post_init__(self) -> None:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"ClusterModel.ranks_per_node must be an int >= 1, got {self.ranks_per_node!r}")
-        for name in ("gamma_s_per_byte", "call_overhead_s", "sparse_overhead_s", "select_s_per_elem"):
+        for name in ("gamma_s_per_byte", "call_overhead_s", "sparse_overhead_s", "select_s_per_elem", "flop_s"):
             _check_positive("ClusterModel", name, getattr(self, name), allow_zero=True)
         for key, value in self.resnet50_images_per_s.items():
             _check_positive("ClusterModel", f"resnet50_images_per_s[{key!r}]", value)

@@ -4,24 +4,28 @@ The measured step of hook ``a`` at N nodes of L ranks (world W = N L) is modelle
 
     step(a, N) = compute(N) + sum over DDP buckets j of comm_a(n_j, W, L)
 
-    comm_a(n) = s(N) [ c_msg A + c_byte Bcpu + c_elem E + c_call C + c_sparse S ] + link_factor B 8 / rate
+    comm_a(n) = s(N) [ c_msg A + c_byte Bcpu + c_elem E + c_call C + c_sparse S + c_flop F ]
+                + link_factor B 8 / rate
 
 * ``compute(N)``: the noop hook's measured step at the same node count (forward, backward, the
   trainer's small sync all-reduce and the optimizer; the noop rows are inputs, never predicted);
 * ``s(N) = compute(N) / compute(N0)``: the CPU-sharing slowdown (W ranks share this machine's cores,
   so every CPU cost of the exchange grows with it; N0 the smallest measured node count);
-* A, B, Bcpu, E, C, S: the coefficients of the algorithm's own closed-form cost
+* A, B, Bcpu, E, C, S, F: the coefficients of the algorithm's own closed-form cost
   (:data:`flashsgd.sim.algorithms.ALGORITHMS`, formulas in :mod:`flashsgd.sim.costs`) evaluated on unit
   clusters: A = message steps on the critical path, B = bytes on the critical path over the
   inter-node link (its flows sharing the node's link; B 8 / rate is their time at the nominal tbf
   rate), Bcpu = bytes on the critical path on any
   level (our send/recv stages copy every byte), E = elements selected over (sparse: the local top-k
-  and the 2k -> k merges), C = collective calls, S = sparse exchanges;
+  and the 2k -> k merges), C = collective calls, S = sparse exchanges, F = floating-point
+  operations of PowerSGD's matrix products (the whole model's matrices in one message,
+  :mod:`flashsgd.sim.costs_lowrank`, from the file's ``meta.matrices``);
 * the parameters, all >= 0: ``c_msg`` (s per message step: no latency is injected by the emulation,
   so this is the per-message CPU cost), ``link_factor`` (the link's time over its nominal rate's:
   TCP/IP headers and tbf bursts; 1.0 = exactly the configured rate),
   ``c_byte`` (CPU s per byte moved), ``c_elem`` (selection and merge s per element), ``c_call``
-  (s per collective call), ``c_sparse`` (s per sparse exchange: packing and bookkeeping).
+  (s per collective call), ``c_sparse`` (s per sparse exchange: packing and bookkeeping),
+  ``c_flop`` (s per flop of PowerSGD's products).
 
 DDP's reduction of the last bucket cannot overlap backward; with the 1-2 buckets of the small
 models measured here the exchange is taken as exposed (no overlap term).
@@ -52,8 +56,8 @@ from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.costs import CommSetup
 from flashsgd.sim.network import ClusterModel, Link
 
-PARAMS = ("c_msg", "link_factor", "c_byte", "c_elem", "c_call", "c_sparse")
-CPU_PARAMS = ("c_msg", "c_byte", "c_elem", "c_call", "c_sparse")
+PARAMS = ("c_msg", "link_factor", "c_byte", "c_elem", "c_call", "c_sparse", "c_flop")
+CPU_PARAMS = ("c_msg", "c_byte", "c_elem", "c_call", "c_sparse", "c_flop")
 _INF_GBPS = 1e300   # a link that costs nothing per byte
 _UNIT_GBPS = 1e-9   # 1 s per byte
 
@@ -95,28 +99,35 @@ def load_scaling(path: str | Path) -> ScalingRows:
     for key in ("density",):
         if key not in meta:
             raise ValueError(f"scaling file {str(path)!r}: meta lacks {key!r}")
+    for r in rows:  # PowerSGD's cost needs the model's matrices (in memory only)
+        r["matrices"] = meta.get("matrices")
     return ScalingRows(str(path), meta, rows)
 
 
 def _unit(row: dict, *, alpha: float = 0.0, inter_gbps: float = _INF_GBPS, intra_gbps: float = _INF_GBPS,
-          call: float = 0.0, sparse: float = 0.0, select: float = 0.0) -> ClusterModel:
+          call: float = 0.0, sparse: float = 0.0, select: float = 0.0, flop: float = 0.0) -> ClusterModel:
     return ClusterModel(name="unit", ranks_per_node=row["ranks_per_node"],
                         intra=Link(alpha, intra_gbps), inter=Link(alpha, inter_gbps),
-                        call_overhead_s=call, sparse_overhead_s=sparse, select_s_per_elem=select)
+                        call_overhead_s=call, sparse_overhead_s=sparse, select_s_per_elem=select,
+                        flop_s=flop)
 
 
 def design(row: dict, density: float) -> np.ndarray:
-    """(A, B, Bcpu, E, C, S) of ``row``'s exchange, summed over its DDP buckets."""
+    """(A, B, Bcpu, E, C, S, F) of ``row``'s exchange, summed over its DDP buckets."""
     clusters = (_unit(row, alpha=1.0), _unit(row, inter_gbps=_UNIT_GBPS),
                 _unit(row, inter_gbps=_UNIT_GBPS, intra_gbps=_UNIT_GBPS), _unit(row, select=1.0),
-                _unit(row, call=1.0), _unit(row, sparse=1.0))
+                _unit(row, call=1.0), _unit(row, sparse=1.0), _unit(row, flop=1.0))
     grid = tuple(row["grid"]) if row.get("grid") and row["comm"] == "torus2d" else None
     n = np.asarray(row["bucket_bytes"], dtype=float)
+    matrices = tuple(tuple(m) for m in row["matrices"]) if row.get("matrices") else None
+    if row["comm"] == "powersgd" and matrices:
+        n = np.asarray([n.sum()])  # the model's matrices, as one message
     fn = ALGORITHMS.get(row["comm"])
     out = []
     for cluster in clusters:
         setup = CommSetup(gpus=row["world"], cluster=cluster, grid=grid, density=density,
-                          value_bytes=4, index_bytes=8)  # comm/sparse.py sends int64 indices
+                          value_bytes=4, index_bytes=8,  # comm/sparse.py sends int64 indices
+                          matrices=matrices)
         out.append(float(np.sum(fn(n, setup).total)) if row["world"] > 1 else 0.0)
     return np.array(out)
 
@@ -161,6 +172,7 @@ class ScalingFit:
             f"  c_elem    {p['c_elem'] * 1e9:10.3f} ns per element selected or merged (CPU, x s(N))",
             f"  c_call    {p['c_call'] * 1e6:10.1f} us per collective call (CPU, x s(N))",
             f"  c_sparse  {p['c_sparse'] * 1e6:10.1f} us per sparse exchange (CPU, x s(N))",
+            f"  c_flop    {p['c_flop'] * 1e9:10.3f} ns per flop of PowerSGD's products (CPU, x s(N))",
             "  compute   " + ", ".join(f"{n}x{r}: {t * 1e3:.1f} ms (s={self.share[(n, r)]:.2f})"
                                        for (n, r), t in sorted(self.compute.items())),
         ])
