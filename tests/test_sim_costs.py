@@ -225,3 +225,37 @@ def test_presets_are_physical():
         assert c.inter.bandwidth_gbps <= c.intra.bandwidth_gbps or c.ranks_per_node == 1
         assert 0 < c.inter.alpha_s < 1e-3 and math.isfinite(c.gamma_s_per_byte)
         assert c.source
+
+
+def test_hgtopk_with_one_rank_per_node_is_gtopk_and_pays_the_node_levels_otherwise():
+    one = CLUSTERS.get("1gbe")  # 1 GPU per node
+    setup = CommSetup(gpus=8, cluster=one)
+    assert float(exchange_cost("hgtopk", 4e6, setup).total) == pytest.approx(
+        float(exchange_cost("gtopk", 4e6, setup).total))
+    abci = CLUSTERS.get("abci")  # 4 per node: 2 nodes' leaders run a 1-round gTop-k
+    h = exchange_cost("hgtopk", 4e6, CommSetup(gpus=8, cluster=abci))
+    leaders = exchange_cost("gtopk", 4e6, CommSetup(gpus=2, cluster=ClusterModel(
+        **{**abci.__dict__, "ranks_per_node": 1})))
+    intra = abci.intra
+    k = math.ceil(0.001 * 1e6)
+    # + 2 rounds of the full 4 MB reduce + 2 rounds of k (4 + 4 B) pairs + 8 k counted-index bytes
+    extra = 2 * (intra.alpha_s + 4e6 * intra.beta_s_per_byte) + 2 * 4e6 * abci.gamma_s_per_byte \
+        + 2 * (intra.alpha_s + (4 * k + 4 * k + 8 * k) * intra.beta_s_per_byte)
+    assert float(h.total) == pytest.approx(float(leaders.total) + extra)
+
+
+def test_powersgd_is_three_rings_of_the_compressed_sizes_plus_the_products():
+    from flashsgd.sim.costs import ring
+    from flashsgd.sim.costs_lowrank import split
+
+    c = ClusterModel(**{**CLUSTERS.get("1gbe").__dict__, "flop_s": 1e-10})
+    mats = ((64, 576), (64, 1), (10, 64))
+    u, ps, qs, flops, nm = split(mats, 2)
+    # (64, 1) stays dense (64 < 65 * 1 * 2); (64, 576) and (10, 64) send P: n r and Q: m r
+    assert (u, ps, qs) == (64, 128 + 20, 1152 + 128)
+    setup = CommSetup(gpus=8, cluster=c, matrices=mats, lowrank=2)
+    want = sum(float(ring(4.0 * v, setup).total) for v in (u, ps, qs)) + flops * 1e-10 \
+        + nm * 4 * c.gamma_s_per_byte
+    assert float(exchange_cost("powersgd", 0.0, setup).total) == pytest.approx(want)
+    assert float(exchange_cost("powersgd", 4e6, CommSetup(gpus=8, cluster=c)).bandwidth_s) < \
+        float(exchange_cost("ring", 4e6, CommSetup(gpus=8, cluster=c)).bandwidth_s) / 100

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from flashsgd.bench import scaling_rank
+from flashsgd.comm.hooks import HOOKS
 from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_available,
                                     emulated_cluster, parse_rate)
 from flashsgd.emulate.ranks import MASTER_PORT, RankError, run_ranks
@@ -103,9 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def default_comms() -> list[str]:
-    """Every registered hook that can run without extra options, ``noop`` first (the ceiling)."""
-    from flashsgd.comm.hooks import HOOKS
-
+    """Every registered hook, ``noop`` first (the ceiling); one that cannot run at a node count
+    is reported there as skipped, with the reason."""
     return ["noop"] + [n for n in HOOKS.names() if n != "noop"]
 
 
@@ -114,13 +114,11 @@ def settings(args: argparse.Namespace) -> dict:
     base = QUICK if args.quick else FULL
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else base[name]  # noqa: E731
     comms = [c.strip() for c in args.comm.split(",") if c.strip()] if args.comm else default_comms()
-    from flashsgd.comm.hooks import HOOKS
-
     for c in comms:
         HOOKS.get(c)  # ValueError listing the known names
     if "noop" not in comms:
         comms = ["noop"] + comms  # each node count's ceiling (efficiency = noop step / step)
-    spec = {"nodes": pick("nodes") if args.nodes else _ints(base["nodes"]),
+    spec = {"nodes": args.nodes or _ints(base["nodes"]),
             "ranks_per_node": args.ranks_per_node, "comms": list(dict.fromkeys(comms)),
             "warmup": pick("warmup"), "iters": pick("iters"), "batch": pick("batch"),
             "model": args.model, "dataset": args.dataset, "image_shape": args.image_shape,
