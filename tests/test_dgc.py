@@ -158,3 +158,61 @@ def test_run_checks_conflicts_and_step_count_bound():
     check_optimizer_momentum(Owner(), torch.optim.SGD(net.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="optimizer has momentum=0.9"):
         check_optimizer_momentum(Owner(), torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+
+
+def _layer_trust_body():
+    """layer_trust: per-parameter sqrt(mean_r ||g_r||^2) of the local gradients, on every rank;
+    LARS's trust ratio uses them instead of the sparse aggregate's norms."""
+    from flashsgd.optim.lars import LARS, param_groups
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plain = _net()
+    model = DDP(_net(), bucket_cap_mb=0.01)
+    state = register_hook(model, "gtopk", density=0.01, layer_trust=True)
+    opt = LARS(param_groups(model.module, 1e-4), lr=0.1, momentum=0.9, trust_coefficient=0.02)
+    opt.grad_norm_source = state.grad_norms
+    _train(model, opt, 3)
+    with torch.no_grad():
+        for p_plain, p in zip(plain.parameters(), model.module.parameters()):
+            p_plain.copy_(p)
+    g = torch.Generator().manual_seed(1000 * 3 + rank)
+    x, y = torch.randn(16, 20, generator=g), torch.randint(0, 5, (16,), generator=g)
+    nn.functional.cross_entropy(plain(x), y).backward()
+    expected = torch.stack([p.grad.square().sum() for p in plain.parameters()])
+    dist.all_reduce(expected)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    params = list(model.module.parameters())
+    torch.testing.assert_close(state.grad_norms(params), (expected / world).sqrt(), rtol=1e-5, atol=1e-7)
+    sparse_norms = torch.stack([p.grad.norm() for p in params])
+    assert torch.all(sparse_norms < state.grad_norms(params))  # the sparse aggregate's are smaller
+    assert state.grad_norms([torch.zeros(1)]) is None  # a tensor the hook does not know
+    opt.step()
+    return True
+
+
+def test_layer_trust_norms(run_ranks):
+    assert all(run_ranks(_layer_trust_body, 2))
+
+
+def test_lars_grad_norm_source():
+    from flashsgd.optim.lars import LARS, param_groups
+
+    def run(source):
+        net = _net()
+        opt = LARS(param_groups(net, 1e-4), lr=0.5, momentum=0.9, trust_coefficient=0.02)
+        opt.grad_norm_source = source(net) if source else None
+        for s in range(3):
+            x = torch.randn(8, 20, generator=torch.Generator().manual_seed(s))
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+        return _params(net)
+
+    base = run(None)
+    own_norms = run(lambda net: lambda params: torch.stack([p.grad.norm() for p in params]))
+    unknown = run(lambda net: lambda params: None)
+    doubled = run(lambda net: lambda params: 2 * torch.stack([p.grad.norm() for p in params]))
+    torch.testing.assert_close(own_norms, base)
+    assert torch.equal(unknown, base)
+    assert not torch.allclose(doubled, base)  # the source sets the trust ratio

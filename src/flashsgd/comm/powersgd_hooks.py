@@ -79,7 +79,8 @@ class PowerSGDHookState:
             for name in _MEMORIES:
                 pieces = self.pending.setdefault(name, {})
                 for i, flat in getattr(self.powersgd, name).items():
-                    pieces.update(zip([pos for pos, _ in self.layouts[i]], self._cut(name, flat, self.layouts[i])))
+                    positions = [pos for pos, _ in self.layouts[i]]
+                    pieces.update(zip(positions, self._cut(name, flat, self.layouts[i])))
                 getattr(self.powersgd, name).clear()
             self.layouts = {}
         self.layouts[idx] = layout
@@ -95,7 +96,8 @@ class PowerSGDHookState:
         for _, shape in layout:
             n, m = shape[0] if shape else 1, math.prod(shape[1:]) if len(shape) > 1 else 1
             rank = min(n, m, self.powersgd.matrix_approximation_rank)
-            compressed = len(shape) > 1 and _should_compress(n, m, rank, self.powersgd.min_compression_rate)[0]
+            rate = self.powersgd.min_compression_rate
+            compressed = len(shape) > 1 and _should_compress(n, m, rank, rate)[0]
             numel = math.prod(shape)
             sizes.append({"error_dict": numel, "p_memory_dict": n * rank if compressed else 0,
                           "q_memory_dict": m * rank if compressed else 0}[name])
@@ -108,7 +110,8 @@ class PowerSGDHookState:
         return {"algorithm": "powersgd",
                 **{name: getattr(s, name) for name in _COUNTERS},
                 **{name: {k: v.clone() for k, v in getattr(s, name).items()} for name in _MEMORIES},
-                "layouts": {i: [[pos, list(shape)] for pos, shape in lay] for i, lay in self.layouts.items()},
+                "layouts": {i: [[pos, list(shape)] for pos, shape in lay]
+                            for i, lay in self.layouts.items()},
                 "pending": {name: {k: v.clone() for k, v in d.items()} for name, d in self.pending.items()},
                 "rng": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                         "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
@@ -124,7 +127,8 @@ class PowerSGDHookState:
             setattr(s, name, {int(k): v.clone() for k, v in state[name].items()})
         self.layouts = {int(i): tuple((int(pos), tuple(shape)) for pos, shape in lay)
                         for i, lay in state["layouts"].items()}
-        self.pending = {name: {int(k): v.clone() for k, v in d.items()} for name, d in state["pending"].items()}
+        self.pending = {name: {int(k): v.clone() for k, v in d.items()}
+                        for name, d in state["pending"].items()}
         r = state["rng"]
         s.rng.set_state((r["kind"], r["keys"].numpy().astype(np.uint32), r["pos"], r["has_gauss"],
                          r["cached_gaussian"]))
@@ -155,7 +159,8 @@ def make_powersgd(ddp_model: Any, matrix_approximation_rank: int = 1, start_iter
     """
     if isinstance(matrix_approximation_rank, bool) or not isinstance(matrix_approximation_rank, int) \
             or matrix_approximation_rank < 1:
-        raise ValueError(f"matrix_approximation_rank must be an integer >= 1, got {matrix_approximation_rank!r}")
+        raise ValueError(f"matrix_approximation_rank must be an integer >= 1, "
+                         f"got {matrix_approximation_rank!r}")
     if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 2:
         raise ValueError(f"start_iter must be an integer >= 2 (DDP rebuilds its buckets after the "
                          f"first iteration), got {start_iter!r}")

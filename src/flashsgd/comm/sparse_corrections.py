@@ -20,6 +20,9 @@ hooks of :mod:`flashsgd.comm.sparse_hooks`, per bucket and rank, before the sele
 3. :func:`mask_momentum_` - momentum-factor masking: ``u`` is zeroed where ``v`` was sent (DGC
    sec. 3.3), so that a sent coordinate's old velocity does not keep pushing it ("stale momentum").
 
+4. :func:`layer_norms` - for LARS (``layer_trust``): the norm of each parameter's gradient,
+   dense, so that the optimizer's trust ratio does not depend on how many entries were sent.
+
 Cost: clipping one norm and one scale (2 passes over the bucket), momentum 2 passes, masking a
 scatter of k entries.
 
@@ -34,8 +37,12 @@ Example::
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from flashsgd.comm.waits import wait_collective
 
 
 def check_momentum(momentum: float, nesterov: bool) -> tuple[float, bool]:
@@ -96,3 +103,18 @@ def accumulate_velocity_(residual: torch.Tensor, velocity: torch.Tensor, grad: t
 def mask_momentum_(velocity: torch.Tensor, sent: torch.Tensor) -> None:
     """Step 3: zero the velocity at the ``sent`` indices (int64, into the flat bucket)."""
     velocity.index_fill_(0, sent, 0)
+
+
+def layer_norms(buf: torch.Tensor, sizes: list[int], group: Any, timeout_s: float,
+                what: str) -> torch.Tensor:
+    """Per-parameter L2 norms of the world's gradient, estimated from every rank's local one:
+    ``sqrt(mean_r ||g_r||^2)`` per parameter slice of the flat bucket ``buf`` (one all-reduce
+    of ``len(sizes)`` floats). LARS's trust ratio divides by it instead of the norm of the sparse
+    aggregate, whose norm depends on how many entries of the layer were sent (docs/sparse_accuracy.md).
+    """
+    squares = torch.stack([piece.square().sum() for piece in buf.split(sizes)]) if sizes \
+        else buf.new_zeros(0)
+    squares.div_(dist.get_world_size(group))
+    if squares.numel():
+        wait_collective(dist.all_reduce(squares, group=group, async_op=True), group, timeout_s, what)
+    return squares.sqrt_()

@@ -53,7 +53,8 @@ Options (``register_hook(ddp, "topk" | "gtopk" | "hgtopk", ...)``): ``density`` 
 ``seed`` (0, for the sampled selection), ``momentum_correction`` (0.0: off; the momentum
 factor, e.g. 0.9), ``nesterov`` (False), ``momentum_masking`` (True; used with momentum
 correction), ``local_clip`` (None: off; the L2 norm each rank's bucket gradient is clipped to
-before accumulation), ``timeout_s`` (None: the default process group's timeout;
+before accumulation), ``layer_trust`` (False; per-parameter dense gradient norms for LARS,
+:meth:`SparseHookState.grad_norms`), ``timeout_s`` (None: the default process group's timeout;
 the deadline of every wait on a peer, dense warm-up included: a rank that stops makes the others
 raise :class:`~flashsgd.comm.errors.PeerTimeout` naming the peer they waited for).
 """
@@ -68,7 +69,7 @@ import torch.distributed as dist
 
 from flashsgd.comm.hook_common import completed_future, ddp_hook
 from flashsgd.comm.sparse_corrections import (accumulate_velocity_, check_local_clip, check_momentum,
-                                              clip_local_, mask_momentum_)
+                                              clip_local_, layer_norms, mask_momentum_)
 from flashsgd.comm.topology import check_timeout_s, default_timeout_s, get_topology
 from flashsgd.comm.waits import wait_collective
 from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, DensitySchedule, SelectionWorkspace,
@@ -106,9 +107,9 @@ class SparseHookState:
     __slots__ = (
         # hyper-parameters
         "algorithm", "schedule", "start_iter", "selection", "seed", "process_group", "timeout_s",
-        "momentum", "nesterov", "momentum_masking", "local_clip", "ranks_per_node",
+        "momentum", "nesterov", "momentum_masking", "local_clip", "layer_trust", "ranks_per_node",
         # internal state
-        "iter", "residuals", "velocities", "layouts", "pending", "pending_velocities",
+        "iter", "residuals", "velocities", "layer_norms", "layouts", "pending", "pending_velocities",
         "param_positions", "generator", "workspace", "checked", "reuse", "topology",
         # stats
         "bytes_sent", "sparse_buckets", "dense_buckets", "last_density", "residual_remaps",
@@ -119,7 +120,8 @@ class SparseHookState:
                  param_positions: dict[int, int] | None = None,
                  timeout_s: float | None = None, momentum_correction: float = 0.0,
                  nesterov: bool = False, momentum_masking: bool = True,
-                 local_clip: float | None = None, ranks_per_node: int | None = None,
+                 local_clip: float | None = None, layer_trust: bool = False,
+                 ranks_per_node: int | None = None,
                  threshold_tolerance: float = 0.25, threshold_every: int = 8) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -137,6 +139,10 @@ class SparseHookState:
         if not isinstance(momentum_masking, bool):
             raise ValueError(f"momentum_masking must be True or False, got {momentum_masking!r}")
         self.momentum_masking, self.local_clip = momentum_masking, check_local_clip(local_clip)
+        if not isinstance(layer_trust, bool):
+            raise ValueError(f"layer_trust must be True or False, got {layer_trust!r}")
+        self.layer_trust = layer_trust
+        self.layer_norms: dict[int, torch.Tensor] = {}  # parameter position -> dense gradient norm
         self.param_positions = param_positions
         self.ranks_per_node = ranks_per_node
         self.reuse = ThresholdReuse(threshold_tolerance, threshold_every)
@@ -155,6 +161,21 @@ class SparseHookState:
         self.dense_buckets = 0
         self.last_density = 1.0
         self.residual_remaps = 0
+
+    def grad_norms(self, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """(len(params),) dense gradient norms of ``params`` from this step (``layer_trust``), for
+        :class:`flashsgd.optim.lars.LARS`'s ``grad_norm_source``; None when one is unknown."""
+        pos = self.param_positions or {}
+        norms = [self.layer_norms.get(pos.get(id(p), -1)) for p in params]
+        return None if any(n is None for n in norms) else torch.stack(norms)
+
+    def record_layer_norms(self, bucket: dist.GradBucket, buf: torch.Tensor) -> None:
+        """Step 1b (``layer_trust``): the dense norm of each parameter's gradient in this bucket."""
+        layout = self.layout(bucket)
+        timeout_s = default_timeout_s() if self.timeout_s is None else self.timeout_s
+        norms = layer_norms(buf, [size for _, size in layout], self.process_group, timeout_s,
+                            f"{self.algorithm} hook, layer norms of bucket {bucket.index()}")
+        self.layer_norms.update((pos, norm) for (pos, _), norm in zip(layout, norms) if pos is not None)
 
     @property
     def owns_momentum(self) -> bool:
@@ -204,7 +225,8 @@ class SparseHookState:
         return {"hyper": (self.algorithm, self.schedule, self.start_iter, self.selection, self.seed,
                           self.timeout_s),
                 "corrections": {"momentum_correction": self.momentum, "nesterov": self.nesterov,
-                                "momentum_masking": self.momentum_masking, "local_clip": self.local_clip},
+                                "momentum_masking": self.momentum_masking, "local_clip": self.local_clip,
+                                "layer_trust": self.layer_trust},
                 "exchange": {"ranks_per_node": self.ranks_per_node,
                              "threshold_tolerance": self.reuse.tolerance,
                              "threshold_every": self.reuse.every},
@@ -321,8 +343,10 @@ def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.future
                            "state.bind(ddp_model) before ddp_model.register_comm_hook(state, sparse_hook)")
     buf = bucket.buffer()
     world, n = _world(state), buf.numel()
+    clip_local_(buf, state.local_clip)  # Step 1: local clipping
+    if state.layer_trust:
+        state.record_layer_norms(bucket, buf)
     if state.iter < state.start_iter:
-        clip_local_(buf, state.local_clip)
         if state.owns_momentum:  # dense momentum SGD: the bucket becomes this rank's velocity
             _dense_momentum(state, bucket, buf)
         buf.div_(world)
@@ -357,7 +381,6 @@ def _accumulate(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tens
     """Step 1: (acc, velocity or None): the residual plus the (clipped) gradient, or plus the
     velocity with momentum correction (the residual tensor is reused as acc's storage)."""
     acc = state.residual(bucket)
-    clip_local_(buf, state.local_clip)
     if not state.owns_momentum:
         return acc.add_(buf), None
     velocity = state.velocity(bucket)
@@ -423,8 +446,8 @@ def sparse_factory(algorithm: str) -> Callable:
              start_iter: int = 2, selection: str = "exact", seed: int = 0,
              timeout_s: float | None = None, momentum_correction: float = 0.0,
              nesterov: bool = False, momentum_masking: bool = True,
-             local_clip: float | None = None, ranks_per_node: int | None = None,
-             threshold_tolerance: float = 0.25, threshold_every: int = 8
+             local_clip: float | None = None, layer_trust: bool = False,
+             ranks_per_node: int | None = None, threshold_tolerance: float = 0.25, threshold_every: int = 8
              ) -> tuple[SparseHookState, Callable]:
         schedule = DensitySchedule(density, density_warmup, density_warmup_steps, density_warmup_mode)
         if ranks_per_node is not None:  # checked before any process group is built
@@ -439,7 +462,7 @@ def sparse_factory(algorithm: str) -> Callable:
         state = SparseHookState(algorithm, schedule, start_iter, selection, seed, timeout_s=timeout_s,
                                 momentum_correction=momentum_correction, nesterov=nesterov,
                                 momentum_masking=momentum_masking,
-                                local_clip=local_clip, ranks_per_node=ranks_per_node,
+                                local_clip=local_clip, layer_trust=layer_trust, ranks_per_node=ranks_per_node,
                                 threshold_tolerance=threshold_tolerance,
                                 threshold_every=threshold_every).bind(ddp_model)
         return state, sparse_hook

@@ -30,6 +30,10 @@ Algorithm of one :meth:`LARS.step` (the "# Step N" comments in the body):
 1. Gather the parameters with a gradient, their gradients and momentum buffers, group by group.
 2. Compute every ``||w||`` and ``||g||`` with two batched ``torch._foreach_norm`` calls over all
    tensors (Fujitsu's batched norms) instead of two norm calls per tensor in a Python loop.
+   With ``grad_norm_source`` set, ``||g||`` comes from it instead: a sparsified exchange
+   (``topk``/``gtopk`` with ``layer_trust``) hands the optimizer a mostly-zero gradient whose norm
+   depends on how many of a layer's entries were sent, so the trust ratio is taken from the
+   dense gradient's norm (:meth:`flashsgd.comm.sparse_hooks.SparseHookState.grad_norms`).
 3. Compute all trust ratios at once on a stacked (n,) vector, zero-norm guards included.
 4. Update the momentum buffers and the weights with ``torch._foreach_*`` ops, per group.
 
@@ -96,6 +100,10 @@ class LARS(torch.optim.Optimizer):
 
     The momentum buffer lives in ``state[p]["momentum_buffer"]`` in LR-free units (see the module
     docstring); ``state_dict()``/``load_state_dict()`` are torch's and round-trip exactly.
+
+    Attribute ``grad_norm_source`` (None): a callable ``(params) -> (len(params),) tensor or None``
+    giving the ``||g||`` of the trust ratio per adapted tensor (Step 2); None or a None result:
+    the norms of the gradients themselves.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 0.1, momentum: float = 0.9,
@@ -106,6 +114,7 @@ class LARS(torch.optim.Optimizer):
                         trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
                         clip=clip, lars=True)
         super().__init__(params, defaults)
+        self.grad_norm_source = None
         for group in self.param_groups:
             _check_hparams(group["lr"], group["momentum"], group["weight_decay"],
                            group["trust_coefficient"], group["eps"], group["nesterov"])
@@ -124,7 +133,8 @@ class LARS(torch.optim.Optimizer):
         adapt_g = [q for g, _, gs, _ in groups if g["lars"] for q in gs]
         if adapt_w:
             w_norm = torch.stack(torch._foreach_norm(adapt_w))  # (n,)
-            g_norm = torch.stack(torch._foreach_norm(adapt_g))  # (n,)
+            dense = self.grad_norm_source(adapt_w) if self.grad_norm_source is not None else None
+            g_norm = torch.stack(torch._foreach_norm(adapt_g)) if dense is None else dense  # (n,)
         offset = 0
         for group, params, grads, bufs in groups:
             if group["lars"]:
