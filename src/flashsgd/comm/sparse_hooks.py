@@ -450,9 +450,9 @@ def sparse_factory(algorithm: str) -> Callable:
              ranks_per_node: int | None = None, threshold_tolerance: float = 0.25, threshold_every: int = 8
              ) -> tuple[SparseHookState, Callable]:
         schedule = DensitySchedule(density, density_warmup, density_warmup_steps, density_warmup_mode)
-        if ranks_per_node is not None:  # checked before any process group is built
-            if algorithm != "hgtopk":
-                raise ValueError(f"hook {algorithm!r}: ranks_per_node applies to 'hgtopk' only")
+        if algorithm != "hgtopk":  # the node layout describes the cluster; only hgtopk uses it
+            ranks_per_node = None
+        elif ranks_per_node is not None:  # checked before any process group is built
             check_node_layout(ranks_per_node, dist.get_world_size(getattr(ddp_model, "process_group", None)))
         module = getattr(ddp_model, "module", ddp_model)
         for name, p in module.named_parameters():
