@@ -100,8 +100,6 @@ def test_node_layout_checked_before_groups():
     for bad in (4, 0, -2, 2.0, True):
         with pytest.raises(ValueError, match=r"ranks_per_node must divide the world size 6; .*valid: 1, 2, 3, 6"):
             check_node_layout(bad, 6)
-    with pytest.raises(ValueError, match="applies to 'hgtopk' only"):
-        register_hook(nn.Linear(2, 2), "gtopk", ranks_per_node=2)
     with pytest.raises(ValueError, match="threshold tolerance"):
         register_hook(nn.Linear(2, 2), "gtopk", threshold_tolerance=-1)
     assert "hgtopk" in HOOKS
