@@ -41,6 +41,7 @@ Example::
 from __future__ import annotations
 
 import math
+import time
 from typing import NamedTuple
 
 import torch
@@ -328,7 +329,7 @@ def _fold_in(values: torch.Tensor, indices: torch.Tensor, k: int, guest: int,
 
 def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int,
                     group: ProcessGroup | None = None, check: bool = True, *,
-                    timeout_s: float | None = None) -> GTopk:
+                    timeout_s: float | None = None, timings: dict | None = None) -> GTopk:
     """Global Top-k of the sum over ranks by a butterfly of pairwise merges (gTop-k, Shi et al. 2019).
 
     Algorithm (P ranks, P2 = largest power of two <= P, E = P - P2 extra ranks):
@@ -357,6 +358,8 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
         group: process group (None: the default group).
         check: verify equal k and numel on all ranks first (one tiny all-gather).
         timeout_s: deadline of each wait on a peer, seconds (``None``: the group's default).
+        timings: if given, seconds spent are added to ``timings["exchange"]`` (the butterfly's
+            sends and waits) and ``timings["merge"]`` (merges and counted-index tracking).
 
     Returns:
         :class:`GTopk` ``(values, indices, counted)``: the k summed values and their indices,
@@ -379,7 +382,6 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
         check_sizes(k, numel, values.numel(), group, "gtopk_allreduce", timeout_s)
     if world == 1:
         return GTopk(values, indices, indices)
-    dtype = values.dtype
     p2 = 1 << (world.bit_length() - 1)
     mine = indices  # my local indices still counted
     if rank >= p2:  # Steps 1 and 3 as an extra rank
@@ -389,21 +391,39 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
         guest_all, values, indices = _fold_in(values, indices, k, rank + p2, group, timeout_s)
         mine, guest = _counted(mine, indices), _counted(guest_all, indices)
     # Step 2: butterfly
-    recv = torch.empty(_message_len(k, dtype), dtype=torch.int64)
-    for i in range(p2.bit_length() - 1):
-        _swap(_pack(values, indices), recv, rank ^ (1 << i), group, timeout_s,
-              f"gtopk all-reduce, butterfly round {i}")
-        ov, oi = _unpack(recv, k, dtype)
-        values, indices = merge_topk(values, indices, ov, oi, k)
-        mine = _counted(mine, indices)
-        if guest is not None:
-            guest = _counted(guest, indices)
+    values, indices, mine, guest = _butterfly(values, indices, mine, guest, k, p2, group, timeout_s,
+                                              timings)
     # Step 3: fold out
     if guest is not None:
         mask = torch.isin(guest_all, guest).to(torch.uint8)  # (k,) 1 = that local value counted
         _swap(_pack(values, indices, mask), None, rank + p2, group, timeout_s,
               "gtopk all-reduce, fold-out")
     return GTopk(values, indices, mine)
+
+
+def _butterfly(values, indices, mine, guest, k: int, p2: int, group, timeout_s: float,
+               timings: dict | None):
+    """gTop-k Step 2 on rank r < P2: log2(P2) swaps with r XOR 2^i, each followed by a merge;
+    ``mine`` / ``guest`` (counted local indices) shrink to what survives every merge."""
+    rank = dist.get_rank(group)
+    recv = torch.empty(_message_len(k, values.dtype), dtype=torch.int64)
+    clock = {"exchange": 0.0, "merge": 0.0}
+    for i in range(p2.bit_length() - 1):
+        t0 = time.perf_counter()
+        _swap(_pack(values, indices), recv, rank ^ (1 << i), group, timeout_s,
+              f"gtopk all-reduce, butterfly round {i}")
+        t1 = time.perf_counter()
+        ov, oi = _unpack(recv, k, values.dtype)
+        values, indices = merge_topk(values, indices, ov, oi, k)
+        mine = _counted(mine, indices)
+        if guest is not None:
+            guest = _counted(guest, indices)
+        clock["exchange"] += t1 - t0
+        clock["merge"] += time.perf_counter() - t1
+    if timings is not None:
+        for key, seconds in clock.items():
+            timings[key] = timings.get(key, 0.0) + seconds
+    return values, indices, mine, guest
 
 
 def gtopk_bytes_sent(k: int, world: int, rank: int, dtype: torch.dtype = torch.float32) -> int:

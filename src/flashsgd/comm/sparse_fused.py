@@ -34,7 +34,7 @@ import torch
 from flashsgd.comm.sparse_select import (SELECTION_BLOCK, ThresholdReuse, _check_selection,
                                          block_maxima, topk_threshold)
 
-__all__ = ["compress_", "ThresholdReuse", "compiled_available"]
+__all__ = ["add_block_maxima_", "compress_", "ThresholdReuse", "compiled_available"]
 
 _COMPILED: dict = {}  # "fn": compiled add+maxima (None after a failure); "ran": it succeeded once
 
@@ -88,8 +88,20 @@ def compress_(residual: torch.Tensor, grad: torch.Tensor, k: int, *,
     if grad.shape != residual.shape or grad.dtype != residual.dtype:
         raise ValueError(f"grad must match residual: got {tuple(grad.shape)} {grad.dtype}, "
                          f"residual {tuple(residual.shape)} {residual.dtype}")
+    if 2 * k * block > residual.numel():  # topk_threshold will not use block maxima
+        residual.add_(grad)
+        return topk_threshold(residual, k, reuse=reuse, key=key, block=block)
+    bmax = add_block_maxima_(residual, grad, block, compiled)
+    return topk_threshold(residual, k, reuse=reuse, key=key, block=block, bmax=bmax)
+
+
+def add_block_maxima_(residual: torch.Tensor, grad: torch.Tensor, block: int = SELECTION_BLOCK,
+                      compiled: bool = False) -> torch.Tensor:
+    """Steps 1-2 of the module docstring: ``residual += grad`` in place, then the block maxima of
+    the sum (:func:`~flashsgd.comm.sparse_select.block_maxima`); one fused pass with
+    ``compiled=True`` (falls back to the eager passes, with a warning, if compiling fails)."""
     bmax = None
-    fn = _compiled_fn() if compiled and 2 * k * block <= residual.numel() else None
+    fn = _compiled_fn() if compiled else None
     if fn is not None:
         # compiling happens in the first call: keep a copy until one call has succeeded, so a
         # failure there cannot leave a half-done update
@@ -105,5 +117,5 @@ def compress_(residual: torch.Tensor, grad: torch.Tensor, k: int, *,
                 residual.copy_(before)
             bmax = None
     if bmax is None:
-        residual.add_(grad)
-    return topk_threshold(residual, k, reuse=reuse, key=key, block=block, bmax=bmax)
+        bmax = _add_block_maxima_(residual, grad, block)
+    return bmax

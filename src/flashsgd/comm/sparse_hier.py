@@ -76,7 +76,7 @@ def _unpack_broadcast(msg: torch.Tensor, k: int, dtype: torch.dtype) -> GTopk:
 
 def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torch.Tensor,
                      select: Select = topk_exact, check: bool = True,
-                     timeout_s: float | None = None) -> GTopk:
+                     timeout_s: float | None = None, timings: dict | None = None) -> GTopk:
     """Hierarchical gTop-k of the sum of every rank's ``acc``: node reduce, leaders' gTop-k, broadcast.
 
     Steps 1-4 of the module docstring; step 5 (the residual) is the caller's:
@@ -91,6 +91,7 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
         select: ``select(x, k) -> (values, int64 indices)``, the leader's local selection.
         check: verify equal k and numel across the leaders first (one tiny exchange).
         timeout_s: deadline of each wait on a peer (``None``: the topology's).
+        timings: passed to :func:`~flashsgd.comm.sparse.gtopk_allreduce` (leaders' merge time).
 
     Returns:
         :class:`~flashsgd.comm.sparse.GTopk`: the global values and indices (identical on every
@@ -125,7 +126,7 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
         # Step 3: gTop-k among the leaders (a single node: its own selection is the result)
         if topology.num_nodes > 1:
             res = gtopk_allreduce(values, indices, k, n, topology.cross_group, check=check,
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, timings=timings)
         else:
             res = GTopk(values, indices, indices)
         msg = _broadcast_msg(res, k)

@@ -268,7 +268,7 @@ class ThresholdReuse:
         every: re-estimate after this many uses of one threshold, >= 1.
     """
 
-    __slots__ = ("tolerance", "every", "thresholds", "ages", "estimates", "reuses")
+    __slots__ = ("tolerance", "every", "thresholds", "ages", "estimates", "reuses", "workspace")
 
     def __init__(self, tolerance: float = 0.25, every: int = 8) -> None:
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
@@ -281,6 +281,7 @@ class ThresholdReuse:
         self.ages: dict = {}        # key -> uses since the last estimate
         self.estimates = 0          # stats: thresholds estimated / reused
         self.reuses = 0
+        self.workspace = SelectionWorkspace()  # buffers of the dense-candidates case (not saved)
 
     def state_dict(self) -> dict:
         """Thresholds, their ages and the counters (plain Python values)."""
@@ -304,10 +305,17 @@ def block_maxima(x: torch.Tensor, block: int = SELECTION_BLOCK) -> torch.Tensor:
     return torch.cat([bmax, x[nb * block:].abs()])
 
 
-def _candidates(x: torch.Tensor, bmax: torch.Tensor, t: torch.Tensor, block: int) -> torch.Tensor:
-    """Ascending positions p with |x[p]| >= t, reading only the blocks whose maximum is >= t."""
+def _candidates(x: torch.Tensor, bmax: torch.Tensor, t: torch.Tensor, block: int,
+                workspace: SelectionWorkspace) -> torch.Tensor:
+    """Ascending positions p with |x[p]| >= t, reading only the blocks whose maximum is >= t
+    (or all of x, |x| then a compare, when those blocks hold more than a quarter of it)."""
     nb = x.numel() // block
     hits = (bmax >= t).nonzero().squeeze(1)
+    if hits.numel() * block > x.numel() // 4:  # gathering the blocks would cost more than a pass
+        mag, mask, words = workspace.buffers(x)
+        torch.abs(x, out=mag)
+        torch.ge(mag, t, out=mask[:x.numel()])
+        return _nonzero_sparse(mask, words)
     blocks, tail = hits[hits < nb], hits[hits >= nb]  # tail entries are their own "blocks"
     rows = x[:nb * block].view(nb, block).index_select(0, blocks)       # (blocks, block)
     r, c = (rows.abs() >= t).nonzero().unbind(1)                        # row-major: ascending
@@ -315,7 +323,8 @@ def _candidates(x: torch.Tensor, bmax: torch.Tensor, t: torch.Tensor, block: int
 
 
 def _kth_magnitude(mag: torch.Tensor, k: int) -> torch.Tensor:
-    return torch.topk(mag, k, sorted=False).values.min()
+    """The k-th largest entry of ``mag`` (quickselect, O(n); torch.topk is slow for k ~ n)."""
+    return torch.kthvalue(mag, mag.numel() - k + 1).values
 
 
 def _trim(x: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
@@ -340,7 +349,8 @@ def topk_threshold(x: torch.Tensor, k: int, *, reuse: ThresholdReuse | None = No
            two read-only reductions, ~0.7 of one ``torch.add`` pass over x).
         2. Threshold t: the one kept in ``reuse[key]`` if any and fresh; else the k-th largest
            b_j, which always admits >= k entries (the top k blocks each hold one entry >= it).
-        3. Candidates |x_p| >= t, read only inside blocks with b_j >= t (O(k block) entries).
+        3. Candidates |x_p| >= t, read only inside blocks with b_j >= t (O(k block) entries; when
+           those blocks hold over a quarter of x, one |x| and compare pass instead).
            A kept t whose count leaves ``[k, (1 + tolerance) k]`` is replaced by step 2's estimate
            and step 3 repeats (on the block maxima; no further pass over x).
         4. Trim to exactly k: everything above the k-th candidate magnitude, then the lowest
@@ -383,18 +393,19 @@ def topk_threshold(x: torch.Tensor, k: int, *, reuse: ThresholdReuse | None = No
         bmax = block_maxima(x, block)
     # Step 2: a kept threshold, if fresh
     tol = reuse.tolerance if reuse is not None else 0.0
+    workspace = reuse.workspace if reuse is not None else SelectionWorkspace()
     kept = reuse.thresholds.get(key) if reuse is not None else None
     pos = None
     if kept is not None and reuse.ages.get(key, 0) < reuse.every:
         # Step 3 with the kept threshold
-        pos = _candidates(x, bmax, torch.tensor(kept, dtype=x.dtype), block)
+        pos = _candidates(x, bmax, torch.tensor(kept, dtype=x.dtype), block, workspace)
         if not k <= pos.numel() <= (1 + tol) * k:
             pos = None
         else:
             reuse.ages[key] += 1
             reuse.reuses += 1
     if pos is None:  # Steps 2-3 with an estimate
-        pos = _candidates(x, bmax, _kth_magnitude(bmax, k), block)
+        pos = _candidates(x, bmax, _kth_magnitude(bmax, k), block, workspace)
         if reuse is not None:
             reuse.estimates += 1
             reuse.ages[key] = 0

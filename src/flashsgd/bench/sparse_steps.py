@@ -1,0 +1,193 @@
+"""The timed sparse steps of `flashsgd bench sparse`, their time split, wire time and memory floor.
+
+One step is what the sparse DDP hook (:mod:`flashsgd.comm.sparse_hooks`) does for one bucket,
+with the phases clocked separately (rank-local clocks, no extra synchronization):
+
+- ``accum``: ``residual += grad`` in place; with the ``threshold`` selector also the block maxima
+  (:func:`~flashsgd.comm.sparse_fused.add_block_maxima_`, fused by ``torch.compile`` in the
+  ``compiled`` variant);
+- ``select``: the rest of the selection (threshold, candidates, trim to k);
+- ``exchange``: the communication: topk's all-gather with its scatter-add into a zeroed buffer;
+  gTop-k's sends and waits; hgtopk's node reduce and broadcast (with the copy into the output
+  and the scatter of the result) and the leaders' gTop-k sends;
+- ``merge``: gTop-k's pairwise merges and counted-index tracking;
+- ``scatter``: the dense average written into the bucket and the residual's counted entries
+  zeroed.
+
+Wire time (:func:`wire_bytes_per_node`): the bytes through the busiest node link divided by the
+link rate, the least time the network alone needs. Floor (:data:`FLOOR_PASSES`): the memory passes
+a design cannot avoid, in units of one ``torch.add`` over the gradient (read 8m, write 4m bytes)
+measured in the same run with every rank adding at once, so ranks sharing a core are included.
+
+Example::
+
+    >>> step = make_step("gtopk", grad, k, SparseStepOptions(selector="threshold"))
+    >>> step()            # one bucket's step; step.splits holds the phase times of each call
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, _message_len, gtopk_allreduce,
+                                  gtopk_bytes_sent, message_bytes, topk_allgather)
+from flashsgd.comm.sparse_fused import add_block_maxima_
+from flashsgd.comm.sparse_hier import hgtopk_allreduce
+from flashsgd.comm.sparse_select import SELECTION_BLOCK, ThresholdReuse, topk_threshold
+from flashsgd.comm.topology import Topology
+
+PHASES = ("accum", "select", "exchange", "merge", "scatter")
+
+FLOOR_PASSES = {
+    # 1 (residual += grad) + 2/3 (block maxima: read 4m) + 1/3 (zero fill of the bucket: write 4m)
+    ("gtopk", False): 2.0,
+    # the add and the maxima fused into one pass (read 8m, write 4m) + the zero fill
+    ("gtopk", True): 4 / 3,
+    # as gtopk, plus the division of the dense sum by P (read 4m, write 4m) = 2/3
+    ("topk", False): 8 / 3,
+    ("topk", True): 2.0,
+    # per rank: add (1) + copy of acc into the bucket (2/3) + zero fill (1/3); the leader adds the
+    # reduce's sum (1 per other rank of the node, counted once) and the block maxima (2/3)
+    ("hgtopk", False): 11 / 3,
+    ("hgtopk", True): 3.0,
+}
+"""Memory passes (units of one torch.add over the gradient) each step cannot avoid; key
+(algorithm, fused with torch.compile)."""
+
+
+@dataclass(frozen=True)
+class SparseStepOptions:
+    """How the step selects and where it runs."""
+
+    selector: str = "threshold"
+    """A name in SELECTIONS."""
+    compiled: bool = False
+    """Fuse the add and the block maxima with torch.compile (``threshold`` selector only)."""
+    topology: Topology | None = None
+    """hgtopk's node layout (required for hgtopk)."""
+
+
+class SparseStep:
+    """A callable running one bucket's sparse step; ``splits`` lists each call's phase seconds."""
+
+    __slots__ = ("algorithm", "grad", "k", "options", "residual", "out", "reuse", "workspace",
+                 "splits")
+
+    def __init__(self, algorithm: str, grad: torch.Tensor, k: int, options: SparseStepOptions) -> None:
+        if algorithm == "hgtopk" and options.topology is None:
+            raise ValueError("hgtopk needs options.topology (ranks per node)")
+        self.algorithm, self.grad, self.k, self.options = algorithm, grad, k, options
+        self.residual = torch.zeros_like(grad)
+        self.out = torch.empty_like(grad)
+        self.reuse = ThresholdReuse()
+        self.workspace = SelectionWorkspace()
+        self.splits: list[dict[str, float]] = []
+
+    def _select(self, x: torch.Tensor, bmax: torch.Tensor | None = None):
+        if self.options.selector == "threshold":
+            return topk_threshold(x, self.k, reuse=self.reuse, bmax=bmax)
+        if self.options.selector == "sampled":
+            return SELECTIONS["sampled"](x, self.k, workspace=self.workspace)
+        return SELECTIONS[self.options.selector](x, self.k)
+
+    def _accumulate(self) -> torch.Tensor | None:
+        """residual += grad (with the block maxima when they will be used)."""
+        uses_maxima = (self.options.selector == "threshold"
+                       and 2 * self.k * SELECTION_BLOCK <= self.grad.numel())
+        if uses_maxima and self.algorithm != "hgtopk":
+            return add_block_maxima_(self.residual, self.grad, compiled=self.options.compiled)
+        self.residual.add_(self.grad)
+        return None
+
+    def __call__(self) -> None:
+        world, m = dist.get_world_size(), self.grad.numel()
+        tm: dict[str, float] = {"merge": 0.0}
+        t0 = time.perf_counter()
+        bmax = self._accumulate()
+        t1 = time.perf_counter()
+        if self.algorithm == "hgtopk":
+            sel = {"s": 0.0}
+
+            def timed_select(x, k):
+                s0 = time.perf_counter()
+                picked = self._select(x)
+                sel["s"] += time.perf_counter() - s0
+                return picked
+
+            res = hgtopk_allreduce(self.residual, self.k, self.options.topology, out=self.out,
+                                   select=timed_select, check=False, timings=tm)
+            t3 = time.perf_counter()
+            t2 = t1 + sel["s"]
+            self.out.div_(world)
+            counted = res.counted
+        else:
+            values, indices = self._select(self.residual, bmax)
+            t2 = time.perf_counter()
+            if self.algorithm == "topk":
+                topk_allgather(values, indices, m, check=False, out=self.out)
+                t3 = time.perf_counter()
+                self.out.div_(world)
+                counted = indices
+            else:
+                res = gtopk_allreduce(values, indices, self.k, m, check=False, timings=tm)
+                t3 = time.perf_counter()
+                self.out.zero_()
+                self.out[res.indices] = res.values.div(world)
+                counted = res.counted
+        self.residual.index_fill_(0, counted, 0)
+        t4 = time.perf_counter()
+        self.splits.append({"accum": t1 - t0, "select": t2 - t1,
+                            "exchange": t3 - t2 - tm["merge"], "merge": tm["merge"],
+                            "scatter": t4 - t3})
+
+
+def make_step(algorithm: str, grad: torch.Tensor, k: int, options: SparseStepOptions) -> SparseStep:
+    """A :class:`SparseStep` for ``algorithm`` in ``("topk", "gtopk", "hgtopk")``."""
+    if algorithm not in ("topk", "gtopk", "hgtopk"):
+        raise ValueError(f"algorithm must be one of topk, gtopk, hgtopk, got {algorithm!r}")
+    return SparseStep(algorithm, grad, k, options)
+
+
+# --------------------------------------------------------------------------------- wire ---------
+
+def _gtopk_cross_bytes(k: int, world: int, rpn: int) -> list[int]:
+    """Per node: bytes flat gTop-k over ``world`` ranks (node-major, rpn per node) sends to
+    other nodes (butterfly partners r XOR 2^i, fold-in r -> r - P2, fold-out r -> r + P2)."""
+    p2 = 1 << (world.bit_length() - 1)
+    msg = message_bytes(k)
+    out = [0] * (world // rpn)
+    for r in range(world):
+        sends = []
+        if r >= p2:
+            sends.append((r - p2, msg))
+        else:
+            sends += [(r ^ (1 << i), msg) for i in range(p2.bit_length() - 1)]
+            if r + p2 < world:
+                sends.append((r + p2, 8 * _message_len(k, torch.float32, k)))
+        out[r // rpn] += sum(b for peer, b in sends if peer // rpn != r // rpn)
+    return out
+
+
+def wire_bytes_per_node(algorithm: str, k: int, numel: int, world: int, rpn: int) -> float:
+    """Bytes through the busiest node's link (one direction) for one step of ``algorithm``.
+
+    dense: 2(N-1)/N * 4m (the bound of any all-reduce); topk: each rank's message to the P - R
+    ranks of other nodes, R ranks per node; gtopk: the cross-node sends of the butterfly;
+    hgtopk: the node leader's gTop-k among the N leaders. N = world / rpn nodes.
+    """
+    nodes = world // rpn
+    if nodes <= 1:
+        return 0.0
+    if algorithm == "dense":
+        return 2 * (nodes - 1) / nodes * 4 * numel
+    if algorithm == "topk":
+        return rpn * (world - rpn) * message_bytes(k)
+    if algorithm == "gtopk":
+        return float(max(_gtopk_cross_bytes(k, world, rpn)))
+    if algorithm == "hgtopk":
+        return float(max(gtopk_bytes_sent(k, nodes, n) for n in range(nodes)))
+    raise ValueError(f"unknown algorithm {algorithm!r}")

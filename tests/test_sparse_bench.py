@@ -1,0 +1,62 @@
+"""`flashsgd bench sparse` (flashsgd.bench.sparse, flashsgd.bench.sparse_steps): rows, phases,
+wire bytes, and option errors."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from flashsgd.bench.sparse import SparseBenchConfig, add_arguments, config_from_args, measure
+from flashsgd.bench.sparse_steps import wire_bytes_per_node
+from flashsgd.comm.sparse import message_bytes
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_wire_bytes_per_node():
+    k, m = 1000, 10**6
+    msg = message_bytes(k)
+    assert wire_bytes_per_node("gtopk", k, m, 8, 1) == 3 * msg        # 3 butterfly rounds
+    assert wire_bytes_per_node("topk", k, m, 8, 1) == 7 * msg         # P - 1 messages
+    assert wire_bytes_per_node("gtopk", k, m, 8, 2) == 2 * 2 * msg    # rounds 1, 2 leave the node, x2 ranks
+    assert wire_bytes_per_node("hgtopk", k, m, 8, 2) == 2 * msg       # leaders only, 2 rounds
+    assert wire_bytes_per_node("dense", k, m, 8, 2) == 2 * 3 / 4 * 4 * m
+    assert wire_bytes_per_node("gtopk", k, m, 4, 4) == 0.0            # one node: no link
+
+
+def test_options_errors():
+    for argv, word in ((["--densities", "0"], "--densities"), (["--algorithms", "gtopk,x"], "unknown"),
+                       (["--world", "6", "--ranks-per-node", "4"], "ranks_per_node must divide"),
+                       (["--link", "fast"], "link rate"),
+                       (["--fuse", "compiled", "--selector", "exact"], "--selector threshold")):
+        with pytest.raises(ValueError, match=word):
+            config_from_args(_args(*argv))
+    cfg, world = config_from_args(_args("--world", "4", "--algorithms", "hgtopk", "--fuse", "both",
+                                        "--link", "1gbit", "--ranks-per-node", "2"))
+    assert (cfg.fuse, cfg.link_bps, cfg.ranks_per_node, world) == ([False, True], 10**9, 2, 4)
+
+
+def _bench_body():
+    torch.manual_seed(0)
+    cfg = SparseBenchConfig(numel=20_000, densities=[0.01], algorithms=["topk", "gtopk", "hgtopk"],
+                            link_bps=10**9, ranks_per_node=2, iters=2, warmup=1, verbose=False)
+    return measure(cfg)
+
+
+def test_measure_rows(run_ranks):
+    rows = run_ranks(_bench_body, 4)[0]
+    names = [r["algorithm"] for r in rows]
+    assert names == ["add (1 pass)", "dense", "topk", "gtopk", "hgtopk"]
+    for row in rows[2:]:
+        for key in ("accum_ms", "select_ms", "exchange_ms", "merge_ms", "scatter_ms", "passes",
+                    "wire_ms", "floor_ms", "ratio_to_dense", "e2e_ms"):
+            assert row[key] is not None and row[key] >= 0, (row["algorithm"], key)
+        assert row["k"] == 200
+    # gtopk on 2 nodes x 2: round 0 stays in the node, round 1 crosses it from both ranks
+    assert rows[3]["wire_ms"] == pytest.approx(2 * message_bytes(200) * 8 / 1e9 * 1e3)
