@@ -150,12 +150,13 @@ def plot(doc: dict, path: str | Path) -> None:
     ax.set_ylabel("scaling efficiency vs noop at same N (%)")
     ax.set_ylim(0, max([110.0] + [100 * r["efficiency"] + 5 for r in rows]))
     m = doc["meta"]
-    ax.set_title(f"{m['model']}, link {m['link_bps'] / 1e6:.3g} Mbit/s"
-                 + (" at the largest N, x CPU share below" if m.get("link_follows_cpu") else "")
-                 + (f" (dense comm = {m['comm_compute']:g}x compute)" if m["comm_compute"] else "")
-                 + "; dashed: simulator", fontsize=9)
+    link = f"link {m['link_bps'] / 1e6:.3g} Mbit/s" + (" at the largest N, x its CPU share below"
+                                                       if m.get("link_follows_cpu") else "")
+    ratio = f" (dense comm = {m['comm_compute']:g}x compute)" if m["comm_compute"] else ""
+    ax.set_title(f"{m['model']}, {m['batch']}/rank, {link}{ratio}\nsolid: measured; dashed: simulator "
+                 "(fitted on the calibration shapes)", fontsize=8)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, ncol=3, loc="lower left")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
