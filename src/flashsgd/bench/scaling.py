@@ -14,7 +14,8 @@ Algorithm (:func:`run`):
 2. Node counts from the largest down. Link rate: ``--link RATE``, or with ``--comm-compute R`` the
    rate at which a dense ring all-reduce of the gradient (2(W-1)/W x S bytes on each node's link)
    takes R times the noop step at the largest node count, measured first on a fast link
-   (:func:`choose_rate`; the noop row is kept). The chosen rate is printed.
+   (:func:`noop_probe`, :func:`choose_rate`); with ``--link-follows-cpu`` every other node count
+   gets that rate x noop(largest) / noop(N), each from its own probe. The chosen rates are printed.
 3. Per node count: build the cluster; hooks whose dense all-reduce would outlast the collective
    timeout at this rate are skipped with the reason; the others run in one job (rank 0 writes each
    hook's row as it finishes). A job that fails or passes its deadline marks the hook it was on as
