@@ -73,12 +73,34 @@ def merge_topk(va: torch.Tensor, ia: torch.Tensor, vb: torch.Tensor, ib: torch.T
            with |sum| == t until k are kept (the slots are in index order).
     The result does not depend on the order of the two sides (a common index's sum has exactly
     two terms, and IEEE addition is commutative), so the two ranks of a butterfly pair get
-    bit-identical results. Cost: O(k log k) binary searches + an O(k) selection, no sort.
+    bit-identical results. Cost: one O(k log k) binary search, then O(k) passes (the b side's
+    slots by counting, the selection by quickselect), no sort.
     """
+    val, idx, _, _, keep = _merge_slots(va, ia, vb, ib, k)
+    return val[keep], idx[keep]
+
+
+def _slots_of_b(ia: torch.Tensor, ib: torch.Tensor, below: torch.Tensor) -> torch.Tensor:
+    """Slot j + #{a < b_j} of every b_j, from ``below`` = #{b < a_i} (one binary search, not two):
+    a_i <= b_j iff below_i <= j, so #{a <= b_j} = cumsum of bincount(below) at j, minus one when
+    b_j is also in a (then a_i == b_{below_i})."""
+    nb = ib.numel()
+    at_or_below = torch.bincount(below, minlength=nb + 1)[:nb].cumsum(0)   # #{a <= b_j}
+    inside = (below < nb).nonzero().squeeze(1)                              # a_i <= b_last
+    same = inside[ib[below[inside]] == ia[inside]]                          # a_i == b_{below_i}
+    common = torch.zeros(nb, dtype=torch.int64)
+    common[below[same]] = 1
+    return torch.arange(nb) + at_or_below - common
+
+
+def _merge_slots(va: torch.Tensor, ia: torch.Tensor, vb: torch.Tensor, ib: torch.Tensor, k: int):
+    """:func:`merge_topk`'s steps on the slots: ``(slot values, slot indices, slots of a, slots
+    of b, kept slots)``; the result is ``values[kept], indices[kept]``."""
     na, nb = ia.numel(), ib.numel()
     # Step 1
-    pa = torch.arange(na) + torch.searchsorted(ib, ia)
-    pb = torch.arange(nb) + torch.searchsorted(ia, ib)
+    below = torch.searchsorted(ib, ia)   # #{b < a_i}
+    pa = torch.arange(na) + below
+    pb = _slots_of_b(ia, ib, below)
     slots = na + nb
     idx = torch.full((slots,), -1, dtype=torch.int64)
     idx[pa] = ia
@@ -88,15 +110,23 @@ def merge_topk(va: torch.Tensor, ia: torch.Tensor, vb: torch.Tensor, ib: torch.T
     val.index_put_((pb,), vb, accumulate=True)
     filled = idx >= 0
     if int(filled.sum()) <= k:
-        return val[filled], idx[filled]
+        return val, idx, pa, pb, filled
     mag = val.abs().masked_fill_(~filled, -1)
     # Step 2
-    t = torch.topk(mag, k, sorted=False).values.min()
+    t = torch.kthvalue(mag, slots - k + 1).values  # the k-th largest
     keep = mag > t
     need = k - int(keep.sum())
     if need > 0:
         keep[(mag == t).nonzero().squeeze(1)[:need]] = True
-    return val[keep], idx[keep]
+    return val, idx, pa, pb, keep
+
+
+def _carry(mask: torch.Tensor, slots_of_side: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """A mask over one side's pairs, moved onto the merge result (False where the other side's
+    pair alone sits): O(k), no search."""
+    out = torch.zeros(keep.numel(), dtype=torch.bool)
+    out[slots_of_side] = mask
+    return out[keep]
 
 
 def _counted(mine: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -320,11 +350,14 @@ def _fold_in(values: torch.Tensor, indices: torch.Tensor, k: int, guest: int,
              group: ProcessGroup | None, timeout_s: float
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gTop-k Step 1 on rank r < E: receive the k pairs of extra rank ``guest`` = r + P2 and merge
-    them into mine; returns (the guest's indices, merged values, merged indices)."""
+    them into mine; returns (the guest's indices, merged values, merged indices, masks over the
+    merged pairs: which hold my value, which hold the guest's)."""
     msg = torch.empty(_message_len(k, values.dtype), dtype=torch.int64)
     _swap(None, msg, guest, group, timeout_s, "gtopk all-reduce, fold-in")
     ov, oi = _unpack(msg, k, values.dtype)
-    return (oi.clone(), *merge_topk(values, indices, ov, oi, k))
+    val, idx, pa, pb, keep = _merge_slots(values, indices, ov, oi, k)
+    everything = torch.ones(k, dtype=torch.bool)
+    return oi.clone(), val[keep], idx[keep], _carry(everything, pa, keep), _carry(everything, pb, keep)
 
 
 def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int,
@@ -339,11 +372,12 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
            2^(i+1) ranks of a block hold the same pairs, so after the last round all P2 do.
         3. Fold out: rank r < E sends the final k pairs to r + P2, with a k-byte mask of which of
            that rank's local indices survived (r tracked them for it).
-        Each rank intersects its own local indices with every merge result it holds (no extra
-        traffic) to know which of its values were counted (error feedback, module docstring).
+        Each rank carries a mask of which pairs hold its own (and its guest's) local values
+        through every merge it does (no extra traffic, O(k) per merge) to know which of its values
+        were counted (error feedback, module docstring).
 
     Cost (s = bytes per pair, 12 for fp32 values + int64 indices; m_k = s k):
-        power of two:   log2(P) a + log2(P) m_k b + log2(P) merges of 2k (O(k log k) each);
+        power of two:   log2(P) a + log2(P) m_k b + log2(P) merges of 2k (one O(k log k) search + O(k) each);
         otherwise:      (log2(P2) + 2) a + (log2(P2) + 2) m_k b on the critical path (the fold-in
                         and fold-out steps; the E folded ranks send one message and wait).
         Bytes sent per rank: log2(P2) m_k; ranks r < E send m_k + k more (fold-out with mask);
@@ -383,28 +417,29 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
     if world == 1:
         return GTopk(values, indices, indices)
     p2 = 1 << (world.bit_length() - 1)
-    mine = indices  # my local indices still counted
     if rank >= p2:  # Steps 1 and 3 as an extra rank
         return _extra_rank(values, indices, k, rank - p2, group, timeout_s)
-    guest = None  # the folded-in rank's local indices still counted
+    # masks over the current pairs: which hold my local value / the folded-in rank's, still counted
+    mine, guest = torch.ones(k, dtype=torch.bool), None
     if rank + p2 < world:  # Step 1: fold in
-        guest_all, values, indices = _fold_in(values, indices, k, rank + p2, group, timeout_s)
-        mine, guest = _counted(mine, indices), _counted(guest_all, indices)
+        guest_all, values, indices, mine, guest = _fold_in(values, indices, k, rank + p2, group,
+                                                           timeout_s)
     # Step 2: butterfly
     values, indices, mine, guest = _butterfly(values, indices, mine, guest, k, p2, group, timeout_s,
                                               timings)
     # Step 3: fold out
     if guest is not None:
-        mask = torch.isin(guest_all, guest).to(torch.uint8)  # (k,) 1 = that local value counted
+        mask = torch.isin(guest_all, indices[guest]).to(torch.uint8)  # (k,) 1 = that value counted
         _swap(_pack(values, indices, mask), None, rank + p2, group, timeout_s,
               "gtopk all-reduce, fold-out")
-    return GTopk(values, indices, mine)
+    return GTopk(values, indices, indices[mine])
 
 
 def _butterfly(values, indices, mine, guest, k: int, p2: int, group, timeout_s: float,
                timings: dict | None):
     """gTop-k Step 2 on rank r < P2: log2(P2) swaps with r XOR 2^i, each followed by a merge;
-    ``mine`` / ``guest`` (counted local indices) shrink to what survives every merge."""
+    ``mine`` / ``guest`` (masks over the current pairs of the values still counted) follow the
+    pairs through every merge (:func:`_carry`: a value dropped once stays dropped)."""
     rank = dist.get_rank(group)
     recv = torch.empty(_message_len(k, values.dtype), dtype=torch.int64)
     clock = {"exchange": 0.0, "merge": 0.0}
@@ -414,10 +449,11 @@ def _butterfly(values, indices, mine, guest, k: int, p2: int, group, timeout_s: 
               f"gtopk all-reduce, butterfly round {i}")
         t1 = time.perf_counter()
         ov, oi = _unpack(recv, k, values.dtype)
-        values, indices = merge_topk(values, indices, ov, oi, k)
-        mine = _counted(mine, indices)
+        val, idx, pa, _, keep = _merge_slots(values, indices, ov, oi, k)
+        values, indices = val[keep], idx[keep]
+        mine = _carry(mine, pa, keep)
         if guest is not None:
-            guest = _counted(guest, indices)
+            guest = _carry(guest, pa, keep)
         clock["exchange"] += t1 - t0
         clock["merge"] += time.perf_counter() - t1
     if timings is not None:

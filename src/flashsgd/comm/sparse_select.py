@@ -306,11 +306,14 @@ def block_maxima(x: torch.Tensor, block: int = SELECTION_BLOCK) -> torch.Tensor:
 
 
 def _candidates(x: torch.Tensor, bmax: torch.Tensor, t: torch.Tensor, block: int,
-                workspace: SelectionWorkspace) -> torch.Tensor:
+                workspace: SelectionWorkspace, limit: float = math.inf) -> torch.Tensor | None:
     """Ascending positions p with |x[p]| >= t, reading only the blocks whose maximum is >= t
-    (or all of x, |x| then a compare, when those blocks hold more than a quarter of it)."""
+    (or all of x, |x| then a compare, when those blocks hold more than a quarter of it).
+    None when more than ``limit`` blocks are hit (then more than ``limit`` entries are >= t)."""
     nb = x.numel() // block
     hits = (bmax >= t).nonzero().squeeze(1)
+    if hits.numel() > limit:
+        return None
     if hits.numel() * block > x.numel() // 4:  # gathering the blocks would cost more than a pass
         mag, mask, words = workspace.buffers(x)
         torch.abs(x, out=mag)
@@ -352,7 +355,8 @@ def topk_threshold(x: torch.Tensor, k: int, *, reuse: ThresholdReuse | None = No
         3. Candidates |x_p| >= t, read only inside blocks with b_j >= t (O(k block) entries; when
            those blocks hold over a quarter of x, one |x| and compare pass instead).
            A kept t whose count leaves ``[k, (1 + tolerance) k]`` is replaced by step 2's estimate
-           and step 3 repeats (on the block maxima; no further pass over x).
+           and step 3 repeats (on the block maxima; no further pass over x); one that hits more
+           than (1 + tolerance) k blocks is rejected before any block is read.
         4. Trim to exactly k: everything above the k-th candidate magnitude, then the lowest
            indices at it. Every entry of the exact top-k is a candidate (its magnitude is >= the
            k-th, >= t), so the result is the exact top-k with ties to the lower index whatever t
@@ -398,8 +402,10 @@ def topk_threshold(x: torch.Tensor, k: int, *, reuse: ThresholdReuse | None = No
     pos = None
     if kept is not None and reuse.ages.get(key, 0) < reuse.every:
         # Step 3 with the kept threshold
-        pos = _candidates(x, bmax, torch.tensor(kept, dtype=x.dtype), block, workspace)
-        if not k <= pos.numel() <= (1 + tol) * k:
+        # a kept threshold hitting more than (1 + tol) k blocks selects too many: rejected early
+        pos = _candidates(x, bmax, torch.tensor(kept, dtype=x.dtype), block, workspace,
+                          limit=(1 + tol) * k)
+        if pos is None or not k <= pos.numel() <= (1 + tol) * k:
             pos = None
         else:
             reuse.ages[key] += 1
