@@ -37,7 +37,7 @@ from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, _message_len, 
                                   gtopk_bytes_sent, message_bytes, topk_allgather)
 from flashsgd.comm.sparse_fused import add_block_maxima_
 from flashsgd.comm.sparse_hier import hgtopk_allreduce
-from flashsgd.comm.sparse_select import SELECTION_BLOCK, ThresholdReuse, topk_threshold
+from flashsgd.comm.sparse_select import ThresholdReuse, auto_block, topk_threshold
 from flashsgd.comm.topology import Topology
 
 PHASES = ("accum", "select", "exchange", "merge", "scatter")
@@ -96,10 +96,9 @@ class SparseStep:
 
     def _accumulate(self) -> torch.Tensor | None:
         """residual += grad (with the block maxima when they will be used)."""
-        uses_maxima = (self.options.selector == "threshold"
-                       and 2 * self.k * SELECTION_BLOCK <= self.grad.numel())
-        if uses_maxima and self.algorithm != "hgtopk":
-            return add_block_maxima_(self.residual, self.grad, compiled=self.options.compiled)
+        block = auto_block(self.grad.numel(), self.k)
+        if self.options.selector == "threshold" and block and self.algorithm != "hgtopk":
+            return add_block_maxima_(self.residual, self.grad, block, compiled=self.options.compiled)
         self.residual.add_(self.grad)
         return None
 

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from flashsgd.comm.sparse_select import (SELECTION_BLOCK, ThresholdReuse, _check_selection,
+from flashsgd.comm.sparse_select import (ThresholdReuse, _check_selection, auto_block,
                                          block_maxima, topk_threshold)
 
 __all__ = ["add_block_maxima_", "compress_", "ThresholdReuse", "compiled_available"]
@@ -64,7 +64,7 @@ def compiled_available() -> bool:
 
 def compress_(residual: torch.Tensor, grad: torch.Tensor, k: int, *,
               reuse: ThresholdReuse | None = None, key=0, compiled: bool = False,
-              block: int = SELECTION_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+              block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Error feedback and exact top-k of one bucket: ``residual += grad``, then select k of it.
 
     Steps 1-3 of the module docstring; steps 4-5 belong to the caller (they need the exchange's
@@ -78,7 +78,7 @@ def compress_(residual: torch.Tensor, grad: torch.Tensor, k: int, *,
         key: which kept threshold (the bucket index).
         compiled: fuse steps 1-2 with ``torch.compile``; a compile or run failure warns once
             and falls back to the eager passes (same result: the maxima are exact).
-        block: entries per block maximum.
+        block: entries per block maximum (None: ``auto_block``).
 
     Returns:
         ``(values, indices)``: the k selected values of the accumulated gradient, int64 indices
@@ -88,14 +88,15 @@ def compress_(residual: torch.Tensor, grad: torch.Tensor, k: int, *,
     if grad.shape != residual.shape or grad.dtype != residual.dtype:
         raise ValueError(f"grad must match residual: got {tuple(grad.shape)} {grad.dtype}, "
                          f"residual {tuple(residual.shape)} {residual.dtype}")
-    if 2 * k * block > residual.numel():  # topk_threshold will not use block maxima
+    block = auto_block(residual.numel(), k) if block is None else block
+    if block is None or 2 * k * block > residual.numel():  # no block maxima used
         residual.add_(grad)
         return topk_threshold(residual, k, reuse=reuse, key=key, block=block)
     bmax = add_block_maxima_(residual, grad, block, compiled)
     return topk_threshold(residual, k, reuse=reuse, key=key, block=block, bmax=bmax)
 
 
-def add_block_maxima_(residual: torch.Tensor, grad: torch.Tensor, block: int = SELECTION_BLOCK,
+def add_block_maxima_(residual: torch.Tensor, grad: torch.Tensor, block: int,
                       compiled: bool = False) -> torch.Tensor:
     """Steps 1-2 of the module docstring: ``residual += grad`` in place, then the block maxima of
     the sum (:func:`~flashsgd.comm.sparse_select.block_maxima`); one fused pass with

@@ -248,8 +248,15 @@ def topk_sampled(x: torch.Tensor, k: int, *, tolerance: float = 0.25, sample_hit
 
 # ----------------------------------------------------------- threshold selection with reuse ----
 
-SELECTION_BLOCK = 32
-"""Elements per block of :func:`topk_threshold`'s block maxima (2 reductions over (m/32, 32))."""
+SELECTION_BLOCKS = (64, 32, 16, 8, 4, 2)
+"""Block sizes of :func:`topk_threshold`'s block maxima, largest first: the reductions over
+(m/64, 64) cost ~1 pass, over (m/32, 32) ~1.3 (measured, docs/benchmarks.md)."""
+
+
+def auto_block(numel: int, k: int) -> int | None:
+    """The largest block of :data:`SELECTION_BLOCKS` with 2 k block <= numel (the blocks holding
+    the top k then cover at most half of x), or None (dense selections: block maxima do not pay)."""
+    return next((b for b in SELECTION_BLOCKS if 2 * k * b <= numel), None)
 
 
 class ThresholdReuse:
@@ -295,7 +302,7 @@ class ThresholdReuse:
         self.estimates, self.reuses = int(state["estimates"]), int(state["reuses"])
 
 
-def block_maxima(x: torch.Tensor, block: int = SELECTION_BLOCK) -> torch.Tensor:
+def block_maxima(x: torch.Tensor, block: int) -> torch.Tensor:
     """max |x| over consecutive blocks of ``block`` entries (the tail shorter than a block: one
     entry each): ``(ceil-ish m / block,)``. Two read-only reductions (amax, amin) instead of
     materializing |x| (a write of 4 m bytes) and a bool mask."""
@@ -330,6 +337,24 @@ def _kth_magnitude(mag: torch.Tensor, k: int) -> torch.Tensor:
     return torch.kthvalue(mag, mag.numel() - k + 1).values
 
 
+ESTIMATE_STRIDE = 8
+"""Step 2 estimates from every 8th block maximum (quickselect over m / 256 entries)."""
+
+
+def _estimate_candidates(x: torch.Tensor, bmax: torch.Tensor, k: int, block: int,
+                         workspace: SelectionWorkspace) -> torch.Tensor:
+    """Step 2-3 without a kept threshold: t from every ``ESTIMATE_STRIDE``-th block maximum, aimed
+    at ~1.1 k blocks above it; if fewer than k blocks reach t (too high: maybe fewer than k
+    entries), the k-th largest of all block maxima, which always admits >= k entries."""
+    sub = bmax[::ESTIMATE_STRIDE]
+    rank = math.ceil(1.1 * k * sub.numel() / bmax.numel())
+    if rank < sub.numel() and 4 * k * ESTIMATE_STRIDE < bmax.numel():
+        t = _kth_magnitude(sub, rank)
+        if int((bmax >= t).sum()) >= k:  # >= k blocks, each with an entry >= t
+            return _candidates(x, bmax, t, block, workspace)
+    return _candidates(x, bmax, _kth_magnitude(bmax, k), block, workspace)
+
+
 def _trim(x: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
     """The k positions of the largest |x[pos]|, ties at the k-th magnitude to the lower index."""
     mag = x[pos].abs()
@@ -343,15 +368,17 @@ def _trim(x: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def topk_threshold(x: torch.Tensor, k: int, *, reuse: ThresholdReuse | None = None, key=0,
-                   block: int = SELECTION_BLOCK, bmax: torch.Tensor | None = None
+                   block: int | None = None, bmax: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k by |value| through block maxima and a threshold kept across calls (Ok-Topk).
 
     Algorithm:
         1. Block maxima b_j = max |x| over blocks of ``block`` entries (:func:`block_maxima`:
-           two read-only reductions, ~0.7 of one ``torch.add`` pass over x).
-        2. Threshold t: the one kept in ``reuse[key]`` if any and fresh; else the k-th largest
-           b_j, which always admits >= k entries (the top k blocks each hold one entry >= it).
+           two read-only reductions, ~1 ``torch.add`` pass over x at block 64).
+        2. Threshold t: the one kept in ``reuse[key]`` if any and fresh; else an estimate from
+           every 8th b_j (aimed at 1.1 k blocks above it), checked to leave >= k blocks above it,
+           else the k-th largest b_j, which always admits >= k entries (the top k blocks each
+           hold one entry >= it).
         3. Candidates |x_p| >= t, read only inside blocks with b_j >= t (O(k block) entries; when
            those blocks hold over a quarter of x, one |x| and compare pass instead).
            A kept t whose count leaves ``[k, (1 + tolerance) k]`` is replaced by step 2's estimate
@@ -365,16 +392,16 @@ def topk_threshold(x: torch.Tensor, k: int, *, reuse: ThresholdReuse | None = No
            (the middle of the window), age 0.
 
     Cost: reads x once (step 1), then O(k block) for steps 3-4 and O(m / block) for step 2 when
-    estimating; with k > m / (2 block) (densities >= ~1.5% at block 32) it falls back to a
-    torch.topk over |x| with the same tie rule.
+    estimating; the block is the largest of 64 .. 2 with 2 k block <= m (:func:`auto_block`);
+    with k > m / 4 it falls back to a torch.topk over |x| with the same tie rule.
 
     Args:
         x: flat floating-point tensor of m entries.
         k: entries to keep, 1 <= k <= m.
         reuse: thresholds kept across calls (None: estimate every call).
         key: which threshold of ``reuse`` (e.g. the DDP bucket index).
-        block: entries per block maximum, >= 2.
-        bmax: step 1's result if the caller computed it (e.g. fused with the residual update,
+        block: entries per block maximum, >= 2 (None: :func:`auto_block`).
+        bmax: step 1's result (with the same ``block``) if the caller computed it (e.g. fused with the residual update,
             :func:`flashsgd.comm.sparse_fused.compress_`).
 
     Returns:
@@ -388,9 +415,11 @@ def topk_threshold(x: torch.Tensor, k: int, *, reuse: ThresholdReuse | None = No
         (1000, 1)
     """
     m = _check_selection(x, k)
-    if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+    if block is None:
+        block = auto_block(m, k)
+    elif isinstance(block, bool) or not isinstance(block, int) or block < 2:
         raise ValueError(f"block must be an integer >= 2, got {block!r}")
-    if 2 * k * block > m:  # few blocks per selected entry: block maxima do not pay
+    if block is None or 2 * k * block > m:  # few blocks per selected entry: maxima do not pay
         return _topk_ties_low(x, k)
     # Step 1
     if bmax is None:
@@ -411,7 +440,7 @@ def topk_threshold(x: torch.Tensor, k: int, *, reuse: ThresholdReuse | None = No
             reuse.ages[key] += 1
             reuse.reuses += 1
     if pos is None:  # Steps 2-3 with an estimate
-        pos = _candidates(x, bmax, _kth_magnitude(bmax, k), block, workspace)
+        pos = _estimate_candidates(x, bmax, k, block, workspace)
         if reuse is not None:
             reuse.estimates += 1
             reuse.ages[key] = 0
