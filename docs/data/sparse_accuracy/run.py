@@ -19,7 +19,7 @@ import json
 import sys
 
 import flashsgd.train.plan as plan_mod
-import flashsgd.train.trainer as trainer_mod
+import flashsgd.train.worker as worker_mod
 from flashsgd.train.config import resolve
 from flashsgd.train.trainer import train
 
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> None:
         return options
 
     plan_mod._hook_options = with_extra
-    build = trainer_mod.Worker.__init__
+    build = worker_mod.Worker.__init__
 
     def connect_layer_norms(self, *args, **kwargs):
         """LARS takes the trust ratio's gradient norms from the hook (layer_trust); the workers
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> None:
         if getattr(self.hook_state, "layer_trust", False) and hasattr(self.optimizer, "grad_norm_source"):
             self.optimizer.grad_norm_source = self.hook_state.grad_norms
 
-    trainer_mod.Worker.__init__ = connect_layer_norms
+    worker_mod.Worker.__init__ = connect_layer_norms
     summary = train(resolve(cli=cli))
     print(json.dumps({k: summary.get(k) for k in ("final_test_accuracy", "best_test_accuracy", "steps")}))
 
