@@ -215,3 +215,40 @@ def _hook_body():
 
 def test_hgtopk_and_threshold_hooks(run_ranks):
     assert all(run_ranks(_hook_body, 4))
+
+
+def _slices_body(ranks_per_node):
+    """split='slices': density 1 == all-reduce, error feedback exact, identical on every rank."""
+    rank = dist.get_rank()
+    topo = get_topology(ranks_per_node)
+    n = 301
+    x = torch.randint(-1000, 1001, (n,), generator=torch.Generator().manual_seed(rank)).float()
+    dense = x.clone()
+    dist.all_reduce(dense)
+    out = torch.empty(n)
+    res = hgtopk_allreduce(x, n, topo, out=out, split="slices")
+    assert torch.equal(out, dense) and torch.equal(res.counted, torch.arange(n))
+    n, k = 3001, 30
+    residual, grads_sum, applied_sum = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    out, results = torch.empty(n), []
+    for _ in range(4):
+        grad = torch.randint(-100, 101, (n,), generator=gen).float()
+        grads_sum += grad
+        acc = grad + residual
+        res = hgtopk_allreduce(acc, k, topo, out=out, select=topk_threshold, split="slices")
+        assert bool((res.indices[1:] > res.indices[:-1]).all())
+        applied_sum += out
+        residual = acc.index_fill_(0, res.counted, 0)
+        results.append(out.tolist())
+    total_grads, total_res = grads_sum.clone(), residual.clone()
+    dist.all_reduce(total_grads)
+    dist.all_reduce(total_res)
+    assert torch.equal(applied_sum + total_res, total_grads)
+    return results
+
+
+@pytest.mark.parametrize("world,ranks_per_node", [(1, 1), (4, 2), (6, 3), (6, 2), (8, 4)])
+def test_hgtopk_slices_exact_any_layout(run_ranks, world, ranks_per_node):
+    reports = run_ranks(_slices_body, world, ranks_per_node)
+    assert all(rep == reports[0] for rep in reports)

@@ -9,7 +9,7 @@ median over ``--iters``):
 1. ``add``: one ``torch.add`` over the gradient on every rank at once: the unit of a memory pass
    (ranks sharing a core included).
 2. ``dense``: ``torch.distributed.all_reduce`` of the whole gradient (native; the baseline).
-3. per algorithm (``topk``, ``gtopk``, ``hgtopk``) and variant (eager, or the add and block maxima
+3. per algorithm (``topk``, ``gtopk``, ``hgtopk``, ``hgtopk_slices``) and variant (eager, or the add and block maxima
    fused by ``torch.compile``: ``--fuse``): one bucket's step as the DDP hook does it, with error
    feedback (:mod:`flashsgd.bench.sparse_steps`): its phases accum / select / exchange / merge /
    scatter are clocked on rank 0.
@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 from flashsgd.bench.common import (add_run_arguments, check_run_arguments, format_header, format_row,
                                    ranks_on_this_host, run_metadata, time_ops, write_json)
-from flashsgd.bench.sparse_steps import (FLOOR_PASSES, PHASES, SparseStepOptions, make_step,
-                                         wire_bytes_per_node)
+from flashsgd.bench.sparse_steps import (FLOOR_PASSES, PHASES, STEP_ALGORITHMS, SparseStepOptions,
+                                         make_step, wire_bytes_per_node)
 from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, SelectionWorkspace, gtopk_bytes_sent,
                                   k_from_density, topk_bytes_sent, validate_density)
 from flashsgd.comm.sparse_fused import compiled_available, compress_
@@ -59,7 +59,7 @@ from flashsgd.launch import run as launch_run, under_torchrun
 
 HELP = "time Top-k / gTop-k / hierarchical gTop-k against dense all-reduce, and top-k selection"
 RESNET50_NUMEL = 25_557_032
-ALGORITHMS = ("topk", "gtopk", "hgtopk")
+ALGORITHMS = STEP_ALGORITHMS
 
 EXCHANGE_COLUMNS = [
     ("algorithm", "algorithm", 16, "s"), ("density", "density", 8, "g"), ("k", "k", 9, "d"),
@@ -113,6 +113,10 @@ def _bytes_per_rank(algo: str, k: int, world: int, rpn: int, numel: int) -> int:
     if algo == "gtopk":
         return max(gtopk_bytes_sent(k, world, r) for r in range(world))
     nodes = world // rpn
+    if algo == "hgtopk_slices":  # (R-1) slices of m/R sent in the node, a gTop-k of k/R, an all-gather
+        k_slice = -(-k // rpn)
+        cross = max(gtopk_bytes_sent(k_slice, nodes, n) for n in range(nodes)) if nodes > 1 else 0
+        return 4 * numel * (rpn - 1) // rpn + cross + (rpn - 1) * 8 * (2 * k_slice + -(-k_slice // 2))
     leader = max(gtopk_bytes_sent(k, nodes, n) for n in range(nodes)) if nodes > 1 else 0
     return max(leader + (rpn - 1) * 8 * (2 * k + -(-k // 2)), 4 * numel if rpn > 1 else 0)
 
@@ -126,7 +130,7 @@ def measure(cfg: SparseBenchConfig) -> list[dict]:
     """Per-rank body: time add, dense and every sparse step for every density (collective)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     m, rpn = cfg.numel, _rpn(cfg, world)
-    topology = get_topology(rpn) if "hgtopk" in cfg.algorithms else None
+    topology = get_topology(rpn) if any(a.startswith("hgtopk") for a in cfg.algorithms) else None
     grad = torch.randn(m, generator=torch.Generator().manual_seed(rank))
     dense_buf, add_out = torch.zeros(m), torch.empty(m)
     talk = cfg.verbose and rank == 0

@@ -41,6 +41,8 @@ from flashsgd.comm.sparse_select import ThresholdReuse, auto_block, topk_thresho
 from flashsgd.comm.topology import Topology
 
 PHASES = ("accum", "select", "exchange", "merge", "scatter")
+STEP_ALGORITHMS = ("topk", "gtopk", "hgtopk", "hgtopk_slices")
+"""hgtopk_slices: hgtopk with ``split="slices"`` (:mod:`flashsgd.comm.sparse_slices`)."""
 
 FLOOR_PASSES = {
     # 1 (residual += grad) + 2/3 (block maxima: read 4m) + 1/3 (zero fill of the bucket: write 4m)
@@ -54,6 +56,10 @@ FLOOR_PASSES = {
     # reduce's sum (1 per other rank of the node, counted once) and the block maxima (2/3)
     ("hgtopk", False): 11 / 3,
     ("hgtopk", True): 3.0,
+    # per rank, R = 2: add (1) + own slice copied and the other summed in (1/3 + 1/2) + block
+    # maxima of the slice (1/2) + zero fill (1/3)
+    ("hgtopk_slices", False): 8 / 3,
+    ("hgtopk_slices", True): 8 / 3,
 }
 """Memory passes (units of one torch.add over the gradient) each step cannot avoid; key
 (algorithm, fused with torch.compile)."""
@@ -78,7 +84,7 @@ class SparseStep:
                  "splits")
 
     def __init__(self, algorithm: str, grad: torch.Tensor, k: int, options: SparseStepOptions) -> None:
-        if algorithm == "hgtopk" and options.topology is None:
+        if algorithm.startswith("hgtopk") and options.topology is None:
             raise ValueError("hgtopk needs options.topology (ranks per node)")
         self.algorithm, self.grad, self.k, self.options = algorithm, grad, k, options
         self.residual = torch.zeros_like(grad)
@@ -87,17 +93,17 @@ class SparseStep:
         self.workspace = SelectionWorkspace()
         self.splits: list[dict[str, float]] = []
 
-    def _select(self, x: torch.Tensor, bmax: torch.Tensor | None = None):
+    def _select(self, x: torch.Tensor, k: int, bmax: torch.Tensor | None = None):
         if self.options.selector == "threshold":
-            return topk_threshold(x, self.k, reuse=self.reuse, bmax=bmax)
+            return topk_threshold(x, k, reuse=self.reuse, bmax=bmax)
         if self.options.selector == "sampled":
-            return SELECTIONS["sampled"](x, self.k, workspace=self.workspace)
-        return SELECTIONS[self.options.selector](x, self.k)
+            return SELECTIONS["sampled"](x, k, workspace=self.workspace)
+        return SELECTIONS[self.options.selector](x, k)
 
     def _accumulate(self) -> torch.Tensor | None:
         """residual += grad (with the block maxima when they will be used)."""
         block = auto_block(self.grad.numel(), self.k)
-        if self.options.selector == "threshold" and block and self.algorithm != "hgtopk":
+        if self.options.selector == "threshold" and block and not self.algorithm.startswith("hgtopk"):
             return add_block_maxima_(self.residual, self.grad, block, compiled=self.options.compiled)
         self.residual.add_(self.grad)
         return None
@@ -108,23 +114,24 @@ class SparseStep:
         t0 = time.perf_counter()
         bmax = self._accumulate()
         t1 = time.perf_counter()
-        if self.algorithm == "hgtopk":
+        if self.algorithm.startswith("hgtopk"):
             sel = {"s": 0.0}
 
             def timed_select(x, k):
                 s0 = time.perf_counter()
-                picked = self._select(x)
+                picked = self._select(x, k)
                 sel["s"] += time.perf_counter() - s0
                 return picked
 
             res = hgtopk_allreduce(self.residual, self.k, self.options.topology, out=self.out,
-                                   select=timed_select, check=False, timings=tm)
+                                   select=timed_select, check=False, timings=tm,
+                                   split="slices" if self.algorithm == "hgtopk_slices" else "leader")
             t3 = time.perf_counter()
             t2 = t1 + sel["s"]
             self.out.div_(world)
             counted = res.counted
         else:
-            values, indices = self._select(self.residual, bmax)
+            values, indices = self._select(self.residual, self.k, bmax)
             t2 = time.perf_counter()
             if self.algorithm == "topk":
                 topk_allgather(values, indices, m, check=False, out=self.out)
@@ -145,9 +152,9 @@ class SparseStep:
 
 
 def make_step(algorithm: str, grad: torch.Tensor, k: int, options: SparseStepOptions) -> SparseStep:
-    """A :class:`SparseStep` for ``algorithm`` in ``("topk", "gtopk", "hgtopk")``."""
-    if algorithm not in ("topk", "gtopk", "hgtopk"):
-        raise ValueError(f"algorithm must be one of topk, gtopk, hgtopk, got {algorithm!r}")
+    """A :class:`SparseStep` for ``algorithm`` in :data:`STEP_ALGORITHMS`."""
+    if algorithm not in STEP_ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(STEP_ALGORITHMS)}, got {algorithm!r}")
     return SparseStep(algorithm, grad, k, options)
 
 
@@ -189,4 +196,7 @@ def wire_bytes_per_node(algorithm: str, k: int, numel: int, world: int, rpn: int
         return float(max(_gtopk_cross_bytes(k, world, rpn)))
     if algorithm == "hgtopk":
         return float(max(gtopk_bytes_sent(k, nodes, n) for n in range(nodes)))
+    if algorithm == "hgtopk_slices":  # R gTop-k of ~k/R pairs leave each node at once
+        k_slice = -(-k // rpn)
+        return float(rpn * max(gtopk_bytes_sent(k_slice, nodes, n) for n in range(nodes)))
     raise ValueError(f"unknown algorithm {algorithm!r}")

@@ -43,10 +43,13 @@ import torch.distributed as dist
 
 from flashsgd.comm.sparse import (GTopk, _bytes_as_int64, gtopk_allreduce, gtopk_bytes_sent,
                                   topk_exact)
+from flashsgd.comm.sparse_slices import hgtopk_slices_allreduce
 from flashsgd.comm.topology import Topology, check_timeout_s
 from flashsgd.comm.waits import wait_collective
 
 Select = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+SPLITS = ("leader", "slices")
+"""How the node's work is split: one leader selects and exchanges, or every rank for 1/R of it."""
 
 
 def check_node_layout(ranks_per_node: int, world_size: int) -> int:
@@ -76,7 +79,8 @@ def _unpack_broadcast(msg: torch.Tensor, k: int, dtype: torch.dtype) -> GTopk:
 
 def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torch.Tensor,
                      select: Select = topk_exact, check: bool = True,
-                     timeout_s: float | None = None, timings: dict | None = None) -> GTopk:
+                     timeout_s: float | None = None, timings: dict | None = None,
+                     split: str = "leader") -> GTopk:
     """Hierarchical gTop-k of the sum of every rank's ``acc``: node reduce, leaders' gTop-k, broadcast.
 
     Steps 1-4 of the module docstring; step 5 (the residual) is the caller's:
@@ -92,6 +96,8 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
         check: verify equal k and numel across the leaders first (one tiny exchange).
         timeout_s: deadline of each wait on a peer (``None``: the topology's).
         timings: passed to :func:`~flashsgd.comm.sparse.gtopk_allreduce` (leaders' merge time).
+        split: ``"leader"`` (this module's steps) or ``"slices"`` (R parallel gTop-k over R
+            slices of the gradient, :mod:`flashsgd.comm.sparse_slices`).
 
     Returns:
         :class:`~flashsgd.comm.sparse.GTopk`: the global values and indices (identical on every
@@ -111,7 +117,12 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
                          f"and {tuple(out.shape)}")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
         raise ValueError(f"k must be an integer in [1, numel={n}], got {k!r}")
+    if split not in SPLITS:
+        raise ValueError(f"hgtopk: split must be one of {', '.join(SPLITS)}, got {split!r}")
     timeout_s = topology.timeout_s if timeout_s is None else check_timeout_s(timeout_s)
+    if split == "slices":
+        return hgtopk_slices_allreduce(acc, k, topology, out=out, select=select, check=check,
+                                       timeout_s=timeout_s, timings=timings)
     leader = topology.local_rank == 0
     node = topology.node_group
     # Step 1: node sum on the leader (out is the buffer; acc stays this rank's)

@@ -1,0 +1,122 @@
+"""Hierarchical gTop-k over R slices: each rank of a node owns 1/R of the gradient's indices.
+
+Paper: Shi et al. 2019, gTop-k S-SGD (arXiv 1901.04359) for the cross-node merges; the slicing is
+the reduce-scatter / all-gather split of the hierarchical all-reduce (Jia et al. 2018,
+arXiv 1807.11205). The variant "R parallel gTop-k over R slices" of
+:mod:`flashsgd.comm.sparse_hier`; same error feedback, same result format.
+
+On N nodes x R ranks, local rank l owns slice l = [b_l, b_{l+1}) with b_j = j m // R:
+
+1. Node reduce-scatter by direct exchange: every rank sends slice j of its ``acc`` to local rank
+   j and sums the R pieces of its own slice: ``A_n[slice l]`` (R - 1 sends of m/R per rank, all
+   at once; no rank receives more than its slice).
+2. Rank l selects k_l = ceil(k m_l / m) entries of its slice of the node sum (all ranks select at
+   once, each over m / R entries).
+3. gTop-k of slice l among the N ranks with local rank l (the cross group, one per local rank:
+   R exchanges run in parallel, each with k_l pairs).
+4. Node all-gather of the R slices' results (global pairs and counted indices, shifted to global
+   positions), so every rank holds the whole result and its node's counted indices.
+5. The caller zeroes the counted indices of its own ``acc`` (residual kept per rank).
+
+Cost per rank: intra-node (R-1) m/R values sent and received + m/R adds; selection over m/R; a
+gTop-k of k/R pairs over N ranks; an all-gather of R (k/R)-pair messages inside the node.
+
+Example::
+
+    >>> res = hgtopk_slices_allreduce(acc, k, get_topology(ranks_per_node=2), out=bucket)
+    >>> acc.index_fill_(0, res.counted, 0)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from flashsgd.comm.sparse import GTopk, _bytes_as_int64, gtopk_allreduce, topk_exact
+from flashsgd.comm.topology import Topology
+from flashsgd.comm.waits import gather_from_peers, global_rank, wait_peer
+
+
+def slice_bounds(numel: int, ranks: int) -> list[int]:
+    """b_0 = 0 < ... < b_R = numel with b_j = j numel // R (slice j = [b_j, b_{j+1}))."""
+    return [j * numel // ranks for j in range(ranks + 1)]
+
+
+def slice_k(k: int, numel: int, size: int) -> int:
+    """Pairs of a slice of ``size`` entries: ceil(k size / numel), in [1, size] (k = numel: all)."""
+    return max(1, min(size, math.ceil(k * size / numel)))
+
+
+def _reduce_scatter(acc: torch.Tensor, out: torch.Tensor, bounds: list[int], topology: Topology,
+                    timeout_s: float) -> torch.Tensor:
+    """Step 1: ``out[slice l]`` = the node sum of slice l; returns that view."""
+    local, group = topology.local_rank, topology.node_group
+    mine = out[bounds[local]:bounds[local + 1]]
+    mine.copy_(acc[bounds[local]:bounds[local + 1]])
+    if group is None:
+        return mine
+    peers = [j for j in range(topology.ranks_per_node) if j != local]
+    bufs = {j: torch.empty_like(mine) for j in peers}
+    recvs = {j: dist.irecv(bufs[j], group=group, group_src=j) for j in peers}
+    sends = {j: dist.isend(acc[bounds[j]:bounds[j + 1]].contiguous(), group=group, group_dst=j)
+             for j in peers}
+    for j in peers:  # sum in local-rank order: the same on every node
+        wait_peer(recvs[j], global_rank(group, j), timeout_s, "hgtopk slices, node reduce-scatter")
+    for j in sorted(peers):
+        mine.add_(bufs[j])
+    for j in peers:
+        wait_peer(sends[j], global_rank(group, j), timeout_s, "hgtopk slices, node reduce-scatter",
+                  sending=True)
+    return mine
+
+
+def _pack_slice(res: GTopk, offset: int, kmax: int) -> torch.Tensor:
+    """int64 message: kmax global indices, kmax counted indices (both padded with -1), values."""
+    idx = torch.full((kmax,), -1, dtype=torch.int64)
+    cnt = torch.full((kmax,), -1, dtype=torch.int64)
+    idx[:res.indices.numel()] = res.indices + offset
+    cnt[:res.counted.numel()] = res.counted + offset
+    vals = torch.zeros(kmax, dtype=res.values.dtype)
+    vals[:res.values.numel()] = res.values
+    return torch.cat([idx, cnt, _bytes_as_int64(vals.view(torch.uint8))])
+
+
+def hgtopk_slices_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torch.Tensor,
+                            select=topk_exact, check: bool = True, timeout_s: float,
+                            timings: dict | None = None) -> GTopk:
+    """Hierarchical gTop-k, R parallel slices (Steps 1-4 of the module docstring).
+
+    Arguments and result as :func:`~flashsgd.comm.sparse_hier.hgtopk_allreduce` (which
+    validates them and calls this with ``split="slices"``); the result holds sum_l k_l pairs.
+    """
+    n, r, local = acc.numel(), topology.ranks_per_node, topology.local_rank
+    bounds = slice_bounds(n, r)
+    sizes = [bounds[j + 1] - bounds[j] for j in range(r)]
+    ks = [slice_k(k, n, s) if s else 0 for s in sizes]
+    # Step 1
+    part = _reduce_scatter(acc, out, bounds, topology, timeout_s)
+    # Steps 2-3 (a slice may be empty when numel < R: nothing to select there)
+    if ks[local]:
+        values, indices = select(part, ks[local])
+        if topology.num_nodes > 1:
+            res = gtopk_allreduce(values, indices, ks[local], sizes[local], topology.cross_group,
+                                  check=check, timeout_s=timeout_s, timings=timings)
+        else:
+            res = GTopk(values, indices, indices)
+    else:
+        res = GTopk(acc[:0], torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+    # Step 4
+    kmax = max(ks)
+    msg = _pack_slice(res, bounds[local], kmax)
+    rows = (gather_from_peers(msg, topology.node_group, timeout_s, "hgtopk slices, node all-gather")
+            if topology.node_group is not None else msg.unsqueeze(0))
+    item = acc.element_size()
+    vals = rows[:, 2 * kmax:].contiguous().view(torch.uint8)[:, :kmax * item].contiguous().view(acc.dtype)
+    idx, cnt = rows[:, :kmax], rows[:, kmax:2 * kmax]
+    keep = idx >= 0
+    values, indices = vals[keep], idx[keep]          # row-major: slices in order, ascending
+    out.zero_()
+    out[indices] = values
+    return GTopk(values, indices, cnt[cnt >= 0])
