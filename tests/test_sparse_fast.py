@@ -95,6 +95,11 @@ def test_compress_accumulates_in_place_and_selects(compiled):
         compress_(residual, grad[:10], 5)
 
 
+def test_hgtopk_bad_split():
+    with pytest.raises(ValueError, match="split must be one of leader, slices, sparse, got 'x'"):
+        hgtopk_allreduce(torch.ones(4), 1, None, out=torch.ones(4), split="x")
+
+
 def test_node_layout_checked_before_groups():
     assert check_node_layout(2, 6) == 2
     for bad in (4, 0, -2, 2.0, True):
@@ -217,8 +222,8 @@ def test_hgtopk_and_threshold_hooks(run_ranks):
     assert all(run_ranks(_hook_body, 4))
 
 
-def _slices_body(ranks_per_node):
-    """split='slices': density 1 == all-reduce, error feedback exact, identical on every rank."""
+def _slices_body(ranks_per_node, split):
+    """split 'slices' / 'sparse': density 1 == all-reduce, error feedback exact, identical everywhere."""
     rank = dist.get_rank()
     topo = get_topology(ranks_per_node)
     n = 301
@@ -226,7 +231,7 @@ def _slices_body(ranks_per_node):
     dense = x.clone()
     dist.all_reduce(dense)
     out = torch.empty(n)
-    res = hgtopk_allreduce(x, n, topo, out=out, split="slices")
+    res = hgtopk_allreduce(x, n, topo, out=out, split=split)
     assert torch.equal(out, dense) and torch.equal(res.counted, torch.arange(n))
     n, k = 3001, 30
     residual, grads_sum, applied_sum = torch.zeros(n), torch.zeros(n), torch.zeros(n)
@@ -236,7 +241,7 @@ def _slices_body(ranks_per_node):
         grad = torch.randint(-100, 101, (n,), generator=gen).float()
         grads_sum += grad
         acc = grad + residual
-        res = hgtopk_allreduce(acc, k, topo, out=out, select=topk_threshold, split="slices")
+        res = hgtopk_allreduce(acc, k, topo, out=out, select=topk_threshold, split=split)
         assert bool((res.indices[1:] > res.indices[:-1]).all())
         applied_sum += out
         residual = acc.index_fill_(0, res.counted, 0)
@@ -248,7 +253,8 @@ def _slices_body(ranks_per_node):
     return results
 
 
+@pytest.mark.parametrize("split", ["slices", "sparse"])
 @pytest.mark.parametrize("world,ranks_per_node", [(1, 1), (4, 2), (6, 3), (6, 2), (8, 4)])
-def test_hgtopk_slices_exact_any_layout(run_ranks, world, ranks_per_node):
-    reports = run_ranks(_slices_body, world, ranks_per_node)
+def test_hgtopk_split_exact_any_layout(run_ranks, world, ranks_per_node, split):
+    reports = run_ranks(_slices_body, world, ranks_per_node, split)
     assert all(rep == reports[0] for rep in reports)

@@ -9,7 +9,7 @@ median over ``--iters``):
 1. ``add``: one ``torch.add`` over the gradient on every rank at once: the unit of a memory pass
    (ranks sharing a core included).
 2. ``dense``: ``torch.distributed.all_reduce`` of the whole gradient (native; the baseline).
-3. per algorithm (``topk``, ``gtopk``, ``hgtopk``, ``hgtopk_slices``) and variant (eager, or the add and block maxima
+3. per algorithm (``topk``, ``gtopk``, ``hgtopk``, ``hgtopk_slices``, ``hgtopk_sparse``) and variant (eager, or the add and block maxima
    fused by ``torch.compile``: ``--fuse``): one bucket's step as the DDP hook does it, with error
    feedback (:mod:`flashsgd.bench.sparse_steps`): its phases accum / select / exchange / merge /
    scatter are clocked on rank 0.
@@ -118,7 +118,10 @@ def _bytes_per_rank(algo: str, k: int, world: int, rpn: int, numel: int) -> int:
         cross = max(gtopk_bytes_sent(k_slice, nodes, n) for n in range(nodes)) if nodes > 1 else 0
         return 4 * numel * (rpn - 1) // rpn + cross + (rpn - 1) * 8 * (2 * k_slice + -(-k_slice // 2))
     leader = max(gtopk_bytes_sent(k, nodes, n) for n in range(nodes)) if nodes > 1 else 0
-    return max(leader + (rpn - 1) * 8 * (2 * k + -(-k // 2)), 4 * numel if rpn > 1 else 0)
+    bcast = (rpn - 1) * 8 * (2 * k + -(-k // 2))
+    if algo == "hgtopk_sparse":  # the node's gTop-k, then the leader's
+        return (max(gtopk_bytes_sent(k, rpn, r) for r in range(rpn)) if rpn > 1 else 0) + leader + bcast
+    return max(leader + bcast, 4 * numel if rpn > 1 else 0)
 
 
 def _phase_medians(step, warmup: int) -> dict[str, float]:

@@ -41,8 +41,9 @@ from flashsgd.comm.sparse_select import ThresholdReuse, auto_block, topk_thresho
 from flashsgd.comm.topology import Topology
 
 PHASES = ("accum", "select", "exchange", "merge", "scatter")
-STEP_ALGORITHMS = ("topk", "gtopk", "hgtopk", "hgtopk_slices")
-"""hgtopk_slices: hgtopk with ``split="slices"`` (:mod:`flashsgd.comm.sparse_slices`)."""
+STEP_ALGORITHMS = ("topk", "gtopk", "hgtopk", "hgtopk_slices", "hgtopk_sparse")
+"""hgtopk_slices / hgtopk_sparse: hgtopk with ``split="slices"`` / ``"sparse"``
+(:func:`flashsgd.comm.sparse_hier.hgtopk_allreduce`)."""
 
 FLOOR_PASSES = {
     # 1 (residual += grad) + 2/3 (block maxima: read 4m) + 1/3 (zero fill of the bucket: write 4m)
@@ -60,6 +61,9 @@ FLOOR_PASSES = {
     # maxima of the slice (1/2) + zero fill (1/3)
     ("hgtopk_slices", False): 8 / 3,
     ("hgtopk_slices", True): 8 / 3,
+    # no dense traffic: as gtopk
+    ("hgtopk_sparse", False): 2.0,
+    ("hgtopk_sparse", True): 4 / 3,
 }
 """Memory passes (units of one torch.add over the gradient) each step cannot avoid; key
 (algorithm, fused with torch.compile)."""
@@ -103,7 +107,8 @@ class SparseStep:
     def _accumulate(self) -> torch.Tensor | None:
         """residual += grad (with the block maxima when they will be used)."""
         block = auto_block(self.grad.numel(), self.k)
-        if self.options.selector == "threshold" and block and not self.algorithm.startswith("hgtopk"):
+        dense_in_node = self.algorithm in ("hgtopk", "hgtopk_slices")  # they select the node sum
+        if self.options.selector == "threshold" and block and not dense_in_node:
             return add_block_maxima_(self.residual, self.grad, block, compiled=self.options.compiled)
         self.residual.add_(self.grad)
         return None
@@ -119,13 +124,13 @@ class SparseStep:
 
             def timed_select(x, k):
                 s0 = time.perf_counter()
-                picked = self._select(x, k)
+                picked = self._select(x, k, bmax if x is self.residual else None)
                 sel["s"] += time.perf_counter() - s0
                 return picked
 
             res = hgtopk_allreduce(self.residual, self.k, self.options.topology, out=self.out,
                                    select=timed_select, check=False, timings=tm,
-                                   split="slices" if self.algorithm == "hgtopk_slices" else "leader")
+                                   split=self.algorithm.partition("_")[2] or "leader")
             t3 = time.perf_counter()
             t2 = t1 + sel["s"]
             self.out.div_(world)
@@ -194,7 +199,7 @@ def wire_bytes_per_node(algorithm: str, k: int, numel: int, world: int, rpn: int
         return rpn * (world - rpn) * message_bytes(k)
     if algorithm == "gtopk":
         return float(max(_gtopk_cross_bytes(k, world, rpn)))
-    if algorithm == "hgtopk":
+    if algorithm in ("hgtopk", "hgtopk_sparse"):
         return float(max(gtopk_bytes_sent(k, nodes, n) for n in range(nodes)))
     if algorithm == "hgtopk_slices":  # R gTop-k of ~k/R pairs leave each node at once
         k_slice = -(-k // rpn)

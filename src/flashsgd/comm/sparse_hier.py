@@ -41,15 +41,16 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.sparse import (GTopk, _bytes_as_int64, gtopk_allreduce, gtopk_bytes_sent,
-                                  topk_exact)
+from flashsgd.comm.sparse import (GTopk, _bytes_as_int64, _counted, gtopk_allreduce,
+                                  gtopk_bytes_sent, topk_exact)
 from flashsgd.comm.sparse_slices import hgtopk_slices_allreduce
 from flashsgd.comm.topology import Topology, check_timeout_s
 from flashsgd.comm.waits import wait_collective
 
 Select = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-SPLITS = ("leader", "slices")
-"""How the node's work is split: one leader selects and exchanges, or every rank for 1/R of it."""
+SPLITS = ("leader", "slices", "sparse")
+"""How a node combines its ranks' gradients before the cross-node gTop-k: a dense reduce to one
+leader, a dense reduce-scatter into R slices, or a sparse gTop-k merge inside the node."""
 
 
 def check_node_layout(ranks_per_node: int, world_size: int) -> int:
@@ -96,8 +97,9 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
         check: verify equal k and numel across the leaders first (one tiny exchange).
         timeout_s: deadline of each wait on a peer (``None``: the topology's).
         timings: passed to :func:`~flashsgd.comm.sparse.gtopk_allreduce` (leaders' merge time).
-        split: ``"leader"`` (this module's steps) or ``"slices"`` (R parallel gTop-k over R
-            slices of the gradient, :mod:`flashsgd.comm.sparse_slices`).
+        split: ``"leader"`` (this module's steps), ``"slices"`` (R parallel gTop-k over R
+            slices of the gradient, :mod:`flashsgd.comm.sparse_slices`) or ``"sparse"`` (each
+            rank selects, gTop-k inside the node replaces the dense reduce; no dense traffic).
 
     Returns:
         :class:`~flashsgd.comm.sparse.GTopk`: the global values and indices (identical on every
@@ -123,6 +125,8 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
     if split == "slices":
         return hgtopk_slices_allreduce(acc, k, topology, out=out, select=select, check=check,
                                        timeout_s=timeout_s, timings=timings)
+    if split == "sparse":
+        return _sparse_in_node(acc, k, topology, out, select, check, timeout_s, timings)
     leader = topology.local_rank == 0
     node = topology.node_group
     # Step 1: node sum on the leader (out is the buffer; acc stays this rank's)
@@ -149,6 +153,36 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
     out.zero_()
     out[res.indices] = res.values
     return res
+
+
+def _sparse_in_node(acc: torch.Tensor, k: int, topology: Topology, out: torch.Tensor, select: Select,
+                    check: bool, timeout_s: float, timings: dict | None) -> GTopk:
+    """``split="sparse"``: every rank selects k of its own acc; gTop-k inside the node (fast
+    links) gives the node's k pairs to all its ranks; the leaders run gTop-k across nodes and
+    broadcast the result inside the node. A rank's value is counted if it survived the node
+    merge and the node's entry survived the cross-node merges."""
+    n = acc.numel()
+    values, indices = select(acc, k)
+    node = topology.node_group
+    if node is not None:  # Step 1': the node's merge, identical on its R ranks
+        res = gtopk_allreduce(values, indices, k, n, node, check=check, timeout_s=timeout_s,
+                              timings=timings)
+        values, indices, mine = res.values, res.indices, res.counted
+    else:
+        mine = indices
+    msg = torch.empty(2 * k + -(-k * acc.element_size() // 8), dtype=torch.int64)
+    if topology.local_rank == 0:  # Step 3 among the leaders
+        res = (gtopk_allreduce(values, indices, k, n, topology.cross_group, check=check,
+                               timeout_s=timeout_s, timings=timings)
+               if topology.num_nodes > 1 else GTopk(values, indices, indices))
+        msg = _broadcast_msg(res, k)
+    if node is not None:  # Step 4
+        work = dist.broadcast(msg, src=topology.node_ranks[0], group=node, async_op=True)
+        wait_collective(work, node, timeout_s, "hgtopk, node broadcast")
+    res = _unpack_broadcast(msg, k, acc.dtype)
+    out.zero_()
+    out[res.indices] = res.values
+    return GTopk(res.values, res.indices, _counted(mine, res.counted))
 
 
 def hgtopk_bytes_sent(k: int, topology: Topology, numel: int,
