@@ -44,7 +44,9 @@ id-based parameter map; an unpickled state must be re-attached with
 
 ``hgtopk`` (:mod:`flashsgd.comm.sparse_hier`): the node's ranks reduce acc densely to their
 leader, which selects and runs gTop-k with the other nodes' leaders, then broadcasts the result
-inside the node; every rank keeps its own residual. Option ``ranks_per_node``.
+inside the node; every rank keeps its own residual. Options ``ranks_per_node`` and ``node_split``
+("leader"; "slices": R parallel gTop-k over R slices; "sparse": gTop-k inside the node instead of
+the dense reduce, the fastest on the emulated 4x2 cluster, docs/benchmarks.md).
 
 Options (``register_hook(ddp, "topk" | "gtopk" | "hgtopk", ...)``): ``density`` (0.001, the paper's),
 ``density_warmup`` (None: the start density of the warm-up), ``density_warmup_steps`` (0),
@@ -75,7 +77,7 @@ from flashsgd.comm.waits import wait_collective
 from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, DensitySchedule, SelectionWorkspace,
                                   check_sizes, gtopk_allreduce, gtopk_bytes_sent, k_from_density,
                                   topk_allgather, topk_bytes_sent)
-from flashsgd.comm.sparse_hier import check_node_layout, hgtopk_allreduce, hgtopk_bytes_sent
+from flashsgd.comm.sparse_hier import SPLITS, check_node_layout, hgtopk_allreduce, hgtopk_bytes_sent
 from flashsgd.comm.sparse_select import ThresholdReuse, topk_threshold
 
 ALGORITHMS = ("topk", "gtopk", "hgtopk")
@@ -100,6 +102,8 @@ class SparseHookState:
         local_clip: L2 norm each rank's bucket gradient is clipped to before accumulation (None: off).
         ranks_per_node: ``hgtopk`` (:mod:`flashsgd.comm.sparse_hier`): ranks per node (None:
             detected by :func:`~flashsgd.comm.topology.get_topology`).
+        node_split: ``hgtopk``: how a node combines its ranks' gradients, one of
+            :data:`~flashsgd.comm.sparse_hier.SPLITS` ("leader": dense reduce to one leader).
         threshold_tolerance, threshold_every: the ``threshold`` selection's reuse of its threshold
             (:class:`~flashsgd.comm.sparse_select.ThresholdReuse`).
     """
@@ -108,6 +112,7 @@ class SparseHookState:
         # hyper-parameters
         "algorithm", "schedule", "start_iter", "selection", "seed", "process_group", "timeout_s",
         "momentum", "nesterov", "momentum_masking", "local_clip", "layer_trust", "ranks_per_node",
+        "node_split",
         # internal state
         "iter", "residuals", "velocities", "layer_norms", "layouts", "pending", "pending_velocities",
         "param_positions", "generator", "workspace", "checked", "reuse", "topology",
@@ -122,7 +127,8 @@ class SparseHookState:
                  nesterov: bool = False, momentum_masking: bool = True,
                  local_clip: float | None = None, layer_trust: bool = False,
                  ranks_per_node: int | None = None,
-                 threshold_tolerance: float = 0.25, threshold_every: int = 8) -> None:
+                 threshold_tolerance: float = 0.25, threshold_every: int = 8,
+                 node_split: str = "leader") -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         if not isinstance(schedule, DensitySchedule):
@@ -145,6 +151,9 @@ class SparseHookState:
         self.layer_norms: dict[int, torch.Tensor] = {}  # parameter position -> dense gradient norm
         self.param_positions = param_positions
         self.ranks_per_node = ranks_per_node
+        if node_split not in SPLITS:
+            raise ValueError(f"node_split must be one of {', '.join(SPLITS)}, got {node_split!r}")
+        self.node_split = node_split
         self.reuse = ThresholdReuse(threshold_tolerance, threshold_every)
         self.topology = None  # hgtopk: set by bind()
         self.iter = 0
@@ -229,7 +238,7 @@ class SparseHookState:
                                 "layer_trust": self.layer_trust},
                 "exchange": {"ranks_per_node": self.ranks_per_node,
                              "threshold_tolerance": self.reuse.tolerance,
-                             "threshold_every": self.reuse.every},
+                             "threshold_every": self.reuse.every, "node_split": self.node_split},
                 "state": self.state_dict()}
 
     def __setstate__(self, state: dict) -> None:
@@ -402,7 +411,8 @@ def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Ten
     # Step 3: exchange; Step 5: the bucket becomes sum / world
     if state.algorithm == "hgtopk":  # Step 2 by the node's leader, on the node sum
         res = hgtopk_allreduce(acc, k, state.topology, out=buf, check=False, timeout_s=state.timeout_s,
-                               select=lambda x, k_: _select(state, x, k_, idx, rank))
+                               select=lambda x, k_: _select(state, x, k_, idx, rank),
+                               split=state.node_split)
         buf.div_(world)
         counted = res.counted
         state.bytes_sent += sum(hgtopk_bytes_sent(k, state.topology, n, buf.dtype).values())
@@ -447,8 +457,8 @@ def sparse_factory(algorithm: str) -> Callable:
              timeout_s: float | None = None, momentum_correction: float = 0.0,
              nesterov: bool = False, momentum_masking: bool = True,
              local_clip: float | None = None, layer_trust: bool = False,
-             ranks_per_node: int | None = None, threshold_tolerance: float = 0.25, threshold_every: int = 8
-             ) -> tuple[SparseHookState, Callable]:
+             ranks_per_node: int | None = None, threshold_tolerance: float = 0.25, threshold_every: int = 8,
+             node_split: str = "leader") -> tuple[SparseHookState, Callable]:
         schedule = DensitySchedule(density, density_warmup, density_warmup_steps, density_warmup_mode)
         if algorithm != "hgtopk":  # the node layout describes the cluster; only hgtopk uses it
             ranks_per_node = None
@@ -464,7 +474,7 @@ def sparse_factory(algorithm: str) -> Callable:
                                 momentum_masking=momentum_masking,
                                 local_clip=local_clip, layer_trust=layer_trust, ranks_per_node=ranks_per_node,
                                 threshold_tolerance=threshold_tolerance,
-                                threshold_every=threshold_every).bind(ddp_model)
+                                threshold_every=threshold_every, node_split=node_split).bind(ddp_model)
         return state, sparse_hook
 
     make.__name__ = f"make_{algorithm}"
