@@ -81,8 +81,8 @@ def test_threshold_bad_inputs():
         topk_threshold(torch.randn(10), 1, block=1)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_compress_accumulates_in_place_and_selects(compiled):
+def _compress_body(compiled):
+    torch.set_num_threads(1)  # no OpenMP pool in a rank forked from a process that used one
     g = torch.Generator().manual_seed(1)
     residual = torch.randn(100_000, generator=g)
     grad = torch.randn(100_000, generator=g)
@@ -91,8 +91,18 @@ def test_compress_accumulates_in_place_and_selects(compiled):
     assert torch.equal(residual, acc)  # Step 1 in place (compiled or its eager fallback)
     ve, ie = topk_exact(acc, 100)
     assert torch.equal(i, ie) and torch.equal(v, ve)
-    with pytest.raises(ValueError, match="grad must match residual"):
+    try:
         compress_(residual, grad[:10], 5)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_compress_accumulates_in_place_and_selects(run_ranks, compiled):
+    # in a forked rank: torch.compile's worker threads must not live in the pytest process,
+    # which forks the ranks of later tests
+    assert "grad must match residual" in run_ranks(_compress_body, 1, compiled)[0]
 
 
 def test_hgtopk_bad_split():
@@ -105,6 +115,8 @@ def test_node_layout_checked_before_groups():
     for bad in (4, 0, -2, 2.0, True):
         with pytest.raises(ValueError, match=r"ranks_per_node must divide the world size 6; .*valid: 1, 2, 3, 6"):
             check_node_layout(bad, 6)
+    with pytest.raises(ValueError, match="node_split must be one of leader, slices, sparse, got 'x'"):
+        register_hook(nn.Linear(2, 2), "hgtopk", node_split="x")
     with pytest.raises(ValueError, match="threshold tolerance"):
         register_hook(nn.Linear(2, 2), "gtopk", threshold_tolerance=-1)
     assert "hgtopk" in HOOKS
@@ -113,7 +125,8 @@ def test_node_layout_checked_before_groups():
 # --------------------------------------------------------------------------- multi-rank ---------
 
 def _hier_body(ranks_per_node):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)  # see _compress_body
+    rank = dist.get_rank()
     topo = get_topology(ranks_per_node)
     report = {}
     # 1. density 1.0 == all-reduce (integer data: exact)
@@ -174,6 +187,7 @@ def _params(model):
 
 
 def _hook_body():
+    torch.set_num_threads(1)  # see _compress_body
     # 1. hgtopk at density 1.0 == DDP's all-reduce, through the bucket rebuild
     ref = DDP(_net(), bucket_cap_mb=0.01)
     _train(ref, 5)
@@ -181,16 +195,17 @@ def _hook_body():
     state, _ = _train(model, 5, name="hgtopk", density=1.0, ranks_per_node=2)
     assert state.sparse_buckets > 0
     torch.testing.assert_close(_params(model), _params(ref), rtol=1e-5, atol=1e-6)
-    # 2. threshold selection == exact selection (gtopk and hgtopk), tolerance 0 or not
-    for name in ("gtopk", "hgtopk"):
-        extra = {"ranks_per_node": 2} if name == "hgtopk" else {}
+    # 2. threshold selection == exact selection (gtopk and hgtopk's splits), tolerance 0 or not
+    for name, extra in (("gtopk", {}), ("hgtopk", {"ranks_per_node": 2}),
+                        ("hgtopk", {"ranks_per_node": 2, "node_split": "slices"}),
+                        ("hgtopk", {"ranks_per_node": 2, "node_split": "sparse"})):
         runs = []
         for opts in ({"selection": "exact"}, {"selection": "threshold", "threshold_tolerance": 0.0},
                      {"selection": "threshold", "threshold_tolerance": 0.5}):
             model = DDP(_net(), bucket_cap_mb=0.01)
             _train(model, 6, name=name, density=0.01, **extra, **opts)
             runs.append(_params(model))
-        assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2]), name
+        assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2]), (name, extra)
     # 3. checkpoint/resume (residuals and thresholds) == uninterrupted run (one bucket before and
     #    after DDP's rebuild: the same selection per bucket)
     straight = DDP(_net())
@@ -224,6 +239,7 @@ def test_hgtopk_and_threshold_hooks(run_ranks):
 
 def _slices_body(ranks_per_node, split):
     """split 'slices' / 'sparse': density 1 == all-reduce, error feedback exact, identical everywhere."""
+    torch.set_num_threads(1)  # see _compress_body
     rank = dist.get_rank()
     topo = get_topology(ranks_per_node)
     n = 301
