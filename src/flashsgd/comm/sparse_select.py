@@ -424,21 +424,10 @@ def topk_threshold(x: torch.Tensor, k: int, *, reuse: ThresholdReuse | None = No
     # Step 1
     if bmax is None:
         bmax = block_maxima(x, block)
-    # Step 2: a kept threshold, if fresh
+    # Steps 2-3 with a kept threshold, if fresh and in the window
     tol = reuse.tolerance if reuse is not None else 0.0
     workspace = reuse.workspace if reuse is not None else SelectionWorkspace()
-    kept = reuse.thresholds.get(key) if reuse is not None else None
-    pos = None
-    if kept is not None and reuse.ages.get(key, 0) < reuse.every:
-        # Step 3 with the kept threshold
-        # a kept threshold hitting more than (1 + tol) k blocks selects too many: rejected early
-        pos = _candidates(x, bmax, torch.tensor(kept, dtype=x.dtype), block, workspace,
-                          limit=(1 + tol) * k)
-        if pos is None or not k <= pos.numel() <= (1 + tol) * k:
-            pos = None
-        else:
-            reuse.ages[key] += 1
-            reuse.reuses += 1
+    pos = _kept_candidates(x, bmax, k, block, reuse, key) if reuse is not None else None
     if pos is None:  # Steps 2-3 with an estimate
         pos = _estimate_candidates(x, bmax, k, block, workspace)
         if reuse is not None:
@@ -451,6 +440,23 @@ def topk_threshold(x: torch.Tensor, k: int, *, reuse: ThresholdReuse | None = No
     # Step 4
     idx = _trim(x, pos, k)
     return x[idx], idx
+
+
+def _kept_candidates(x: torch.Tensor, bmax: torch.Tensor, k: int, block: int,
+                     reuse: ThresholdReuse, key) -> torch.Tensor | None:
+    """Step 3 with ``reuse``'s threshold for ``key``: the candidates if it is fresh and selects
+    k .. (1 + tolerance) k entries (counted as a reuse), else None. One that hits more than
+    (1 + tolerance) k blocks selects too many and is rejected before any block is read."""
+    kept = reuse.thresholds.get(key)
+    if kept is None or reuse.ages.get(key, 0) >= reuse.every:
+        return None
+    most = (1 + reuse.tolerance) * k
+    pos = _candidates(x, bmax, torch.tensor(kept, dtype=x.dtype), block, reuse.workspace, limit=most)
+    if pos is None or not k <= pos.numel() <= most:
+        return None
+    reuse.ages[key] += 1
+    reuse.reuses += 1
+    return pos
 
 
 def _topk_ties_low(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
