@@ -16,7 +16,7 @@ times. When ``coverage`` is a few units (1000 steps at density 0.001 for gTop-k:
 coordinates are updated once or twice in the whole run, each time with the sum of a long stretch
 of gradients: no correction to the update rule recovers dense accuracy then; only more steps, a
 higher density, or a denser warm-up do. Measured on MNIST-1D (docs/sparse_accuracy.md): coverage
-1.2 lost 12-13 points, 3.7-6.4 lost 1.6-4.8, 12 lost 0.6-1.9, 23 and 37 lost 0.1-0.6; hence the
+1.2 lost 12-13 points, 3.7-6.4 lost 1.5-4.7, 12-13 lost 0.7-2.3, 23 and 37 lost 0.4-0.5; hence the
 warning below :data:`MIN_COVERAGE`.
 
 Example::
