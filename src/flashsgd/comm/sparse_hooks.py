@@ -100,6 +100,8 @@ class SparseHookState:
         nesterov: Nesterov form of the hook's momentum.
         momentum_masking: zero the velocity where entries were sent (with momentum correction).
         local_clip: L2 norm each rank's bucket gradient is clipped to before accumulation (None: off).
+        layer_trust: record each parameter's dense gradient norm per step (:meth:`grad_norms`, for
+            LARS's trust ratio; one all-reduce of one float per parameter and bucket).
         ranks_per_node: ``hgtopk`` (:mod:`flashsgd.comm.sparse_hier`): ranks per node (None:
             detected by :func:`~flashsgd.comm.topology.get_topology`).
         node_split: ``hgtopk``: how a node combines its ranks' gradients, one of
