@@ -159,7 +159,8 @@ def test_hook_modules_import_one_way():
     code = ("import sys, flashsgd.comm.dense_hooks, flashsgd.comm.sparse_hooks; "
             "assert 'flashsgd.comm.hooks' not in sys.modules, 'cycle'")
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert HOOKS.names() == ["native", "noop", "ring", "hierarchical", "torus2d", "topk", "gtopk"]
+    assert HOOKS.names() == ["native", "noop", "ring", "hierarchical", "torus2d", "topk", "gtopk", "hgtopk",
+                            "powersgd"]
 
 
 def test_comm_thread_fails_fast_after_a_failure():

@@ -225,3 +225,29 @@ def test_default_plan_uses_the_tuned_variant():
     assert "fujitsu-mnist1d (the mnist1d-tuned variant of fujitsu)" in plan.describe()
     published = build_plan(C.resolve(cli={"proxy_tuning": False}), world=4, num_train=32000, local_spawn=True)
     assert published.recipe.name == "fujitsu" and published.recipe.trust_coefficient == 0.0025
+
+
+def test_momentum_correction_moves_the_momentum_into_the_hook():
+    from flashsgd.train.plan import build_plan
+
+    cli = {"algorithm": "gtopk", "recipe": "goyal", "global_batch": 256, "epochs": 10.0,
+           "momentum_correction": True, "density_warmup": 0.25, "density_warmup_epochs": 4.0}
+    plan = build_plan(C.resolve(cli=cli), world=8, num_train=32000, local_spawn=True)
+    assert plan.recipe.momentum == 0.0 and plan.recipe.nesterov is False
+    assert plan.hook_options["momentum_correction"] == 0.9 and plan.hook_options["nesterov"] is True
+    assert plan.warnings == ()  # coverage with the warm-up is above the bound
+    with pytest.raises(ValueError, match="comm.momentum_correction: hook 'ring' has no momentum correction"):
+        build_plan(C.resolve(cli={**cli, "algorithm": "ring"}), world=8, num_train=32000, local_spawn=True)
+    with pytest.raises(ValueError, match="longer than the run"):
+        build_plan(C.resolve(cli={**cli, "density_warmup_epochs": 11.0, "warmup_epochs": 1.0}),
+                   world=8, num_train=32000, local_spawn=True)
+
+
+def test_sparse_runs_below_the_step_count_bound_are_warned():
+    from flashsgd.train.plan import build_plan
+
+    plan = build_plan(C.resolve(cli={"algorithm": "gtopk", "density": 0.01}), world=4, num_train=32000,
+                      local_spawn=True)
+    assert len(plan.warnings) == 1 and "step-count bound" in plan.warnings[0]
+    assert "WARNING" in plan.describe()
+    assert build_plan(C.resolve(), world=4, num_train=32000, local_spawn=True).warnings == ()

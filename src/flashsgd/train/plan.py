@@ -31,6 +31,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashsgd.comm.sparse_checks import check_sparse_run
 from flashsgd.comm.topology import parse_grid
 from flashsgd.optim.plan import build_batch_table
 from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
@@ -86,6 +87,8 @@ class RunPlan:
     """Optimizer steps of the whole run (before ``run.max_steps``)."""
     hook_options: dict[str, Any] = field(default_factory=dict)
     """Options of the communication hook ``config.comm.algorithm``."""
+    warnings: tuple[str, ...] = ()
+    """Settings that will cost accuracy (the sparse step-count bound), printed at start-up."""
 
     @property
     def table(self) -> BatchTable:
@@ -126,6 +129,7 @@ class RunPlan:
             f"batch/{r.ref_batch}), warmup {r.warmup_epochs:g} epochs, decay {r.decay}",
             f"  recipe      {self.recipe_source}",
             f"  run dir     {cfg.run.out}",
+            *(f"  WARNING     {w}" for w in self.warnings),
         ])
 
     def to_dict(self) -> dict[str, Any]:
@@ -135,23 +139,38 @@ class RunPlan:
                 "batch_rows": [list(r) for r in self.batch_rows], "epochs": self.epochs,
                 "total_steps": self.total_steps, "peak_lr": self.peak_lr(),
                 "algorithm": self.config.comm.algorithm, "hook_options": self.hook_options,
-                "recipe_source": self.recipe_source,
+                "recipe_source": self.recipe_source, "warnings": list(self.warnings),
                 "recipe": {k: v for k, v in dataclasses.asdict(self.recipe).items()},
                 "config": to_dict(self.config)}
 
 
-def _hook_options(cfg: TrainConfig, ranks_per_node: int | None, steps_per_epoch: int) -> dict[str, Any]:
-    """Step 4: the options of ``cfg.comm`` that hook ``cfg.comm.algorithm``'s factory accepts."""
+def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
+                  steps_per_epoch: int) -> tuple[dict[str, Any], Recipe]:
+    """Step 4: the options of ``cfg.comm`` that hook ``cfg.comm.algorithm``'s factory accepts, and
+    the recipe the optimizer runs (without momentum when the hook applies it: DGC's momentum
+    correction moves the momentum into the compressor, Lin et al. 2018)."""
     from flashsgd.comm import hooks
 
     c = cfg.comm
     offered: dict[str, Any] = {"ranks_per_node": ranks_per_node, "grid": c.grid, "density": c.density,
                                "selection": c.selection, "seed": cfg.run.seed,
-                               "timeout_s": cfg.run.timeout_s}
+                               "timeout_s": cfg.run.timeout_s, "momentum_masking": c.momentum_masking,
+                               "local_clip": c.local_clip, "layer_trust": c.layer_trust,
+                               "matrix_approximation_rank": c.matrix_approximation_rank}
     if c.density_warmup is not None and c.density_warmup > c.density:
         offered["density_warmup"] = c.density_warmup
         offered["density_warmup_steps"] = max(1, round(c.density_warmup_epochs * steps_per_epoch))
-    return hooks.hook_options(c.algorithm, **offered)
+    accepted = hooks.hook_options(c.algorithm, momentum_correction=0.0)
+    if c.momentum_correction:
+        if not accepted:
+            raise ValueError(f"config key comm.momentum_correction: hook {c.algorithm!r} has no momentum "
+                             "correction; it applies to the sparse hooks (topk, gtopk, hgtopk)")
+        offered.update(momentum_correction=recipe.momentum, nesterov=recipe.nesterov)
+        recipe = dataclasses.replace(recipe, momentum=0.0, nesterov=False)
+    options = hooks.hook_options(c.algorithm, **offered)
+    defaults = {"momentum_masking": True, "local_clip": None, "layer_trust": False,
+                "matrix_approximation_rank": 1}  # left out at their defaults: plan.json stays short
+    return {k: v for k, v in options.items() if k not in defaults or defaults[k] != v}, recipe
 
 
 def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) -> RunPlan:
@@ -187,7 +206,11 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) 
     epochs = math.ceil(recipe.epochs)
     rows = tuple((int(e), int(b)) for e, b in table.rows)
     total = sum(len(ShardedSampler.batch_ends(num_train, batch_at(e, table), world)) for e in range(epochs))
-    options = _hook_options(cfg, rpn, max(1, num_train // rows[0][1]))    # Step 4
+    options, recipe = _hook_options(cfg, recipe, rpn, max(1, num_train // rows[0][1]))  # Step 4
+    try:
+        warnings = check_sparse_run(cfg.comm.algorithm, options, total, world, recipe.momentum)
+    except ValueError as exc:
+        raise ValueError(f"config keys comm.density_warmup_epochs / comm.momentum_correction: {exc}") from None
     return RunPlan(config=cfg, world=world, ranks_per_node=rpn, grid=grid, recipe=recipe,
                    recipe_source=source, num_train=num_train, batch_rows=rows, epochs=epochs,
-                   total_steps=total, hook_options=options)
+                   total_steps=total, hook_options=options, warnings=tuple(warnings))

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flashsgd.comm.sparse_checks import check_optimizer_momentum
+from flashsgd.optim.lars import LARS
 from flashsgd.optim.plan import prepare
 from flashsgd.train import checkpoint as ckpt
 from flashsgd.train.data import Datasets, ShardedSampler
@@ -40,6 +42,9 @@ class Worker:
         self.optimizer, self.model_tweaks = recipe_plan.optimizer, recipe_plan.model_tweaks
         self.timer = CommTimer()
         self.ddp, self.hook_state, self.topology = build_ddp(plan, self.model, self.device, self.timer)
+        check_optimizer_momentum(self.hook_state, self.optimizer)  # momentum applied once, not twice
+        if getattr(self.hook_state, "layer_trust", False) and isinstance(self.optimizer, LARS):
+            self.optimizer.grad_norm_source = self.hook_state.grad_norms  # trust from dense norms
         self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing, reduction="sum")
         self.sampler = ShardedSampler(plan.num_train, self.rank, self.world, self.cfg.run.seed)
         self.aug = torch.Generator().manual_seed(self.cfg.run.seed * 7919 + self.rank)  # per-rank augmentation
