@@ -28,7 +28,6 @@ Algorithm (:func:`rank_main`):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
@@ -81,7 +80,6 @@ class Trainer:
         self.sizes = self.sampler.global_sizes()
         self.aug = torch.Generator().manual_seed(cfg.run.seed * 7919 + self.rank)
         self.step_no = 0
-        self.note = ""
 
     def step(self) -> dict[str, float]:
         """One training step as the trainer runs it; returns rank 0's split in seconds."""
@@ -167,17 +165,7 @@ def build(spec: dict, comm: str, data) -> "Trainer | dict":
     try:
         plan = build_plan(resolve(cli=run_config(spec, comm, world)), world, len(data.train),
                           local_spawn=False)
-        try:
-            return Trainer(plan, data, setup_process(plan))
-        except ValueError as exc:
-            # A hook whose factory lists ranks_per_node but refuses it (topk, gtopk: "applies to
-            # 'hgtopk' only") while the plan offers it to every hook: retry without it, say so.
-            if "ranks_per_node" not in plan.hook_options or "ranks_per_node" not in str(exc):
-                raise
-            options = {k: v for k, v in plan.hook_options.items() if k != "ranks_per_node"}
-            trainer = Trainer(dataclasses.replace(plan, hook_options=options), data, setup_process(plan))
-            trainer.note = f"ranks_per_node not passed to the hook ({str(exc).splitlines()[0]})"
-            return trainer
+        return Trainer(plan, data, setup_process(plan))
     except ValueError as exc:  # the same on every rank: the hook cannot run at this world/layout
         return {"comm": comm, "skipped": str(exc).splitlines()[0]}
 
@@ -213,7 +201,7 @@ def row_of(spec: dict, comm: str, trainer: Trainer, steps: list) -> dict:
            "split_s": {k: statistics.median(s[k] for s in splits) for k in splits[0] if k != "loss"},
            "loss_first": splits[0]["loss"], "loss_last": splits[-1]["loss"],
            "hook_options": plan.hook_options, "grid": list(plan.grid) if plan.grid else None,
-           "loadavg": os.getloadavg(), **({"note": trainer.note} if trainer.note else {})}
+           "loadavg": os.getloadavg()}
     if comm in SPARSE_HOOKS:
         row["compression_s"] = compression_seconds(spec, buckets)
     return row
