@@ -39,6 +39,7 @@ for _name, _fn in (
     ("gtopk", costs_sparse.gtopk),
     ("gtopk_tree", costs_sparse.gtopk_tree),
     ("hgtopk", costs_sparse.hgtopk),
+    ("hgtopk_sparse", costs_sparse.hgtopk_sparse),
     ("powersgd", costs_lowrank.powersgd),
 ):
     ALGORITHMS.add(_name, _fn)

@@ -12,6 +12,8 @@ Low Bandwidth Networks" (arXiv 1901.04359). Registered by name in
   equal to ``flashsgd.comm.sparse.gtopk_bytes_sent`` with ``index_bytes=8`` (tested).
 - ``hgtopk``: ``flashsgd.comm.sparse_hier``: dense reduce to a leader per node, gTop-k among the
   leaders, broadcast inside the node (:func:`hgtopk`).
+- ``hgtopk_sparse``: ``hgtopk_allreduce(split="sparse")``: every rank selects, gTop-k inside the
+  node, gTop-k among the leaders, broadcast inside the node (:func:`hgtopk_sparse`).
 - ``gtopk_tree`` (simulator-only): Shi et al.'s reference implementation, a tree reduction of
   pairwise merges then a broadcast of the k result pairs (2 ceil(lgP) rounds); what the paper's
   figures were measured with.
@@ -190,5 +192,40 @@ def hgtopk(n_bytes, setup: CommSetup) -> Cost:
         # Step 4: the global pairs and the counted indices (int64) back to every rank of the node.
         k = _k(n, setup)[1]
         lat, bw = step_cost(sparse_message_bytes(k, setup) + 8 * k, steps, intra)
+        cost = cost + Cost(lat, bw, z, z)
+    return cost
+
+
+def hgtopk_sparse(n_bytes, setup: CommSetup) -> Cost:
+    """Hierarchical gTop-k without dense traffic (``comm/sparse_hier.py``, ``split="sparse"``).
+
+    Steps (L ranks per node, N nodes): 1. every rank's selection and :func:`gtopk` among the L
+    ranks of its node (intra link; the selection is counted here); 2. :func:`gtopk` among the N
+    leaders (one flow per node on the inter link, no second selection); 3. broadcast of the k
+    result pairs and the k counted indices inside the node: ceil(lgL) (a + (k s + 8 k) b).
+    """
+    n = np.asarray(n_bytes, dtype=float)
+    if setup.gpus == 1:
+        return zero_cost(n)
+    c, lr = setup.cluster, setup.local_ranks
+    nodes = setup.gpus // lr
+    z = np.zeros_like(n)
+    steps = math.ceil(math.log2(lr))
+    leaders = dataclasses.replace(setup, gpus=nodes, grid=None,
+                                  cluster=dataclasses.replace(c, ranks_per_node=1))
+    if lr == 1:  # one rank per node: the leaders' gTop-k is the whole exchange
+        return gtopk(n, leaders)
+    # Step 1: selection + the node's butterfly (a node alone: L ranks on the intra link)
+    cost = gtopk(n, dataclasses.replace(setup, gpus=lr, grid=None))
+    if nodes > 1:
+        # Step 2: the leaders' butterfly, without a second selection (a second call's overhead)
+        cross, select = gtopk(n, leaders), _sparse_start(n, leaders)[2]
+        cost = cost + Cost(cross.latency_s, cross.bandwidth_s, cross.compute_s - select.compute_s,
+                           cross.overhead_s)
+    if steps:
+        # Step 3: the global pairs and the counted indices back to every rank of the node.
+        k = _k(n, setup)[1]
+        lat, bw = step_cost(sparse_message_bytes(k, setup) + 8 * k, steps,
+                            [(c.intra.alpha_s, c.intra.beta_s_per_byte)])
         cost = cost + Cost(lat, bw, z, z)
     return cost
