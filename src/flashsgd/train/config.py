@@ -64,6 +64,12 @@ def _selection_names() -> list[str]:
     return list(SELECTIONS)
 
 
+def _node_splits() -> list[str]:
+    from flashsgd.comm.sparse_hier import SPLITS
+
+    return list(SPLITS)
+
+
 def choice(default: str, names: Callable[[], list[str]]) -> Any:
     """A ``str`` field whose valid values are a registry's names (read when a value is checked,
     so registering a new algorithm or recipe is the only change needed)."""
@@ -144,7 +150,7 @@ class CommConfig:
     ranks_per_node: Optional[int] = None
     """Ranks per node; unset: torchrun's LOCAL_WORLD_SIZE, or 2 emulated per node on local spawn."""
     density: float = 0.001
-    """topk/gtopk: fraction of gradient entries sent per step, in (0, 1] (0.001: Shi et al.)."""
+    """topk/gtopk/hgtopk: fraction of gradient entries sent per step, in (0, 1] (0.001: Shi et al.)."""
     density_warmup: Optional[float] = None
     """topk/gtopk: density at the first sparse step, decaying to `density` (Shi et al.: denser
     first epoch, e.g. 0.25); unset: no warm-up."""
@@ -166,8 +172,16 @@ class CommConfig:
     """powersgd: rank of torch's PowerSGD approximation (rank 2 was within 0.3 pt of dense on the
     1250-step MNIST-1D run)."""
     selection: str = choice("sampled", _selection_names)
-    """topk/gtopk: exact (torch.topk) or sampled (threshold from a sample, then an exact trim:
-    the same entries, faster on CPU)."""
+    """topk/gtopk/hgtopk: exact (torch.topk), sampled (threshold from a sample, then an exact trim)
+    or threshold (candidates from block maxima, the threshold kept across steps): the same entries."""
+    threshold_tolerance: float = 0.25
+    """selection threshold: a kept threshold is re-estimated when it selects more than (1 + tol) k
+    entries (Ok-Topk's reuse; 0: re-estimate every step)."""
+    threshold_every: int = 8
+    """selection threshold: re-estimate the kept threshold at least every N steps."""
+    node_split: str = choice("leader", _node_splits)
+    """hgtopk: leader (dense reduce to one rank per node, gTop-k among leaders), slices (each rank
+    runs gTop-k on 1/R of the gradient) or sparse (gTop-k inside the node too)."""
     bucket_mb: float = 25.0
     """DDP gradient bucket size in MB."""
 
@@ -285,6 +299,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                          f"[{cfg.comm.density}, 1], got {warm}")
     _positive(cfg, "comm", "density_warmup_epochs", allow_zero=True)
     _positive(cfg, "comm", "matrix_approximation_rank")
+    _positive(cfg, "comm", "threshold_tolerance", allow_zero=True)
+    _positive(cfg, "comm", "threshold_every")
     if cfg.comm.local_clip is not None and not cfg.comm.local_clip > 0:
         raise ValueError(f"config key comm.local_clip must be > 0 (or unset), got {cfg.comm.local_clip}")
     _check_optim_overrides(cfg.optim)

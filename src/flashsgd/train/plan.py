@@ -156,7 +156,9 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
                                "selection": c.selection, "seed": cfg.run.seed,
                                "timeout_s": cfg.run.timeout_s, "momentum_masking": c.momentum_masking,
                                "local_clip": c.local_clip, "layer_trust": c.layer_trust,
-                               "matrix_approximation_rank": c.matrix_approximation_rank}
+                               "matrix_approximation_rank": c.matrix_approximation_rank,
+                               "threshold_tolerance": c.threshold_tolerance,
+                               "threshold_every": c.threshold_every, "node_split": c.node_split}
     if c.density_warmup is not None and c.density_warmup > c.density:
         offered["density_warmup"] = c.density_warmup
         offered["density_warmup_steps"] = max(1, round(c.density_warmup_epochs * steps_per_epoch))
@@ -169,7 +171,8 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
         recipe = dataclasses.replace(recipe, momentum=0.0, nesterov=False)
     options = hooks.hook_options(c.algorithm, **offered)
     defaults = {"momentum_masking": True, "local_clip": None, "layer_trust": False,
-                "matrix_approximation_rank": 1}  # left out at their defaults: plan.json stays short
+                "matrix_approximation_rank": 1, "threshold_tolerance": 0.25, "threshold_every": 8,
+                "node_split": "leader"}  # left out at their defaults: plan.json stays short
     return {k: v for k, v in options.items() if k not in defaults or defaults[k] != v}, recipe
 
 
