@@ -17,22 +17,9 @@ from flashsgd.comm.sparse_corrections import (accumulate_velocity_, check_moment
                                               clip_local_, mask_momentum_)
 
 
-def _net(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
-
-
-def _train(model, opt, steps, first=0):
-    for s in range(first, first + steps):
-        g = torch.Generator().manual_seed(1000 * s + dist.get_rank())
-        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 5, (16,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
-
-def _params(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+from ddp_helpers import flat_params as _params  # noqa: E402
+from ddp_helpers import tiny_net as _net  # noqa: E402
+from ddp_helpers import train_steps as _train  # noqa: E402
 
 
 def test_bad_options_name_the_value():

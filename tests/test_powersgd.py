@@ -8,29 +8,15 @@ import io
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd.comm.hooks import HOOKS, hook_options, register_hook
 
 
-def _net(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
-
-
-def _train(model, opt, steps, first=0):
-    for s in range(first, first + steps):
-        g = torch.Generator().manual_seed(1000 * s + dist.get_rank())
-        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 5, (16,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
-
-def _params(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+from ddp_helpers import flat_params as _params  # noqa: E402
+from ddp_helpers import tiny_net as _net  # noqa: E402
+from ddp_helpers import train_steps as _train  # noqa: E402
 
 
 def test_registered_options_and_bad_input():

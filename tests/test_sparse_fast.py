@@ -21,6 +21,10 @@ from flashsgd.comm.sparse_hier import check_node_layout, hgtopk_allreduce
 from flashsgd.comm.sparse_select import ThresholdReuse, block_maxima, topk_threshold
 from flashsgd.comm.topology import get_topology
 
+from ddp_helpers import flat_params as _params  # noqa: E402
+from ddp_helpers import tiny_net as _net  # noqa: E402
+from ddp_helpers import train_steps  # noqa: E402
+
 # ------------------------------------------------------------------------- single process -------
 
 
@@ -165,25 +169,11 @@ def test_hgtopk_exact_any_layout(run_ranks, world, ranks_per_node):
     assert all(rep["results"] == reports[0]["results"] for rep in reports)  # identical on all ranks
 
 
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
-
-
 def _train(model, steps, first=0, **options):
     state = register_hook(model, **options) if options else None
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for s in range(first, first + steps):
-        g = torch.Generator().manual_seed(1000 * s + dist.get_rank())
-        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 5, (16,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    train_steps(model, opt, steps, first)
     return state, opt
-
-
-def _params(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 def _hook_body():
