@@ -13,21 +13,10 @@ import numpy as np
 import pytest
 
 from flashsgd.bench import scaling
-from flashsgd.emulate.netns import EmulationUnavailable, check_available
+from flashsgd.emulate.netns import EmulationUnavailable
 from flashsgd.emulate.ranks import RankError
 from flashsgd.sim import scaling as sim
-
-
-def _unavailable_reason() -> str | None:
-    try:
-        check_available()
-    except EmulationUnavailable as exc:
-        return str(exc)
-    return None
-
-
-REASON = _unavailable_reason()
-needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
+from netns_helpers import needs_netns
 
 
 def _args(**over) -> argparse.Namespace:

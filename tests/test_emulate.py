@@ -16,18 +16,7 @@ from flashsgd.emulate import netns
 from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_available, parse_rate,
                                     parse_shape)
 from flashsgd.emulate.report import annotate, bound_s, bytes_per_payload_byte, format_table
-
-
-def _unavailable_reason() -> str | None:
-    try:
-        check_available()
-    except EmulationUnavailable as exc:
-        return str(exc)
-    return None
-
-
-REASON = _unavailable_reason()
-needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
+from netns_helpers import needs_netns
 
 
 # ---- no root needed ----------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def test_validation_predicts_held_out_sizes(tmp_path):
 
 
 @pytest.mark.parametrize("doc,match", [
-    ({"results": []}, "'meta' and 'results'"),
+    ({"results": []}, "'meta', 'results'"),
     ({"meta": {"world": 1}, "results": []}, "meta.world"),
     ({"meta": {"world": 8}, "results": [{"algorithm": "ring"}]}, r"results\[0\] needs"),
     ({"meta": {"world": 8}, "results": [{"algorithm": "noop", "size_bytes": 4, "time_us": 1}]},

@@ -75,6 +75,20 @@ def _meta_grid(value, world: int, path: Path) -> tuple[int, int] | None:
                          f"X*Y = world {world}, got {value!r} ({exc})") from None
 
 
+def load_json(path: str | Path, what: str, keys: tuple[str, ...], hint: str = "") -> dict:
+    """A benchmark's JSON output as a dict with top-level ``keys``; ValueError naming the file."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{what} {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {str(path)!r} is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or any(k not in doc for k in keys):
+        raise ValueError(f"{what} {str(path)!r}: need top-level keys {', '.join(map(repr, keys))}{hint}")
+    return doc
+
+
 def load_bench(path: str | Path, statistic: Literal["time_us", "time_us_min"] = "time_us") -> BenchFile:
     """Read a bench JSON file; ValueError naming the field that is missing or wrong.
 
@@ -83,15 +97,7 @@ def load_bench(path: str | Path, statistic: Literal["time_us", "time_us_min"] = 
     """
     if statistic not in ("time_us", "time_us_min"):
         raise ValueError(f"statistic must be 'time_us' or 'time_us_min', got {statistic!r}")
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"calibration file {str(path)!r} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"calibration file {str(path)!r} is not JSON: {exc}") from None
-    if not isinstance(doc, dict) or "meta" not in doc or "results" not in doc:
-        raise ValueError(f"calibration file {str(path)!r}: need top-level keys 'meta' and 'results'")
+    doc = load_json(path, "calibration file", ("meta", "results"))
     meta = doc["meta"]
     world = meta.get("world")
     if not isinstance(world, int) or world < 2:

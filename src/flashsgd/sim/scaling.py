@@ -44,7 +44,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from flashsgd.sim.algorithms import ALGORITHMS
+from flashsgd.sim.calibrate import load_json
 from flashsgd.sim.costs import CommSetup
 from flashsgd.sim.network import ClusterModel, Link
 
@@ -77,16 +77,7 @@ def median_step_s(row: dict) -> float:
 
 def load_scaling(path: str | Path) -> ScalingRows:
     """Read a ``flashsgd bench scaling --json`` file; ValueError naming what is missing."""
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"scaling file {str(path)!r} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"scaling file {str(path)!r} is not JSON: {exc}") from None
-    if not isinstance(doc, dict) or "rows" not in doc or "meta" not in doc:
-        raise ValueError(f"scaling file {str(path)!r}: need 'meta' and 'rows' (written by "
-                         "`flashsgd bench scaling --json`)")
+    doc = load_json(path, "scaling file", ("meta", "rows"), " (written by `flashsgd bench scaling --json`)")
     rows = []
     for i, r in enumerate(doc["rows"]):
         if "step_s" not in r:
