@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 from dataclasses import dataclass, field
@@ -42,6 +43,11 @@ from flashsgd.train.data import ShardedSampler
 # Recipe fields a config key may override (config key -> Recipe field; the same names).
 RECIPE_OVERRIDES = ("lr_per_ref", "ref_batch", "momentum", "nesterov", "weight_decay",
                     "warmup_epochs", "label_smoothing", "trust_coefficient")
+
+
+# Hook options shown only when they differ from the hook's default.
+SWITCHES = ("momentum_masking", "local_clip", "layer_trust", "matrix_approximation_rank",
+            "threshold_tolerance", "threshold_every", "node_split")
 
 
 def emulated_ranks_per_node(world: int) -> int:
@@ -170,10 +176,9 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
         offered.update(momentum_correction=recipe.momentum, nesterov=recipe.nesterov)
         recipe = dataclasses.replace(recipe, momentum=0.0, nesterov=False)
     options = hooks.hook_options(c.algorithm, **offered)
-    defaults = {"momentum_masking": True, "local_clip": None, "layer_trust": False,
-                "matrix_approximation_rank": 1, "threshold_tolerance": 0.25, "threshold_every": 8,
-                "node_split": "leader"}  # left out at their defaults: plan.json stays short
-    return {k: v for k, v in options.items() if k not in defaults or defaults[k] != v}, recipe
+    # the switches are left out where they equal the hook's own default: the banner stays short
+    params = inspect.signature(hooks.HOOKS[c.algorithm]).parameters
+    return {k: v for k, v in options.items() if k not in SWITCHES or params[k].default != v}, recipe
 
 
 def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) -> RunPlan:
