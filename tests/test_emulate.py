@@ -108,11 +108,14 @@ def test_unavailable_is_reported(monkeypatch, capsys):
 
 # ---- as root, with network namespaces ----------------------------------------------------------
 
+_OURS = f"{netns.NAME_PREFIX}-{os.getpid()}"  # this process's clusters (others may run beside it)
+
+
 def _host_state() -> tuple[str, str, list[str]]:
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
     strip = lambda s: sorted(line.split(" state ")[0].split(" qdisc ")[0] for line in s.splitlines())  # noqa: E731
-    return strip(links), qdiscs, netns.list_namespaces()
+    return strip(links), qdiscs, netns.list_namespaces(_OURS)
 
 
 @needs_netns
@@ -139,7 +142,7 @@ def test_emulated_2x2_allreduce_rate_and_teardown(tmp_path):
     assert big["time_us"] >= big["emu_bound_us"] * 0.98
     # nothing left behind: no namespaces, and the host's links and qdiscs as they were
     assert _host_state() == host_before
-    assert netns.list_namespaces() == []
+    assert netns.list_namespaces(_OURS) == []
 
 
 @needs_netns
