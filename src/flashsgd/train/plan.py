@@ -17,9 +17,10 @@ workers read nothing else from the config that the plan resolves.
 
 Example::
 
+    >>> from flashsgd.train.config import resolve
     >>> cfg = resolve(cli={"workers": 8, "global_batch": 8192})
     >>> plan = build_plan(cfg, world=8, num_train=32000, local_spawn=True)
-    >>> plan.grid, plan.batch_rows, plan.total_steps
+    >>> plan.grid, plan.table.rows, plan.total_steps
     ((2, 4), ((0, 8192),), 60)
 """
 
@@ -36,7 +37,7 @@ from flashsgd.comm.sparse_checks import check_sparse_run
 from flashsgd.comm.topology import parse_grid
 from flashsgd.optim.plan import build_batch_table
 from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
-from flashsgd.optim.schedules import BatchTable, batch_at, lr_at
+from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at
 from flashsgd.train.config import TrainConfig, to_dict
 from flashsgd.train.data import ShardedSampler
 
@@ -85,8 +86,10 @@ class RunPlan:
     recipe_source: str
     num_train: int
     """Training samples per epoch."""
-    batch_rows: tuple[tuple[int, int], ...]
+    table: BatchTable
     """Batch-size control: (first epoch, global batch) rows."""
+    schedule: Schedule
+    """The recipe's LR schedule (linear scaling per reference batch, warmup, decay)."""
     epochs: int
     """Epochs the loop runs (the recipe's length, rounded up)."""
     total_steps: int
@@ -95,10 +98,6 @@ class RunPlan:
     """Options of the communication hook ``config.comm.algorithm``."""
     warnings: tuple[str, ...] = ()
     """Settings that will cost accuracy (the sparse step-count bound), printed at start-up."""
-
-    @property
-    def table(self) -> BatchTable:
-        return BatchTable(self.batch_rows)
 
     def batch_at(self, epoch: int) -> int:
         """Global batch of ``epoch`` (batch-size control; the last row past the end)."""
@@ -112,7 +111,7 @@ class RunPlan:
 
     def lr_at(self, epoch: float) -> float:
         """LR at a fractional epoch (linear scaling, warmup, decay; pure)."""
-        return lr_at(epoch, self.recipe.schedule(), self.table)
+        return lr_at(epoch, self.schedule, self.table)
 
     def peak_lr(self) -> float:
         """Largest LR over the run (sampled at 401 points)."""
@@ -122,14 +121,14 @@ class RunPlan:
     def describe(self, topology: str | None = None) -> str:
         """Start-up lines: world, grid, per-worker and global batch, effective LR, algorithm."""
         cfg, r = self.config, self.recipe
-        batches = [b for _, b in self.batch_rows]
+        batches = [b for _, b in self.table.rows]
         per_worker = "/".join(f"{b // self.world}" + ("+" if b % self.world else "") for b in batches)
         layout = topology or (f"{self.ranks_per_node} rank(s)/node, grid {self.grid[0]}x{self.grid[1]}"
                               if self.grid else "ranks per node detected at start-up")
         return "\n".join([
             f"flashsgd train | world {self.world} ({layout}) | backend {cfg.run.backend}",
             f"  algorithm   {cfg.comm.algorithm} {self.hook_options or ''} bucket {cfg.comm.bucket_mb:g} MB",
-            f"  batch       global {' -> '.join(map(str, batches))} (table {list(self.batch_rows)}), "
+            f"  batch       global {' -> '.join(map(str, batches))} (table {list(self.table.rows)}), "
             f"per worker {per_worker}; {self.total_steps} steps in {self.epochs} epochs",
             f"  lr          effective peak {self.peak_lr():.4g} (lr_per_ref {r.lr_per_ref:g} x "
             f"batch/{r.ref_batch}), warmup {r.warmup_epochs:g} epochs, decay {r.decay}",
@@ -142,7 +141,7 @@ class RunPlan:
         """JSON-able form (``<out>/plan.json``)."""
         return {"world": self.world, "ranks_per_node": self.ranks_per_node,
                 "grid": list(self.grid) if self.grid else None, "num_train": self.num_train,
-                "batch_rows": [list(r) for r in self.batch_rows], "epochs": self.epochs,
+                "batch_rows": [list(r) for r in self.table.rows], "epochs": self.epochs,
                 "total_steps": self.total_steps, "peak_lr": self.peak_lr(),
                 "algorithm": self.config.comm.algorithm, "hook_options": self.hook_options,
                 "recipe_source": self.recipe_source, "warnings": list(self.warnings),
@@ -168,16 +167,15 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
     if c.density_warmup is not None and c.density_warmup > c.density:
         offered["density_warmup"] = c.density_warmup
         offered["density_warmup_steps"] = max(1, round(c.density_warmup_epochs * steps_per_epoch))
-    accepted = hooks.hook_options(c.algorithm, momentum_correction=0.0)
+    params = inspect.signature(hooks.HOOKS[c.algorithm]).parameters
     if c.momentum_correction:
-        if not accepted:
+        if "momentum_correction" not in params:
             raise ValueError(f"config key comm.momentum_correction: hook {c.algorithm!r} has no momentum "
                              "correction; it applies to the sparse hooks (topk, gtopk, hgtopk)")
         offered.update(momentum_correction=recipe.momentum, nesterov=recipe.nesterov)
         recipe = dataclasses.replace(recipe, momentum=0.0, nesterov=False)
     options = hooks.hook_options(c.algorithm, **offered)
     # the switches are left out where they equal the hook's own default: the banner stays short
-    params = inspect.signature(hooks.HOOKS[c.algorithm]).parameters
     return {k: v for k, v in options.items() if k not in SWITCHES or params[k].default != v}, recipe
 
 
@@ -212,13 +210,13 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) 
                          f"of {small[0]} for {world} workers: every worker needs >= 1 sample per step; "
                          f"use optim.global_batch >= {world * cfg.optim.global_batch // small[0]}")
     epochs = math.ceil(recipe.epochs)
-    rows = tuple((int(e), int(b)) for e, b in table.rows)
     total = sum(len(ShardedSampler.batch_ends(num_train, batch_at(e, table), world)) for e in range(epochs))
-    options, recipe = _hook_options(cfg, recipe, rpn, max(1, num_train // rows[0][1]))  # Step 4
+    options, recipe = _hook_options(cfg, recipe, rpn, max(1, num_train // table.rows[0][1]))  # Step 4
     try:
         warnings = check_sparse_run(cfg.comm.algorithm, options, total, world, recipe.momentum)
     except ValueError as exc:
         raise ValueError(f"config keys comm.density_warmup_epochs / comm.momentum_correction: {exc}") from None
     return RunPlan(config=cfg, world=world, ranks_per_node=rpn, grid=grid, recipe=recipe,
-                   recipe_source=source, num_train=num_train, batch_rows=rows, epochs=epochs,
+                   recipe_source=source, num_train=num_train, table=table,
+                   schedule=recipe.schedule(), epochs=epochs,
                    total_steps=total, hook_options=options, warnings=tuple(warnings))

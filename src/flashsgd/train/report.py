@@ -105,12 +105,12 @@ def summarize(plan, progress: dict, topo, metrics, timer_total: float) -> dict[s
             "median_forward_s": med("t_forward_s"), "median_backward_s": med("t_backward_s"),
         },
         "algorithm": cfg.comm.algorithm, "recipe": cfg.optim.recipe,
-        "global_batch": plan.batch_rows[-1][1], "model": cfg.model.model, "dataset": cfg.data.dataset,
+        "global_batch": plan.table.final_batch, "model": cfg.model.model, "dataset": cfg.data.dataset,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     make_report(out / "metrics.jsonl", out / "report.png", title=(
         f"{cfg.model.model} on {cfg.data.dataset}: {cfg.optim.recipe} recipe, {cfg.comm.algorithm}, "
-        f"{world} workers, global batch {plan.batch_rows[-1][1]}"))
+        f"{world} workers, global batch {plan.table.final_batch}"))
     tta = f"{progress['tta_s']:.1f} s" if progress["tta_s"] is not None else "not reached"
     accuracy = (f"test accuracy {final:.2f}% (best {summary['best_test_accuracy']:.2f}%)"
                 if final is not None else "not evaluated")
