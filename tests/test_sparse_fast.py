@@ -128,21 +128,21 @@ def test_node_layout_checked_before_groups():
 
 # --------------------------------------------------------------------------- multi-rank ---------
 
-def _hier_body(ranks_per_node):
+def _split_body(ranks_per_node, split):
+    """hgtopk with ``split``: density 1 == all-reduce, error feedback exact, identical everywhere."""
     torch.set_num_threads(1)  # see _compress_body
     rank = dist.get_rank()
     topo = get_topology(ranks_per_node)
-    report = {}
     # 1. density 1.0 == all-reduce (integer data: exact)
     n = 301
     x = torch.randint(-1000, 1001, (n,), generator=torch.Generator().manual_seed(rank)).float()
     dense = x.clone()
     dist.all_reduce(dense)
     out = torch.empty(n)
-    res = hgtopk_allreduce(x, n, topo, out=out)
+    res = hgtopk_allreduce(x, n, topo, out=out, split=split)
     assert torch.equal(out, dense) and torch.equal(res.counted, torch.arange(n))
     # 2. error feedback exact over 5 steps: sum of grads == sum of applied + sum of residuals
-    n, k = 3000, 30
+    n, k = 3001, 30
     residual, grads_sum, applied_sum = torch.zeros(n), torch.zeros(n), torch.zeros(n)
     gen = torch.Generator().manual_seed(1000 + rank)
     out, results = torch.empty(n), []
@@ -150,8 +150,10 @@ def _hier_body(ranks_per_node):
         grad = torch.randint(-100, 101, (n,), generator=gen).float()
         grads_sum += grad
         acc = grad + residual
-        res = hgtopk_allreduce(acc, k, topo, out=out, select=topk_threshold)
-        assert res.indices.numel() == k and torch.count_nonzero(out) <= k
+        res = hgtopk_allreduce(acc, k, topo, out=out, select=topk_threshold, split=split)
+        assert bool((res.indices[1:] > res.indices[:-1]).all())
+        if split == "leader":  # one global selection of exactly k (the others select per slice / node)
+            assert res.indices.numel() == k and torch.count_nonzero(out) <= k
         applied_sum += out
         residual = acc.index_fill_(0, res.counted, 0)
         results.append(out.tolist())
@@ -159,14 +161,13 @@ def _hier_body(ranks_per_node):
     dist.all_reduce(total_grads)
     dist.all_reduce(total_res)
     assert torch.equal(applied_sum + total_res, total_grads)
-    report["results"] = results
-    return report
+    return results
 
 
 @pytest.mark.parametrize("world,ranks_per_node", [(1, 1), (2, 2), (4, 2), (6, 2), (6, 3), (3, 1), (8, 4)])
 def test_hgtopk_exact_any_layout(run_ranks, world, ranks_per_node):
-    reports = run_ranks(_hier_body, world, ranks_per_node)
-    assert all(rep["results"] == reports[0]["results"] for rep in reports)  # identical on all ranks
+    reports = run_ranks(_split_body, world, ranks_per_node, "leader")
+    assert all(rep == reports[0] for rep in reports)  # identical on all ranks
 
 
 def _train(model, steps, first=0, **options):
@@ -227,40 +228,8 @@ def test_hgtopk_and_threshold_hooks(run_ranks):
     assert all(run_ranks(_hook_body, 4))
 
 
-def _slices_body(ranks_per_node, split):
-    """split 'slices' / 'sparse': density 1 == all-reduce, error feedback exact, identical everywhere."""
-    torch.set_num_threads(1)  # see _compress_body
-    rank = dist.get_rank()
-    topo = get_topology(ranks_per_node)
-    n = 301
-    x = torch.randint(-1000, 1001, (n,), generator=torch.Generator().manual_seed(rank)).float()
-    dense = x.clone()
-    dist.all_reduce(dense)
-    out = torch.empty(n)
-    res = hgtopk_allreduce(x, n, topo, out=out, split=split)
-    assert torch.equal(out, dense) and torch.equal(res.counted, torch.arange(n))
-    n, k = 3001, 30
-    residual, grads_sum, applied_sum = torch.zeros(n), torch.zeros(n), torch.zeros(n)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    out, results = torch.empty(n), []
-    for _ in range(4):
-        grad = torch.randint(-100, 101, (n,), generator=gen).float()
-        grads_sum += grad
-        acc = grad + residual
-        res = hgtopk_allreduce(acc, k, topo, out=out, select=topk_threshold, split=split)
-        assert bool((res.indices[1:] > res.indices[:-1]).all())
-        applied_sum += out
-        residual = acc.index_fill_(0, res.counted, 0)
-        results.append(out.tolist())
-    total_grads, total_res = grads_sum.clone(), residual.clone()
-    dist.all_reduce(total_grads)
-    dist.all_reduce(total_res)
-    assert torch.equal(applied_sum + total_res, total_grads)
-    return results
-
-
 @pytest.mark.parametrize("split", ["slices", "sparse"])
 @pytest.mark.parametrize("world,ranks_per_node", [(1, 1), (4, 2), (6, 3), (6, 2), (8, 4)])
 def test_hgtopk_split_exact_any_layout(run_ranks, world, ranks_per_node, split):
-    reports = run_ranks(_slices_body, world, ranks_per_node, split)
+    reports = run_ranks(_split_body, world, ranks_per_node, split)
     assert all(rep == reports[0] for rep in reports)
