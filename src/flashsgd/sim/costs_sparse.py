@@ -160,6 +160,22 @@ def gtopk_tree(n_bytes, setup: CommSetup) -> Cost:
     return cost
 
 
+def _leaders(setup: CommSetup) -> CommSetup:
+    """The setup of the gTop-k among node leaders: one rank per node crosses the inter link."""
+    return dataclasses.replace(setup, gpus=setup.gpus // setup.local_ranks, grid=None,
+                               cluster=dataclasses.replace(setup.cluster, ranks_per_node=1))
+
+
+def _node_broadcast(n: np.ndarray, setup: CommSetup, steps: int) -> Cost:
+    """The k global pairs and the k counted indices (int64) back to every rank of the node:
+    ceil(lgL) (a + (k s + 8 k) b) on the intra link."""
+    k = _k(n, setup)[1]
+    intra = setup.cluster.intra
+    lat, bw = step_cost(sparse_message_bytes(k, setup) + 8 * k, steps,
+                        [(intra.alpha_s, intra.beta_s_per_byte)])
+    return Cost(lat, bw, np.zeros_like(n), np.zeros_like(n))
+
+
 def hgtopk(n_bytes, setup: CommSetup) -> Cost:
     """Hierarchical gTop-k as ``comm/sparse_hier.py`` runs it: dense inside a node, gTop-k across.
 
@@ -183,16 +199,11 @@ def hgtopk(n_bytes, setup: CommSetup) -> Cost:
         cost = cost + Cost(lat, bw, steps * n * c.gamma_s_per_byte, z)
     if nodes > 1:
         # Steps 2-3: selection at the leader, gTop-k among the leaders (one rank per node crosses).
-        leaders = dataclasses.replace(setup, gpus=nodes, grid=None,
-                                      cluster=dataclasses.replace(c, ranks_per_node=1))
-        cost = cost + gtopk(n, leaders)
+        cost = cost + gtopk(n, _leaders(setup))
     else:
         cost = cost + _sparse_start(n, setup)[2]
     if steps:
-        # Step 4: the global pairs and the counted indices (int64) back to every rank of the node.
-        k = _k(n, setup)[1]
-        lat, bw = step_cost(sparse_message_bytes(k, setup) + 8 * k, steps, intra)
-        cost = cost + Cost(lat, bw, z, z)
+        cost = cost + _node_broadcast(n, setup, steps)  # Step 4
     return cost
 
 
@@ -207,12 +218,10 @@ def hgtopk_sparse(n_bytes, setup: CommSetup) -> Cost:
     n = np.asarray(n_bytes, dtype=float)
     if setup.gpus == 1:
         return zero_cost(n)
-    c, lr = setup.cluster, setup.local_ranks
+    lr = setup.local_ranks
     nodes = setup.gpus // lr
-    z = np.zeros_like(n)
     steps = math.ceil(math.log2(lr))
-    leaders = dataclasses.replace(setup, gpus=nodes, grid=None,
-                                  cluster=dataclasses.replace(c, ranks_per_node=1))
+    leaders = _leaders(setup)
     if lr == 1:  # one rank per node: the leaders' gTop-k is the whole exchange
         return gtopk(n, leaders)
     # Step 1: selection + the node's butterfly (a node alone: L ranks on the intra link)
@@ -223,9 +232,5 @@ def hgtopk_sparse(n_bytes, setup: CommSetup) -> Cost:
         cost = cost + Cost(cross.latency_s, cross.bandwidth_s, cross.compute_s - select.compute_s,
                            cross.overhead_s)
     if steps:
-        # Step 3: the global pairs and the counted indices back to every rank of the node.
-        k = _k(n, setup)[1]
-        lat, bw = step_cost(sparse_message_bytes(k, setup) + 8 * k, steps,
-                            [(c.intra.alpha_s, c.intra.beta_s_per_byte)])
-        cost = cost + Cost(lat, bw, z, z)
+        cost = cost + _node_broadcast(n, setup, steps)  # Step 3
     return cost
