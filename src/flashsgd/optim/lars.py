@@ -185,14 +185,15 @@ def _adapted_update(group: dict, params: list, grads: list, bufs: list, ratio: t
         torch._foreach_mul_(bufs, m)
     else:
         torch._foreach_zero_(bufs)
+    wd_scale = list((ratio * wd).unbind(0)) if wd != 0.0 else None  # ratio*wd, built once
     torch._foreach_addcmul_(bufs, grads, scale)
-    if wd != 0.0:
-        torch._foreach_addcmul_(bufs, params, list((ratio * wd).unbind(0)))
+    if wd_scale is not None:
+        torch._foreach_addcmul_(bufs, params, wd_scale)
     if group["nesterov"]:
         # u + m*v with u = ratio*(g + wd*w)
         upd = torch._foreach_mul(grads, scale)
-        if wd != 0.0:
-            torch._foreach_addcmul_(upd, params, list((ratio * wd).unbind(0)))
+        if wd_scale is not None:
+            torch._foreach_addcmul_(upd, params, wd_scale)
         torch._foreach_add_(upd, bufs, alpha=m)
         torch._foreach_add_(params, upd, alpha=-lr)
     else:
