@@ -32,7 +32,7 @@ from typing import Literal
 import numpy as np
 
 from flashsgd.sim.algorithms import exchange_cost
-from flashsgd.sim.costs import CommSetup
+from flashsgd.sim.costs import CommSetup, Cost
 from flashsgd.sim.network import ClusterModel
 from flashsgd.sim.workload import Workload
 
@@ -65,6 +65,8 @@ class SimConfig:
     """topk / gtopk: fraction of elements sent."""
     index_bytes: int = 4
     """topk / gtopk: bytes per sparse index, 4 (int32, the papers) or 8 (int64, ``comm/sparse.py``)."""
+    lowrank: int = 1
+    """powersgd: rank of the approximation (torch's ``matrix_approximation_rank``)."""
     forward_fraction: float = 1 / 3
     """Share of T1 spent in forward (backward ~ 2x forward)."""
     update_fraction: float = 0.0
@@ -134,11 +136,23 @@ def bucket_bounds(numels: np.ndarray, elem_bytes: int, bucket_mb: float,
     return np.asarray(ends)
 
 
+def _bucket_costs(algorithm: str, nbytes: np.ndarray, setup: CommSetup, workload: Workload,
+                  ends: np.ndarray) -> Cost:
+    """Every bucket's exchange cost; PowerSGD's depends on the bucket's matrices, not only its size."""
+    if algorithm != "powersgd" or workload.matrices is None:
+        return exchange_cost(algorithm, nbytes, setup)
+    starts = np.concatenate(([0], ends[:-1]))
+    parts = [exchange_cost(algorithm, n, replace(setup, matrices=tuple(map(tuple, workload.matrices[a:b].tolist()))))
+             for n, a, b in zip(nbytes.tolist(), starts.tolist(), ends.tolist())]
+    return Cost(*(np.array([float(getattr(c, f)) for c in parts])
+                  for f in ("latency_s", "bandwidth_s", "compute_s", "overhead_s")))
+
+
 def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimResult:
     """Simulate one iteration of ``workload`` on ``cfg.gpus`` GPUs of ``cluster``."""
     elem = BYTES[cfg.precision]
     setup = CommSetup(gpus=cfg.gpus, cluster=cluster, grid=cfg.grid, density=cfg.density,
-                      value_bytes=elem, index_bytes=cfg.index_bytes)
+                      value_bytes=elem, index_bytes=cfg.index_bytes, lowrank=cfg.lowrank)
     t1 = cfg.batch_per_gpu / cfg.images_per_s
     fwd, upd = cfg.forward_fraction * t1, cfg.update_fraction * t1
     bwd = t1 - fwd - upd
@@ -149,7 +163,7 @@ def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimRe
     csum = np.concatenate(([0], np.cumsum(workload.numels)))
     nbytes = (csum[ends] - csum[np.concatenate(([0], ends[:-1]))]).astype(float) * elem
     bucket_ready = ready[ends - 1] if cfg.overlap else np.full(ends.size, fwd + bwd)
-    cost = exchange_cost(cfg.algorithm, nbytes, setup)
+    cost = _bucket_costs(cfg.algorithm, nbytes, setup, workload, ends)
     durations = cost.total
     # Step 3: one communication stream, buckets in order.
     end = 0.0

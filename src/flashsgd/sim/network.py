@@ -83,19 +83,36 @@ class ClusterModel:
     """Single-GPU ResNet-50 training throughput by precision (``fp16``/``fp32``), if known."""
     source: str = ""
     """Where every number above comes from (shown by ``flashsgd simulate --cluster X --show``)."""
+    nodes: int | None = None
+    """Nodes the cluster has (None: as many as a run needs; the presets)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"ClusterModel.ranks_per_node must be an int >= 1, got {self.ranks_per_node!r}")
+        if self.nodes is not None and (not isinstance(self.nodes, int) or self.nodes < 1):
+            raise ValueError(f"ClusterModel.nodes must be an int >= 1 or None, got {self.nodes!r}")
         for name in ("gamma_s_per_byte", "call_overhead_s", "sparse_overhead_s", "select_s_per_elem", "flop_s"):
             _check_positive("ClusterModel", name, getattr(self, name), allow_zero=True)
         for key, value in self.resnet50_images_per_s.items():
             _check_positive("ClusterModel", f"resnet50_images_per_s[{key!r}]", value)
 
+    def check_gpus(self, gpus: int) -> None:
+        """ValueError unless ``gpus`` ranks fit this cluster: full nodes, at most ``nodes`` of them."""
+        if not isinstance(gpus, int) or gpus < 1:
+            raise ValueError(f"the number of GPUs must be an int >= 1, got {gpus!r}")
+        lpn = self.ranks_per_node
+        if gpus > lpn and gpus % lpn:
+            raise ValueError(f"{gpus} GPUs do not fill whole nodes of cluster {self.name!r} "
+                             f"({lpn} per node): use a multiple of {lpn} or at most {lpn}")
+        if self.nodes is not None and gpus > self.nodes * lpn:
+            raise ValueError(f"{gpus} GPUs exceed cluster {self.name!r}: {self.nodes} nodes x {lpn} = "
+                             f"{self.nodes * lpn} GPUs at most")
+
     def describe(self) -> str:
         """Human-readable summary of the cluster's parameters."""
         return (
-            f"cluster {self.name}: {self.ranks_per_node} GPUs/node; "
+            f"cluster {self.name}: {f'{self.nodes} nodes x ' if self.nodes else ''}"
+            f"{self.ranks_per_node} GPUs/node; "
             f"intra alpha={self.intra.alpha_s * 1e6:.2f} us, {self.intra.bandwidth_gbps:.3g} GB/s; "
             f"inter alpha={self.inter.alpha_s * 1e6:.2f} us, {self.inter.bandwidth_gbps:.3g} GB/s/node; "
             f"gamma={self.gamma_s_per_byte * 1e12:.3g} ps/B; call overhead "

@@ -46,6 +46,10 @@ class Workload:
     tensor_names: tuple[str, ...] = ()
     note: str = ""
     """How the shares were obtained (printed with results)."""
+    matrices: np.ndarray | None = None
+    """(T, 2) rows x cols of each tensor as torch's PowerSGD hook views it (``shape[0] x rest``;
+    1-D tensors are (n, 1)); None: unknown (the simulator then takes each bucket as one square
+    matrix)."""
 
     def __post_init__(self) -> None:
         numels = np.asarray(self.numels, dtype=np.int64)
@@ -59,6 +63,12 @@ class Workload:
             )
         object.__setattr__(self, "numels", numels)
         object.__setattr__(self, "backward_share", share / share.sum())
+        if self.matrices is not None:
+            m = np.asarray(self.matrices, dtype=np.int64)
+            if m.shape != (numels.size, 2) or np.any(m[:, 0] * m[:, 1] != numels):
+                raise ValueError(f"workload {self.name!r}: matrices must be {numels.size} (rows, cols) "
+                                 "pairs with rows x cols = the tensor's numel")
+            object.__setattr__(self, "matrices", m)
 
     @property
     def num_tensors(self) -> int:
@@ -74,16 +84,17 @@ WORKLOADS: Registry = Registry("workload")
 
 def _conv(name: str, cin: int, cout: int, k: int, hout: int, bias: bool = False) -> list:
     flops = 2.0 * cin * cout * k * k * hout * hout
-    rows = [(f"{name}.weight", cout * cin * k * k, flops)]
-    return rows + [(f"{name}.bias", cout, 0.0)] if bias else rows
+    rows = [(f"{name}.weight", cout * cin * k * k, flops, cout)]
+    return rows + [(f"{name}.bias", cout, 0.0, cout)] if bias else rows
 
 
 def _bn(name: str, c: int, h: int) -> list:
-    return [(f"{name}.weight", c, _BN_FLOPS_PER_ELEM * c * h * h), (f"{name}.bias", c, 0.0)]
+    return [(f"{name}.weight", c, _BN_FLOPS_PER_ELEM * c * h * h, c), (f"{name}.bias", c, 0.0, c)]
 
 
-def resnet50_rows(num_classes: int = 1000, image: int = 224) -> list[tuple[str, int, float]]:
-    """(name, numel, forward FLOPs of its layer) per parameter tensor, in registration order."""
+def resnet50_rows(num_classes: int = 1000, image: int = 224) -> list[tuple[str, int, float, int]]:
+    """(name, numel, forward FLOPs of its layer, shape[0]) per parameter tensor, in registration
+    order."""
     h = image // 2  # conv1 7x7 stride 2: 224 -> 112
     rows = _conv("conv1", 3, 64, 7, h) + _bn("bn1", 64, h)
     h //= 2  # max-pool stride 2: 112 -> 56
@@ -100,11 +111,13 @@ def resnet50_rows(num_classes: int = 1000, image: int = 224) -> list[tuple[str, 
                 rows += _conv(f"{p}.downsample.0", cin, 4 * planes, 1, hout)
                 rows += _bn(f"{p}.downsample.1", 4 * planes, hout)
             cin, h = 4 * planes, hout
-    return rows + [("fc.weight", num_classes * cin, 2.0 * num_classes * cin), ("fc.bias", num_classes, 0.0)]
+    return rows + [("fc.weight", num_classes * cin, 2.0 * num_classes * cin, num_classes),
+                   ("fc.bias", num_classes, 0.0, num_classes)]
 
 
-def vgg16_rows(num_classes: int = 1000, image: int = 224) -> list[tuple[str, int, float]]:
-    """(name, numel, forward FLOPs) per tensor of ImageNet VGG-16 (configuration D), registration order."""
+def vgg16_rows(num_classes: int = 1000, image: int = 224) -> list[tuple[str, int, float, int]]:
+    """(name, numel, forward FLOPs, shape[0]) per tensor of ImageNet VGG-16 (configuration D),
+    registration order."""
     cfg = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
     rows, cin, h, idx = [], 3, image, 0
     for v in cfg:
@@ -116,7 +129,7 @@ def vgg16_rows(num_classes: int = 1000, image: int = 224) -> list[tuple[str, int
         idx += 1
     dims = (cin * h * h, 4096, 4096, num_classes)  # 512*7*7 = 25088 -> 4096 -> 4096 -> classes
     for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
-        rows += [(f"classifier.{i}.weight", a * b, 2.0 * a * b), (f"classifier.{i}.bias", b, 0.0)]
+        rows += [(f"classifier.{i}.weight", a * b, 2.0 * a * b, b), (f"classifier.{i}.bias", b, 0.0, b)]
     return rows
 
 
@@ -128,6 +141,7 @@ def _from_rows(name: str, rows: list, note: str) -> Workload:
         backward_share=np.array([r[2] for r in rows]),
         tensor_names=tuple(r[0] for r in rows),
         note=note,
+        matrices=np.array([(r[3], r[1] // r[3]) for r in rows]),
     )
 
 
@@ -154,8 +168,9 @@ def from_module(module, name: str | None = None) -> Workload:
     if not params:
         raise ValueError(f"module {type(module).__name__} has no trainable parameters")
     numels = np.array([p.numel() for _, p in params])
+    matrices = np.array([(p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1) for _, p in params])
     return Workload(name or type(module).__name__, numels, numels.astype(float),
-                    tuple(n for n, _ in params), "backward share per tensor = parameter count")
+                    tuple(n for n, _ in params), "backward share per tensor = parameter count", matrices)
 
 
 def get_workload(spec: str) -> Workload:

@@ -1,0 +1,157 @@
+"""Cluster descriptions as small TOML files, besides the presets of :mod:`flashsgd.sim.network`.
+
+A file describes what the simulator and the planner (``flashsgd plan``, ``train --comm auto``) need
+to know about a cluster: how many nodes of how many ranks, the two link levels, and optionally the
+per-call and compression costs of the devices. Units are in the key names::
+
+    # lab.toml: 4 machines of 2 GPUs on 1 Gbit/s Ethernet
+    name = "lab"
+    nodes = 4                   # optional: the most nodes a plan may use
+    ranks_per_node = 2          # GPUs (ranks) per node
+
+    [intra]                     # GPU <-> GPU inside a node, per GPU and direction
+    bandwidth_gbit = 100.0      # Gbit/s (1e9 bits per second)
+    latency_us = 5.0            # per message step
+
+    [inter]                     # node <-> node: the node's NICs together, per direction
+    bandwidth_gbit = 1.0
+    latency_us = 50.0
+
+    [costs]                     # optional; every key defaults to a V100-class GPU (DEFAULT_COSTS)
+    reduce_ns_per_byte = 0.0033 # summing one byte of a message (3 bytes of memory traffic / 900 GB/s)
+    call_overhead_us = 10.0     # one collective call
+    sparse_overhead_us = 500.0  # one sparse exchange's bookkeeping (kernel launches, a host sync)
+    select_ns_per_elem = 0.5    # top-k selection per gradient element
+    tflops = 15.0               # matrix products of PowerSGD
+
+:func:`load_cluster` takes a preset name or a path; :func:`to_toml` writes a :class:`ClusterModel`
+back in this format (``train --comm auto`` records the cluster it measured so, and the file can be
+given back with ``--cluster`` to skip the measurement). Errors name the file, the key and the valid
+range.
+
+Example::
+
+    >>> c = load_cluster("1gbe")
+    >>> c.inter.bandwidth_gbps, c.ranks_per_node
+    (0.111, 1)
+    >>> back = load_cluster_text(to_toml(c), "round trip")
+    >>> back.inter.bandwidth_gbps, round(back.inter.alpha_s * 1e6, 9)
+    (0.111, 440.0)
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+
+from flashsgd.sim.network import CLUSTERS, ClusterModel, Link
+
+GBIT = 1e9 / 8 / 1e9  # 1 Gbit/s in GB/s (Link.bandwidth_gbps is in 1e9 bytes per second)
+
+DEFAULT_COSTS = {"reduce_ns_per_byte": 3.0 / 900.0, "call_overhead_us": 10.0,
+                 "sparse_overhead_us": 500.0, "select_ns_per_elem": 0.5, "tflops": 15.0}
+"""A V100-class GPU (900 GB/s HBM2, ~15 TFLOPS fp32; NCCL-class call cost; the presets' sparse
+assumptions, :mod:`flashsgd.sim.network`)."""
+
+_TOP = {"name", "nodes", "ranks_per_node", "intra", "inter", "costs"}
+_LINK = {"bandwidth_gbit", "latency_us"}
+
+
+def _number(where: str, key: str, value, *, positive: bool) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value > 0 if positive else value >= 0)
+    if not ok:
+        raise ValueError(f"{where}: {key} must be a finite number {'> 0' if positive else '>= 0'}, "
+                         f"got {value!r}")
+    return float(value)
+
+
+def _table(where: str, doc: dict, key: str, allowed: set[str], required: bool) -> dict:
+    table = doc.get(key)
+    if table is None:
+        if required:
+            raise ValueError(f"{where}: missing [{key}] table with {', '.join(sorted(allowed))}")
+        return {}
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: {key} must be a table [{key}], got {table!r}")
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(f'{key}.{u}' for u in unknown)}; valid: "
+                         f"{', '.join(f'{key}.{a}' for a in sorted(allowed))}")
+    return table
+
+
+def _link(where: str, doc: dict, key: str) -> Link:
+    t = _table(where, doc, key, _LINK, required=True)
+    for k in sorted(_LINK - set(t)):
+        raise ValueError(f"{where}: missing {key}.{k} ({'Gbit/s, > 0' if k == 'bandwidth_gbit' else 'us, >= 0'})")
+    bw = _number(where, f"{key}.bandwidth_gbit", t["bandwidth_gbit"], positive=True)
+    lat = _number(where, f"{key}.latency_us", t["latency_us"], positive=False)
+    return Link(alpha_s=lat * 1e-6, bandwidth_gbps=bw * GBIT)
+
+
+def _count(where: str, doc: dict, key: str, required: bool) -> int | None:
+    value = doc.get(key)
+    if value is None:
+        if required:
+            raise ValueError(f"{where}: missing {key} (an integer >= 1)")
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def load_cluster_text(text: str, where: str, default_name: str = "file") -> ClusterModel:
+    """The :class:`ClusterModel` a TOML text describes (module docstring); ``where`` names it in errors."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{where}: not valid TOML ({exc})") from None
+    unknown = sorted(set(doc) - _TOP)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_TOP))}")
+    costs = {**DEFAULT_COSTS, **_table(where, doc, "costs", set(DEFAULT_COSTS), required=False)}
+    c = {k: _number(where, f"costs.{k}", v, positive=(k == "tflops")) for k, v in costs.items()}
+    name = doc.get("name", default_name)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: name must be a non-empty string, got {name!r}")
+    return ClusterModel(
+        name=name, ranks_per_node=_count(where, doc, "ranks_per_node", required=True),
+        nodes=_count(where, doc, "nodes", required=False),
+        intra=_link(where, doc, "intra"), inter=_link(where, doc, "inter"),
+        gamma_s_per_byte=c["reduce_ns_per_byte"] * 1e-9, call_overhead_s=c["call_overhead_us"] * 1e-6,
+        sparse_overhead_s=c["sparse_overhead_us"] * 1e-6, select_s_per_elem=c["select_ns_per_elem"] * 1e-9,
+        flop_s=1.0 / (c["tflops"] * 1e12), source=where)
+
+
+def load_cluster(spec: str) -> ClusterModel:
+    """A preset name (``abci``, ``1gbe``, ...) or the path of a ``.toml`` cluster file."""
+    path = Path(spec)
+    if spec.endswith(".toml") or path.exists():
+        if not path.is_file():
+            raise ValueError(f"cluster file {spec!r} does not exist (presets: {', '.join(CLUSTERS.names())})")
+        return load_cluster_text(path.read_text(), f"cluster file {spec!r}", default_name=path.stem)
+    try:
+        return CLUSTERS.get(spec)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; or the path of a cluster file NAME.toml "
+                         "(format: flashsgd.sim.cluster_file)") from None
+
+
+def to_toml(c: ClusterModel, comment: str = "") -> str:
+    """``c`` in the file format of the module docstring (a measured cluster, to reuse)."""
+    lines = [f"# {line}" for line in comment.splitlines()]
+    lines += [f"name = {c.name!r}".replace("'", '"')]
+    if c.nodes is not None:
+        lines.append(f"nodes = {c.nodes}")
+    lines.append(f"ranks_per_node = {c.ranks_per_node}")
+    for key, link in (("intra", c.intra), ("inter", c.inter)):
+        lines += ["", f"[{key}]", f"bandwidth_gbit = {link.bandwidth_gbps / GBIT!r}",
+                  f"latency_us = {link.alpha_s * 1e6!r}"]
+    tflops = 1.0 / (c.flop_s * 1e12) if c.flop_s > 0 else DEFAULT_COSTS["tflops"]
+    lines += ["", "[costs]", f"reduce_ns_per_byte = {c.gamma_s_per_byte * 1e9!r}",
+              f"call_overhead_us = {c.call_overhead_s * 1e6!r}",
+              f"sparse_overhead_us = {c.sparse_overhead_s * 1e6!r}",
+              f"select_ns_per_elem = {c.select_s_per_elem * 1e9!r}", f"tflops = {tflops!r}"]
+    return "\n".join(lines) + "\n"
