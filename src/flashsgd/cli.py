@@ -1,4 +1,4 @@
-"""The `flashsgd` command: `flashsgd train | bench | simulate | compare` (thin: parse, then call the library).
+"""The `flashsgd` command: `flashsgd train | bench | simulate | plan | compare` (thin: parse, then call the library).
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``
 (its one-line help is in ``COMMANDS`` below); this file only wires them together. Only the chosen subcommand's module is
@@ -20,6 +20,8 @@ COMMANDS = {
               "training-step speed"),
     "simulate": ("flashsgd.sim.cli", "predict iteration time and scaling efficiency on "
                  "1,000s of GPUs"),
+    "plan": ("flashsgd.sim.plan_cli", "which algorithm, grid, bucket size and density to run on "
+             "a cluster, and the step time to expect"),
     "compare": ("flashsgd.train.compare", "one plot and table from several training runs "
                 "(accuracy and loss vs step, samples and time)"),
 }

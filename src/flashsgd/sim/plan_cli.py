@@ -1,0 +1,139 @@
+"""`flashsgd plan`: which algorithm, grid, bucket size and density to run on a cluster, and what to expect.
+
+Ranks every candidate by the simulator's predicted step (:mod:`flashsgd.sim.planner`), shows the
+best setting of each algorithm with its split (compute / exposed communication / compression) and
+scaling efficiency, and explains the choice in one line. Sparse and low-rank exchanges are offered
+only when the run is long enough to keep accuracy (``--steps``; ``--accuracy-risk any`` offers them
+anyway).
+
+Examples:
+  flashsgd plan --cluster 1gbe --gpus 32 --model resnet50 --steps 50000
+  flashsgd plan --cluster abci --gpus 4096 --model resnet50 --batch-per-gpu 32 --steps 1000
+  flashsgd plan --cluster lab.toml --gpus 8 --model resnet20 --images-per-s 900 --steps 20000
+      # a cluster file: flashsgd.sim.cluster_file (docs/planner.md has an example)
+  flashsgd plan --cluster 1gbe --gpus 16 --model profile.json --images-per-s 300 --json plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from flashsgd.sim.cluster_file import load_cluster
+from flashsgd.sim.network import CLUSTERS
+from flashsgd.sim.planner import Plan, make_plan
+from flashsgd.sim.workload import WORKLOADS, Workload, from_module, get_workload
+
+TRAIN_MODELS_CLASSES = 10  # flashsgd's own models as `flashsgd train` builds them (10 classes)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", required=True, metavar="PRESET_OR_FILE",
+                   help=f"a preset ({', '.join(CLUSTERS.names())}) or a cluster file NAME.toml")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (ranks)")
+    p.add_argument("--model", default="resnet50", metavar="NAME_OR_PROFILE",
+                   help=f"built-in workload ({', '.join(WORKLOADS.names())}), one of flashsgd's "
+                        "training models (resnet20, resnet18, mnist1d_cnn), a profile .json "
+                        "({\"numels\": [...], optional \"backward_share\", \"matrices\"}) or "
+                        "package.module:factory")
+    p.add_argument("--batch-per-gpu", type=int, default=32, help="samples per GPU per step (default 32)")
+    p.add_argument("--images-per-s", type=float, default=None,
+                   help="one GPU's training throughput at --batch-per-gpu (default: the cluster's "
+                        "ResNet-50 figure, for --model resnet50 on a preset)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps of the run (decides whether sparse / low-rank keep accuracy)")
+    p.add_argument("--accuracy-risk", choices=("low", "any"), default="low",
+                   help="low (default): offer compression only where measured to keep accuracy; any: all")
+    p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
+                   help="gradient element type on the wire (flashsgd train: fp32)")
+    p.add_argument("--top", type=int, default=6, help="algorithms shown (best setting of each; default 6)")
+    p.add_argument("--json", metavar="PATH", help="write the plan (every candidate, ranked) as JSON")
+
+
+def load_profile(path: str) -> Workload:
+    """A workload from a JSON profile: ``numels`` in backward order, optional ``backward_share``
+    (default: proportional to the sizes), ``matrices`` ((rows, cols) per tensor) and ``name``."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"model profile {path!r}: cannot read it as JSON ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("numels"), list):
+        raise ValueError(f"model profile {path!r}: needs \"numels\": a list of per-tensor gradient sizes "
+                         "in backward order")
+    numels = np.asarray(doc["numels"])
+    share = doc.get("backward_share", numels.astype(float))
+    return Workload(doc.get("name", Path(path).stem), numels, np.asarray(share, dtype=float),
+                    note=f"profile {path}", matrices=doc.get("matrices"))
+
+
+def resolve_model(spec: str) -> Workload:
+    """``--model``: a profile .json, a built-in workload, a flashsgd training model, or module:factory."""
+    if spec.endswith(".json"):
+        return load_profile(spec)
+    if spec in WORKLOADS or ":" in spec:
+        return get_workload(spec)
+    from flashsgd.train.models import MODELS, build_model  # imports torch: only for these models
+
+    if spec in MODELS:
+        return from_module(build_model(spec, TRAIN_MODELS_CLASSES), name=spec)
+    raise ValueError(f"--model {spec!r}: not a built-in workload ({', '.join(WORKLOADS.names())}), a "
+                     f"training model ({', '.join(MODELS.names())}), a profile .json or "
+                     "package.module:factory")
+
+
+def print_plan(plan: Plan, top: int) -> None:
+    """The best setting of each algorithm (fastest first), the choice and what was ruled out."""
+    print(f"{'':2}{'candidate':<42} {'step ms':>8} {'compute':>8} {'exposed':>8} {'compress':>8} {'eff':>5}")
+    shown: dict[str, None] = {}
+    for p in plan.ranked:
+        if p.candidate.algorithm in shown:
+            continue
+        shown[p.candidate.algorithm] = None
+        r = p.result
+        mark = "*" if p is plan.choice else " "
+        print(f"{mark:2}{p.candidate.label():<42} {p.step_s * 1e3:8.1f} {r.compute_s * 1e3:8.1f} "
+              f"{r.exposed_comm_s * 1e3:8.1f} {p.compression_s * 1e3:8.1f} {r.efficiency:5.0%}")
+        if len(shown) == top:
+            break
+    print(f"choice: {plan.explain()}")
+    for line in plan.ruled_out:
+        print(f"ruled out: {line}")
+
+
+def images_per_s(args: argparse.Namespace, cluster, workload: Workload) -> float:
+    if args.images_per_s is not None:
+        if not args.images_per_s > 0:
+            raise ValueError(f"--images-per-s must be > 0, got {args.images_per_s}")
+        return args.images_per_s
+    ips = cluster.resnet50_images_per_s.get(args.precision) if workload.name == "resnet50" else None
+    if ips is None:
+        raise ValueError(f"--images-per-s is required for model {workload.name!r} on cluster "
+                         f"{cluster.name!r} at {args.precision} (one GPU's training throughput)")
+    return ips
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    cluster = load_cluster(args.cluster)
+    cluster.check_gpus(args.gpus)
+    if args.batch_per_gpu < 1:
+        raise ValueError(f"--batch-per-gpu must be >= 1, got {args.batch_per_gpu}")
+    workload = resolve_model(args.model)
+    plan = make_plan(workload, cluster, args.gpus, args.batch_per_gpu, images_per_s(args, cluster, workload),
+                     steps=args.steps, accuracy_risk=args.accuracy_risk, precision=args.precision)
+    elapsed = time.perf_counter() - t0
+    print(f"{cluster.describe()}\nworkload {workload.name}: {workload.num_params:,} parameters in "
+          f"{workload.num_tensors} tensors; {args.gpus} GPUs x {args.batch_per_gpu} samples; "
+          f"{len(plan.ranked)} candidates ranked in {elapsed:.2f} s")
+    print_plan(plan, args.top)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({**plan.to_dict(), "seconds": elapsed}, indent=1))
+        print(f"wrote {Path(args.json).resolve()}")
+    return 0

@@ -1,0 +1,279 @@
+"""What to run on a cluster: every way to exchange gradients, ranked by predicted step time.
+
+Used by ``flashsgd plan`` (:mod:`flashsgd.sim.plan_cli`) and ``flashsgd train --comm auto``
+(:mod:`flashsgd.train.auto`). Papers: Goyal et al. 2017 (bucketed all-reduce overlapping backward),
+Mikami et al. 2018 (2D-Torus grids), Yamazaki et al. 2019 (fusion sizes of a few MB), Shi et al. 2019
+(gTop-k on slow networks), Vogels et al. 2019 (PowerSGD). Horovod's autotune answers part of the
+question by trial; here the calibrated simulator answers it in closed form.
+
+Algorithm (:func:`make_plan`):
+
+1. Candidates (:func:`candidates`): every dense algorithm (``native``, ``ring``, ``hierarchical``
+   when the run spans nodes of >= 2 ranks, ``torus2d`` on every grid X x Y = P whose rows do not
+   straddle nodes unevenly), every sparse exchange (``topk``, ``gtopk``, ``hgtopk``) at
+   :data:`DENSITIES`, PowerSGD at :data:`LOWRANKS`; each with DDP bucket caps of
+   :data:`BUCKETS_MB` (1 to 128 MB).
+2. Accuracy (:func:`accuracy_rule`, ``accuracy_risk="low"``): a sparse candidate is kept only when
+   every gradient entry can be sent at least :data:`MIN_COVERAGE` times over the run (the
+   step-count bound of :mod:`flashsgd.comm.sparse_checks`: coverage 23-37 lost 0.4-0.5 points on
+   MNIST-1D, 1.2 lost 12-13); PowerSGD only at rank >= 2 and >= 1250 steps (rank 2 lost 0.27 points
+   over 1250 steps, 1.02 over 120; docs/sparse_accuracy.md). Without ``steps`` neither is offered.
+   ``accuracy_risk="any"`` keeps everything. What is ruled out is said, one line per family.
+3. Predict every candidate with :func:`flashsgd.sim.engine.simulate` (buckets fused in backward
+   order, exchanges overlapping backward on one stream) and rank by step time; ties keep the order
+   of step 1 (``native`` first: the simplest choice wins a tie).
+4. The choice (:attr:`Plan.choice`): the fastest, except that a compressing exchange must beat the
+   best dense one by :data:`COMPRESSION_MARGIN`; explained in one line (:meth:`Plan.explain`): its
+   speed-up over the best dense choice and why (how much of that step the exchange leaves
+   exposed), and why it is safe.
+
+Cost: (#algorithms + #grids) x #buckets simulations, each O(tensors + buckets x lg P): 4096 GPUs
+in well under a second.
+
+Example::
+
+    >>> from flashsgd.sim.network import CLUSTERS
+    >>> from flashsgd.sim.workload import resnet50
+    >>> p = make_plan(resnet50(), CLUSTERS.get("1gbe"), gpus=32, batch_per_gpu=32,
+    ...               images_per_s=200.0, steps=50_000)
+    >>> p.choice.candidate.algorithm in ("gtopk", "topk", "powersgd")
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from flashsgd.sim.engine import SimConfig, SimResult, simulate
+from flashsgd.sim.network import ClusterModel
+from flashsgd.sim.workload import Workload
+
+DENSE = ("native", "ring", "hierarchical", "torus2d")
+SPARSE = ("topk", "gtopk", "hgtopk")
+LOWRANK = ("powersgd",)
+BUCKETS_MB = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
+DENSITIES = (0.001, 0.01, 0.1)
+LOWRANKS = (1, 2, 4)
+MIN_COVERAGE = 20.0
+"""Coverage below which a sparse run loses accuracy (:data:`flashsgd.comm.sparse_checks.MIN_COVERAGE`;
+the planner stays importable without torch, a test keeps the two equal)."""
+SPARSE_START_ITER = 2
+"""The sparse hooks exchange densely for their first steps (:class:`flashsgd.comm.sparse_hooks.SparseHookState`)."""
+POWERSGD_MIN_STEPS = 1250
+POWERSGD_MIN_RANK = 2
+COMPRESSION_MARGIN = 1.05
+"""A compressing exchange is chosen only when it predicts a step this much faster than the best
+dense one: within the model's error a dense exchange, which changes nothing in the training, wins."""
+Risk = Literal["low", "any"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the exchange: algorithm, DDP bucket cap and the algorithm's own setting."""
+
+    algorithm: str
+    bucket_mb: float
+    grid: tuple[int, int] | None = None
+    """torus2d: X x Y."""
+    density: float | None = None
+    """topk / gtopk / hgtopk: fraction of the gradient sent."""
+    rank: int | None = None
+    """powersgd: rank of the approximation."""
+
+    def label(self) -> str:
+        """``gtopk density 0.01, 4 MB buckets``."""
+        what = self.algorithm
+        if self.grid:
+            what += f" {self.grid[0]}x{self.grid[1]}"
+        if self.density is not None:
+            what += f" density {self.density:g}"
+        if self.rank is not None:
+            what += f" rank {self.rank}"
+        return f"{what}, {self.bucket_mb:g} MB buckets"
+
+    @property
+    def compresses(self) -> bool:
+        return self.algorithm in SPARSE + LOWRANK
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A candidate and its simulated step."""
+
+    candidate: Candidate
+    result: SimResult
+
+    @property
+    def step_s(self) -> float:
+        return self.result.iteration_s
+
+    @property
+    def compression_s(self) -> float:
+        """Selection, merges and matrix products of a compressing exchange (0 for dense)."""
+        return self.result.comm_compute_s if self.candidate.compresses else 0.0
+
+    def to_dict(self) -> dict:
+        c, r = self.candidate, self.result
+        return {"algorithm": c.algorithm, "bucket_mb": c.bucket_mb, "grid": list(c.grid) if c.grid else None,
+                "density": c.density, "rank": c.rank, "label": c.label(), "step_s": r.iteration_s,
+                "compute_s": r.compute_s, "exposed_comm_s": r.exposed_comm_s,
+                "compression_s": self.compression_s, "efficiency": r.efficiency,
+                "images_per_s": r.images_per_s}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Ranked predictions (fastest first) and what the accuracy rule ruled out."""
+
+    cluster: ClusterModel
+    workload: Workload
+    gpus: int
+    steps: int | None
+    accuracy_risk: Risk
+    ranked: list[Prediction]
+    ruled_out: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Prediction:
+        """The fastest predicted candidate."""
+        return self.ranked[0]
+
+    @property
+    def choice(self) -> Prediction:
+        """Step 4: the best, unless it compresses and the best dense one is within the margin."""
+        dense = self.best_dense()
+        if self.best.candidate.compresses and dense is not None \
+                and dense.step_s <= self.best.step_s * COMPRESSION_MARGIN:
+            return dense
+        return self.best
+
+    def best_dense(self) -> Prediction | None:
+        return next((p for p in self.ranked if p.candidate.algorithm in DENSE), None)
+
+    def explain(self) -> str:
+        """Step 4: one line on why the chosen candidate wins."""
+        best, dense = self.choice, self.best_dense()
+        c = best.candidate
+        if not c.compresses or dense is None:
+            nxt = next((p for p in self.ranked if p.candidate.compresses), None)
+            other = (f"; the best compressed choice ({nxt.candidate.label()}) predicts "
+                     f"{nxt.step_s * 1e3:.1f} ms" if nxt else
+                     "; compressed exchanges ruled out (below)" if self.ruled_out else "")
+            if nxt is not None and nxt.step_s < best.step_s:
+                other += f", less than {COMPRESSION_MARGIN - 1:.0%} faster: not worth its accuracy risk"
+            return (f"{c.label()}: {best.step_s * 1e3:.1f} ms predicted step at "
+                    f"{best.result.efficiency:.0%} scaling efficiency, exposed communication "
+                    f"{best.result.exposed_comm_s * 1e3:.1f} ms{other}")
+        share = dense.result.exposed_comm_s / dense.step_s
+        safe = (f"safe for accuracy: {coverage_note(c, self.gpus, self.steps)}"
+                if self.accuracy_risk == "low" else "accuracy not checked (--accuracy-risk any)")
+        return (f"{c.label()}: {dense.step_s / best.step_s:.2f}x faster than the best dense choice "
+                f"({dense.candidate.label()}, {dense.step_s * 1e3:.1f} ms), whose exposed "
+                f"communication is {share:.0%} of its step; {safe}")
+
+    def to_dict(self, top: int | None = None) -> dict:
+        return {"cluster": self.cluster.describe(), "gpus": self.gpus, "workload": self.workload.name,
+                "steps": self.steps, "accuracy_risk": self.accuracy_risk,
+                "choice": self.choice.to_dict(), "explain": self.explain(),
+                "ruled_out": self.ruled_out, "ranked": [p.to_dict() for p in self.ranked[:top]]}
+
+
+def grids(gpus: int, ranks_per_node: int) -> list[tuple[int, int]]:
+    """Every torus grid X x Y = gpus with X, Y >= 2 and X dividing or a multiple of the node size."""
+    local = min(gpus, ranks_per_node)
+    out = []
+    for x in range(2, gpus // 2 + 1):
+        if gpus % x == 0 and (gpus <= local or x % local == 0 or local % x == 0):
+            out.append((x, gpus // x))
+    return out
+
+
+def coverage(algorithm: str, gpus: int, steps: int, density: float) -> float:
+    """Times each gradient entry can at most be sent over ``steps`` (no density warm-up): the
+    step-count bound of :func:`flashsgd.comm.sparse_checks.coverage`."""
+    per_rank = gpus if algorithm == "topk" else 1
+    return max(0, steps - SPARSE_START_ITER) * min(1.0, per_rank * density)
+
+
+def coverage_note(c: Candidate, gpus: int, steps: int | None) -> str:
+    if c.algorithm in LOWRANK:
+        return f"rank {c.rank} >= {POWERSGD_MIN_RANK} over {steps} >= {POWERSGD_MIN_STEPS} steps"
+    return (f"each entry can be sent {coverage(c.algorithm, gpus, steps, c.density):.0f} times over "
+            f"{steps} steps (>= {MIN_COVERAGE:g})")
+
+
+def accuracy_rule(c: Candidate, gpus: int, steps: int | None, risk: Risk) -> str | None:
+    """Step 2: None when ``c`` keeps accuracy (or the risk is accepted), else the reason."""
+    if risk == "any" or not c.compresses:
+        return None
+    if steps is None:
+        return "the run length is unknown (give --steps)"
+    if c.algorithm in LOWRANK:
+        if c.rank < POWERSGD_MIN_RANK or steps < POWERSGD_MIN_STEPS:
+            return (f"PowerSGD kept accuracy only at rank >= {POWERSGD_MIN_RANK} over >= "
+                    f"{POWERSGD_MIN_STEPS} steps (measured; rank 2 over 120 steps lost 1 point)")
+        return None
+    cover = coverage(c.algorithm, gpus, steps, c.density)
+    if cover < MIN_COVERAGE:
+        return (f"each entry could be sent only {cover:.1f} times over {steps} steps (< "
+                f"{MIN_COVERAGE:g}: step-count bound)")
+    return None
+
+
+def candidates(gpus: int, cluster: ClusterModel, buckets_mb=BUCKETS_MB,
+               algorithms: tuple[str, ...] = DENSE + SPARSE + LOWRANK) -> list[Candidate]:
+    """Step 1, in tie-breaking order (simplest first)."""
+    local = min(gpus, cluster.ranks_per_node)
+    two_level = local > 1 and gpus > local
+    out = []
+    for algo in algorithms:
+        if algo in ("hierarchical", "hgtopk") and not two_level:
+            continue  # one level: the same as ring / gtopk
+        if algo == "torus2d":
+            settings = [{"grid": g} for g in grids(gpus, cluster.ranks_per_node)]
+        elif algo in SPARSE:
+            settings = [{"density": d} for d in DENSITIES]
+        elif algo in LOWRANK:
+            settings = [{"rank": r} for r in LOWRANKS]
+        else:
+            settings = [{}]
+        out += [Candidate(algo, float(b), **s) for s in settings for b in buckets_mb]
+    return out
+
+
+def _ruled_out_lines(rejected: dict[str, tuple[int, str]]) -> list[str]:
+    return [f"{algo}: {n} setting(s) ruled out: {why}" for algo, (n, why) in rejected.items()]
+
+
+def make_plan(workload: Workload, cluster: ClusterModel, gpus: int, batch_per_gpu: int,
+              images_per_s: float, steps: int | None = None, accuracy_risk: Risk = "low",
+              precision: str = "fp32", index_bytes: int = 8, buckets_mb=BUCKETS_MB,
+              algorithms: tuple[str, ...] = DENSE + SPARSE + LOWRANK) -> Plan:
+    """Steps 1-3 for ``gpus`` ranks of ``cluster`` training ``workload`` (see the module docstring).
+
+    ``index_bytes``: bytes per sparse index on the wire (8: int64, what ``comm/sparse.py`` sends).
+    """
+    if accuracy_risk not in ("low", "any"):
+        raise ValueError(f"accuracy_risk must be 'low' or 'any', got {accuracy_risk!r}")
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    cluster.check_gpus(gpus)
+    base = SimConfig(algorithm="native", gpus=gpus, images_per_s=images_per_s,
+                     batch_per_gpu=batch_per_gpu, precision=precision, index_bytes=index_bytes)
+    kept, rejected = [], {}
+    for c in candidates(gpus, cluster, buckets_mb, algorithms):              # Step 1
+        why = accuracy_rule(c, gpus, steps, accuracy_risk)                    # Step 2
+        if why is not None:
+            n, _ = rejected.get(c.algorithm, (0, why))
+            rejected[c.algorithm] = (n + 1, why)
+            continue
+        cfg = SimConfig(**{**base.__dict__, "algorithm": c.algorithm, "bucket_mb": c.bucket_mb,
+                           "grid": c.grid, "density": c.density or base.density,
+                           "lowrank": c.rank or 1})
+        kept.append(Prediction(c, simulate(workload, cluster, cfg)))          # Step 3
+    if not kept:
+        raise ValueError("no candidate left: every algorithm was ruled out ("
+                         + "; ".join(_ruled_out_lines(rejected)) + ")")
+    ranked = sorted(kept, key=lambda p: p.step_s)  # stable: ties keep the simplest first
+    return Plan(cluster, workload, gpus, steps, accuracy_risk, ranked, _ruled_out_lines(rejected))

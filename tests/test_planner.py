@@ -1,0 +1,152 @@
+"""`flashsgd plan`: cluster files, candidates, the accuracy rule, the choice and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flashsgd.sim import planner
+from flashsgd.sim.cluster_file import DEFAULT_COSTS, load_cluster, load_cluster_text, to_toml
+from flashsgd.sim.network import CLUSTERS
+from flashsgd.sim.workload import resnet50
+
+LAB = """
+name = "lab"
+nodes = 4
+ranks_per_node = 2
+[intra]
+bandwidth_gbit = 100.0
+latency_us = 5.0
+[inter]
+bandwidth_gbit = 1.0
+latency_us = 50.0
+"""
+
+
+def flashsgd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flashsgd", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_cluster_file_gives_the_links_in_si_units_and_round_trips(tmp_path):
+    c = load_cluster_text(LAB, "lab")
+    assert (c.name, c.nodes, c.ranks_per_node) == ("lab", 4, 2)
+    assert c.inter.bandwidth_gbps == pytest.approx(0.125) and c.inter.alpha_s == pytest.approx(50e-6)
+    assert c.select_s_per_elem == pytest.approx(DEFAULT_COSTS["select_ns_per_elem"] * 1e-9)
+    path = tmp_path / "lab.toml"
+    path.write_text(to_toml(c, "measured"))
+    back = load_cluster(str(path))
+    assert back.intra.bandwidth_gbps == pytest.approx(c.intra.bandwidth_gbps)
+    assert back.flop_s == pytest.approx(c.flop_s) and back.nodes == 4
+
+
+@pytest.mark.parametrize("text, message", [
+    (LAB.replace("ranks_per_node = 2\n", ""), "missing ranks_per_node"),
+    (LAB.replace("bandwidth_gbit = 1.0", "bandwidth_gbit = -1.0"), "inter.bandwidth_gbit must be a finite number > 0"),
+    (LAB.replace("latency_us = 50.0", ""), "missing inter.latency_us"),
+    (LAB.replace("nodes = 4", "nodes = 0"), "nodes must be an integer >= 1"),
+    (LAB + "[costs]\nselect_ns = 1\n", "unknown key(s) costs.select_ns; valid: costs.call_overhead_us"),
+    ("gpus = 8\n" + LAB, "unknown key(s) gpus"),
+    ("nodes = [", "not valid TOML"),
+])
+def test_a_bad_cluster_file_names_the_field_and_the_valid_range(text, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_cluster_text(text, "lab.toml")
+
+
+def test_a_world_that_does_not_fit_the_cluster_is_refused():
+    c = load_cluster_text(LAB, "lab")
+    with pytest.raises(ValueError, match="do not fill whole nodes"):
+        c.check_gpus(5)
+    with pytest.raises(ValueError, match="exceed cluster 'lab': 4 nodes x 2 = 8 GPUs at most"):
+        c.check_gpus(16)
+    with pytest.raises(ValueError, match="unknown cluster preset 'nope'"):
+        load_cluster("nope")
+
+
+def test_grids_are_every_factorisation_that_keeps_rows_inside_nodes():
+    assert planner.grids(8, 2) == [(2, 4), (4, 2)]
+    assert planner.grids(12, 4) == [(2, 6), (4, 3)]  # X=3 or 6 would straddle nodes of 4 unevenly
+    assert all(x * y == 4096 for x, y in planner.grids(4096, 4))
+
+
+def test_the_coverage_bound_is_the_one_train_warns_with():
+    from flashsgd.comm import sparse_checks
+
+    assert planner.MIN_COVERAGE == sparse_checks.MIN_COVERAGE
+    for algo, world, steps, d in (("gtopk", 8, 1250, 0.001), ("topk", 4, 300, 0.01), ("hgtopk", 8, 50, 0.1)):
+        assert planner.coverage(algo, world, steps, d) == pytest.approx(
+            sparse_checks.coverage(algo, steps, world, d))
+
+
+def test_compression_is_offered_only_when_the_run_keeps_accuracy():
+    c = CLUSTERS.get("1gbe")
+    short = planner.make_plan(resnet50(), c, gpus=32, batch_per_gpu=32, images_per_s=200.0, steps=None)
+    assert all(not p.candidate.compresses for p in short.ranked)
+    assert any("run length is unknown" in line for line in short.ruled_out)
+    long = planner.make_plan(resnet50(), c, gpus=32, batch_per_gpu=32, images_per_s=200.0, steps=50_000)
+    kept = {(p.candidate.algorithm, p.candidate.density) for p in long.ranked if p.candidate.compresses}
+    assert ("gtopk", 0.001) in kept  # coverage 50
+    mid = planner.make_plan(resnet50(), c, gpus=32, batch_per_gpu=32, images_per_s=200.0, steps=1000)
+    densities = {p.candidate.density for p in mid.ranked if p.candidate.algorithm == "gtopk"}
+    assert densities == {0.1}  # 0.01 x 998 = 10 < 20
+    anyrisk = planner.make_plan(resnet50(), c, gpus=32, batch_per_gpu=32, images_per_s=200.0,
+                                accuracy_risk="any")
+    assert {p.candidate.rank for p in anyrisk.ranked if p.candidate.algorithm == "powersgd"} == {1, 2, 4}
+
+
+def test_a_slow_network_picks_sparse_and_a_fast_one_dense():
+    slow = planner.make_plan(resnet50(), CLUSTERS.get("1gbe"), gpus=32, batch_per_gpu=32,
+                             images_per_s=200.0, steps=50_000)
+    assert slow.choice.candidate.algorithm in planner.SPARSE
+    assert "faster than the best dense choice" in slow.explain()
+    fast = planner.make_plan(resnet50(), CLUSTERS.get("abci"), gpus=64, batch_per_gpu=32,
+                             images_per_s=370.0, steps=50_000)
+    assert fast.choice.candidate.algorithm in planner.DENSE
+    steps = [p.step_s for p in fast.ranked]
+    assert steps == sorted(steps)
+
+
+def test_a_compressed_choice_must_beat_dense_by_the_margin():
+    plan = planner.make_plan(resnet50(), CLUSTERS.get("abci"), gpus=4096, batch_per_gpu=32,
+                             images_per_s=370.0, steps=50_000)
+    dense = plan.best_dense()
+    if plan.best.candidate.compresses:  # within the margin here: dense is kept
+        assert dense.step_s <= plan.best.step_s * planner.COMPRESSION_MARGIN
+        assert plan.choice is dense and "not worth its accuracy risk" in plan.explain()
+
+
+def test_plan_cli_answers_for_4096_gpus_and_writes_json(tmp_path):
+    out = tmp_path / "plan.json"
+    r = flashsgd("plan", "--cluster", "abci", "--gpus", "4096", "--model", "resnet50", "--steps", "1000",
+                 "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "choice: " in r.stdout and "ruled out: gtopk" in r.stdout
+    doc = json.loads(out.read_text())
+    assert doc["gpus"] == 4096 and doc["ranked"][0]["step_s"] <= doc["ranked"][-1]["step_s"]
+    assert doc["choice"]["algorithm"] in planner.DENSE + planner.SPARSE
+
+
+def test_plan_cli_reads_a_cluster_file_and_a_profile(tmp_path):
+    (tmp_path / "lab.toml").write_text(LAB)
+    (tmp_path / "m.json").write_text(json.dumps({"numels": [1000, 2_000_000, 10], "matrices": [[10, 100], [2000, 1000], [10, 1]]}))
+    r = flashsgd("plan", "--cluster", str(tmp_path / "lab.toml"), "--gpus", "8", "--model",
+                 str(tmp_path / "m.json"), "--images-per-s", "500", "--steps", "100000")
+    assert r.returncode == 0, r.stderr
+    assert "cluster lab: 4 nodes x 2 GPUs/node" in r.stdout and "hgtopk" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cluster", "nope", "--gpus", "8"], "unknown cluster preset 'nope'"),
+    (["--cluster", "missing.toml", "--gpus", "8"], "cluster file 'missing.toml' does not exist"),
+    (["--cluster", "abci", "--gpus", "6"], "6 GPUs do not fill whole nodes"),
+    (["--cluster", "abci", "--gpus", "8", "--model", "vgg16"], "--images-per-s is required"),
+    (["--cluster", "abci", "--gpus", "8", "--model", "nope"], "--model 'nope': not a built-in workload"),
+    (["--cluster", "abci", "--gpus", "8", "--steps", "0"], "steps must be an integer >= 1"),
+])
+def test_plan_cli_bad_input_is_one_line_exit_2(args, message):
+    r = flashsgd("plan", *args)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
