@@ -1,5 +1,6 @@
 """Closed-form costs of flashsgd.sim.costs against hand-computed values and invariants."""
 
+import itertools
 import math
 
 import numpy as np
@@ -81,19 +82,21 @@ def test_gtopk_bytes_match_the_implementation(world):
     from flashsgd.comm.sparse import gtopk_bytes_sent, message_bytes
     from flashsgd.sim.costs_sparse import gtopk_bytes_per_rank, sparse_message_bytes
 
-    for value_bytes, dtype in ((4, torch.float32), (2, torch.float16)):
+    # int32 indices below 2**31 elements, int64 from there on (comm/sparse.py wire_index_dtype)
+    for (value_bytes, dtype), (index_bytes, numel) in itertools.product(
+            ((4, torch.float32), (2, torch.float16)), ((4, 10**6), (8, 2**31))):
         cluster = flat(rpn=max(world, 2))
         for k in (1, 7, 1000, 1001):
-            setup = CommSetup(gpus=world, cluster=cluster, index_bytes=8, value_bytes=value_bytes,
-                              density=1.0)
+            setup = CommSetup(gpus=world, cluster=cluster, index_bytes=index_bytes,
+                              value_bytes=value_bytes, density=1.0)
             sim = gtopk_bytes_per_rank(k, setup)
-            impl = [gtopk_bytes_sent(k, world, r, dtype) for r in range(world)]
-            assert sim.tolist() == impl, (world, k, dtype)
-            assert float(sparse_message_bytes(k, setup)) == message_bytes(k, dtype)
+            impl = [gtopk_bytes_sent(k, world, r, dtype, numel) for r in range(world)]
+            assert sim.tolist() == impl, (world, k, dtype, numel)
+            assert float(sparse_message_bytes(k, setup)) == message_bytes(k, dtype, numel)
             # The cost's bandwidth term is rank 0's critical path: what it sends, plus the fold-in
             # message it receives before the butterfly when P is not a power of two.
             p2 = 1 << (world.bit_length() - 1)
-            path = impl[0] + (message_bytes(k, dtype) if world > p2 else 0)
+            path = impl[0] + (message_bytes(k, dtype, numel) if world > p2 else 0)
             bw = exchange_cost("gtopk", float(k * value_bytes), setup).bandwidth_s
             assert float(bw) == pytest.approx(path * BETA, rel=1e-12)
 
@@ -238,9 +241,10 @@ def test_hgtopk_with_one_rank_per_node_is_gtopk_and_pays_the_node_levels_otherwi
         **{**abci.__dict__, "ranks_per_node": 1})))
     intra = abci.intra
     k = math.ceil(0.001 * 1e6)
-    # + 2 rounds of the full 4 MB reduce + 2 rounds of k (4 + 4 B) pairs + 8 k counted-index bytes
+    # + 2 rounds of the full 4 MB reduce + 2 rounds of k (4 + 4 B) pairs + 4 k counted-index bytes
+    # (int32, as comm/sparse_hier.py broadcasts them)
     extra = 2 * (intra.alpha_s + 4e6 * intra.beta_s_per_byte) + 2 * 4e6 * abci.gamma_s_per_byte \
-        + 2 * (intra.alpha_s + (4 * k + 4 * k + 8 * k) * intra.beta_s_per_byte)
+        + 2 * (intra.alpha_s + (4 * k + 4 * k + 4 * k) * intra.beta_s_per_byte)
     assert float(h.total) == pytest.approx(float(leaders.total) + extra)
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from flashsgd.comm.sparse import (DensitySchedule, SelectionWorkspace, _message_len, _pack, _unpack,
                                   density_at, gtopk_allreduce, gtopk_bytes_sent, gtopk_reference,
                                   k_from_density, merge_topk, message_bytes, topk_allgather,
-                                  topk_exact, topk_sampled, validate_density)
+                                  topk_exact, topk_sampled, validate_density, wire_index_dtype)
 
 # ------------------------------------------------------------------------- single process -------
 
@@ -87,14 +87,20 @@ def test_merge_symmetric_ties_by_index():
 
 
 def test_pack_keeps_large_indices_and_values_exact():
-    idx = torch.tensor([0, 2**24 + 1, 2**31 + 7, 2**40 + 3], dtype=torch.int64)
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        vals = torch.tensor([1.5, -2.25, 3e-3, 7.0]).to(dtype)
-        msg = _pack(vals, idx)
-        assert msg.numel() == _message_len(4, dtype)
-        v, i = _unpack(msg, 4, dtype)
-        assert torch.equal(i, idx) and torch.equal(v, vals)
-    assert message_bytes(1000) == 12_000  # 8 B index + 4 B value per pair
+    # int32 words below 2**31 elements (8 bytes per fp32 pair), int64 words from there on
+    for numel, top, word in ((2**31 - 1, 2**31 - 2, torch.int32), (2**41, 2**40 + 3, torch.int64)):
+        idx = torch.tensor([0, 2**24 + 1, 2**30 + 7, top], dtype=torch.int64)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            vals = torch.tensor([1.5, -2.25, 3e-3, 7.0]).to(dtype)
+            msg = _pack(vals, idx, numel, extra=torch.tensor([1, 0, 1], dtype=torch.uint8))
+            assert msg.dtype == word and msg.numel() == _message_len(4, dtype, numel, 3)
+            v, i, extra = _unpack(msg, 4, dtype, 3)
+            assert i.dtype == torch.int64 and torch.equal(i, idx) and torch.equal(v, vals)
+            assert extra.tolist() == [1, 0, 1]
+    assert wire_index_dtype(2**31 - 1) == torch.int32 and wire_index_dtype(2**31) == torch.int64
+    assert message_bytes(1000) == 8_000  # 4 B index + 4 B value per pair
+    assert message_bytes(1000, numel=2**31) == 12_000  # 8 B index past 2**31 elements
+    assert message_bytes(1001, torch.float16) == 4 * 1001 + 2004  # values padded to whole words
 
 
 def test_gtopk_reference_single_rank_and_bad_inputs():
@@ -138,22 +144,22 @@ def _ranks_body(world):
         assert torch.equal(res.counted, counted[rank]), (case, world)
         report["gtopk"].append((res.values.tolist(), res.indices.tolist()))  # plain lists: tensors
         # do not survive the queue once the worker exits
-    # 2. indices beyond 2^24 stay exact (numel 2^26; no dense vector needed)
-    n_big = 2**26
-    g = torch.Generator().manual_seed(7 + rank)
-    idx = (2**24 + 1 + torch.randperm(5000, generator=g)[:16] * 9973).to(torch.int64)
-    idx[0] = n_big - 1 - rank  # the top end, distinct per rank, with the largest value: survives
-    vals = torch.randn(16, generator=g)
-    vals[0] = 100.0 + rank
-    res = gtopk_allreduce(vals, idx, 16, n_big)
-    allv = [torch.empty(16) for _ in range(world)]
-    alli = [torch.empty(16, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(allv, vals)
-    dist.all_gather(alli, idx)
-    ref, _ = gtopk_reference(allv, alli, 16, n_big)
-    assert torch.equal(res.indices, ref.indices) and torch.equal(res.values, ref.values)
-    assert set(res.indices.tolist()) <= set(torch.cat(alli).tolist())
-    report["big"] = res.indices.tolist()
+    # 2. indices beyond 2^24 stay exact (numel 2^26: int32 words; 2^33: int64 words; no dense vector)
+    for n_big in (2**26, 2**33):
+        g = torch.Generator().manual_seed(7 + rank)
+        idx = (2**24 + 1 + torch.randperm(5000, generator=g)[:16] * 9973).to(torch.int64)
+        idx[0] = n_big - 1 - rank  # the top end, distinct per rank, with the largest value: survives
+        vals = torch.randn(16, generator=g)
+        vals[0] = 100.0 + rank
+        res = gtopk_allreduce(vals, idx, 16, n_big)
+        allv = [torch.empty(16) for _ in range(world)]
+        alli = [torch.empty(16, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(allv, vals)
+        dist.all_gather(alli, idx)
+        ref, _ = gtopk_reference(allv, alli, 16, n_big)
+        assert torch.equal(res.indices, ref.indices) and torch.equal(res.values, ref.values)
+        assert set(res.indices.tolist()) <= set(torch.cat(alli).tolist())
+        report[f"big{n_big}"] = res.indices.tolist()
     # 3. density 1.0 (k = numel): topk and gtopk give the dense all-reduce (integer data: exact)
     n = 300
     x = torch.randint(-1000, 1001, (n,), generator=torch.Generator().manual_seed(rank)).float()
@@ -206,8 +212,9 @@ def test_distributed_exchanges(run_ranks, world):
     reports = run_ranks(_ranks_body, world, world)
     for case in range(len(reports[0]["gtopk"])):  # identical on every rank
         assert all(rep["gtopk"][case] == reports[0]["gtopk"][case] for rep in reports[1:])
-    assert all(rep["big"] == reports[0]["big"] for rep in reports)
-    assert set(range(2**26 - world, 2**26)) <= set(reports[0]["big"])  # top-end indices exact  # a top-end index survived exactly
+    for n_big in (2**26, 2**33):  # identical everywhere; the top-end indices survived exactly
+        assert all(rep[f"big{n_big}"] == reports[0][f"big{n_big}"] for rep in reports)
+        assert set(range(n_big - world, n_big)) <= set(reports[0][f"big{n_big}"])
     if world > 1:
         for rep in reports:
             assert len(rep["errors"]) == 2
@@ -217,9 +224,9 @@ def test_distributed_exchanges(run_ranks, world):
 
 def test_bytes_sent_formulas():
     k = 25_558
-    msg = message_bytes(k)  # 12 bytes per pair
+    msg = message_bytes(k)  # 8 bytes per pair
     assert gtopk_bytes_sent(k, 8, 3) == 3 * msg
-    assert gtopk_bytes_sent(k, 6, 1) == 2 * msg + 8 * _message_len(k, torch.float32, k)  # folds out
+    assert gtopk_bytes_sent(k, 6, 1) == 2 * msg + 4 * _message_len(k, torch.float32, 1, k)  # folds out
     assert gtopk_bytes_sent(k, 6, 5) == msg                                              # folded in
     # issue target at W=8: <= 2.5 x 2k*8*log2(W), and less than topk's (P-1) messages
     assert gtopk_bytes_sent(k, 8, 0) <= 2.5 * 2 * k * 8 * math.log2(8)

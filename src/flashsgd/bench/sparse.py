@@ -49,9 +49,10 @@ from flashsgd.bench.common import (add_run_arguments, check_run_arguments, forma
 from flashsgd.bench.sparse_steps import (FLOOR_PASSES, PHASES, STEP_ALGORITHMS, SparseStepOptions,
                                          make_step, wire_bytes_per_node)
 from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, SelectionWorkspace, gtopk_bytes_sent,
-                                  k_from_density, topk_bytes_sent, validate_density)
+                                  k_from_density, topk_bytes_sent, validate_density,
+                                  wire_index_dtype)
 from flashsgd.comm.sparse_fused import compiled_available, compress_
-from flashsgd.comm.sparse_hier import check_node_layout
+from flashsgd.comm.sparse_hier import broadcast_len, check_node_layout
 from flashsgd.comm.sparse_select import ThresholdReuse, topk_threshold
 from flashsgd.comm.topology import get_topology
 from flashsgd.emulate.netns import parse_rate
@@ -108,19 +109,23 @@ def _rpn(cfg: SparseBenchConfig, world: int) -> int:
 
 
 def _bytes_per_rank(algo: str, k: int, world: int, rpn: int, numel: int) -> int:
+    f32 = torch.float32
     if algo == "topk":
-        return topk_bytes_sent(k, world)
+        return topk_bytes_sent(k, world, f32, numel)
     if algo == "gtopk":
-        return max(gtopk_bytes_sent(k, world, r) for r in range(world))
+        return max(gtopk_bytes_sent(k, world, r, f32, numel) for r in range(world))
     nodes = world // rpn
     if algo == "hgtopk_slices":  # (R-1) slices of m/R sent in the node, a gTop-k of k/R, an all-gather
-        k_slice = -(-k // rpn)
-        cross = max(gtopk_bytes_sent(k_slice, nodes, n) for n in range(nodes)) if nodes > 1 else 0
-        return 4 * numel * (rpn - 1) // rpn + cross + (rpn - 1) * 8 * (2 * k_slice + -(-k_slice // 2))
-    leader = max(gtopk_bytes_sent(k, nodes, n) for n in range(nodes)) if nodes > 1 else 0
-    bcast = (rpn - 1) * 8 * (2 * k + -(-k // 2))
+        k_slice, m_slice = -(-k // rpn), -(-numel // rpn)
+        cross = (max(gtopk_bytes_sent(k_slice, nodes, n, f32, m_slice) for n in range(nodes))
+                 if nodes > 1 else 0)
+        word = wire_index_dtype(numel).itemsize
+        return 4 * numel * (rpn - 1) // rpn + cross + (rpn - 1) * word * broadcast_len(k_slice, f32, numel)
+    leader = max(gtopk_bytes_sent(k, nodes, n, f32, numel) for n in range(nodes)) if nodes > 1 else 0
+    bcast = (rpn - 1) * wire_index_dtype(numel).itemsize * broadcast_len(k, f32, numel)
     if algo == "hgtopk_sparse":  # the node's gTop-k, then the leader's
-        return (max(gtopk_bytes_sent(k, rpn, r) for r in range(rpn)) if rpn > 1 else 0) + leader + bcast
+        node = max(gtopk_bytes_sent(k, rpn, r, f32, numel) for r in range(rpn)) if rpn > 1 else 0
+        return node + leader + bcast
     return max(leader + bcast, 4 * numel if rpn > 1 else 0)
 
 
@@ -209,7 +214,8 @@ def bench_worker(cfg: SparseBenchConfig) -> dict | None:
                                "call; all functions of a density interleaved; phases: rank 0's medians",
                         bytes="dense: ring volume 2(P-1)/P*4m; topk: (P-1) messages (direct exchange); "
                               "gtopk: exact bytes sent, max over ranks; hgtopk: leader's or a member's "
-                              "dense acc, the larger; 12 B per fp32 pair",
+                              "dense acc, the larger; 8 B per fp32 pair (int32 indices "
+                              "under 2**31 elements)",
                         wire="bytes through the busiest node link / link rate (sparse_steps.wire_bytes_per_node)",
                         floor="FLOOR_PASSES x add time (same run, all ranks adding) + wire")
     return {"meta": meta, "results": results}

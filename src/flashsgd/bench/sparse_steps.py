@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, _message_len, gtopk_allreduce,
-                                  gtopk_bytes_sent, message_bytes, topk_allgather)
+from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, gtopk_allreduce, gtopk_bytes_sent,
+                                  message_bytes, topk_allgather)
 from flashsgd.comm.sparse_fused import add_block_maxima_
 from flashsgd.comm.sparse_hier import hgtopk_allreduce
 from flashsgd.comm.sparse_select import ThresholdReuse, auto_block, topk_threshold
@@ -165,20 +165,23 @@ def make_step(algorithm: str, grad: torch.Tensor, k: int, options: SparseStepOpt
 
 # --------------------------------------------------------------------------------- wire ---------
 
-def _gtopk_cross_bytes(k: int, world: int, rpn: int) -> list[int]:
+def _gtopk_cross_bytes(k: int, world: int, rpn: int, numel: int) -> list[int]:
     """Per node: bytes flat gTop-k over ``world`` ranks (node-major, rpn per node) sends to
     other nodes (butterfly partners r XOR 2^i, fold-in r -> r - P2, fold-out r -> r + P2)."""
     p2 = 1 << (world.bit_length() - 1)
-    msg = message_bytes(k)
+    msg = message_bytes(k, torch.float32, numel)
+    rounds = p2.bit_length() - 1
+    # the fold-out message (pairs + survivor mask): what the rank sends beyond its rounds
+    fold_out = gtopk_bytes_sent(k, world, 0, torch.float32, numel) - rounds * msg
     out = [0] * (world // rpn)
     for r in range(world):
         sends = []
         if r >= p2:
             sends.append((r - p2, msg))
         else:
-            sends += [(r ^ (1 << i), msg) for i in range(p2.bit_length() - 1)]
+            sends += [(r ^ (1 << i), msg) for i in range(rounds)]
             if r + p2 < world:
-                sends.append((r + p2, 8 * _message_len(k, torch.float32, k)))
+                sends.append((r + p2, fold_out))
         out[r // rpn] += sum(b for peer, b in sends if peer // rpn != r // rpn)
     return out
 
@@ -196,12 +199,13 @@ def wire_bytes_per_node(algorithm: str, k: int, numel: int, world: int, rpn: int
     if algorithm == "dense":
         return 2 * (nodes - 1) / nodes * 4 * numel
     if algorithm == "topk":
-        return rpn * (world - rpn) * message_bytes(k)
+        return rpn * (world - rpn) * message_bytes(k, torch.float32, numel)
     if algorithm == "gtopk":
-        return float(max(_gtopk_cross_bytes(k, world, rpn)))
+        return float(max(_gtopk_cross_bytes(k, world, rpn, numel)))
     if algorithm in ("hgtopk", "hgtopk_sparse"):
-        return float(max(gtopk_bytes_sent(k, nodes, n) for n in range(nodes)))
+        return float(max(gtopk_bytes_sent(k, nodes, n, torch.float32, numel) for n in range(nodes)))
     if algorithm == "hgtopk_slices":  # R gTop-k of ~k/R pairs leave each node at once
         k_slice = -(-k // rpn)
-        return float(rpn * max(gtopk_bytes_sent(k_slice, nodes, n) for n in range(nodes)))
+        return float(rpn * max(gtopk_bytes_sent(k_slice, nodes, n, torch.float32, -(-numel // rpn))
+                               for n in range(nodes)))
     raise ValueError(f"unknown algorithm {algorithm!r}")

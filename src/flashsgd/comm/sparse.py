@@ -24,9 +24,12 @@ if its index re-enters the result from another subtree later (then the global va
 holds only the other subtree's mass), which is the precise form of "what was not sent locally plus
 local values that did not survive the global selection".
 
-Indices travel as int64 and values are bit-cast into the same int64 message (never converted to
-float32, which would corrupt indices >= 2^24). Deadline: every wait on a peer (the all-gather's
-messages, the butterfly's swaps, the size check) lasts at most ``timeout_s`` seconds (``None``:
+Wire format: one message of words of the index dtype, int32 wherever the bucket fits
+(``numel < 2**31``, :func:`wire_index_dtype`; else int64): k indices, then the values bit-cast
+into the same words (never converted to float32, which would corrupt indices >= 2^24). fp32 pairs
+take 8 bytes (4 + 4). The merges work on int64 indices; only the message is narrower.
+
+Deadline: every wait on a peer (the all-gather's messages, the butterfly's swaps, the size check) lasts at most ``timeout_s`` seconds (``None``:
 the default process group's timeout) and then raises :class:`~flashsgd.comm.errors.PeerTimeout`
 naming the peer rank. Selection (exact and sampled-threshold top-k) and
 the density schedule are in :mod:`flashsgd.comm.sparse_select`, re-exported here.
@@ -198,41 +201,60 @@ def gtopk_reference(values: list[torch.Tensor], indices: list[torch.Tensor], k: 
 
 # ------------------------------------------------------------------------- messages -------------
 
-def _pack(values: torch.Tensor, indices: torch.Tensor, extra: torch.Tensor | None = None
-          ) -> torch.Tensor:
-    """One int64 message: k indices, then the values' bytes bit-cast (and optional uint8 bytes)."""
-    parts = [indices, _bytes_as_int64(values.contiguous().view(torch.uint8))]
+INT32_NUMEL = 2 ** 31
+"""Buckets shorter than this send int32 indices (every index <= 2**31 - 1 fits)."""
+
+
+def wire_index_dtype(numel: int) -> torch.dtype:
+    """The dtype of indices (and words) on the wire for a bucket of ``numel`` elements: int32 when
+    ``numel < 2**31`` (4 bytes per index instead of 8), else int64."""
+    return torch.int32 if numel < INT32_NUMEL else torch.int64
+
+
+def _pack(values: torch.Tensor, indices: torch.Tensor, numel: int,
+          extra: torch.Tensor | None = None) -> torch.Tensor:
+    """One message in words of :func:`wire_index_dtype` (numel): k indices, then the values' bytes
+    bit-cast (and optional uint8 bytes), each part padded to whole words."""
+    word = wire_index_dtype(numel)
+    parts = [indices.to(word), _bytes_as_words(values.contiguous().view(torch.uint8), word)]
     if extra is not None:
-        parts.append(_bytes_as_int64(extra))
+        parts.append(_bytes_as_words(extra, word))
     return torch.cat(parts)
 
 
-def _bytes_as_int64(b: torch.Tensor) -> torch.Tensor:
-    pad = (-b.numel()) % 8
+def _bytes_as_words(b: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+    """uint8 bytes viewed as words of ``word`` (int32 or int64), zero-padded to a whole word."""
+    size = word.itemsize
+    pad = (-b.numel()) % size
     if pad:
         b = torch.cat([b, b.new_zeros(pad)])
-    return b.view(torch.int64)
+    return b.view(word)
 
 
-def _message_len(k: int, dtype: torch.dtype, extra_bytes: int = 0) -> int:
-    """int64 words of a message: k indices + ceil(k * itemsize / 8) + ceil(extra / 8)."""
-    item = torch.empty(0, dtype=dtype).element_size()
-    return k + math.ceil(k * item / 8) + math.ceil(extra_bytes / 8)
+def _message_len(k: int, dtype: torch.dtype, numel: int, extra_bytes: int = 0) -> int:
+    """Words of a message: k indices + ceil(k * itemsize / w) + ceil(extra / w), w = word bytes."""
+    item = dtype.itemsize
+    w = wire_index_dtype(numel).itemsize
+    return k + math.ceil(k * item / w) + math.ceil(extra_bytes / w)
 
 
 def _unpack(msg: torch.Tensor, k: int, dtype: torch.dtype, extra_bytes: int = 0):
-    item = torch.empty(0, dtype=dtype).element_size()
-    nv = math.ceil(k * item / 8)
-    indices = msg[:k]
+    """(values, int64 indices[, extra bytes]) of a :func:`_pack` message (views where possible)."""
+    item, w = dtype.itemsize, msg.element_size()
+    nv = math.ceil(k * item / w)
+    indices = msg[:k].to(torch.int64)
     values = msg[k:k + nv].view(torch.uint8)[:k * item].view(dtype)
     if not extra_bytes:
         return values, indices
     return values, indices, msg[k + nv:].view(torch.uint8)[:extra_bytes]
 
 
-def message_bytes(k: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of one rank's k (value, index) pairs on the wire: 8 k (int64) + itemsize * k (padded)."""
-    return 8 * _message_len(k, dtype)
+def message_bytes(k: int, dtype: torch.dtype = torch.float32, numel: int = 1) -> int:
+    """Bytes of one rank's k (value, index) pairs on the wire for a bucket of ``numel`` elements
+    (the default: any bucket under 2**31): w k + itemsize k padded to words of w = 4 (int32
+    indices) or 8 bytes; 8 k for fp32 under 2**31 elements."""
+    w = wire_index_dtype(numel).itemsize
+    return w * _message_len(k, dtype, numel)
 
 
 # --------------------------------------------------------------------------- exchanges ----------
@@ -272,13 +294,14 @@ def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
     """Top-k S-SGD exchange: all-gather every rank's k pairs and sum them into a dense vector.
 
     Algorithm:
-        1. Pack the k indices (int64) and the bit-cast values into one int64 message.
+        1. Pack the k indices and the bit-cast values into one message (int32 words when
+           ``numel < 2**31``, :func:`wire_index_dtype`).
         2. All-gather the P messages by direct exchange (every rank sends its message to each of
            the P-1 others: :func:`~flashsgd.comm.waits.gather_from_peers`).
         3. Scatter-add the P k values into a zero vector of ``numel``, in rank order (the same
            order on every rank, so the result is identical everywhere).
 
-    Cost: a + (P-1) k s b with s = 12 bytes per fp32 pair (the bytes of a ring all-gather, P-1
+    Cost: a + (P-1) k s b with s = 8 bytes per fp32 pair (12 past 2**31 elements) (the bytes of a ring all-gather, P-1
     messages, sent concurrently: one latency instead of P-1), plus O(Pk) adds and an O(numel)
     zero fill; bytes sent per rank: (P-1) * :func:`message_bytes`.
 
@@ -308,7 +331,7 @@ def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
     if check:
         check_sizes(k, numel, k, group, "topk_allgather", timeout_s)
     # Step 1
-    msg = _pack(values, indices)
+    msg = _pack(values, indices, numel)
     # Step 2
     gathered = gather_from_peers(msg, group, timeout_s, "topk all-gather") if world > 1 else msg
     # Step 3
@@ -336,23 +359,23 @@ def _swap(send: torch.Tensor | None, recv: torch.Tensor | None, peer: int,
         wait_peer(send_work, global_rank(group, peer), timeout_s, where, sending=True)
 
 
-def _extra_rank(values: torch.Tensor, indices: torch.Tensor, k: int, partner: int,
+def _extra_rank(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int, partner: int,
                 group: ProcessGroup | None, timeout_s: float) -> GTopk:
     """gTop-k on an extra rank r >= P2: Step 1, send my k pairs to ``partner`` = r - P2; Step 3,
     receive the final pairs and the mask of my local indices that survived."""
-    msg = torch.empty(_message_len(k, values.dtype, k), dtype=torch.int64)
-    _swap(_pack(values, indices), msg, partner, group, timeout_s, "gtopk all-reduce, fold-in")
+    msg = torch.empty(_message_len(k, values.dtype, numel, k), dtype=wire_index_dtype(numel))
+    _swap(_pack(values, indices, numel), msg, partner, group, timeout_s, "gtopk all-reduce, fold-in")
     gv, gi, mask = _unpack(msg, k, values.dtype, k)
     return GTopk(gv.clone(), gi.clone(), indices[mask.bool()])
 
 
-def _fold_in(values: torch.Tensor, indices: torch.Tensor, k: int, guest: int,
+def _fold_in(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int, guest: int,
              group: ProcessGroup | None, timeout_s: float
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gTop-k Step 1 on rank r < E: receive the k pairs of extra rank ``guest`` = r + P2 and merge
     them into mine; returns (the guest's indices, merged values, merged indices, masks over the
     merged pairs: which hold my value, which hold the guest's)."""
-    msg = torch.empty(_message_len(k, values.dtype), dtype=torch.int64)
+    msg = torch.empty(_message_len(k, values.dtype, numel), dtype=wire_index_dtype(numel))
     _swap(None, msg, guest, group, timeout_s, "gtopk all-reduce, fold-in")
     ov, oi = _unpack(msg, k, values.dtype)
     val, idx, pa, pb, keep = _merge_slots(values, indices, ov, oi, k)
@@ -376,7 +399,8 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
         through every merge it does (no extra traffic, O(k) per merge) to know which of its values
         were counted (error feedback, module docstring).
 
-    Cost (s = bytes per pair, 12 for fp32 values + int64 indices; m_k = s k):
+    Cost (s = bytes per pair, 8 for fp32 values + int32 indices, 12 with int64 ones past 2**31
+    elements; m_k = s k):
         power of two:   log2(P) a + log2(P) m_k b + log2(P) merges of 2k (one O(k log k) search + O(k) each);
         otherwise:      (log2(P2) + 2) a + (log2(P2) + 2) m_k b on the critical path (the fold-in
                         and fold-out steps; the E folded ranks send one message and wait).
@@ -418,34 +442,34 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
         return GTopk(values, indices, indices)
     p2 = 1 << (world.bit_length() - 1)
     if rank >= p2:  # Steps 1 and 3 as an extra rank
-        return _extra_rank(values, indices, k, rank - p2, group, timeout_s)
+        return _extra_rank(values, indices, k, numel, rank - p2, group, timeout_s)
     # masks over the current pairs: which hold my local value / the folded-in rank's, still counted
     mine, guest = torch.ones(k, dtype=torch.bool), None
     if rank + p2 < world:  # Step 1: fold in
-        guest_all, values, indices, mine, guest = _fold_in(values, indices, k, rank + p2, group,
-                                                           timeout_s)
+        guest_all, values, indices, mine, guest = _fold_in(values, indices, k, numel, rank + p2,
+                                                           group, timeout_s)
     # Step 2: butterfly
-    values, indices, mine, guest = _butterfly(values, indices, mine, guest, k, p2, group, timeout_s,
-                                              timings)
+    values, indices, mine, guest = _butterfly(values, indices, mine, guest, k, numel, p2, group,
+                                              timeout_s, timings)
     # Step 3: fold out
     if guest is not None:
         mask = torch.isin(guest_all, indices[guest]).to(torch.uint8)  # (k,) 1 = that value counted
-        _swap(_pack(values, indices, mask), None, rank + p2, group, timeout_s,
+        _swap(_pack(values, indices, numel, mask), None, rank + p2, group, timeout_s,
               "gtopk all-reduce, fold-out")
     return GTopk(values, indices, indices[mine])
 
 
-def _butterfly(values, indices, mine, guest, k: int, p2: int, group, timeout_s: float,
+def _butterfly(values, indices, mine, guest, k: int, numel: int, p2: int, group, timeout_s: float,
                timings: dict | None):
     """gTop-k Step 2 on rank r < P2: log2(P2) swaps with r XOR 2^i, each followed by a merge;
     ``mine`` / ``guest`` (masks over the current pairs of the values still counted) follow the
     pairs through every merge (:func:`_carry`: a value dropped once stays dropped)."""
     rank = dist.get_rank(group)
-    recv = torch.empty(_message_len(k, values.dtype), dtype=torch.int64)
+    recv = torch.empty(_message_len(k, values.dtype, numel), dtype=wire_index_dtype(numel))
     clock = {"exchange": 0.0, "merge": 0.0}
     for i in range(p2.bit_length() - 1):
         t0 = time.perf_counter()
-        _swap(_pack(values, indices), recv, rank ^ (1 << i), group, timeout_s,
+        _swap(_pack(values, indices, numel), recv, rank ^ (1 << i), group, timeout_s,
               f"gtopk all-reduce, butterfly round {i}")
         t1 = time.perf_counter()
         ov, oi = _unpack(recv, k, values.dtype)
@@ -462,20 +486,23 @@ def _butterfly(values, indices, mine, guest, k: int, p2: int, group, timeout_s: 
     return values, indices, mine, guest
 
 
-def gtopk_bytes_sent(k: int, world: int, rank: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes :func:`gtopk_allreduce` hands to send/isend on ``rank`` (the size check excluded)."""
+def gtopk_bytes_sent(k: int, world: int, rank: int, dtype: torch.dtype = torch.float32,
+                     numel: int = 1) -> int:
+    """Bytes :func:`gtopk_allreduce` hands to send/isend on ``rank`` (the size check excluded), for
+    a bucket of ``numel`` elements (the default: any under 2**31, int32 indices)."""
     if world == 1:
         return 0
     p2 = 1 << (world.bit_length() - 1)
-    msg = message_bytes(k, dtype)
+    msg = message_bytes(k, dtype, numel)
     if rank >= p2:
         return msg
     rounds = p2.bit_length() - 1
     if rank + p2 < world:
-        return rounds * msg + 8 * _message_len(k, dtype, k)
+        word = wire_index_dtype(numel).itemsize
+        return rounds * msg + word * _message_len(k, dtype, numel, k)
     return rounds * msg
 
 
-def topk_bytes_sent(k: int, world: int, dtype: torch.dtype = torch.float32) -> int:
+def topk_bytes_sent(k: int, world: int, dtype: torch.dtype = torch.float32, numel: int = 1) -> int:
     """Bytes one rank sends in :func:`topk_allgather` with a ring all-gather: (P-1) messages."""
-    return (world - 1) * message_bytes(k, dtype)
+    return (world - 1) * message_bytes(k, dtype, numel)

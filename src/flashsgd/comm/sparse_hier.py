@@ -20,11 +20,11 @@ Error feedback stays exact: the global values at the counted indices of node n h
 ``A_n`` there, i.e. every rank's acc at those indices, and exactly those are zeroed, so
 ``sum_r acc_r == global + sum_r residual_r`` as for flat gTop-k.
 
-Cost (m elements, 4-byte values, k pairs of s = 12 bytes, a/b intra-node, A/B cross-node):
-reduce and broadcast inside the node ~ log2(R)(a + 4m b) + log2(R)(a + 20k b); gTop-k over N
-leaders: log2(N)(A + s k B). Flat gTop-k over N R ranks pays log2(N R) rounds of s k bytes on the
-slow links (when ranks of a node share the node's link, R messages at a time) and R times the
-selection work per node; hgtopk pays one selection per node and log2(N) rounds.
+Cost (m elements, 4-byte values, k pairs of s = 8 bytes (int32 indices), a/b intra-node, A/B
+cross-node): reduce and broadcast inside the node ~ log2(R)(a + 4m b) + log2(R)(a + 12k b);
+gTop-k over N leaders: log2(N)(A + s k B). Flat gTop-k over N R ranks pays log2(N R) rounds of
+s k bytes on the slow links (when ranks of a node share the node's link, R messages at a time) and
+R times the selection work per node; hgtopk pays one selection per node and log2(N) rounds.
 
 Example::
 
@@ -41,8 +41,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.sparse import (GTopk, _bytes_as_int64, _counted, gtopk_allreduce,
-                                  gtopk_bytes_sent, topk_exact)
+from flashsgd.comm.sparse import (GTopk, _bytes_as_words, _counted, gtopk_allreduce,
+                                  gtopk_bytes_sent, topk_exact, wire_index_dtype)
 from flashsgd.comm.sparse_slices import hgtopk_slices_allreduce
 from flashsgd.comm.topology import Topology, check_timeout_s
 from flashsgd.comm.waits import wait_collective
@@ -64,18 +64,28 @@ def check_node_layout(ranks_per_node: int, world_size: int) -> int:
     return ranks_per_node
 
 
-def _broadcast_msg(res: GTopk, k: int) -> torch.Tensor:
-    """int64 message: k global indices, k counted indices padded with -1, the values' bytes."""
-    counted = torch.full((k,), -1, dtype=torch.int64)
+def broadcast_len(k: int, dtype: torch.dtype, numel: int) -> int:
+    """Words (of :func:`~flashsgd.comm.sparse.wire_index_dtype` (numel)) of the node broadcast:
+    2 k indices + the k values' bytes in whole words."""
+    word = wire_index_dtype(numel).itemsize
+    return 2 * k + -(-k * dtype.itemsize // word)
+
+
+def _broadcast_msg(res: GTopk, k: int, numel: int) -> torch.Tensor:
+    """Message of words of wire_index_dtype(numel): k global indices, k counted indices padded
+    with -1, the values' bytes."""
+    word = wire_index_dtype(numel)
+    counted = torch.full((k,), -1, dtype=word)
     counted[:res.counted.numel()] = res.counted
-    return torch.cat([res.indices, counted, _bytes_as_int64(res.values.contiguous().view(torch.uint8))])
+    return torch.cat([res.indices.to(word), counted,
+                      _bytes_as_words(res.values.contiguous().view(torch.uint8), word)])
 
 
 def _unpack_broadcast(msg: torch.Tensor, k: int, dtype: torch.dtype) -> GTopk:
-    item = torch.empty(0, dtype=dtype).element_size()
-    counted = msg[k:2 * k]
+    item = dtype.itemsize
+    counted = msg[k:2 * k].to(torch.int64)
     values = msg[2 * k:].view(torch.uint8)[:k * item].view(dtype)
-    return GTopk(values, msg[:k], counted[counted >= 0])
+    return GTopk(values, msg[:k].to(torch.int64), counted[counted >= 0])
 
 
 def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torch.Tensor,
@@ -134,7 +144,7 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
     if node is not None:
         work = dist.reduce(out, dst=topology.node_ranks[0], group=node, async_op=True)
         wait_collective(work, node, timeout_s, "hgtopk, node reduce")
-    msg = torch.empty(2 * k + -(-k * acc.element_size() // 8), dtype=torch.int64)
+    msg = torch.empty(broadcast_len(k, acc.dtype, n), dtype=wire_index_dtype(n))
     if leader:
         # Step 2: the leader's selection over the node sum
         values, indices = select(out, k)
@@ -144,7 +154,7 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
                                   timeout_s=timeout_s, timings=timings)
         else:
             res = GTopk(values, indices, indices)
-        msg = _broadcast_msg(res, k)
+        msg = _broadcast_msg(res, k, n)
     # Step 4: the result to every rank of the node
     if node is not None:
         work = dist.broadcast(msg, src=topology.node_ranks[0], group=node, async_op=True)
@@ -170,12 +180,12 @@ def _sparse_in_node(acc: torch.Tensor, k: int, topology: Topology, out: torch.Te
         values, indices, mine = res.values, res.indices, res.counted
     else:
         mine = indices
-    msg = torch.empty(2 * k + -(-k * acc.element_size() // 8), dtype=torch.int64)
+    msg = torch.empty(broadcast_len(k, acc.dtype, n), dtype=wire_index_dtype(n))
     if topology.local_rank == 0:  # Step 3 among the leaders
         res = (gtopk_allreduce(values, indices, k, n, topology.cross_group, check=check,
                                timeout_s=timeout_s, timings=timings)
                if topology.num_nodes > 1 else GTopk(values, indices, indices))
-        msg = _broadcast_msg(res, k)
+        msg = _broadcast_msg(res, k, n)
     if node is not None:  # Step 4
         work = dist.broadcast(msg, src=topology.node_ranks[0], group=node, async_op=True)
         wait_collective(work, node, timeout_s, "hgtopk, node broadcast")
@@ -194,11 +204,12 @@ def hgtopk_bytes_sent(k: int, topology: Topology, numel: int,
     message to each of the R - 1 others (upper bound: Gloo's broadcast tree); across nodes, the
     leader the bytes of :func:`~flashsgd.comm.sparse.gtopk_bytes_sent` over the N leaders.
     """
-    item = torch.empty(0, dtype=dtype).element_size()
+    item = dtype.itemsize
     r = topology.ranks_per_node
-    bcast = 8 * (2 * k + -(-k * item // 8))
+    word = wire_index_dtype(numel).itemsize
+    bcast = word * broadcast_len(k, dtype, numel)
     if topology.local_rank:
         return {"node": numel * item, "cross": 0}
     node_bytes = (r - 1) * bcast
-    cross = gtopk_bytes_sent(k, topology.num_nodes, topology.node, dtype)
+    cross = gtopk_bytes_sent(k, topology.num_nodes, topology.node, dtype, numel)
     return {"node": node_bytes, "cross": cross}

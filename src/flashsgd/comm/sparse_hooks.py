@@ -423,14 +423,14 @@ def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Ten
         topk_allgather(values, indices, n, group, check=False, out=buf,
                        timeout_s=state.timeout_s).div_(world)
         counted = indices
-        state.bytes_sent += topk_bytes_sent(k, world, values.dtype)
+        state.bytes_sent += topk_bytes_sent(k, world, values.dtype, n)
     else:
         values, indices = _select(state, acc, k, idx, rank)
         res = gtopk_allreduce(values, indices, k, n, group, check=False, timeout_s=state.timeout_s)
         counted = res.counted
         buf.zero_()
         buf[res.indices] = res.values.div(world)
-        state.bytes_sent += gtopk_bytes_sent(k, world, rank, values.dtype)
+        state.bytes_sent += gtopk_bytes_sent(k, world, rank, values.dtype, n)
     # Step 4: residual = acc minus what was counted; momentum-factor masking
     acc.index_fill_(0, counted, 0)
     if velocity is not None and state.momentum_masking:

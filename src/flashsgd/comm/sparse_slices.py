@@ -34,7 +34,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.sparse import GTopk, _bytes_as_int64, gtopk_allreduce, topk_exact
+from flashsgd.comm.sparse import GTopk, _bytes_as_words, gtopk_allreduce, topk_exact, wire_index_dtype
 from flashsgd.comm.topology import Topology
 from flashsgd.comm.waits import gather_from_peers, global_rank, wait_peer
 
@@ -72,15 +72,17 @@ def _reduce_scatter(acc: torch.Tensor, out: torch.Tensor, bounds: list[int], top
     return mine
 
 
-def _pack_slice(res: GTopk, offset: int, kmax: int) -> torch.Tensor:
-    """int64 message: kmax global indices, kmax counted indices (both padded with -1), values."""
-    idx = torch.full((kmax,), -1, dtype=torch.int64)
-    cnt = torch.full((kmax,), -1, dtype=torch.int64)
+def _pack_slice(res: GTopk, offset: int, kmax: int, numel: int) -> torch.Tensor:
+    """Message of words of wire_index_dtype(numel): kmax global indices, kmax counted indices
+    (both padded with -1), the values' bytes."""
+    word = wire_index_dtype(numel)
+    idx = torch.full((kmax,), -1, dtype=word)
+    cnt = torch.full((kmax,), -1, dtype=word)
     idx[:res.indices.numel()] = res.indices + offset
     cnt[:res.counted.numel()] = res.counted + offset
     vals = torch.zeros(kmax, dtype=res.values.dtype)
     vals[:res.values.numel()] = res.values
-    return torch.cat([idx, cnt, _bytes_as_int64(vals.view(torch.uint8))])
+    return torch.cat([idx, cnt, _bytes_as_words(vals.view(torch.uint8), word)])
 
 
 def hgtopk_slices_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torch.Tensor,
@@ -109,12 +111,12 @@ def hgtopk_slices_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, ou
         res = GTopk(acc[:0], torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
     # Step 4
     kmax = max(ks)
-    msg = _pack_slice(res, bounds[local], kmax)
+    msg = _pack_slice(res, bounds[local], kmax, n)
     rows = (gather_from_peers(msg, topology.node_group, timeout_s, "hgtopk slices, node all-gather")
             if topology.node_group is not None else msg.unsqueeze(0))
     item = acc.element_size()
     vals = rows[:, 2 * kmax:].contiguous().view(torch.uint8)[:, :kmax * item].contiguous().view(acc.dtype)
-    idx, cnt = rows[:, :kmax], rows[:, kmax:2 * kmax]
+    idx, cnt = rows[:, :kmax].to(torch.int64), rows[:, kmax:2 * kmax].to(torch.int64)
     keep = idx >= 0
     values, indices = vals[keep], idx[keep]          # row-major: slices in order, ascending
     out.zero_()

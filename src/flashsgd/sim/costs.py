@@ -40,7 +40,7 @@ Non-powers of two: recursive doubling and Rabenseifner fold the extra ``P - 2^fl
 with one step before and one after (MPICH), and so does the gtopk butterfly (``comm/sparse.py``);
 binomial trees, Bruck and gtopk_tree use ceil(lgP) steps. The sparse exchanges (topk, gtopk,
 gtopk_tree) live in :mod:`flashsgd.sim.costs_sparse`, built from the link helpers here; gtopk's
-messages are sized as ``comm/sparse.py`` packs them (k s bytes padded to 8-byte words). Both
+messages are sized as ``comm/sparse.py`` packs them (k s bytes padded to index-sized words). Both
 modules' functions are registered by name in one place, :data:`flashsgd.sim.algorithms.ALGORITHMS`.
 
 Example::
@@ -77,8 +77,8 @@ class CommSetup:
     value_bytes: int = 4
     """Bytes per gradient element: 4 (fp32) or 2 (fp16)."""
     index_bytes: int = 4
-    """Bytes per sparse index: 4 (int32, the papers' format) or 8 (int64, what ``comm/sparse.py``
-    sends)."""
+    """Bytes per sparse index: 4 (int32: the papers' format, and what ``comm/sparse.py`` sends for
+    buckets under 2**31 elements) or 8 (int64, its format for larger buckets)."""
     matrices: tuple[tuple[int, int], ...] | None = None
     """PowerSGD: (rows, cols) of every gradient tensor of the message, viewed as torch's hook views
     it (``shape[0] x rest``; 1-D tensors as (n, 1)); None: the message is one square matrix."""

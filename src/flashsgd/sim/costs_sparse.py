@@ -9,7 +9,8 @@ Low Bandwidth Networks" (arXiv 1901.04359). Registered by name in
 - ``gtopk``: the butterfly of ``flashsgd.comm.sparse.gtopk_allreduce``: lgP' rounds in which every
   rank swaps its k pairs with rank XOR 2^i and both merge; the P - P' extra ranks folded in before
   and out after (P' = largest power of two <= P). Per-rank bytes: :func:`gtopk_bytes_per_rank`,
-  equal to ``flashsgd.comm.sparse.gtopk_bytes_sent`` with ``index_bytes=8`` (tested).
+  equal to ``flashsgd.comm.sparse.gtopk_bytes_sent`` with ``index_bytes=4`` (int32, buckets under
+  2**31 elements) and ``index_bytes=8`` (int64, larger buckets) (tested).
 - ``hgtopk``: ``flashsgd.comm.sparse_hier``: dense reduce to a leader per node, gTop-k among the
   leaders, broadcast inside the node (:func:`hgtopk`).
 - ``hgtopk_sparse``: ``hgtopk_allreduce(split="sparse")``: every rank selects, gTop-k inside the
@@ -68,20 +69,22 @@ def topk(n_bytes, setup: CommSetup) -> Cost:
                        np.zeros_like(n))
 
 
-def _pad8(nbytes):
-    """Bytes rounded up to whole 8-byte words (``comm/sparse.py`` packs messages into int64)."""
-    return 8 * np.ceil(np.asarray(nbytes, dtype=float) / 8)
+def _pad(nbytes, word: int):
+    """Bytes rounded up to whole words of ``word`` bytes (``comm/sparse.py`` packs a message into
+    words of the index dtype)."""
+    return word * np.ceil(np.asarray(nbytes, dtype=float) / word)
 
 
 def sparse_message_bytes(k, setup: CommSetup, extra_bytes=0):
     """Bytes of one message of k (value, index) pairs as ``comm/sparse.py`` packs it.
 
-    Indices, then the values' bytes and any extra bytes, each padded to 8-byte words: with int64
-    indices and fp32 values that is 8 k + 8 ceil(4 k / 8) (= 12 k for even k), equal to
+    Indices, then the values' bytes and any extra bytes, each padded to words of the index's
+    size w: with int32 indices (``index_bytes=4``, what flashsgd sends for buckets under 2**31
+    elements) and fp32 values that is 8 k; with int64 ones 8 k + 8 ceil(4 k / 8). Equal to
     ``flashsgd.comm.sparse.message_bytes``.
     """
-    k = np.asarray(k, dtype=float)
-    return _pad8(k * setup.index_bytes) + _pad8(k * setup.value_bytes) + _pad8(extra_bytes)
+    k, w = np.asarray(k, dtype=float), setup.index_bytes
+    return _pad(k * w, w) + _pad(k * setup.value_bytes, w) + _pad(extra_bytes, w)
 
 
 def gtopk_bytes_per_rank(k: int, setup: CommSetup) -> np.ndarray:
@@ -89,7 +92,8 @@ def gtopk_bytes_per_rank(k: int, setup: CommSetup) -> np.ndarray:
 
     Ranks r < P' send lgP' messages of k pairs; ranks r < E = P - P' also send the fold-out
     message (k pairs + a k-byte mask); the E extra ranks send their k pairs once (fold-in). Equals
-    ``flashsgd.comm.sparse.gtopk_bytes_sent(k, P, r)`` with ``index_bytes=8`` (tested).
+    ``flashsgd.comm.sparse.gtopk_bytes_sent(k, P, r)`` (``index_bytes`` 4 or 8: the bucket's
+    wire index, tested).
     """
     p = setup.gpus
     out = np.zeros(p)
@@ -167,11 +171,11 @@ def _leaders(setup: CommSetup) -> CommSetup:
 
 
 def _node_broadcast(n: np.ndarray, setup: CommSetup, steps: int) -> Cost:
-    """The k global pairs and the k counted indices (int64) back to every rank of the node:
-    ceil(lgL) (a + (k s + 8 k) b) on the intra link."""
+    """The k global pairs and the k counted indices (w = index_bytes each) back to every rank of
+    the node: ceil(lgL) (a + (k s + w k) b) on the intra link."""
     k = _k(n, setup)[1]
     intra = setup.cluster.intra
-    lat, bw = step_cost(sparse_message_bytes(k, setup) + 8 * k, steps,
+    lat, bw = step_cost(sparse_message_bytes(k, setup) + setup.index_bytes * k, steps,
                         [(intra.alpha_s, intra.beta_s_per_byte)])
     return Cost(lat, bw, np.zeros_like(n), np.zeros_like(n))
 
@@ -182,7 +186,7 @@ def hgtopk(n_bytes, setup: CommSetup) -> Cost:
     Steps (L ranks per node, N nodes): 1. binomial reduce of the n-byte accumulated gradient to the
     node's leader over the intra link: ceil(lgL) (a + n b + n g); 2-3. the leader's selection and
     :func:`gtopk` among the N leaders (one flow per node on the inter link); 4. broadcast of the k
-    result pairs and the k counted indices inside the node: ceil(lgL) (a + (k s + 8 k) b).
+    result pairs and the k counted indices inside the node: ceil(lgL) (a + (k s + w k) b).
     """
     n = np.asarray(n_bytes, dtype=float)
     if setup.gpus == 1:
@@ -213,7 +217,7 @@ def hgtopk_sparse(n_bytes, setup: CommSetup) -> Cost:
     Steps (L ranks per node, N nodes): 1. every rank's selection and :func:`gtopk` among the L
     ranks of its node (intra link; the selection is counted here); 2. :func:`gtopk` among the N
     leaders (one flow per node on the inter link, no second selection); 3. broadcast of the k
-    result pairs and the k counted indices inside the node: ceil(lgL) (a + (k s + 8 k) b).
+    result pairs and the k counted indices inside the node: ceil(lgL) (a + (k s + w k) b).
     """
     n = np.asarray(n_bytes, dtype=float)
     if setup.gpus == 1:

@@ -64,7 +64,8 @@ class SimConfig:
     density: float = 0.001
     """topk / gtopk: fraction of elements sent."""
     index_bytes: int = 4
-    """topk / gtopk: bytes per sparse index, 4 (int32, the papers) or 8 (int64, ``comm/sparse.py``)."""
+    """topk / gtopk: bytes per sparse index, 4 (int32: the papers, and ``comm/sparse.py`` for
+    buckets under 2**31 elements) or 8 (int64, ``comm/sparse.py`` for larger buckets)."""
     lowrank: int = 1
     """powersgd: rank of the approximation (torch's ``matrix_approximation_rank``)."""
     forward_fraction: float = 1 / 3

@@ -117,7 +117,7 @@ def design(row: dict, density: float) -> np.ndarray:
     out = []
     for cluster in clusters:
         setup = CommSetup(gpus=row["world"], cluster=cluster, grid=grid, density=density,
-                          value_bytes=4, index_bytes=8,  # comm/sparse.py sends int64 indices
+                          value_bytes=4, index_bytes=4,  # comm/sparse.py: int32 indices (< 2**31 elements)
                           matrices=matrices)
         out.append(float(np.sum(fn(n, setup).total)) if row["world"] > 1 else 0.0)
     return np.array(out)
