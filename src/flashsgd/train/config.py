@@ -49,7 +49,7 @@ else:  # pragma: no cover
 def _hook_names() -> list[str]:
     from flashsgd.comm.hooks import HOOKS
 
-    return HOOKS.names()
+    return HOOKS.names() + ["auto"]
 
 
 def _recipe_names() -> list[str]:
@@ -143,8 +143,15 @@ class CommConfig:
     """``[comm]``: how gradients cross the network (a DDP communication hook)."""
 
     algorithm: str = choice("torus2d", _hook_names)
-    """Hook name in flashsgd.comm.hooks.HOOKS (noop: no exchange, for benchmarks only); flag
-    ``--algorithm`` or ``--comm``."""
+    """Hook name in flashsgd.comm.hooks.HOOKS (noop: no exchange, for benchmarks only), or auto: the
+    planner's choice for this cluster (algorithm, bucket size, density, grid or rank; measured at
+    start-up, recorded in <out>/auto.json); flag ``--algorithm`` or ``--comm``."""
+    cluster: Optional[str] = None
+    """auto: the cluster to plan for, a preset or a TOML file (e.g. the cluster.toml an earlier auto
+    run measured); unset: the network is measured at start-up (a few seconds)."""
+    accuracy_risk: Literal["low", "any"] = "low"
+    """auto: low: compression only where it was measured to keep accuracy over this run's steps;
+    any: every candidate."""
     grid: Optional[str] = None
     """torus2d grid XxY with X*Y = world size; unset: X = ranks per node (2x2 on 4 local workers)."""
     ranks_per_node: Optional[int] = None
@@ -303,6 +310,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _positive(cfg, "comm", "threshold_every")
     if cfg.comm.local_clip is not None and not cfg.comm.local_clip > 0:
         raise ValueError(f"config key comm.local_clip must be > 0 (or unset), got {cfg.comm.local_clip}")
+    if cfg.comm.cluster is not None:
+        if cfg.comm.algorithm != "auto":
+            raise ValueError(f"config key comm.cluster is read only with comm.algorithm = auto, got "
+                             f"comm.algorithm = {cfg.comm.algorithm!r}")
+        from flashsgd.sim.cluster_file import load_cluster
+
+        try:
+            load_cluster(cfg.comm.cluster)
+        except ValueError as exc:
+            raise ValueError(f"config key comm.cluster: {exc}") from None
     _check_optim_overrides(cfg.optim)
     if cfg.run.resume not in ("auto", "never") and not Path(cfg.run.resume).is_dir():
         raise ValueError(f"config key run.resume: {cfg.run.resume!r} is not a checkpoint directory; "

@@ -137,6 +137,12 @@ class RunPlan:
             *(f"  WARNING     {w}" for w in self.warnings),
         ])
 
+    def with_comm(self, **changes: Any) -> "RunPlan":
+        """This plan with ``comm`` keys changed (the choice of ``--comm auto``), derived again."""
+        comm = dataclasses.replace(self.config.comm, **changes)
+        return build_plan(dataclasses.replace(self.config, comm=comm), self.world, self.num_train,
+                          local_spawn=False)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (``<out>/plan.json``)."""
         return {"world": self.world, "ranks_per_node": self.ranks_per_node,
@@ -157,6 +163,11 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
     from flashsgd.comm import hooks
 
     c = cfg.comm
+    if c.algorithm == "auto":  # chosen at start-up (flashsgd.train.auto), then derived again
+        if c.momentum_correction:
+            raise ValueError("config key comm.momentum_correction: --comm auto chooses the algorithm "
+                             "itself; name a sparse algorithm (topk, gtopk, hgtopk) to use it")
+        return {}, recipe
     offered: dict[str, Any] = {"ranks_per_node": ranks_per_node, "grid": c.grid, "density": c.density,
                                "selection": c.selection, "seed": cfg.run.seed,
                                "timeout_s": cfg.run.timeout_s, "momentum_masking": c.momentum_masking,

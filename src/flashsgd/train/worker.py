@@ -40,17 +40,21 @@ class Worker:
         recipe_plan = prepare(plan.recipe, self.model, self.cfg.optim.global_batch, plan.num_train,
                               epochs=plan.recipe.epochs)  # the recipe is already rescaled
         self.optimizer, self.model_tweaks = recipe_plan.optimizer, recipe_plan.model_tweaks
+        self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing, reduction="sum")
+        self.out = Path(self.cfg.run.out)
+        self.auto = None
+        if self.cfg.comm.algorithm == "auto":  # measure, plan, and run the choice (train/auto.py)
+            self.choose_algorithm(resume=start.checkpoint is not None)
+            plan = self.plan
         self.timer = CommTimer()
         self.ddp, self.hook_state, self.topology = build_ddp(plan, self.model, self.device, self.timer)
         check_optimizer_momentum(self.hook_state, self.optimizer)  # momentum applied once, not twice
         if getattr(self.hook_state, "layer_trust", False) and isinstance(self.optimizer, LARS):
             self.optimizer.grad_norm_source = self.hook_state.grad_norms  # trust from dense norms
-        self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing, reduction="sum")
         self.sampler = ShardedSampler(plan.num_train, self.rank, self.world, self.cfg.run.seed)
         self.aug = torch.Generator().manual_seed(self.cfg.run.seed * 7919 + self.rank)  # per-rank augmentation
         self.progress: dict[str, Any] = {"step": 0, "epoch": 0, "elapsed_s": 0.0, "skipped": 0,
                                          "tta_s": None, "evals": []}
-        self.out = Path(self.cfg.run.out)
         self.start = start
         if start.checkpoint is not None:                                               # Step 3
             self.restore(start.checkpoint)
@@ -60,6 +64,17 @@ class Worker:
                                resumed_from=self.progress["step"] if start.checkpoint else None)
         self.bar = None
         self.fault = self.cfg.run.fail_at or os.environ.get("FLASHSGD_FAIL_AT", "")
+
+    def choose_algorithm(self, resume: bool) -> None:
+        """Step 2, ``--comm auto``: the plan for this cluster (:func:`flashsgd.train.auto.resolve_auto`),
+        timed on one local batch of the first epoch (its own augmentation stream: the run's is untouched)."""
+        from flashsgd.train.auto import resolve_auto
+
+        local = max(1, self.plan.batch_at(0) // self.world)
+        batch = self.data.train.batch(torch.arange(local), torch.Generator().manual_seed(0), train=True)
+        batch = tuple(t.to(self.device) for t in batch)
+        self.plan, self.auto = resolve_auto(self.plan, self.model, batch, self.loss_fn, self.out, resume)
+        self.cfg = self.plan.config
 
     # ---------------------------------------------------------------- Step 3: checkpoints -------
     def restore(self, target: Path) -> None:
@@ -199,7 +214,9 @@ class Worker:
                   + f"\n  model       {self.cfg.model.model} "
                   f"({sum(p.numel() for p in self.model.parameters()):,} parameters) on {self.device}; "
                   f"tweaks: {'; '.join(self.model_tweaks) or 'none'}"
-                  f"\n  start       {self.start.describe()}", flush=True)
+                  + (f"\n  auto        {self.auto['measured']}\n  auto        chose {self.auto['explain']}"
+                     if self.auto else "")
+                  + f"\n  start       {self.start.describe()}", flush=True)
             if r.progress:
                 from tqdm import tqdm
                 self.bar = tqdm(total=self.plan.target_steps, initial=self.progress["step"], unit="step",

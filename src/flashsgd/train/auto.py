@@ -1,0 +1,253 @@
+"""`flashsgd train --comm auto`: measure this cluster for a few seconds, plan, and run the plan's choice.
+
+The planner (:mod:`flashsgd.sim.planner`) needs a cluster model and a workload; here both come from
+the run itself. With ``comm.cluster`` (a preset or a cluster TOML file, such as the ``cluster.toml``
+a previous auto run wrote) the network is taken from it; otherwise it is measured on the spot.
+The compute is always measured: it is this model on these devices.
+
+Algorithm (:func:`resolve_auto`, every rank, in lockstep; every time is the slowest rank's, with
+all ranks working at once, so CPU or NIC sharing is in the figures):
+
+1. Compute: forward + backward of the model on one local batch (plain module, no exchange),
+   1 warm-up + 3 timed; the model's parameters, buffers and gradients are restored afterwards.
+2. Network (without ``comm.cluster``): ring all-reduces of two sizes inside a node (the node
+   group) and across nodes (one rank per node, the others idle: the node's whole link), each fitted
+   to the ring cost ``t = 2(p-1) alpha + 2(p-1)/p n (beta + gamma/2)`` of
+   :func:`flashsgd.sim.costs.ring`; one level only: the other takes the same link.
+3. Devices: ``gamma`` = the time of ``a += b`` per byte of the gradient; top-k selection per
+   element (``comm.selection`` at density 0.01, minus the add); PowerSGD's flop rate from one
+   rank-2 product of a gradient-sized matrix; the fixed cost of a sparse exchange = one real
+   gTop-k exchange of the gradient minus what the model predicts for it without that cost.
+4. Plan (:func:`flashsgd.sim.planner.make_plan`) for this world, workload (the model's parameters
+   in backward order, :func:`flashsgd.sim.workload.from_module`), batch and run length; rank 0
+   broadcasts the choice, records ``<out>/auto.json`` (measurements, choice, top candidates) and
+   ``<out>/cluster.toml`` (the measured cluster, to pass back as ``--cluster``).
+5. A resumed run reuses the recorded choice (its checkpoints hold that hook's state).
+
+Cost: ~10 collectives and a few local passes over the gradient: seconds, once per run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from flashsgd.sim.network import ClusterModel, Link
+
+PROBE_DENSITY = 0.01
+SMALL_BYTES = 32 * 1024
+LARGE_BYTES = (1024 * 1024, 8 * 1024 * 1024)  # the large probe: the gradient, clipped to this range
+LINK_REPS = 5
+
+
+def _timed(fn: Callable[[], Any], active: bool = True, reps: int = 3) -> float:
+    """Median of ``reps`` runs of ``fn`` after one warm-up, each after a barrier; the slowest
+    rank's (ranks with ``active`` False only take part in the barriers)."""
+    if active:
+        fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if active:
+            fn()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times) if active else 0.0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def compute_seconds(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                    loss_fn: Callable) -> float:
+    """Step 1: forward + backward of ``model`` on ``batch``; the model is left as it was."""
+    saved = copy.deepcopy(model.state_dict())
+    x, y = batch
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+
+    t = _timed(step)
+    model.load_state_dict(saved)
+    model.zero_grad(set_to_none=True)
+    return t
+
+
+def fit_ring(times: tuple[float, float], sizes: tuple[int, int], p: int, gamma: float) -> Link:
+    """Step 2: alpha and bandwidth of a ring of ``p`` ranks from two all-reduce times."""
+    per_byte = 2 * (p - 1) / p
+    slope = (times[1] - times[0]) / (per_byte * (sizes[1] - sizes[0]))
+    if slope <= 0:  # noise larger than the bytes' time: charge the large probe's time to its bytes
+        slope = times[1] / (per_byte * sizes[1])
+    beta = max(slope - gamma / 2, slope / 10)  # the ring's sum costs (p-1)/p n gamma of it
+    alpha = max((times[0] - per_byte * sizes[0] * (beta + gamma / 2)) / (2 * (p - 1)), 0.0)
+    return Link(alpha_s=alpha, bandwidth_gbps=1.0 / beta / 1e9)
+
+
+def _ring_link(group, members: tuple[int, ...], active: bool, large: int, gamma: float) -> Link:
+    buf = torch.zeros(large // 4)
+    sizes = (SMALL_BYTES, large)
+    times = tuple(_timed(lambda n=n: dist.all_reduce(buf[: n // 4], group=group), active, LINK_REPS)
+                  for n in sizes)
+    return fit_ring(times, sizes, len(members), gamma)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What Steps 1-3 found: the cluster model, one rank's compute per step, and how long it took."""
+
+    cluster: ClusterModel
+    compute_s: float
+    seconds: float
+
+    def describe(self) -> str:
+        c = self.cluster
+        return (f"measured in {self.seconds:.1f} s: compute {self.compute_s * 1e3:.1f} ms/step; "
+                f"inter {c.inter.bandwidth_gbps * 8:.3g} Gbit/s, {c.inter.alpha_s * 1e6:.0f} us; intra "
+                f"{c.intra.bandwidth_gbps * 8:.3g} Gbit/s, {c.intra.alpha_s * 1e6:.0f} us; add "
+                f"{c.gamma_s_per_byte * 1e9:.3g} ns/B; select {c.select_s_per_elem * 1e9:.3g} ns/elem; "
+                f"sparse exchange {c.sparse_overhead_s * 1e3:.2f} ms fixed")
+
+
+def measure_devices(numel: int, selection: str) -> dict[str, float]:
+    """Step 3 (local part): gamma, selection per element and PowerSGD's flop time."""
+    from flashsgd.comm.sparse_select import SELECTIONS, k_from_density
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
+    t_add = _timed(lambda: a.add_(b))
+    k = k_from_density(numel, PROBE_DENSITY)
+    t_sel = _timed(lambda: SELECTIONS[selection](a.add(b), k))
+    rows = 512 if numel >= 1024 else 1
+    m, q = a[: rows * (numel // rows)].view(rows, -1), torch.randn(numel // rows, 2, generator=g)
+    t_mm = _timed(lambda: m @ q)
+    return {"gamma_s_per_byte": t_add / (4 * numel),
+            "select_s_per_elem": max(t_sel - t_add, 0.0) / numel,
+            "flop_s": t_mm / (2.0 * m.shape[0] * m.shape[1] * 2)}
+
+
+def sparse_overhead(cluster: ClusterModel, numel: int, selection: str, timeout_s: float) -> float:
+    """Step 3 (exchange part): one real gTop-k exchange of ``numel`` entries minus the model's
+    prediction for it without a fixed cost."""
+    from flashsgd.comm.sparse import gtopk_allreduce
+    from flashsgd.comm.sparse_select import SELECTIONS, k_from_density
+    from flashsgd.sim.algorithms import exchange_cost
+    from flashsgd.sim.costs import CommSetup
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()))
+    k = k_from_density(numel, PROBE_DENSITY)
+
+    def exchange() -> None:
+        values, indices = SELECTIONS[selection](x, k)
+        gtopk_allreduce(values, indices, k, numel, timeout_s=timeout_s)
+
+    t = _timed(exchange)
+    setup = CommSetup(gpus=dist.get_world_size(), cluster=cluster, density=PROBE_DENSITY, index_bytes=8)
+    return max(t - float(exchange_cost("gtopk", 4.0 * numel, setup).total), 0.0)
+
+
+def measure(model: torch.nn.Module, batch, loss_fn: Callable, topo, selection: str, timeout_s: float,
+            given: ClusterModel | None) -> Measured:
+    """Steps 1-3."""
+    t0 = time.perf_counter()
+    compute = compute_seconds(model, batch, loss_fn)                                       # Step 1
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if given is not None:
+        return Measured(given, compute, time.perf_counter() - t0)
+    dev = measure_devices(numel, selection)                                                # Step 3
+    large = min(max(4 * numel, LARGE_BYTES[0]), LARGE_BYTES[1])
+    L, world = topo.ranks_per_node, topo.world_size
+    intra = _ring_link(topo.node_group, topo.node_ranks, True, large, dev["gamma_s_per_byte"]) \
+        if L > 1 else None                                                                 # Step 2
+    inter = _ring_link(topo.cross_group, topo.cross_ranks, topo.local_rank == 0, large,
+                       dev["gamma_s_per_byte"]) if world > L else None
+    cluster = ClusterModel(name="measured", ranks_per_node=L, nodes=world // L,
+                           intra=intra or inter, inter=inter or intra, **dev,
+                           source=f"measured by flashsgd train --comm auto on {world} ranks")
+    if world > 1:
+        cluster = replace(cluster, sparse_overhead_s=sparse_overhead(cluster, numel, selection, timeout_s))
+    return Measured(cluster, compute, time.perf_counter() - t0)
+
+
+def plan_choice(measured: Measured, model: torch.nn.Module, world: int, local_batch: int,
+                total_steps: int, accuracy_risk: str) -> dict[str, Any]:
+    """Step 4: the planner's choice for this run and what it was chosen over (JSON-able)."""
+    from flashsgd.sim.cluster_file import to_toml
+    from flashsgd.sim.planner import make_plan
+    from flashsgd.sim.workload import from_module
+
+    plan = make_plan(from_module(model), measured.cluster, gpus=world, batch_per_gpu=local_batch,
+                     images_per_s=local_batch / measured.compute_s, steps=total_steps,
+                     accuracy_risk=accuracy_risk)
+    doc = plan.to_dict(top=20)
+    return {"choice": doc["choice"], "explain": doc["explain"], "ruled_out": doc["ruled_out"],
+            "ranked": doc["ranked"], "measured": measured.describe(), "compute_s": measured.compute_s,
+            "cluster_toml": to_toml(measured.cluster, "measured by flashsgd train --comm auto")}
+
+
+def _given_cluster(spec: str, topo) -> ClusterModel:
+    from flashsgd.sim.cluster_file import load_cluster
+
+    cluster = load_cluster(spec)
+    if cluster.ranks_per_node != topo.ranks_per_node:
+        raise ValueError(f"config key comm.cluster={spec!r} has {cluster.ranks_per_node} ranks per node; "
+                         f"this run has {topo.ranks_per_node}: describe the cluster the run is on")
+    cluster.check_gpus(topo.world_size)
+    return cluster
+
+
+def _read_record(path: Path | None) -> dict | None:
+    """Step 5: rank 0 reads the recorded choice of an earlier start and tells every rank."""
+    found = [None]
+    if dist.get_rank() == 0 and path is not None and path.is_file():
+        found = [json.loads(path.read_text())]
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def resolve_auto(plan, model: torch.nn.Module, batch, loss_fn: Callable, out: Path | None,
+                 resume: bool):
+    """Steps 1-5: the run plan with ``comm.algorithm`` (and its bucket size, density, grid or rank)
+    chosen for this cluster, and the record of the choice."""
+    from flashsgd.comm.topology import get_topology
+
+    c, world = plan.config.comm, plan.world
+    path = out / "auto.json" if out is not None else None
+    record = _read_record(path) if resume else None
+    if record is not None:
+        record["measured"] = f"reusing the choice recorded in {path} at the first start"
+    else:
+        topo = get_topology(ranks_per_node=plan.ranks_per_node, timeout_s=plan.config.run.timeout_s)
+        if world == 1:
+            record = {"choice": {"algorithm": "native", "bucket_mb": c.bucket_mb, "label": "native"},
+                      "explain": "one rank: nothing to exchange", "measured": "nothing measured"}
+        else:
+            given = _given_cluster(c.cluster, topo) if c.cluster else None
+            measured = measure(model, batch, loss_fn, topo, c.selection, plan.config.run.timeout_s, given)
+            record = plan_choice(measured, model, world, len(batch[1]), plan.total_steps, c.accuracy_risk)
+        found = [record]
+        dist.broadcast_object_list(found, src=0)  # one decision, whatever each rank computed
+        record = found[0]
+        if dist.get_rank() == 0 and out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(record, indent=1))
+            if "cluster_toml" in record:
+                (out / "cluster.toml").write_text(record["cluster_toml"])
+    ch = record["choice"]
+    changes = {"algorithm": ch["algorithm"], "bucket_mb": ch["bucket_mb"],
+               "ranks_per_node": plan.ranks_per_node or get_topology().ranks_per_node}
+    if ch.get("density") is not None:
+        changes["density"] = ch["density"]
+    if ch.get("grid"):
+        changes["grid"] = f"{ch['grid'][0]}x{ch['grid'][1]}"
+    if ch.get("rank") is not None:
+        changes["matrix_approximation_rank"] = ch["rank"]
+    return plan.with_comm(**changes), record
