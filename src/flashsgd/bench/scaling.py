@@ -9,7 +9,8 @@ and iproute2, as ``flashsgd bench emulate``.
 Algorithm (:func:`run`):
 
 1. Settings (``--quick``: 1 and 2 nodes, fewer and smaller steps), the hooks (default: every name in
-   ``flashsgd.comm.hooks.HOOKS``, ``noop`` first: it is each node count's ceiling); check root,
+   ``flashsgd.comm.hooks.HOOKS``, ``noop`` first: it is each node count's ceiling, and ``auto``
+   last: ``train --comm auto``'s choice, planned on the spot, beside them); check root,
    ``ip``, ``tc`` and namespaces (exit 2 with the reason when missing).
 2. Node counts from the largest down. Link rate: ``--link RATE``, or with ``--comm-compute R`` the
    rate at which a dense ring all-reduce of the gradient (2(W-1)/W x S bytes on each node's link)
@@ -54,6 +55,7 @@ from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_ava
 from flashsgd.emulate.ranks import MASTER_PORT, RankError, run_ranks
 
 HELP = "training steps per hook on an emulated cluster of 1..N nodes: efficiency vs nodes, with the simulator"
+AUTO = "auto"  # the trainer's --comm auto: its choice is measured beside every hook
 FAST_LINK_BPS = 10 ** 10  # the link of the --comm-compute measurement (noop sends nothing)
 QUICK = {"nodes": "1,2", "warmup": 2, "iters": 3, "batch": 16}
 FULL = {"nodes": "1,2,4,8", "warmup": 3, "iters": 12, "batch": 32}
@@ -107,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def default_comms() -> list[str]:
     """Every registered hook, ``noop`` first (the ceiling); one that cannot run at a node count
     is reported there as skipped, with the reason."""
-    return ["noop"] + [n for n in HOOKS.names() if n != "noop"]
+    return ["noop"] + [n for n in HOOKS.names() if n != "noop"] + [AUTO]
 
 
 def settings(args: argparse.Namespace) -> dict:
@@ -116,7 +118,8 @@ def settings(args: argparse.Namespace) -> dict:
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else base[name]  # noqa: E731
     comms = [c.strip() for c in args.comm.split(",") if c.strip()] if args.comm else default_comms()
     for c in comms:
-        HOOKS.get(c)  # ValueError listing the known names
+        if c != AUTO:
+            HOOKS.get(c)  # ValueError listing the known names
     if "noop" not in comms:
         comms = ["noop"] + comms  # each node count's ceiling (efficiency = noop step / step)
     spec = {"nodes": args.nodes or _ints(base["nodes"]),

@@ -51,7 +51,9 @@ def run_config(spec: dict, comm: str, world: int) -> dict:
             "algorithm": comm, "ranks_per_node": spec["ranks_per_node"], "density": spec["density"],
             "selection": spec["selection"], "bucket_mb": spec["bucket_mb"], "workers": world,
             "timeout_s": spec["timeout_s"], "threads": spec["threads"], "progress": False,
-            "out": spec["out_dir"], "seed": 0}
+            "out": spec["out_dir"], "seed": 0,
+            # auto: a benchmark measures speed, so every candidate may be chosen (as measured here)
+            **({"accuracy_risk": "any"} if comm == "auto" else {})}
 
 
 class Trainer:
@@ -70,10 +72,16 @@ class Trainer:
         self.model = build_model(cfg.model.model, data.num_classes, cfg.model.channels).to(device)
         self.optimizer = prepare(plan.recipe, self.model, cfg.optim.global_batch, plan.num_train,
                                  epochs=plan.recipe.epochs).optimizer
-        self.timer = CommTimer()
-        self.ddp, self.hook_state, _ = build_ddp(plan, self.model, device, self.timer)
         self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing,
                                                  reduction="sum")
+        self.auto = None
+        if cfg.comm.algorithm == "auto":  # the trainer's own choice (flashsgd.train.auto), measured here
+            from flashsgd.train.auto import resolve_auto
+
+            plan, self.auto = resolve_auto(plan, self.model, data, device, self.loss_fn, None, resume=False)
+            self.plan = plan
+        self.timer = CommTimer()
+        self.ddp, self.hook_state, _ = build_ddp(plan, self.model, device, self.timer)
         self.sampler = ShardedSampler(plan.num_train, self.rank, self.world, cfg.run.seed)
         self.sampler.set_epoch(0, plan.batch_at(0))
         self.batches = iter(self.sampler)
@@ -202,8 +210,11 @@ def row_of(spec: dict, comm: str, trainer: Trainer, steps: list) -> dict:
            "loss_first": splits[0]["loss"], "loss_last": splits[-1]["loss"],
            "hook_options": plan.hook_options, "grid": list(plan.grid) if plan.grid else None,
            "loadavg": os.getloadavg()}
-    if comm in SPARSE_HOOKS:
-        row["compression_s"] = compression_seconds(spec, buckets)
+    if trainer.auto is not None:
+        row["chosen"] = {**trainer.auto["choice"], "explain": trainer.auto["explain"],
+                         "measured": trainer.auto["measured"]}
+    if plan.config.comm.algorithm in SPARSE_HOOKS:
+        row["compression_s"] = compression_seconds({**spec, "density": plan.config.comm.density}, buckets)
     return row
 
 

@@ -44,6 +44,26 @@ def summarize(rows: list[dict], batch: int) -> list[dict]:
     return rows
 
 
+def auto_verdicts(rows: list[dict]) -> list[dict]:
+    """Per shape with an ``auto`` row: its choice, its measured step, the best measured hook's step
+    (noop and auto excluded) and their ratio (``train --comm auto``'s target: <= 1.10)."""
+    out = []
+    for a in rows:
+        if a["comm"] != "auto" or "step_s" not in a:
+            continue
+        shape = (a["nodes"], a["ranks_per_node"])
+        others = [r for r in rows if (r["nodes"], r["ranks_per_node"]) == shape and "step_s" in r
+                  and r["comm"] not in ("noop", "auto")]
+        if not others:
+            continue
+        best = min(others, key=lambda r: statistics.median(r["step_s"]))
+        step, best_step = statistics.median(a["step_s"]), statistics.median(best["step_s"])
+        out.append({"nodes": shape[0], "ranks_per_node": shape[1], "chosen": a["chosen"]["label"],
+                    "explain": a["chosen"]["explain"], "auto_ms": step * 1e3, "best_comm": best["comm"],
+                    "best_ms": best_step * 1e3, "ratio": step / best_step})
+    return out
+
+
 def simulate_rows(rows: list[dict], density: float, matrices: list | None) -> tuple[dict | None, list[dict]]:
     """Fit the simulator on this run's calibration shapes and predict every row (or say why not)."""
     from flashsgd.sim import scaling as sim
@@ -85,7 +105,7 @@ def build_document(spec: dict, rows: list[dict], info: dict, rate: int, args, st
             "python": platform.python_version(), "torch": torch.__version__,
             "loadavg_start": load0, "loadavg_end": os.getloadavg(), "elapsed_s": time.time() - started,
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
-    return {"meta": meta, "rows": rows, "simulator": fit}
+    return {"meta": meta, "rows": rows, "simulator": fit, "auto": auto_verdicts(rows)}
 
 
 def _fmt(v, spec: str, scale: float = 1.0) -> str:
@@ -115,6 +135,10 @@ def format_table(doc: dict) -> str:
             f"{_fmt(r['compression_ms'], '7.1f')} {_fmt(r['efficiency'], '6.1%')} "
             f"{_fmt(r.get('efficiency_vs_1node'), '6.1%')} {_fmt(r.get('predicted_ms'), '8.1f')} "
             f"{_fmt(r.get('prediction_error'), '+7.1%')} {r['link_bps'] / 1e6:7.2f} {r['loadavg'][0]:5.2f}")
+    for v in auto_verdicts(doc["rows"]):
+        lines.append(f"# auto at {v['nodes']}x{v['ranks_per_node']} chose {v['chosen']}: {v['auto_ms']:.1f} ms "
+                     f"vs the best measured hook {v['best_comm']} {v['best_ms']:.1f} ms = {v['ratio']:.2f}x "
+                     f"(target <= 1.10)\n#   why: {v['explain']}")
     sim = doc.get("simulator") or {}
     if "params" in sim:
         lines.append(f"# simulator fitted on shapes {sim['calibration_shapes']} (the other shapes validate): "

@@ -159,7 +159,7 @@ class Plan:
             nxt = next((p for p in self.ranked if p.candidate.compresses), None)
             other = (f"; the best compressed choice ({nxt.candidate.label()}) predicts "
                      f"{nxt.step_s * 1e3:.1f} ms" if nxt else
-                     "; compressed exchanges ruled out (below)" if self.ruled_out else "")
+                     "; compressed exchanges ruled out for accuracy" if self.ruled_out else "")
             if nxt is not None and nxt.step_s < best.step_s:
                 other += f", less than {COMPRESSION_MARGIN - 1:.0%} faster: not worth its accuracy risk"
             return (f"{c.label()}: {best.step_s * 1e3:.1f} ms predicted step at "

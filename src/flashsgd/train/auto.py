@@ -213,13 +213,21 @@ def _read_record(path: Path | None) -> dict | None:
     return found[0]
 
 
-def resolve_auto(plan, model: torch.nn.Module, batch, loss_fn: Callable, out: Path | None,
-                 resume: bool):
+def probe_batch(plan, data, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One local batch of the first epoch, from its own augmentation stream (the run's is untouched)."""
+    local = max(1, plan.batch_at(0) // plan.world)
+    x, y = data.train.batch(torch.arange(local), torch.Generator().manual_seed(0), train=True)
+    return x.to(device), y.to(device)
+
+
+def resolve_auto(plan, model: torch.nn.Module, data, device: torch.device, loss_fn: Callable,
+                 out: Path | None, resume: bool):
     """Steps 1-5: the run plan with ``comm.algorithm`` (and its bucket size, density, grid or rank)
-    chosen for this cluster, and the record of the choice."""
+    chosen for this cluster, and the record of the choice (``out``: where to record it, or None)."""
     from flashsgd.comm.topology import get_topology
 
     c, world = plan.config.comm, plan.world
+    batch = probe_batch(plan, data, device)
     path = out / "auto.json" if out is not None else None
     record = _read_record(path) if resume else None
     if record is not None:

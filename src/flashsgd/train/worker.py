@@ -43,9 +43,12 @@ class Worker:
         self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing, reduction="sum")
         self.out = Path(self.cfg.run.out)
         self.auto = None
-        if self.cfg.comm.algorithm == "auto":  # measure, plan, and run the choice (train/auto.py)
-            self.choose_algorithm(resume=start.checkpoint is not None)
-            plan = self.plan
+        if self.cfg.comm.algorithm == "auto":  # measure, plan, and run the choice
+            from flashsgd.train.auto import resolve_auto
+
+            plan, self.auto = resolve_auto(plan, self.model, data, self.device, self.loss_fn, self.out,
+                                           resume=start.checkpoint is not None)
+            self.plan, self.cfg = plan, plan.config
         self.timer = CommTimer()
         self.ddp, self.hook_state, self.topology = build_ddp(plan, self.model, self.device, self.timer)
         check_optimizer_momentum(self.hook_state, self.optimizer)  # momentum applied once, not twice
@@ -64,17 +67,6 @@ class Worker:
                                resumed_from=self.progress["step"] if start.checkpoint else None)
         self.bar = None
         self.fault = self.cfg.run.fail_at or os.environ.get("FLASHSGD_FAIL_AT", "")
-
-    def choose_algorithm(self, resume: bool) -> None:
-        """Step 2, ``--comm auto``: the plan for this cluster (:func:`flashsgd.train.auto.resolve_auto`),
-        timed on one local batch of the first epoch (its own augmentation stream: the run's is untouched)."""
-        from flashsgd.train.auto import resolve_auto
-
-        local = max(1, self.plan.batch_at(0) // self.world)
-        batch = self.data.train.batch(torch.arange(local), torch.Generator().manual_seed(0), train=True)
-        batch = tuple(t.to(self.device) for t in batch)
-        self.plan, self.auto = resolve_auto(self.plan, self.model, batch, self.loss_fn, self.out, resume)
-        self.cfg = self.plan.config
 
     # ---------------------------------------------------------------- Step 3: checkpoints -------
     def restore(self, target: Path) -> None:
