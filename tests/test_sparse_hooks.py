@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
+import time
 
 import pytest
 import torch
@@ -190,3 +192,80 @@ def test_gtopk_training_matches_dense_mnist1d(run_ranks):
     dense, gtopk = run_ranks(_mnist1d_body, 2, timeout_s=300)[0]
     assert dense > 90, dense
     assert gtopk >= dense - 2.0, (dense, gtopk)
+
+
+def _threaded_body():
+    """``threaded=True`` (exchange on the communication thread) == synchronous, bit for bit."""
+    torch.set_num_threads(1)
+    cases = (("topk", {"selection": "threshold"}), ("gtopk", {"selection": "threshold"}),
+             ("gtopk", {"selection": "sampled", "seed": 3, "layer_trust": True}),
+             ("hgtopk", {"ranks_per_node": 2, "selection": "threshold"}),
+             ("hgtopk", {"ranks_per_node": 2, "selection": "threshold", "node_split": "sparse"}))
+    for hook, opts in cases:
+        runs = []
+        for threaded in (False, True):
+            model = DDP(_net(), bucket_cap_mb=0.01)  # several buckets: they overlap
+            state, opt = _train(model, hook, 4, density=0.05, threaded=threaded, **opts)
+            assert (state.pending_job is not None) == threaded  # the buckets went to the thread
+            # a checkpoint into another bucket layout: the residual split waits for the thread
+            model2 = DDP(copy.deepcopy(model.module), bucket_cap_mb=0.004)
+            state2 = register_hook(model2, hook, density=0.05, threaded=threaded, **opts)
+            state2.load_state_dict(state.state_dict())
+            opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+            opt2.load_state_dict(opt.state_dict())
+            _train(model2, None, 3, first=4, opt=opt2)
+            norms = state2.grad_norms(list(model2.module.parameters()))
+            runs.append((_params(model2), state2.bytes_sent, state2.residual_remaps, norms))
+        (p0, b0, r0, n0), (p1, b1, r1, n1) = runs
+        assert torch.equal(p0, p1) and b0 == b1 and r0 == r1 >= 1, (hook, opts)
+        assert (n0 is None and n1 is None) or torch.equal(n0, n1), (hook, opts)
+    return True
+
+
+def test_threaded_equals_synchronous(run_ranks):
+    assert all(run_ranks(_threaded_body, 4))
+
+
+def _compiled_body():
+    """The fused add + block maxima compiled by torch.compile == eager, in the hook, bit for bit."""
+    torch.set_num_threads(1)
+    runs = []
+    for compiled in (False, True):
+        model = DDP(_net())  # one bucket: one compile
+        _train(model, "gtopk", 4, density=0.05, selection="threshold", compiled=compiled)
+        runs.append(_params(model))
+    return torch.equal(runs[0], runs[1])
+
+
+def test_compiled_fusion_equals_eager(run_ranks):
+    assert all(run_ranks(_compiled_body, 2))
+
+
+def _threaded_rank_stops():
+    timeout_s = 2.0
+    model = DDP(_net(), bucket_cap_mb=0.01)
+    register_hook(model, "gtopk", density=0.1, timeout_s=timeout_s, threaded=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(3):  # 2 dense iterations and a sparse one
+        _step(model, opt, s, dist.get_rank())
+    if dist.get_rank() == 1:
+        time.sleep(timeout_s + 3)
+        return None
+    t0 = time.monotonic()
+    try:
+        _step(model, opt, 3, dist.get_rank())
+    except RuntimeError as exc:  # DDP re-raises the thread's PeerTimeout with its text
+        return time.monotonic() - t0, str(exc)
+    return time.monotonic() - t0, "no error"
+
+
+def test_threaded_hook_fails_backward_within_the_deadline(run_ranks):
+    for rank, result in enumerate(run_ranks(_threaded_rank_stops, 3)):
+        if rank == 1:
+            continue
+        elapsed, message = result
+        # the peer it waited for; or, if that peer gave up first, the closed connection to it
+        assert re.search(rf"rank {rank}: ((no data from peer rank \d|peer rank \d did not receive "
+                         rf"our data) within 2 s|lost peer rank \d) \(gtopk all-reduce", message), \
+            (rank, message)
+        assert elapsed < 2.0 + 4.0, (rank, elapsed)  # deadline + spawn and scheduling jitter

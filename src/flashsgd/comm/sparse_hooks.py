@@ -1,4 +1,4 @@
-"""DDP communication hooks ``topk`` and ``gtopk``: sparsified gradient exchange with error feedback.
+"""DDP communication hooks ``topk``, ``gtopk`` and ``hgtopk``: sparsified gradient exchange with error feedback.
 
 Paper: Shi et al. 2019, gTop-k S-SGD (arXiv 1901.04359); the exchanges are in
 :mod:`flashsgd.comm.sparse`. Use::
@@ -16,7 +16,9 @@ Per bucket and step (after ``start_iter`` dense iterations):
        without momentum (``state.owns_momentum``).
     2. k = ceil(density(step) * numel), step = iterations seen by the hook (dense ones included);
        select the k largest |acc| (``exact``: torch.topk,
-       ``sampled``: sampled threshold, :func:`~flashsgd.comm.sparse.topk_sampled`).
+       ``sampled``: sampled threshold, :func:`~flashsgd.comm.sparse.topk_sampled`, ``threshold``:
+       block maxima and a kept threshold; without momentum correction its block maxima come
+       fused with step 1's add, :mod:`flashsgd.comm.sparse_step`).
     3. Exchange: ``topk`` all-gathers every rank's pairs and sums them; ``gtopk`` runs the
        butterfly merge tree and keeps the global k.
     4. residual = acc with the counted local entries zeroed (error feedback invariant:
@@ -32,10 +34,13 @@ cover; if the layout ever differs (a rebuild, or a checkpoint from another ``buc
 all residuals (and velocities) are split per parameter and re-assembled for the new buckets, so
 no mass is lost.
 
-Gloo has no futures for send/recv, so the sparse step runs synchronously inside the
-hook and returns a completed Future: the communication of a bucket does not overlap the backward
-of the remaining layers (selection is compute-bound anyway, on the same cores). The dense
-warm-up iterations are synchronous too.
+Gloo has no futures for send/recv. By default the sparse step runs synchronously inside the hook
+and returns a completed Future. With ``threaded=True`` steps 3-5 of a bucket (and the hook's
+other collectives) run on one communication thread (:class:`~flashsgd.comm.hook_common.CommThread`,
+FIFO, so every rank issues them in bucket order), and the hook returns at once: the selection of
+the next bucket and the rest of backward overlap the exchange (measured: docs/benchmarks.md,
+"overlap"). Not for models that issue collectives inside backward themselves (SyncBatchNorm).
+The dense warm-up iterations are synchronous.
 
 Checkpoints: ``state.state_dict()`` / ``load_state_dict()`` (iteration, residuals with their
 layouts, the sampled selection's RNG state, counters). Pickling drops the process group and the
@@ -58,7 +63,10 @@ correction), ``local_clip`` (None: off; the L2 norm each rank's bucket gradient 
 before accumulation), ``layer_trust`` (False; per-parameter dense gradient norms for LARS,
 :meth:`SparseHookState.grad_norms`), ``timeout_s`` (None: the default process group's timeout;
 the deadline of every wait on a peer, dense warm-up included: a rank that stops makes the others
-raise :class:`~flashsgd.comm.errors.PeerTimeout` naming the peer they waited for).
+raise :class:`~flashsgd.comm.errors.PeerTimeout` naming the peer they waited for; with
+``threaded`` it reaches ``backward()`` through the Future), ``compiled`` (False; fuse step 1's add
+and the threshold selection's block maxima with ``torch.compile``, eager on failure), ``threaded``
+(False; the exchange on a communication thread).
 """
 
 from __future__ import annotations
@@ -69,16 +77,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.hook_common import completed_future, ddp_hook
-from flashsgd.comm.sparse_corrections import (accumulate_velocity_, check_local_clip, check_momentum,
-                                              clip_local_, layer_norms, mask_momentum_)
+from flashsgd.comm.hook_common import CommThread, completed_future, ddp_hook
+from flashsgd.comm.sparse import DEFAULT_DENSITY, SELECTIONS, DensitySchedule, SelectionWorkspace
+from flashsgd.comm.sparse_corrections import check_local_clip, check_momentum, clip_local_, layer_norms
+from flashsgd.comm.sparse_hier import SPLITS, check_node_layout
+from flashsgd.comm.sparse_select import ThresholdReuse
+from flashsgd.comm.sparse_step import dense_iteration, prepare_sparse
 from flashsgd.comm.topology import check_timeout_s, default_timeout_s, get_topology
-from flashsgd.comm.waits import wait_collective
-from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, DensitySchedule, SelectionWorkspace,
-                                  check_sizes, gtopk_allreduce, gtopk_bytes_sent, k_from_density,
-                                  topk_allgather, topk_bytes_sent)
-from flashsgd.comm.sparse_hier import SPLITS, check_node_layout, hgtopk_allreduce, hgtopk_bytes_sent
-from flashsgd.comm.sparse_select import ThresholdReuse, topk_threshold
 
 ALGORITHMS = ("topk", "gtopk", "hgtopk")
 
@@ -108,16 +113,20 @@ class SparseHookState:
             :data:`~flashsgd.comm.sparse_hier.SPLITS` ("leader": dense reduce to one leader).
         threshold_tolerance, threshold_every: the ``threshold`` selection's reuse of its threshold
             (:class:`~flashsgd.comm.sparse_select.ThresholdReuse`).
+        compiled: fuse the residual add and the block maxima with ``torch.compile``
+            (:func:`~flashsgd.comm.sparse_fused.add_block_maxima_`; the same result eager).
+        threaded: run each bucket's exchange on a communication thread (module docstring).
     """
 
     __slots__ = (
         # hyper-parameters
         "algorithm", "schedule", "start_iter", "selection", "seed", "process_group", "timeout_s",
         "momentum", "nesterov", "momentum_masking", "local_clip", "layer_trust", "ranks_per_node",
-        "node_split",
+        "node_split", "compiled", "threaded",
         # internal state
         "iter", "residuals", "velocities", "layer_norms", "layouts", "pending", "pending_velocities",
-        "param_positions", "generator", "workspace", "checked", "reuse", "topology",
+        "param_positions", "generator", "workspace", "checked", "reuse", "topology", "comm",
+        "pending_job",
         # stats
         "bytes_sent", "sparse_buckets", "dense_buckets", "last_density", "residual_remaps",
     )
@@ -130,7 +139,7 @@ class SparseHookState:
                  local_clip: float | None = None, layer_trust: bool = False,
                  ranks_per_node: int | None = None,
                  threshold_tolerance: float = 0.25, threshold_every: int = 8,
-                 node_split: str = "leader") -> None:
+                 node_split: str = "leader", compiled: bool = False, threaded: bool = False) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         if not isinstance(schedule, DensitySchedule):
@@ -156,6 +165,12 @@ class SparseHookState:
         if node_split not in SPLITS:
             raise ValueError(f"node_split must be one of {', '.join(SPLITS)}, got {node_split!r}")
         self.node_split = node_split
+        for name, flag in (("compiled", compiled), ("threaded", threaded)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        self.compiled, self.threaded = compiled, threaded
+        self.comm = CommThread() if threaded else None  # the thread starts at its first bucket
+        self.pending_job: torch.futures.Future | None = None  # the last bucket handed to it
         self.reuse = ThresholdReuse(threshold_tolerance, threshold_every)
         self.topology = None  # hgtopk: set by bind()
         self.iter = 0
@@ -180,12 +195,12 @@ class SparseHookState:
         norms = [self.layer_norms.get(pos.get(id(p), -1)) for p in params]
         return None if any(n is None for n in norms) else torch.stack(norms)
 
-    def record_layer_norms(self, bucket: dist.GradBucket, buf: torch.Tensor) -> None:
-        """Step 1b (``layer_trust``): the dense norm of each parameter's gradient in this bucket."""
-        layout = self.layout(bucket)
+    def record_layer_norms(self, layout: tuple, idx: int, buf: torch.Tensor) -> None:
+        """Step 1b (``layer_trust``): the dense norm of each parameter's gradient in bucket
+        ``idx`` (``layout``: :meth:`layout` of it)."""
         timeout_s = default_timeout_s() if self.timeout_s is None else self.timeout_s
         norms = layer_norms(buf, [size for _, size in layout], self.process_group, timeout_s,
-                            f"{self.algorithm} hook, layer norms of bucket {bucket.index()}")
+                            f"{self.algorithm} hook, layer norms of bucket {idx}")
         self.layer_norms.update((pos, norm) for (pos, _), norm in zip(layout, norms) if pos is not None)
 
     @property
@@ -240,7 +255,8 @@ class SparseHookState:
                                 "layer_trust": self.layer_trust},
                 "exchange": {"ranks_per_node": self.ranks_per_node,
                              "threshold_tolerance": self.reuse.tolerance,
-                             "threshold_every": self.reuse.every, "node_split": self.node_split},
+                             "threshold_every": self.reuse.every, "node_split": self.node_split,
+                             "compiled": self.compiled, "threaded": self.threaded},
                 "state": self.state_dict()}
 
     def __setstate__(self, state: dict) -> None:
@@ -276,22 +292,31 @@ class SparseHookState:
         return _assemble(self.velocities.get(bucket.index()), self.pending_velocities,
                          self.layout(bucket), bucket.buffer())
 
-    def keep(self, bucket: dist.GradBucket, residual: torch.Tensor | None,
+    def keep(self, idx: int, layout: tuple, residual: torch.Tensor | None,
              velocity: torch.Tensor | None) -> None:
-        """Store this bucket's residual and velocity (None: none kept) with the bucket's layout."""
-        idx = bucket.index()
+        """Store bucket ``idx``'s residual and velocity (None: none kept) with its ``layout``."""
         if residual is not None:
             self.residuals[idx] = residual
         if velocity is not None:
             self.velocities[idx] = velocity
-        self.layouts[idx] = self.layout(bucket)
+        self.layouts[idx] = layout
 
-    def _check_layout(self, bucket: dist.GradBucket) -> None:
-        """Split every stored tensor per parameter when this bucket's layout changed."""
+    def layout_changed(self, bucket: dist.GradBucket) -> bool:
+        """Whether this bucket's stored residual / velocity was kept for another layout."""
         idx, numel = bucket.index(), bucket.buffer().numel()
         known = self.layouts.get(idx)
         stored = [t for t in (self.residuals.get(idx), self.velocities.get(idx)) if t is not None]
-        if known is not None and (known != self.layout(bucket) or any(t.numel() != numel for t in stored)):
+        return known is not None and (known != self.layout(bucket) or any(t.numel() != numel for t in stored))
+
+    def drain(self) -> None:
+        """Wait for the buckets handed to the communication thread (re-raises their error)."""
+        if self.pending_job is not None:
+            self.pending_job.wait()
+            self.pending_job = None
+
+    def _check_layout(self, bucket: dist.GradBucket) -> None:
+        """Split every stored tensor per parameter when this bucket's layout changed."""
+        if self.layout_changed(bucket):
             self._split_residuals()  # DDP rebuilt its buckets, or a checkpoint of another layout
 
     def _split_residuals(self) -> None:
@@ -343,11 +368,13 @@ def _world(state: SparseHookState) -> int:
 
 @ddp_hook
 def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.futures.Future:
-    """Average one DDP bucket through the ``topk`` or ``gtopk`` exchange with error feedback.
+    """Average one DDP bucket through the ``topk``, ``gtopk`` or ``hgtopk`` exchange with error
+    feedback.
 
-    Steps as in the module docstring; dense all-reduce (grad / world, then sum) before
-    ``state.start_iter``. Runs synchronously and returns a completed Future (Gloo has no
-    send/recv futures).
+    Steps as in the module docstring (:mod:`flashsgd.comm.sparse_step`); dense all-reduce
+    (grad / world, then sum) before ``state.start_iter``. Synchronous (a completed Future) unless
+    ``state.threaded``: then the exchange runs on the state's communication thread and the
+    Future completes there.
     """
     if state.param_positions is None:
         raise RuntimeError("sparse hook state is not bound to a model (unpickled?): call "
@@ -355,100 +382,24 @@ def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.future
     buf = bucket.buffer()
     world, n = _world(state), buf.numel()
     clip_local_(buf, state.local_clip)  # Step 1: local clipping
-    if state.layer_trust:
-        state.record_layer_norms(bucket, buf)
-    if state.iter < state.start_iter:
-        if state.owns_momentum:  # dense momentum SGD: the bucket becomes this rank's velocity
-            _dense_momentum(state, bucket, buf)
-        buf.div_(world)
-        if n:
-            work = dist.all_reduce(buf, group=state.process_group, async_op=True)
-            timeout_s = default_timeout_s() if state.timeout_s is None else state.timeout_s
-            wait_collective(work, state.process_group, timeout_s,
-                            f"{state.algorithm} hook, dense iteration {state.iter}")
-        state.bytes_sent += (2 * (world - 1) * n * buf.element_size()) // world  # ring volume
-        state.dense_buckets += 1
-        state.last_density = 1.0
+    if state.iter < state.start_iter:  # dense: the thread is idle (DDP waited for last iteration's)
+        if state.layer_trust:
+            state.record_layer_norms(state.layout(bucket), bucket.index(), buf)
+        dense_iteration(state, bucket, buf, world)
+        rest = None
     elif n:
-        _sparse_step(state, bucket, buf, world)
+        rest = prepare_sparse(state, bucket, buf, world)
+    else:  # an empty bucket: only its (empty) layer norms, in order with the other buckets
+        layout, idx = state.layout(bucket), bucket.index()
+        rest = (lambda: state.record_layer_norms(layout, idx, buf) or buf) if state.layer_trust else None
     if bucket.is_last():
         state.iter += 1
-    return completed_future(buf)
-
-
-def _dense_momentum(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tensor) -> None:
-    """A dense iteration with momentum correction: ``buf`` <- the momentum update of its gradient
-    (``u = m*u + g``, or ``g + m*u`` after ``u = m*u + g`` for Nesterov, torch.optim.SGD's forms)."""
-    velocity = state.velocity(bucket)
-    update = torch.zeros_like(buf)
-    # DGC's velocity is m * (torch's buffer) in the Nesterov form; the update is the same
-    accumulate_velocity_(update, velocity, buf, state.momentum, state.nesterov)
-    buf.copy_(update)
-    state.keep(bucket, None, velocity)
-
-
-def _accumulate(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Step 1: (acc, velocity or None): the residual plus the (clipped) gradient, or plus the
-    velocity with momentum correction (the residual tensor is reused as acc's storage)."""
-    acc = state.residual(bucket)
-    if not state.owns_momentum:
-        return acc.add_(buf), None
-    velocity = state.velocity(bucket)
-    accumulate_velocity_(acc, velocity, buf, state.momentum, state.nesterov)
-    return acc, velocity
-
-
-def _sparse_step(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tensor, world: int) -> None:
-    group, idx, n = state.process_group, bucket.index(), buf.numel()
-    rank = dist.get_rank(group)
-    # Step 1: acc = gradient (or velocity) + residual
-    acc, velocity = _accumulate(state, bucket, buf)
-    # Step 2: k from the schedule, local selection
-    density = state.schedule(state.iter)
-    k = k_from_density(n, density)
-    if idx not in state.checked:  # once per bucket: the same numel on every rank
-        check_sizes(k, n, k, group, f"{state.algorithm} hook, bucket {idx}", state.timeout_s)
-        state.checked.add(idx)
-    # Step 3: exchange; Step 5: the bucket becomes sum / world
-    if state.algorithm == "hgtopk":  # Step 2 by the node's leader, on the node sum
-        res = hgtopk_allreduce(acc, k, state.topology, out=buf, check=False, timeout_s=state.timeout_s,
-                               select=lambda x, k_: _select(state, x, k_, idx, rank),
-                               split=state.node_split)
-        buf.div_(world)
-        counted = res.counted
-        state.bytes_sent += sum(hgtopk_bytes_sent(k, state.topology, n, buf.dtype).values())
-    elif state.algorithm == "topk":
-        values, indices = _select(state, acc, k, idx, rank)
-        topk_allgather(values, indices, n, group, check=False, out=buf,
-                       timeout_s=state.timeout_s).div_(world)
-        counted = indices
-        state.bytes_sent += topk_bytes_sent(k, world, values.dtype, n)
-    else:
-        values, indices = _select(state, acc, k, idx, rank)
-        res = gtopk_allreduce(values, indices, k, n, group, check=False, timeout_s=state.timeout_s)
-        counted = res.counted
-        buf.zero_()
-        buf[res.indices] = res.values.div(world)
-        state.bytes_sent += gtopk_bytes_sent(k, world, rank, values.dtype, n)
-    # Step 4: residual = acc minus what was counted; momentum-factor masking
-    acc.index_fill_(0, counted, 0)
-    if velocity is not None and state.momentum_masking:
-        mask_momentum_(velocity, counted)
-    state.keep(bucket, acc, velocity)
-    state.sparse_buckets += 1
-    state.last_density = density
-
-
-def _select(state: SparseHookState, x: torch.Tensor, k: int, idx: int, rank: int):
-    """Step 2: the state's selection of k entries of x (bucket ``idx``)."""
-    if state.selection == "threshold":
-        return topk_threshold(x, k, reuse=state.reuse, key=idx)
-    if state.selection == "sampled":
-        if state.generator is None:
-            state.generator = torch.Generator().manual_seed(state.seed * 65537 + rank)
-        return SELECTIONS["sampled"](x, k, generator=state.generator, workspace=state.workspace)
-    return SELECTIONS["exact"](x, k)
+    if rest is None:
+        return completed_future(buf)
+    if state.comm is not None and not buf.is_cuda:
+        state.pending_job = state.comm.submit(rest)
+        return state.pending_job
+    return completed_future(rest())
 
 
 def sparse_factory(algorithm: str) -> Callable:
@@ -460,7 +411,8 @@ def sparse_factory(algorithm: str) -> Callable:
              nesterov: bool = False, momentum_masking: bool = True,
              local_clip: float | None = None, layer_trust: bool = False,
              ranks_per_node: int | None = None, threshold_tolerance: float = 0.25, threshold_every: int = 8,
-             node_split: str = "leader") -> tuple[SparseHookState, Callable]:
+             node_split: str = "leader", compiled: bool = False,
+             threaded: bool = False) -> tuple[SparseHookState, Callable]:
         schedule = DensitySchedule(density, density_warmup, density_warmup_steps, density_warmup_mode)
         if algorithm != "hgtopk":  # the node layout describes the cluster; only hgtopk uses it
             ranks_per_node = None
@@ -476,7 +428,8 @@ def sparse_factory(algorithm: str) -> Callable:
                                 momentum_masking=momentum_masking,
                                 local_clip=local_clip, layer_trust=layer_trust, ranks_per_node=ranks_per_node,
                                 threshold_tolerance=threshold_tolerance,
-                                threshold_every=threshold_every, node_split=node_split).bind(ddp_model)
+                                threshold_every=threshold_every, node_split=node_split,
+                                compiled=compiled, threaded=threaded).bind(ddp_model)
         return state, sparse_hook
 
     make.__name__ = f"make_{algorithm}"
