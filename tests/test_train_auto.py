@@ -1,0 +1,71 @@
+"""`flashsgd train --comm auto`: measured at start-up, planned, recorded, reused on resume
+(flashsgd.train.auto), and its bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashsgd.cli import main
+from flashsgd.sim.cluster_file import load_cluster, load_cluster_text
+from flashsgd.train.auto import fit_ring
+
+TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--progress", "false",
+        "--workers", "4", "--comm", "auto"]
+
+
+def _train(out, *extra):
+    return main(["train", *TINY, "--out", str(out), *extra])
+
+
+def test_fit_ring_recovers_alpha_and_bandwidth():
+    alpha, beta, gamma, p = 50e-6, 1 / 125e6, 0.2e-9, 4  # 1 Gbit/s
+    sizes = (32 * 1024, 4 * 1024 * 1024)
+    times = tuple(2 * (p - 1) * alpha + 2 * (p - 1) / p * n * (beta + gamma / 2) for n in sizes)
+    link = fit_ring(times, sizes, p, gamma)
+    assert link.alpha_s == pytest.approx(alpha) and link.bandwidth_gbps == pytest.approx(0.125)
+    flat = fit_ring((1e-3, 0.9e-3), sizes, p, gamma)  # noise hides the bytes: bandwidth from the big one
+    assert 0 < flat.bandwidth_gbps < float("inf") and flat.alpha_s >= 0
+
+
+def test_auto_measures_plans_records_and_a_resume_reuses_the_choice(tmp_path, capfd):
+    out = tmp_path / "run"
+    assert _train(out, "--max-steps", "3") == 0
+    printed = capfd.readouterr().out
+    record = json.loads((out / "auto.json").read_text())
+    choice = record["choice"]
+    assert f"auto        chose {record['explain']}" in printed and "measured in" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3
+    # the plan the workers ran is the choice (its algorithm in the banner, not "auto")
+    assert f"algorithm   {choice['algorithm']} " in printed
+    cluster = load_cluster(str(out / "cluster.toml"))  # the measured cluster, reusable
+    assert cluster.ranks_per_node == 2 and cluster.nodes == 2
+    ranked = [r["step_s"] for r in record["ranked"]]
+    assert ranked == sorted(ranked) and record["compute_s"] > 0
+    # resume: the checkpoints hold the chosen hook's state, so the recorded choice is reused
+    assert _train(out, "--max-steps", "5") == 0
+    printed = capfd.readouterr().out
+    assert "reusing the choice recorded in" in printed and f"algorithm   {choice['algorithm']} " in printed
+    assert json.loads((out / "auto.json").read_text())["choice"] == choice
+    # a cluster file instead of the network measurement
+    other = tmp_path / "other"
+    assert _train(other, "--max-steps", "2", "--cluster", str(out / "cluster.toml")) == 0
+    given = load_cluster_text(json.loads((other / "auto.json").read_text())["cluster_toml"], "record")
+    assert given.inter.bandwidth_gbps == pytest.approx(cluster.inter.bandwidth_gbps)
+    assert given.select_s_per_elem == pytest.approx(cluster.select_s_per_elem)  # not measured again
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--comm", "ring", "--cluster", "1gbe"], "config key comm.cluster is read only with comm.algorithm = auto"),
+    (["--cluster", "nope"], "config key comm.cluster: unknown cluster preset 'nope'"),
+    (["--cluster", "missing.toml"], "config key comm.cluster: cluster file 'missing.toml' does not exist"),
+    (["--momentum-correction", "true"], "--comm auto chooses the algorithm itself"),
+    (["--accuracy-risk", "high"], "accuracy_risk"),
+])
+def test_auto_bad_input_is_one_line_before_any_process(tmp_path, capfd, extra, message):
+    assert _train(tmp_path / "run", *extra) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "run" / "auto.json").exists()
