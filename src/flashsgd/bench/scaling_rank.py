@@ -78,7 +78,8 @@ class Trainer:
         if cfg.comm.algorithm == "auto":  # the trainer's own choice (flashsgd.train.auto), measured here
             from flashsgd.train.auto import resolve_auto
 
-            plan, self.auto = resolve_auto(plan, self.model, data, device, self.loss_fn, None, resume=False)
+            plan, self.auto = resolve_auto(plan, self.model, self.optimizer, data, device, self.loss_fn,
+                                           None, resume=False)
             self.plan = plan
         self.timer = CommTimer()
         self.ddp, self.hook_state, _ = build_ddp(plan, self.model, device, self.timer)

@@ -8,8 +8,8 @@ The compute is always measured: it is this model on these devices.
 Algorithm (:func:`resolve_auto`, every rank, in lockstep; every time is the slowest rank's, with
 all ranks working at once, so CPU or NIC sharing is in the figures):
 
-1. Compute: forward + backward of the model on one local batch (plain module, no exchange),
-   1 warm-up + 3 timed; the model's parameters, buffers and gradients are restored afterwards.
+1. Compute: forward, backward and optimizer step of the model on one local batch (plain module,
+   no exchange), 1 warm-up + 3 timed; the model and the optimizer are restored afterwards.
 2. Network (without ``comm.cluster``): ring all-reduces of two sizes inside a node (the node
    group) and across nodes (one rank per node, the others idle: the node's whole link), each fitted
    to the ring cost ``t = 2(p-1) alpha + 2(p-1)/p n (beta + gamma/2)`` of
@@ -65,19 +65,22 @@ def _timed(fn: Callable[[], Any], active: bool = True, reps: int = 3) -> float:
     return float(t.item())
 
 
-def compute_seconds(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-                    loss_fn: Callable) -> float:
-    """Step 1: forward + backward of ``model`` on ``batch``; the model is left as it was."""
-    saved = copy.deepcopy(model.state_dict())
+def compute_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable) -> float:
+    """Step 1: forward, backward and optimizer step of ``model`` on ``batch``; the model and the
+    optimizer are left as they were."""
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
     x, y = batch
 
     def step() -> None:
-        model.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
+        optimizer.step()
 
     t = _timed(step)
-    model.load_state_dict(saved)
-    model.zero_grad(set_to_none=True)
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    optimizer.zero_grad(set_to_none=True)
     return t
 
 
@@ -154,11 +157,11 @@ def sparse_overhead(cluster: ClusterModel, numel: int, selection: str, timeout_s
     return max(t - float(exchange_cost("gtopk", 4.0 * numel, setup).total), 0.0)
 
 
-def measure(model: torch.nn.Module, batch, loss_fn: Callable, topo, selection: str, timeout_s: float,
-            given: ClusterModel | None) -> Measured:
+def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable, topo,
+            selection: str, timeout_s: float, given: ClusterModel | None) -> Measured:
     """Steps 1-3."""
     t0 = time.perf_counter()
-    compute = compute_seconds(model, batch, loss_fn)                                       # Step 1
+    compute = compute_seconds(model, optimizer, batch, loss_fn)                                       # Step 1
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if given is not None:
         return Measured(given, compute, time.perf_counter() - t0)
@@ -220,8 +223,8 @@ def probe_batch(plan, data, device: torch.device) -> tuple[torch.Tensor, torch.T
     return x.to(device), y.to(device)
 
 
-def resolve_auto(plan, model: torch.nn.Module, data, device: torch.device, loss_fn: Callable,
-                 out: Path | None, resume: bool):
+def resolve_auto(plan, model: torch.nn.Module, optimizer: torch.optim.Optimizer, data,
+                 device: torch.device, loss_fn: Callable, out: Path | None, resume: bool):
     """Steps 1-5: the run plan with ``comm.algorithm`` (and its bucket size, density, grid or rank)
     chosen for this cluster, and the record of the choice (``out``: where to record it, or None)."""
     from flashsgd.comm.topology import get_topology
@@ -239,7 +242,8 @@ def resolve_auto(plan, model: torch.nn.Module, data, device: torch.device, loss_
                       "explain": "one rank: nothing to exchange", "measured": "nothing measured"}
         else:
             given = _given_cluster(c.cluster, topo) if c.cluster else None
-            measured = measure(model, batch, loss_fn, topo, c.selection, plan.config.run.timeout_s, given)
+            measured = measure(model, optimizer, batch, loss_fn, topo, c.selection,
+                               plan.config.run.timeout_s, given)
             record = plan_choice(measured, model, world, len(batch[1]), plan.total_steps, c.accuracy_risk)
         found = [record]
         dist.broadcast_object_list(found, src=0)  # one decision, whatever each rank computed

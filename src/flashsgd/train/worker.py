@@ -46,7 +46,8 @@ class Worker:
         if self.cfg.comm.algorithm == "auto":  # measure, plan, and run the choice
             from flashsgd.train.auto import resolve_auto
 
-            plan, self.auto = resolve_auto(plan, self.model, data, self.device, self.loss_fn, self.out,
+            plan, self.auto = resolve_auto(plan, self.model, self.optimizer, data, self.device,
+                                           self.loss_fn, self.out,
                                            resume=start.checkpoint is not None)
             self.plan, self.cfg = plan, plan.config
         self.timer = CommTimer()
