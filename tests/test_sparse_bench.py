@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flashsgd.bench.sparse import SparseBenchConfig, add_arguments, config_from_args, measure
+from flashsgd.bench.sparse_hook import measure_hook
 from flashsgd.bench.sparse_steps import wire_bytes_per_node
 from flashsgd.comm.sparse import message_bytes
 
@@ -60,3 +61,18 @@ def test_measure_rows(run_ranks):
         assert row["k"] == 200
     # gtopk on 2 nodes x 2: round 0 stays in the node, round 1 crosses it from both ranks
     assert rows[3]["wire_ms"] == pytest.approx(2 * message_bytes(200) * 8 / 1e9 * 1e3)
+
+
+def _hook_bench_body():
+    torch.set_num_threads(1)
+    return measure_hook([0.05], ["gtopk"], "threshold", layers=2, width=64, bucket_mb=0.01, batch=4,
+                        iters=2, warmup=1, verbose=False)
+
+
+def test_hook_rows(run_ranks):
+    rows = run_ranks(_hook_bench_body, 2)[0]
+    assert [r["hook"] for r in rows] == ["noop", "native", "gtopk threaded=False", "gtopk threaded=True"]
+    assert rows[2]["buckets"] == rows[3]["buckets"] >= 2 and rows[2]["ratio_to_sync"] == 1.0
+    assert all(r["step_ms"] > 0 and r["ratio_to_native"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="--bucket-mb must be > 0"):
+        config_from_args(_args("--hook", "--bucket-mb", "0"))

@@ -20,6 +20,10 @@ node link / ``--link`` rate (0 without ``--link``), ``floor`` = FLOOR_PASSES x a
 design cannot go below on this machine), ``e2e/floor``, bytes sent per rank (max over ranks), and
 ``x dense`` = dense time / e2e time in the same run.
 
+Hook mode (``--hook``, :mod:`flashsgd.bench.sparse_hook`): whole DDP training steps of an MLP with
+4-5 buckets through each sparse hook, synchronous vs ``threaded=True`` (the exchange on a
+communication thread, overlapping the next bucket's selection), beside ``noop`` and ``native``.
+
 Selection mode (``--selection``): one process, a random fp32 vector of ``--numel``, per density:
 ``torch.add`` (the pass unit), ``torch.topk(|x|)``, the exact / sampled / threshold selections
 (threshold with and without reuse), and the compression of one bucket (add + maxima + selection,
@@ -46,6 +50,7 @@ import torch.distributed as dist
 
 from flashsgd.bench.common import (add_run_arguments, check_run_arguments, format_header, format_row,
                                    ranks_on_this_host, run_metadata, time_ops, write_json)
+from flashsgd.bench.sparse_hook import measure_hook
 from flashsgd.bench.sparse_steps import (FLOOR_PASSES, PHASES, STEP_ALGORITHMS, SparseStepOptions,
                                          make_step, wire_bytes_per_node)
 from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, SelectionWorkspace, gtopk_bytes_sent,
@@ -99,6 +104,12 @@ class SparseBenchConfig:
     iters: int = 5
     warmup: int = 1
     verbose: bool = True
+    hook: bool = False
+    """Time whole DDP steps through the hooks, synchronous vs threaded (:mod:`.sparse_hook`)."""
+    hook_layers: int = 8
+    hook_width: int = 1024
+    bucket_mb: float = 8.0
+    batch: int = 16
 
 
 # ------------------------------------------------------------------------------ exchange --------
@@ -196,15 +207,21 @@ def bench_worker(cfg: SparseBenchConfig) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     on_host = ranks_on_this_host(world)
     if cfg.verbose and rank == 0:
-        print(f"# flashsgd bench sparse: world {world}, backend {dist.get_backend()}, numel {cfg.numel}, "
+        size = "hook steps" if cfg.hook else f"numel {cfg.numel}"
+        print(f"# flashsgd bench sparse: world {world}, backend {dist.get_backend()}, {size}, "
               f"selector {cfg.selector}, iters {cfg.iters}, warmup {cfg.warmup}, torch "
               f"{torch.__version__}, {os.cpu_count()} cpu(s), {on_host} rank(s) on this host, "
               f"{torch.get_num_threads()} thread(s)/rank, loadavg {os.getloadavg()[0]:.1f}", flush=True)
     load_start = os.getloadavg()[0]
-    results = measure(cfg)
+    if cfg.hook:
+        results = measure_hook(cfg.densities, cfg.algorithms, cfg.selector, cfg.hook_layers,
+                               cfg.hook_width, cfg.bucket_mb, cfg.batch, cfg.iters, cfg.warmup,
+                               cfg.verbose)
+    else:
+        results = measure(cfg)
     if rank != 0:
         return None
-    meta = run_metadata(benchmark="sparse", mode="exchange", world=world, backend=dist.get_backend(),
+    meta = run_metadata(benchmark="sparse", mode="hook" if cfg.hook else "exchange", world=world, backend=dist.get_backend(),
                         launcher="torchrun/env" if under_torchrun() else "flashsgd.launch.spawn",
                         torch_threads_per_rank=torch.get_num_threads(),
                         ranks_per_core=on_host / (os.cpu_count() or 1),
@@ -307,6 +324,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="node layout for hgtopk and the wire time (default: LOCAL_WORLD_SIZE, else 1)")
     parser.add_argument("--selection", action="store_true",
                         help="run the single-process selection micro-benchmark instead")
+    parser.add_argument("--hook", action="store_true",
+                        help="time whole DDP training steps through the sparse hooks, exchange "
+                             "synchronous vs on a communication thread (threaded=True)")
+    parser.add_argument("--hook-layers", type=int, default=8, help="--hook: square layers of the MLP")
+    parser.add_argument("--hook-width", type=int, default=1024, help="--hook: width of the MLP")
+    parser.add_argument("--bucket-mb", type=float, default=8.0,
+                        help="--hook: DDP bucket_cap_mb (default 8: 4-5 buckets of the 34 MB MLP)")
+    parser.add_argument("--batch", type=int, default=16, help="--hook: samples per rank and step")
     parser.add_argument("--threads", type=int, default=0,
                         help="--selection: torch intra-op threads (default 0: torch's default)")
 
@@ -331,13 +356,23 @@ def config_from_args(args: argparse.Namespace) -> tuple[SparseBenchConfig, int]:
     link = parse_rate(args.link) if args.link else None
     if args.ranks_per_node is not None:
         check_node_layout(args.ranks_per_node, world)
+    if args.hook:
+        for name in ("hook_layers", "hook_width", "batch"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if not args.bucket_mb > 0:
+            raise ValueError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
+        if args.selection:
+            raise ValueError("--hook and --selection are two different modes; give one")
     fuse = {"eager": [False], "compiled": [True], "both": [False, True]}[args.fuse]
     if fuse != [False] and args.selector != "threshold" and not args.selection:
         raise ValueError(f"--fuse {args.fuse} fuses the threshold selector's block maxima; "
                          f"use --selector threshold (got {args.selector!r})")
     cfg = SparseBenchConfig(numel=args.numel, densities=densities, algorithms=algorithms,
                             selector=args.selector, fuse=fuse, link_bps=link,
-                            ranks_per_node=args.ranks_per_node, iters=args.iters, warmup=args.warmup)
+                            ranks_per_node=args.ranks_per_node, iters=args.iters, warmup=args.warmup,
+                            hook=args.hook, hook_layers=args.hook_layers, hook_width=args.hook_width,
+                            bucket_mb=args.bucket_mb, batch=args.batch)
     return cfg, world
 
 
