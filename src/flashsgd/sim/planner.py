@@ -65,6 +65,8 @@ POWERSGD_MIN_RANK = 2
 COMPRESSION_MARGIN = 1.05
 """A compressing exchange is chosen only when it predicts a step this much faster than the best
 dense one: within the model's error a dense exchange, which changes nothing in the training, wins."""
+WIRE_INDEX_BYTES = 8
+"""Bytes per sparse index in flashsgd's own messages (``comm/sparse.py`` packs int64 indices)."""
 Risk = Literal["low", "any"]
 
 
@@ -248,11 +250,11 @@ def _ruled_out_lines(rejected: dict[str, tuple[int, str]]) -> list[str]:
 
 def make_plan(workload: Workload, cluster: ClusterModel, gpus: int, batch_per_gpu: int,
               images_per_s: float, steps: int | None = None, accuracy_risk: Risk = "low",
-              precision: str = "fp32", index_bytes: int = 8, buckets_mb=BUCKETS_MB,
+              precision: str = "fp32", index_bytes: int = WIRE_INDEX_BYTES, buckets_mb=BUCKETS_MB,
               algorithms: tuple[str, ...] = DENSE + SPARSE + LOWRANK) -> Plan:
     """Steps 1-3 for ``gpus`` ranks of ``cluster`` training ``workload`` (see the module docstring).
 
-    ``index_bytes``: bytes per sparse index on the wire (8: int64, what ``comm/sparse.py`` sends).
+    ``index_bytes``: bytes per sparse index on the wire (default: what ``comm/sparse.py`` sends).
     """
     if accuracy_risk not in ("low", "any"):
         raise ValueError(f"accuracy_risk must be 'low' or 'any', got {accuracy_risk!r}")

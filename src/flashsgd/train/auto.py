@@ -144,6 +144,7 @@ def sparse_overhead(cluster: ClusterModel, numel: int, selection: str, timeout_s
     from flashsgd.comm.sparse_select import SELECTIONS, k_from_density
     from flashsgd.sim.algorithms import exchange_cost
     from flashsgd.sim.costs import CommSetup
+    from flashsgd.sim.planner import WIRE_INDEX_BYTES
 
     x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()))
     k = k_from_density(numel, PROBE_DENSITY)
@@ -153,7 +154,8 @@ def sparse_overhead(cluster: ClusterModel, numel: int, selection: str, timeout_s
         gtopk_allreduce(values, indices, k, numel, timeout_s=timeout_s)
 
     t = _timed(exchange)
-    setup = CommSetup(gpus=dist.get_world_size(), cluster=cluster, density=PROBE_DENSITY, index_bytes=8)
+    setup = CommSetup(gpus=dist.get_world_size(), cluster=cluster, density=PROBE_DENSITY,
+                      index_bytes=WIRE_INDEX_BYTES)
     return max(t - float(exchange_cost("gtopk", 4.0 * numel, setup).total), 0.0)
 
 
