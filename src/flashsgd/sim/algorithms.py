@@ -40,6 +40,7 @@ for _name, _fn in (
     ("gtopk_tree", costs_sparse.gtopk_tree),
     ("hgtopk", costs_sparse.hgtopk),
     ("hgtopk_sparse", costs_sparse.hgtopk_sparse),
+    ("hgtopk_slices", costs_sparse.hgtopk_slices),
     ("powersgd", costs_lowrank.powersgd),
 ):
     ALGORITHMS.add(_name, _fn)

@@ -15,6 +15,8 @@ Low Bandwidth Networks" (arXiv 1901.04359). Registered by name in
   leaders, broadcast inside the node (:func:`hgtopk`).
 - ``hgtopk_sparse``: ``hgtopk_allreduce(split="sparse")``: every rank selects, gTop-k inside the
   node, gTop-k among the leaders, broadcast inside the node (:func:`hgtopk_sparse`).
+- ``hgtopk_slices``: ``hgtopk_allreduce(split="slices")``: node reduce-scatter into L slices, L
+  gTop-k of k/L pairs across nodes at once, node all-gather of the results (:func:`hgtopk_slices`).
 - ``gtopk_tree`` (simulator-only): Shi et al.'s reference implementation, a tree reduction of
   pairwise merges then a broadcast of the k result pairs (2 ceil(lgP) rounds); what the paper's
   figures were measured with.
@@ -238,3 +240,47 @@ def hgtopk_sparse(n_bytes, setup: CommSetup) -> Cost:
     if steps:
         cost = cost + _node_broadcast(n, setup, steps)  # Step 3
     return cost
+
+
+def hgtopk_slices(n_bytes, setup: CommSetup) -> Cost:
+    """Hierarchical gTop-k over L slices (``comm/sparse_slices.py``, ``split="slices"``).
+
+    Steps (L ranks per node, N nodes, m elements of v bytes, n = v m, w = index_bytes, k pairs):
+
+    1. node reduce-scatter by direct exchange: every rank sends the L - 1 slices it does not own
+       (n / L bytes each, all at once) and sums the L - 1 it receives; with the residual add over
+       its whole acc: a + (L-1) n/L b + (n + (L-1) n/L) g on the intra link;
+    2-3. rank l selects k/L of its m/L entries and runs :func:`gtopk` of them among the N ranks
+       with local rank l; the L exchanges cross each node's link at once (L flows share it);
+    4. node all-gather by direct exchange of the L slice results (k/L global indices, k/L counted
+       indices, k/L values per message): a + (L-1) ((k/L) w + sparse message of k/L) b, intra.
+
+    With L = 1 it is :func:`gtopk` among the nodes.
+    """
+    n = np.asarray(n_bytes, dtype=float)
+    if setup.gpus == 1:
+        return zero_cost(n)
+    c, lr = setup.cluster, setup.local_ranks
+    nodes = setup.gpus // lr
+    if lr == 1:
+        return gtopk(n, _leaders(setup))
+    z = np.zeros_like(n)
+    intra = [(c.intra.alpha_s, c.intra.beta_s_per_byte)]
+    # Step 1: L - 1 slices of n / L out and in, summed; the residual add over the whole acc
+    lat, bw = step_cost((lr - 1) * n / lr, 1, intra)
+    cost = Cost(lat, bw, (n + (lr - 1) * n / lr) * c.gamma_s_per_byte, z)
+    # Steps 2-3: selection over the slice, gTop-k of its k/L pairs among the N nodes, L flows per
+    # node (the slice's own residual add is counted by gtopk's start: take it out of step 1's)
+    if nodes > 1:
+        shared = dataclasses.replace(c, ranks_per_node=1, inter=dataclasses.replace(
+            c.inter, bandwidth_gbps=c.inter.bandwidth_gbps / lr))
+        cross = gtopk(n / lr, dataclasses.replace(setup, gpus=nodes, grid=None, cluster=shared))
+    else:
+        cross = _sparse_start(n / lr, setup)[2]
+    cost = cost + Cost(cross.latency_s, cross.bandwidth_s,
+                       cross.compute_s - n / lr * c.gamma_s_per_byte, cross.overhead_s)
+    # Step 4: the L results to every rank of the node
+    k_slice = _k(n / lr, setup)[1]
+    msg = sparse_message_bytes(k_slice, setup) + setup.index_bytes * k_slice
+    lat, bw = step_cost((lr - 1) * msg, 1, intra)
+    return cost + Cost(lat, bw, z, z)
