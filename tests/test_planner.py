@@ -150,3 +150,16 @@ def test_plan_cli_reads_a_cluster_file_and_a_profile(tmp_path):
 def test_plan_cli_bad_input_is_one_line_exit_2(args, message):
     r = flashsgd("plan", *args)
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_near_tied_bucket_caps_go_to_the_largest():
+    plan = planner.make_plan(resnet50(), CLUSTERS.get("abci"), gpus=64, batch_per_gpu=32,
+                             images_per_s=370.0, steps=50_000)
+    c = plan.choice
+    same = [p for p in plan.ranked if (p.candidate.algorithm, p.candidate.grid, p.candidate.density,
+                                       p.candidate.rank) == (c.candidate.algorithm, c.candidate.grid,
+                                                             c.candidate.density, c.candidate.rank)]
+    best = min(p.step_s for p in same)
+    assert c.step_s <= best * planner.BUCKET_TIE
+    assert all(p.candidate.bucket_mb <= c.candidate.bucket_mb for p in same
+               if p.step_s <= best * planner.BUCKET_TIE)

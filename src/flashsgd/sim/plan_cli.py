@@ -93,6 +93,8 @@ def print_plan(plan: Plan, top: int) -> None:
         if p.candidate.algorithm in shown:
             continue
         shown[p.candidate.algorithm] = None
+        if p.candidate.algorithm == plan.choice.candidate.algorithm:
+            p = plan.choice  # its chosen setting (a near-tied bucket cap may differ from the fastest)
         r = p.result
         mark = "*" if p is plan.choice else " "
         print(f"{mark:2}{p.candidate.label():<42} {p.step_s * 1e3:8.1f} {r.compute_s * 1e3:8.1f} "

@@ -23,7 +23,8 @@ Algorithm (:func:`make_plan`):
    order, exchanges overlapping backward on one stream) and rank by step time; ties keep the order
    of step 1 (``native`` first: the simplest choice wins a tie).
 4. The choice (:attr:`Plan.choice`): the fastest, except that a compressing exchange must beat the
-   best dense one by :data:`COMPRESSION_MARGIN`; explained in one line (:meth:`Plan.explain`): its
+   best dense one by :data:`COMPRESSION_MARGIN`, and of bucket caps predicting within
+   :data:`BUCKET_TIE` the largest; explained in one line (:meth:`Plan.explain`): its
    speed-up over the best dense choice and why (how much of that step the exchange leaves
    exposed), and why it is safe.
 
@@ -42,7 +43,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from flashsgd.sim.engine import SimConfig, SimResult, simulate
@@ -62,6 +63,9 @@ SPARSE_START_ITER = 2
 """The sparse hooks exchange densely for their first steps (:class:`flashsgd.comm.sparse_hooks.SparseHookState`)."""
 POWERSGD_MIN_STEPS = 1250
 POWERSGD_MIN_RANK = 2
+BUCKET_TIE = 1.01
+"""Bucket caps predicting within 1% of the best one count as a tie, won by the largest cap: per-call
+costs the model does not see (Python-level hooks, CPU sharing) favour fewer buckets."""
 COMPRESSION_MARGIN = 1.05
 """A compressing exchange is chosen only when it predicts a step this much faster than the best
 dense one: within the model's error a dense exchange, which changes nothing in the training, wins."""
@@ -143,12 +147,16 @@ class Plan:
 
     @property
     def choice(self) -> Prediction:
-        """Step 4: the best, unless it compresses and the best dense one is within the margin."""
-        dense = self.best_dense()
-        if self.best.candidate.compresses and dense is not None \
-                and dense.step_s <= self.best.step_s * COMPRESSION_MARGIN:
-            return dense
-        return self.best
+        """Step 4: the best, unless it compresses and the best dense one is within the margin; of
+        its bucket caps, the largest within :data:`BUCKET_TIE` of its best."""
+        dense, pick = self.best_dense(), self.best
+        if pick.candidate.compresses and dense is not None \
+                and dense.step_s <= pick.step_s * COMPRESSION_MARGIN:
+            pick = dense
+        same = replace(pick.candidate, bucket_mb=0.0)
+        ties = [p for p in self.ranked if replace(p.candidate, bucket_mb=0.0) == same
+                and p.step_s <= pick.step_s * BUCKET_TIE]
+        return max(ties, key=lambda p: p.candidate.bucket_mb)
 
     def best_dense(self) -> Prediction | None:
         return next((p for p in self.ranked if p.candidate.algorithm in DENSE), None)
