@@ -161,9 +161,9 @@ def sparse_overhead(cluster: ClusterModel, numel: int, selection: str, timeout_s
 
 def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable, topo,
             selection: str, timeout_s: float, given: ClusterModel | None) -> Measured:
-    """Steps 1-3."""
+    """Steps 1-3 on a world of >= 2 ranks (``given``: the network and devices from a file)."""
     t0 = time.perf_counter()
-    compute = compute_seconds(model, optimizer, batch, loss_fn)                                       # Step 1
+    compute = compute_seconds(model, optimizer, batch, loss_fn)                            # Step 1
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if given is not None:
         return Measured(given, compute, time.perf_counter() - t0)
@@ -177,8 +177,7 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, los
     cluster = ClusterModel(name="measured", ranks_per_node=L, nodes=world // L,
                            intra=intra or inter, inter=inter or intra, **dev,
                            source=f"measured by flashsgd train --comm auto on {world} ranks")
-    if world > 1:
-        cluster = replace(cluster, sparse_overhead_s=sparse_overhead(cluster, numel, selection, timeout_s))
+    cluster = replace(cluster, sparse_overhead_s=sparse_overhead(cluster, numel, selection, timeout_s))
     return Measured(cluster, compute, time.perf_counter() - t0)
 
 
