@@ -224,43 +224,52 @@ def probe_batch(plan, data, device: torch.device) -> tuple[torch.Tensor, torch.T
     return x.to(device), y.to(device)
 
 
+def _new_record(plan, model, optimizer, data, device: torch.device, loss_fn: Callable, topo) -> dict:
+    """Steps 1-4, the same decision on every rank (rank 0's, broadcast)."""
+    c, world = plan.config.comm, plan.world
+    if world == 1:
+        record = {"choice": {"algorithm": "native", "bucket_mb": c.bucket_mb, "label": "native"},
+                  "explain": "one rank: nothing to exchange", "measured": "nothing measured"}
+    else:
+        given = _given_cluster(c.cluster, topo) if c.cluster else None
+        batch = probe_batch(plan, data, device)
+        measured = measure(model, optimizer, batch, loss_fn, topo, c.selection, plan.config.run.timeout_s,
+                           given)
+        record = plan_choice(measured, model, world, len(batch[1]), plan.total_steps, c.accuracy_risk)
+    found = [record]
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def comm_changes(choice: dict, ranks_per_node: int) -> dict[str, Any]:
+    """The ``comm`` config keys of a recorded choice."""
+    changes = {"algorithm": choice["algorithm"], "bucket_mb": choice["bucket_mb"],
+               "ranks_per_node": ranks_per_node}
+    if choice.get("density") is not None:
+        changes["density"] = choice["density"]
+    if choice.get("grid"):
+        changes["grid"] = f"{choice['grid'][0]}x{choice['grid'][1]}"
+    if choice.get("rank") is not None:
+        changes["matrix_approximation_rank"] = choice["rank"]
+    return changes
+
+
 def resolve_auto(plan, model: torch.nn.Module, optimizer: torch.optim.Optimizer, data,
                  device: torch.device, loss_fn: Callable, out: Path | None, resume: bool):
     """Steps 1-5: the run plan with ``comm.algorithm`` (and its bucket size, density, grid or rank)
     chosen for this cluster, and the record of the choice (``out``: where to record it, or None)."""
     from flashsgd.comm.topology import get_topology
 
-    c, world = plan.config.comm, plan.world
-    batch = probe_batch(plan, data, device)
+    topo = get_topology(ranks_per_node=plan.ranks_per_node, timeout_s=plan.config.run.timeout_s)
     path = out / "auto.json" if out is not None else None
-    record = _read_record(path) if resume else None
+    record = _read_record(path) if resume else None                                       # Step 5
     if record is not None:
         record["measured"] = f"reusing the choice recorded in {path} at the first start"
     else:
-        topo = get_topology(ranks_per_node=plan.ranks_per_node, timeout_s=plan.config.run.timeout_s)
-        if world == 1:
-            record = {"choice": {"algorithm": "native", "bucket_mb": c.bucket_mb, "label": "native"},
-                      "explain": "one rank: nothing to exchange", "measured": "nothing measured"}
-        else:
-            given = _given_cluster(c.cluster, topo) if c.cluster else None
-            measured = measure(model, optimizer, batch, loss_fn, topo, c.selection,
-                               plan.config.run.timeout_s, given)
-            record = plan_choice(measured, model, world, len(batch[1]), plan.total_steps, c.accuracy_risk)
-        found = [record]
-        dist.broadcast_object_list(found, src=0)  # one decision, whatever each rank computed
-        record = found[0]
+        record = _new_record(plan, model, optimizer, data, device, loss_fn, topo)
         if dist.get_rank() == 0 and out is not None:
             out.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(record, indent=1))
             if "cluster_toml" in record:
                 (out / "cluster.toml").write_text(record["cluster_toml"])
-    ch = record["choice"]
-    changes = {"algorithm": ch["algorithm"], "bucket_mb": ch["bucket_mb"],
-               "ranks_per_node": plan.ranks_per_node or get_topology().ranks_per_node}
-    if ch.get("density") is not None:
-        changes["density"] = ch["density"]
-    if ch.get("grid"):
-        changes["grid"] = f"{ch['grid'][0]}x{ch['grid'][1]}"
-    if ch.get("rank") is not None:
-        changes["matrix_approximation_rank"] = ch["rank"]
-    return plan.with_comm(**changes), record
+    return plan.with_comm(**comm_changes(record["choice"], topo.ranks_per_node)), record
