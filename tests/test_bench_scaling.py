@@ -43,7 +43,8 @@ def test_settings_defaults_quick_and_bad_values():
     assert spec["nodes"] == [1, 2, 4, 8] and spec["comms"][0] == "noop"
     from flashsgd.comm.hooks import HOOKS
 
-    assert set(spec["comms"]) == set(HOOKS.names())  # new hooks appear without a change here
+    assert set(spec["comms"]) == set(HOOKS.names()) | {"auto"}  # new hooks appear without a change here
+    assert spec["comms"][-1] == "auto"  # train --comm auto's choice, measured beside them
     quick = scaling.settings(_args(quick=True))
     assert quick["nodes"] == [1, 2] and quick["iters"] < spec["iters"]
     assert scaling.settings(_args(comm="gtopk"))["comms"] == ["noop", "gtopk"]  # the ceiling added
