@@ -217,3 +217,16 @@ def test_quick_run_on_an_emulated_cluster(tmp_path):
     assert all(len(r["loadavg"]) == 3 for r in doc["rows"])
     assert out.with_suffix(".png").exists()
     assert "samples/s" in proc.stdout and "2x1" in proc.stdout
+
+
+def test_auto_verdict_compares_the_choice_with_the_best_measured_hook():
+    from flashsgd.bench.scaling_report import auto_verdicts
+
+    def row(comm, step, **extra):
+        return {"comm": comm, "nodes": 4, "ranks_per_node": 2, "step_s": [step] * 3, **extra}
+
+    chosen = {"label": "gtopk density 0.001, 4 MB buckets", "explain": "why"}
+    rows = [row("noop", 0.1), row("native", 0.5), row("gtopk", 0.2), row("auto", 0.21, chosen=chosen),
+            {"comm": "topk", "nodes": 4, "ranks_per_node": 2, "skipped": "no"}]
+    (v,) = auto_verdicts(rows)
+    assert v["best_comm"] == "gtopk" and v["ratio"] == pytest.approx(1.05) and v["chosen"] == chosen["label"]
