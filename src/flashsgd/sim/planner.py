@@ -69,8 +69,9 @@ costs the model does not see (Python-level hooks, CPU sharing) favour fewer buck
 COMPRESSION_MARGIN = 1.05
 """A compressing exchange is chosen only when it predicts a step this much faster than the best
 dense one: within the model's error a dense exchange, which changes nothing in the training, wins."""
-WIRE_INDEX_BYTES = 8
-"""Bytes per sparse index in flashsgd's own messages (``comm/sparse.py`` packs int64 indices)."""
+WIRE_INDEX_BYTES = 4
+"""Bytes per sparse index in flashsgd's own messages (``comm/sparse.py`` sends int32 indices for every
+bucket under 2**31 elements: :func:`flashsgd.comm.sparse.wire_index_dtype`)."""
 Risk = Literal["low", "any"]
 
 
