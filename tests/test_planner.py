@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -73,13 +75,14 @@ def test_grids_are_every_factorisation_that_keeps_rows_inside_nodes():
     assert all(x * y == 4096 for x, y in planner.grids(4096, 4))
 
 
-def test_the_coverage_bound_is_the_one_train_warns_with():
+def test_the_coverage_bound_is_gtopks_bound_train_warns_with():
     from flashsgd.comm import sparse_checks
 
     assert planner.MIN_COVERAGE == sparse_checks.MIN_COVERAGE
-    for algo, world, steps, d in (("gtopk", 8, 1250, 0.001), ("topk", 4, 300, 0.01), ("hgtopk", 8, 50, 0.1)):
-        assert planner.coverage(algo, world, steps, d) == pytest.approx(
-            sparse_checks.coverage(algo, steps, world, d))
+    for algo, world, steps, d in (("gtopk", 8, 1250, 0.001), ("gtopk", 4, 300, 0.01), ("hgtopk", 8, 50, 0.1)):
+        assert planner.coverage(steps, d) == pytest.approx(sparse_checks.coverage(algo, steps, world, d))
+    # Top-k: not the world-times larger upper bound (ranks often pick the same entries)
+    assert planner.coverage(1250, 0.001) < sparse_checks.coverage("topk", 1250, 8, 0.001)
 
 
 def test_compression_is_offered_only_when_the_run_keeps_accuracy():
@@ -111,12 +114,41 @@ def test_a_slow_network_picks_sparse_and_a_fast_one_dense():
 
 
 def test_a_compressed_choice_must_beat_dense_by_the_margin():
-    plan = planner.make_plan(resnet50(), CLUSTERS.get("abci"), gpus=4096, batch_per_gpu=32,
-                             images_per_s=370.0, steps=50_000)
-    dense = plan.best_dense()
-    if plan.best.candidate.compresses:  # within the margin here: dense is kept
-        assert dense.step_s <= plan.best.step_s * planner.COMPRESSION_MARGIN
-        assert plan.choice is dense and "not worth its accuracy risk" in plan.explain()
+    base = CLUSTERS.get("1gbe")
+    for bandwidth in (0.111, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0):  # a faster link: the two come closer
+        link = dataclasses.replace(base.inter, bandwidth_gbps=bandwidth)
+        cluster = dataclasses.replace(base, intra=link, inter=link)
+        plan = planner.make_plan(resnet50(), cluster, gpus=8, batch_per_gpu=32, images_per_s=200.0,
+                                 steps=50_000, algorithms=("ring", "gtopk"))
+        dense, best = plan.best_dense(), plan.best
+        if best.candidate.compresses and dense.step_s <= best.step_s * planner.COMPRESSION_MARGIN:
+            assert plan.choice.candidate.algorithm == "ring"
+            assert "not worth its accuracy risk" in plan.explain()
+            break
+    else:
+        pytest.fail("no link speed put gTop-k within the margin of the ring")
+
+
+def test_a_sparse_choice_runs_with_the_measured_warm_up():
+    plan = planner.make_plan(resnet50(), CLUSTERS.get("1gbe"), gpus=32, batch_per_gpu=32,
+                             images_per_s=200.0, steps=50_000)
+    assert plan.choice.candidate.algorithm in planner.SPARSE
+    assert plan.to_dict()["choice"]["density_warmup"] == planner.DENSITY_WARMUP[0]
+    assert "density warm-up" in plan.explain()
+    risky = planner.make_plan(resnet50(), CLUSTERS.get("1gbe"), gpus=32, batch_per_gpu=32,
+                              images_per_s=200.0, accuracy_risk="any")
+    assert "density_warmup" not in risky.to_dict()["choice"]
+
+
+def test_a_cluster_name_with_a_quote_round_trips(tmp_path):
+    c = dataclasses.replace(load_cluster_text(LAB, "lab"), name="bob's \"lab\"")
+    assert load_cluster_text(to_toml(c), "x").name == c.name
+
+
+def test_simulate_reads_a_cluster_file(tmp_path):
+    (tmp_path / "lab.toml").write_text(LAB)
+    r = flashsgd("simulate", "--cluster", str(tmp_path / "lab.toml"), "--gpus", "8", "--images-per-s", "300")
+    assert r.returncode == 0 and "cluster lab: 4 nodes x 2 GPUs/node" in r.stdout, r.stderr
 
 
 def test_plan_cli_answers_for_4096_gpus_and_writes_json(tmp_path):
@@ -145,7 +177,10 @@ def test_plan_cli_reads_a_cluster_file_and_a_profile(tmp_path):
     (["--cluster", "abci", "--gpus", "6"], "6 GPUs do not fill whole nodes"),
     (["--cluster", "abci", "--gpus", "8", "--model", "vgg16"], "--images-per-s is required"),
     (["--cluster", "abci", "--gpus", "8", "--model", "nope"], "--model 'nope': not a built-in workload"),
-    (["--cluster", "abci", "--gpus", "8", "--steps", "0"], "steps must be an integer >= 1"),
+    (["--cluster", "abci", "--gpus", "8", "--steps", "0"], "--steps must be an integer >= 1"),
+    (["--cluster", "abci", "--gpus", "0"], "--gpus must be an integer >= 1"),
+    (["--cluster", "abci", "--gpus", "8", "--model", "vgg16", "--images-per-s", "inf"],
+     "--images-per-s must be a finite number > 0"),
 ])
 def test_plan_cli_bad_input_is_one_line_exit_2(args, message):
     r = flashsgd("plan", *args)
@@ -163,3 +198,19 @@ def test_near_tied_bucket_caps_go_to_the_largest():
     assert c.step_s <= best * planner.BUCKET_TIE
     assert all(p.candidate.bucket_mb <= c.candidate.bucket_mb for p in same
                if p.step_s <= best * planner.BUCKET_TIE)
+
+
+@pytest.mark.parametrize("profile, message", [
+    ({"numels": [1.5, 2]}, "a non-empty list of positive integers"),
+    ({"numels": ["a"]}, "a non-empty list of positive integers"),
+    ({"numels": [100, 4], "matrices": [[-10, -10], [2, 2]]}, "\"matrices\" must be [rows, cols] pairs"),
+    ({"numels": [100, 4], "matrices": [[10, 11], [2, 2]]}, "rows x cols = the tensor's numel"),
+    ({"numels": [100], "backward_share": ["x"]}, "\"backward_share\" must be a list of finite numbers"),
+])
+def test_a_bad_profile_names_the_file_and_the_field(tmp_path, profile, message):
+    from flashsgd.sim.plan_cli import load_profile
+
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(profile))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_profile(str(path))

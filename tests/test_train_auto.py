@@ -8,7 +8,7 @@ import json
 import pytest
 
 from flashsgd.cli import main
-from flashsgd.sim.cluster_file import load_cluster, load_cluster_text
+from flashsgd.sim.cluster_file import load_cluster
 from flashsgd.train.auto import fit_ring
 
 TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--progress", "false",
@@ -52,9 +52,21 @@ def test_auto_measures_plans_records_and_a_resume_reuses_the_choice(tmp_path, ca
     # a cluster file instead of the network measurement
     other = tmp_path / "other"
     assert _train(other, "--max-steps", "2", "--cluster", str(out / "cluster.toml")) == 0
-    given = load_cluster_text(json.loads((other / "auto.json").read_text())["cluster_toml"], "record")
-    assert given.inter.bandwidth_gbps == pytest.approx(cluster.inter.bandwidth_gbps)
-    assert given.select_s_per_elem == pytest.approx(cluster.select_s_per_elem)  # not measured again
+    given = json.loads((other / "auto.json").read_text())
+    assert given["measured"].startswith(f"network and devices from {out / 'cluster.toml'}")
+    assert "cluster_toml" not in given and not (other / "cluster.toml").exists()  # nothing measured
+    # plan.json holds what ran, not "auto"
+    assert json.loads((out / "plan.json").read_text())["algorithm"] == choice["algorithm"]
+
+
+def test_an_auto_resume_without_its_record_stops_naming_it(tmp_path, capfd):
+    out = tmp_path / "run"
+    assert _train(out, "--max-steps", "2") == 0
+    (out / "auto.json").unlink()
+    capfd.readouterr()
+    assert _train(out, "--max-steps", "3") == 1
+    err = capfd.readouterr().err
+    assert "--comm auto cannot resume: found no auto.json at" in err
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -63,9 +75,10 @@ def test_auto_measures_plans_records_and_a_resume_reuses_the_choice(tmp_path, ca
     (["--cluster", "missing.toml"], "config key comm.cluster: cluster file 'missing.toml' does not exist"),
     (["--momentum-correction", "true"], "--comm auto chooses the algorithm itself"),
     (["--accuracy-risk", "high"], "accuracy_risk"),
+    (["--cluster", "1gbe"], "config key comm.cluster='1gbe': '1gbe' has 1 ranks per node, this run 2"),
 ])
 def test_auto_bad_input_is_one_line_before_any_process(tmp_path, capfd, extra, message):
     assert _train(tmp_path / "run", *extra) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
-    assert not (tmp_path / "run" / "auto.json").exists()
+    assert not (tmp_path / "run").exists()  # refused before the run directory is claimed

@@ -79,7 +79,7 @@ class Trainer:
             from flashsgd.train.auto import resolve_auto
 
             plan, self.auto = resolve_auto(plan, self.model, self.optimizer, data, device, self.loss_fn,
-                                           None, resume=False)
+                                           None, resume_from=None)
             self.plan = plan
         self.timer = CommTimer()
         self.ddp, self.hook_state, _ = build_ddp(plan, self.model, device, self.timer)

@@ -22,6 +22,7 @@ from pathlib import Path
 from flashsgd.comm.topology import parse_grid
 from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.engine import SimConfig, SimResult, simulate, sweep
+from flashsgd.sim.cluster_file import load_cluster
 from flashsgd.sim.network import CLUSTERS, get_cluster
 from flashsgd.sim.workload import get_workload
 
@@ -38,8 +39,8 @@ def _ints(text: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default=None,
-                   help=f"preset ({', '.join(CLUSTERS.names())}; default abci) or 'local' "
-                        "(implied by --calibration)")
+                   help=f"preset ({', '.join(CLUSTERS.names())}; default abci), a cluster file "
+                        "NAME.toml (flashsgd.sim.cluster_file), or 'local' (implied by --calibration)")
     p.add_argument("--calibration", metavar="PATH", help="`flashsgd bench allreduce --json` file")
     p.add_argument("--fit", choices=("joint", "per-algorithm"), default="joint",
                    help="calibration fit: one (alpha, beta, gamma) for all, or per algorithm")
@@ -127,7 +128,9 @@ def _cluster(args):
             print(f"  {algo:>14}: alpha={a * 1e6:9.2f} us  beta={b * 1e9:8.4f} ns/B "
                   f"({1 / b / 1e9 if b else float('inf'):.3g} GB/s)  gamma={g * 1e9:.4f} ns/B")
         return f.cluster, bench, f
-    return get_cluster(args.cluster or "abci"), None, None
+    if args.cluster == "local":
+        get_cluster("local")  # ValueError: 'local' needs --calibration
+    return load_cluster(args.cluster or "abci"), None, None
 
 
 def _print_errors(rows: list[dict]) -> None:

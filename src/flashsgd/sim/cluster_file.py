@@ -41,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import math
 import tomllib
 from pathlib import Path
@@ -142,7 +143,7 @@ def load_cluster(spec: str) -> ClusterModel:
 def to_toml(c: ClusterModel, comment: str = "") -> str:
     """``c`` in the file format of the module docstring (a measured cluster, to reuse)."""
     lines = [f"# {line}" for line in comment.splitlines()]
-    lines += [f"name = {c.name!r}".replace("'", '"')]
+    lines += [f"name = {json.dumps(c.name)}"]  # a JSON string is a TOML basic string
     if c.nodes is not None:
         lines.append(f"nodes = {c.nodes}")
     lines.append(f"ranks_per_node = {c.ranks_per_node}")

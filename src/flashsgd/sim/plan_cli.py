@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -61,13 +62,25 @@ def load_profile(path: str) -> Workload:
         doc = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"model profile {path!r}: cannot read it as JSON ({exc})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("numels"), list):
-        raise ValueError(f"model profile {path!r}: needs \"numels\": a list of per-tensor gradient sizes "
-                         "in backward order")
-    numels = np.asarray(doc["numels"])
-    share = doc.get("backward_share", numels.astype(float))
-    return Workload(doc.get("name", Path(path).stem), numels, np.asarray(share, dtype=float),
-                    note=f"profile {path}", matrices=doc.get("matrices"))
+    numels = doc.get("numels") if isinstance(doc, dict) else None
+    if not (isinstance(numels, list) and numels
+            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in numels)):
+        raise ValueError(f"model profile {path!r}: needs \"numels\": a non-empty list of positive "
+                         "integers (per-tensor gradient sizes in backward order)")
+    share = doc.get("backward_share", numels)
+    if not (isinstance(share, list) and all(isinstance(v, (int, float)) and math.isfinite(v) for v in share)):
+        raise ValueError(f"model profile {path!r}: \"backward_share\" must be a list of finite numbers")
+    matrices = doc.get("matrices")
+    if matrices is not None and not (isinstance(matrices, list) and all(
+            isinstance(m, list) and len(m) == 2 and all(isinstance(v, int) and v > 0 for v in m)
+            for m in matrices)):
+        raise ValueError(f"model profile {path!r}: \"matrices\" must be [rows, cols] pairs of positive "
+                         "integers, one per tensor")
+    try:
+        return Workload(doc.get("name", Path(path).stem), np.asarray(numels), np.asarray(share, dtype=float),
+                        note=f"profile {path}", matrices=matrices)
+    except ValueError as exc:
+        raise ValueError(f"model profile {path!r}: {exc}") from None
 
 
 def resolve_model(spec: str) -> Workload:
@@ -108,8 +121,8 @@ def print_plan(plan: Plan, top: int) -> None:
 
 def images_per_s(args: argparse.Namespace, cluster, workload: Workload) -> float:
     if args.images_per_s is not None:
-        if not args.images_per_s > 0:
-            raise ValueError(f"--images-per-s must be > 0, got {args.images_per_s}")
+        if not (math.isfinite(args.images_per_s) and args.images_per_s > 0):
+            raise ValueError(f"--images-per-s must be a finite number > 0, got {args.images_per_s}")
         return args.images_per_s
     ips = cluster.resnet50_images_per_s.get(args.precision) if workload.name == "resnet50" else None
     if ips is None:
@@ -120,12 +133,12 @@ def images_per_s(args: argparse.Namespace, cluster, workload: Workload) -> float
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    if args.top < 1:
-        raise ValueError(f"--top must be >= 1, got {args.top}")
+    for flag, value in (("--top", args.top), ("--gpus", args.gpus), ("--batch-per-gpu", args.batch_per_gpu),
+                        ("--steps", 1 if args.steps is None else args.steps)):
+        if value < 1:
+            raise ValueError(f"{flag} must be an integer >= 1, got {value}")
     cluster = load_cluster(args.cluster)
     cluster.check_gpus(args.gpus)
-    if args.batch_per_gpu < 1:
-        raise ValueError(f"--batch-per-gpu must be >= 1, got {args.batch_per_gpu}")
     workload = resolve_model(args.model)
     plan = make_plan(workload, cluster, args.gpus, args.batch_per_gpu, images_per_s(args, cluster, workload),
                      steps=args.steps, accuracy_risk=args.accuracy_risk, precision=args.precision)

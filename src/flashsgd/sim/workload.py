@@ -65,7 +65,7 @@ class Workload:
         object.__setattr__(self, "backward_share", share / share.sum())
         if self.matrices is not None:
             m = np.asarray(self.matrices, dtype=np.int64)
-            if m.shape != (numels.size, 2) or np.any(m[:, 0] * m[:, 1] != numels):
+            if m.shape != (numels.size, 2) or np.any(m <= 0) or np.any(m[:, 0] * m[:, 1] != numels):
                 raise ValueError(f"workload {self.name!r}: matrices must be {numels.size} (rows, cols) "
                                  "pairs with rows x cols = the tensor's numel")
             object.__setattr__(self, "matrices", m)

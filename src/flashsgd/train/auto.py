@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -48,19 +49,25 @@ LARGE_BYTES = (1024 * 1024, 8 * 1024 * 1024)  # the large probe: the gradient, c
 LINK_REPS = 5
 
 
-def _timed(fn: Callable[[], Any], active: bool = True, reps: int = 3) -> float:
-    """Median of ``reps`` runs of ``fn`` after one warm-up, each after a barrier; the slowest
-    rank's (ranks with ``active`` False only take part in the barriers)."""
-    if active:
+def _timed(fn: Callable[[], Any], device: torch.device, active: bool = True, reps: int = 3) -> float:
+    """Median of ``reps`` runs of ``fn`` after one warm-up, each after a barrier (and, on a GPU,
+    until its kernels finish); the slowest rank's (ranks with ``active`` False only take part in
+    the barriers)."""
+    def run() -> None:
         fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    if active:
+        run()
     times = []
     for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
         if active:
-            fn()
+            run()
         times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times) if active else 0.0], dtype=torch.float64)
+    t = torch.tensor([statistics.median(times) if active else 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
@@ -71,13 +78,15 @@ def compute_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     optimizer are left as they were."""
     saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
     x, y = batch
+    devices = [x.device] if x.device.type == "cuda" else []
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
         optimizer.step()
 
-    t = _timed(step)
+    with torch.random.fork_rng(devices=devices):  # a model with dropout draws the same numbers later
+        t = _timed(step, x.device)
     model.load_state_dict(saved[0])
     optimizer.load_state_dict(saved[1])
     optimizer.zero_grad(set_to_none=True)
@@ -95,10 +104,11 @@ def fit_ring(times: tuple[float, float], sizes: tuple[int, int], p: int, gamma: 
     return Link(alpha_s=alpha, bandwidth_gbps=1.0 / beta / 1e9)
 
 
-def _ring_link(group, members: tuple[int, ...], active: bool, large: int, gamma: float) -> Link:
-    buf = torch.zeros(large // 4)
+def _ring_link(group, members: tuple[int, ...], active: bool, large: int, gamma: float,
+               device: torch.device) -> Link:
+    buf = torch.zeros(large // 4, device=device)
     sizes = (SMALL_BYTES, large)
-    times = tuple(_timed(lambda n=n: dist.all_reduce(buf[: n // 4], group=group), active, LINK_REPS)
+    times = tuple(_timed(lambda n=n: dist.all_reduce(buf[: n // 4], group=group), device, active, LINK_REPS)
                   for n in sizes)
     return fit_ring(times, sizes, len(members), gamma)
 
@@ -110,34 +120,38 @@ class Measured:
     cluster: ClusterModel
     compute_s: float
     seconds: float
+    given: str | None = None
+    """The ``comm.cluster`` the network and devices came from (None: measured here)."""
 
     def describe(self) -> str:
         c = self.cluster
-        return (f"measured in {self.seconds:.1f} s: compute {self.compute_s * 1e3:.1f} ms/step; "
+        where = f"network and devices from {self.given}, " if self.given else ""
+        return (f"{where}measured in {self.seconds:.1f} s: compute {self.compute_s * 1e3:.1f} ms/step; "
                 f"inter {c.inter.bandwidth_gbps * 8:.3g} Gbit/s, {c.inter.alpha_s * 1e6:.0f} us; intra "
                 f"{c.intra.bandwidth_gbps * 8:.3g} Gbit/s, {c.intra.alpha_s * 1e6:.0f} us; add "
                 f"{c.gamma_s_per_byte * 1e9:.3g} ns/B; select {c.select_s_per_elem * 1e9:.3g} ns/elem; "
                 f"sparse exchange {c.sparse_overhead_s * 1e3:.2f} ms fixed")
 
 
-def measure_devices(numel: int, selection: str) -> dict[str, float]:
+def measure_devices(numel: int, selection: str, device: torch.device) -> dict[str, float]:
     """Step 3 (local part): gamma, selection per element and PowerSGD's flop time."""
     from flashsgd.comm.sparse_select import SELECTIONS, k_from_density
 
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
-    t_add = _timed(lambda: a.add_(b))
+    a, b = (torch.randn(numel, generator=g).to(device) for _ in range(2))
+    t_add = _timed(lambda: a.add_(b), device)
     k = k_from_density(numel, PROBE_DENSITY)
-    t_sel = _timed(lambda: SELECTIONS[selection](a.add(b), k))
+    t_sel = _timed(lambda: SELECTIONS[selection](a.add(b), k), device)
     rows = 512 if numel >= 1024 else 1
-    m, q = a[: rows * (numel // rows)].view(rows, -1), torch.randn(numel // rows, 2, generator=g)
-    t_mm = _timed(lambda: m @ q)
+    m, q = a[: rows * (numel // rows)].view(rows, -1), torch.randn(numel // rows, 2, generator=g).to(device)
+    t_mm = _timed(lambda: m @ q, device)
     return {"gamma_s_per_byte": t_add / (4 * numel),
             "select_s_per_elem": max(t_sel - t_add, 0.0) / numel,
             "flop_s": t_mm / (2.0 * m.shape[0] * m.shape[1] * 2)}
 
 
-def sparse_overhead(cluster: ClusterModel, numel: int, selection: str, timeout_s: float) -> float:
+def sparse_overhead(cluster: ClusterModel, numel: int, selection: str, timeout_s: float,
+                    device: torch.device) -> float:
     """Step 3 (exchange part): one real gTop-k exchange of ``numel`` entries minus the model's
     prediction for it without a fixed cost."""
     from flashsgd.comm.sparse import gtopk_allreduce
@@ -146,38 +160,42 @@ def sparse_overhead(cluster: ClusterModel, numel: int, selection: str, timeout_s
     from flashsgd.sim.costs import CommSetup
     from flashsgd.sim.planner import WIRE_INDEX_BYTES
 
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
     k = k_from_density(numel, PROBE_DENSITY)
 
     def exchange() -> None:
         values, indices = SELECTIONS[selection](x, k)
         gtopk_allreduce(values, indices, k, numel, timeout_s=timeout_s)
 
-    t = _timed(exchange)
+    t = _timed(exchange, device)
     setup = CommSetup(gpus=dist.get_world_size(), cluster=cluster, density=PROBE_DENSITY,
                       index_bytes=WIRE_INDEX_BYTES)
     return max(t - float(exchange_cost("gtopk", 4.0 * numel, setup).total), 0.0)
 
 
 def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable, topo,
-            selection: str, timeout_s: float, given: ClusterModel | None) -> Measured:
-    """Steps 1-3 on a world of >= 2 ranks (``given``: the network and devices from a file)."""
+            selection: str, timeout_s: float, given: tuple[str, ClusterModel] | None) -> Measured:
+    """Steps 1-3 on a world of >= 2 ranks (``given``: ``comm.cluster`` and its model, used for the
+    network and the devices instead of Steps 2-3)."""
     t0 = time.perf_counter()
+    device = batch[0].device
     compute = compute_seconds(model, optimizer, batch, loss_fn)                            # Step 1
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if given is not None:
-        return Measured(given, compute, time.perf_counter() - t0)
-    dev = measure_devices(numel, selection)                                                # Step 3
+        return Measured(given[1], compute, time.perf_counter() - t0, given=given[0])
+    dev = measure_devices(numel, selection, device)                                        # Step 3
     large = min(max(4 * numel, LARGE_BYTES[0]), LARGE_BYTES[1])
     L, world = topo.ranks_per_node, topo.world_size
-    intra = _ring_link(topo.node_group, topo.node_ranks, True, large, dev["gamma_s_per_byte"]) \
+    gamma = dev["gamma_s_per_byte"]
+    intra = _ring_link(topo.node_group, topo.node_ranks, True, large, gamma, device) \
         if L > 1 else None                                                                 # Step 2
-    inter = _ring_link(topo.cross_group, topo.cross_ranks, topo.local_rank == 0, large,
-                       dev["gamma_s_per_byte"]) if world > L else None
+    inter = _ring_link(topo.cross_group, topo.cross_ranks, topo.local_rank == 0, large, gamma,
+                       device) if world > L else None
     cluster = ClusterModel(name="measured", ranks_per_node=L, nodes=world // L,
                            intra=intra or inter, inter=inter or intra, **dev,
                            source=f"measured by flashsgd train --comm auto on {world} ranks")
-    cluster = replace(cluster, sparse_overhead_s=sparse_overhead(cluster, numel, selection, timeout_s))
+    cluster = replace(cluster, sparse_overhead_s=sparse_overhead(cluster, numel, selection, timeout_s,
+                                                                 device))
     return Measured(cluster, compute, time.perf_counter() - t0)
 
 
@@ -192,29 +210,59 @@ def plan_choice(measured: Measured, model: torch.nn.Module, world: int, local_ba
                      images_per_s=local_batch / measured.compute_s, steps=total_steps,
                      accuracy_risk=accuracy_risk)
     doc = plan.to_dict(top=20)
-    return {"choice": doc["choice"], "explain": doc["explain"], "ruled_out": doc["ruled_out"],
-            "ranked": doc["ranked"], "measured": measured.describe(), "compute_s": measured.compute_s,
-            "cluster_toml": to_toml(measured.cluster, "measured by flashsgd train --comm auto")}
+    record = {"choice": doc["choice"], "explain": doc["explain"], "ruled_out": doc["ruled_out"],
+              "ranked": doc["ranked"], "measured": measured.describe(), "compute_s": measured.compute_s,
+              "world": world, "ranks_per_node": measured.cluster.ranks_per_node}
+    if measured.given is None:  # a measured cluster, to pass back as --cluster next time
+        record["cluster_toml"] = to_toml(measured.cluster, f"measured by flashsgd train --comm auto on "
+                                                           f"{world} ranks")
+    return record
 
 
 def _given_cluster(spec: str, topo) -> ClusterModel:
     from flashsgd.sim.cluster_file import load_cluster
+    from flashsgd.train.plan import check_auto_cluster
 
-    cluster = load_cluster(spec)
-    if cluster.ranks_per_node != topo.ranks_per_node:
-        raise ValueError(f"config key comm.cluster={spec!r} has {cluster.ranks_per_node} ranks per node; "
-                         f"this run has {topo.ranks_per_node}: describe the cluster the run is on")
-    cluster.check_gpus(topo.world_size)
-    return cluster
+    check_auto_cluster(spec, topo.world_size, topo.ranks_per_node)  # build_plan checked it when it could
+    return load_cluster(spec)
 
 
-def _read_record(path: Path | None) -> dict | None:
-    """Step 5: rank 0 reads the recorded choice of an earlier start and tells every rank."""
-    found = [None]
-    if dist.get_rank() == 0 and path is not None and path.is_file():
-        found = [json.loads(path.read_text())]
+def read_record(paths: list[Path], world: int, ranks_per_node: int) -> dict:
+    """Step 5: the choice recorded at the first start (the first of ``paths`` that exists), read on
+    rank 0 and sent to every rank; ValueError on every rank when there is none, it is unreadable, or
+    it was made for another layout (the checkpoints hold that choice's hook state)."""
+    found: list = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            path = next((q for q in paths if q.is_file()), None)
+            if path is None:
+                raise ValueError(f"found no auto.json at {' or '.join(map(str, paths))}")
+            record = json.loads(path.read_text())
+            layout = (record.get("world"), record.get("ranks_per_node"))
+            if layout != (world, ranks_per_node):
+                raise ValueError(f"{path} was chosen for world {layout[0]} with {layout[1]} ranks per "
+                                 f"node, this run has {world} with {ranks_per_node}")
+            record["measured"] = f"reusing the choice recorded in {path} at the first start"
+            found[0] = record
+        except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+            found[1] = str(exc)
     dist.broadcast_object_list(found, src=0)
+    if found[1] is not None:
+        raise ValueError(f"--comm auto cannot resume: {found[1]}; the checkpoints hold the state of the "
+                         "hook chosen then (start again with --resume never, or name the algorithm)")
     return found[0]
+
+
+def _write_record(out: Path, record: dict) -> None:
+    """Rank 0: ``auto.json`` (and the measured ``cluster.toml``), each written whole or not at all."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"auto.json": json.dumps(record, indent=1)}
+    if "cluster_toml" in record:
+        files["cluster.toml"] = record["cluster_toml"]
+    for name, text in files.items():
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
 
 
 def probe_batch(plan, data, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,9 +277,10 @@ def _new_record(plan, model, optimizer, data, device: torch.device, loss_fn: Cal
     c, world = plan.config.comm, plan.world
     if world == 1:
         record = {"choice": {"algorithm": "native", "bucket_mb": c.bucket_mb, "label": "native"},
-                  "explain": "one rank: nothing to exchange", "measured": "nothing measured"}
+                  "explain": "one rank: nothing to exchange", "measured": "nothing measured",
+                  "world": 1, "ranks_per_node": topo.ranks_per_node}
     else:
-        given = _given_cluster(c.cluster, topo) if c.cluster else None
+        given = (c.cluster, _given_cluster(c.cluster, topo)) if c.cluster else None
         batch = probe_batch(plan, data, device)
         measured = measure(model, optimizer, batch, loss_fn, topo, c.selection, plan.config.run.timeout_s,
                            given)
@@ -241,10 +290,12 @@ def _new_record(plan, model, optimizer, data, device: torch.device, loss_fn: Cal
     return found[0]
 
 
-def comm_changes(choice: dict, ranks_per_node: int) -> dict[str, Any]:
-    """The ``comm`` config keys of a recorded choice."""
+def comm_changes(choice: dict, ranks_per_node: int, epochs: int) -> dict[str, Any]:
+    """The ``comm`` config keys of a recorded choice (a run of ``epochs`` epochs)."""
     changes = {"algorithm": choice["algorithm"], "bucket_mb": choice["bucket_mb"],
-               "ranks_per_node": ranks_per_node}
+               "ranks_per_node": ranks_per_node, "density_warmup": choice.get("density_warmup")}
+    if choice.get("density_warmup") is not None:
+        changes["density_warmup_epochs"] = choice["density_warmup_fraction"] * epochs
     if choice.get("density") is not None:
         changes["density"] = choice["density"]
     if choice.get("grid"):
@@ -255,21 +306,19 @@ def comm_changes(choice: dict, ranks_per_node: int) -> dict[str, Any]:
 
 
 def resolve_auto(plan, model: torch.nn.Module, optimizer: torch.optim.Optimizer, data,
-                 device: torch.device, loss_fn: Callable, out: Path | None, resume: bool):
+                 device: torch.device, loss_fn: Callable, out: Path | None, resume_from: Path | None):
     """Steps 1-5: the run plan with ``comm.algorithm`` (and its bucket size, density, grid or rank)
-    chosen for this cluster, and the record of the choice (``out``: where to record it, or None)."""
+    chosen for this cluster, and the record of the choice (``out``: where to record it, or None;
+    ``resume_from``: the checkpoint a resumed run starts from)."""
     from flashsgd.comm.topology import get_topology
 
     topo = get_topology(ranks_per_node=plan.ranks_per_node, timeout_s=plan.config.run.timeout_s)
-    path = out / "auto.json" if out is not None else None
-    record = _read_record(path) if resume else None                                       # Step 5
-    if record is not None:
-        record["measured"] = f"reusing the choice recorded in {path} at the first start"
+    if resume_from is not None:                                                            # Step 5
+        paths = [q / "auto.json" for q in dict.fromkeys(
+            [p for p in (out, Path(resume_from).parent.parent) if p is not None])]
+        record = read_record(paths, plan.world, topo.ranks_per_node)
     else:
         record = _new_record(plan, model, optimizer, data, device, loss_fn, topo)
         if dist.get_rank() == 0 and out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(record, indent=1))
-            if "cluster_toml" in record:
-                (out / "cluster.toml").write_text(record["cluster_toml"])
-    return plan.with_comm(**comm_changes(record["choice"], topo.ranks_per_node)), record
+            _write_record(out, record)
+    return plan.with_comm(**comm_changes(record["choice"], topo.ranks_per_node, plan.epochs)), record

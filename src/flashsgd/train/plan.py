@@ -190,6 +190,20 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
     return {k: v for k, v in options.items() if k not in SWITCHES or params[k].default != v}, recipe
 
 
+def check_auto_cluster(spec: str, world: int, ranks_per_node: int | None) -> None:
+    """``comm.cluster`` must describe the run's layout (``--comm auto`` plans for it)."""
+    from flashsgd.sim.cluster_file import load_cluster
+
+    try:
+        cluster = load_cluster(spec)
+        if ranks_per_node is not None and cluster.ranks_per_node != ranks_per_node:
+            raise ValueError(f"{cluster.name!r} has {cluster.ranks_per_node} ranks per node, this run "
+                             f"{ranks_per_node}: describe the cluster the run is on")
+        cluster.check_gpus(world)
+    except ValueError as exc:
+        raise ValueError(f"config key comm.cluster={spec!r}: {exc}") from None
+
+
 def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) -> RunPlan:
     """Steps 1-4; ValueError (naming the config key) when the config cannot run on ``world`` ranks.
 
@@ -208,6 +222,8 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) 
     if rpn is not None and (rpn < 1 or world % rpn):
         raise ValueError(f"config key comm.ranks_per_node={rpn} must divide the world size {world}; "
                          f"valid: {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)}")
+    if cfg.comm.algorithm == "auto" and cfg.comm.cluster:
+        check_auto_cluster(cfg.comm.cluster, world, rpn)
     grid = None
     if rpn is not None or cfg.comm.grid is not None:
         try:

@@ -56,7 +56,7 @@ NEUTRAL_KEYS = frozenset({
 })
 # What a run writes: what "moved aside" moves (nothing else in <out> is touched).
 RUN_FILES = ("config.toml", "plan.json", "metrics.jsonl", "tensorboard", "summary.json",
-             "report.png", "checkpoints", "error.log")
+             "report.png", "checkpoints", "error.log", "auto.json", "cluster.toml")
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,11 @@ def decide(cfg: TrainConfig, target_steps: int) -> Start:
     return Start("resume", checkpoint=latest, note=note or "")
 
 
+def write_plan(out: Path, plan: Any, **extra: Any) -> None:
+    """``<out>/plan.json``: the resolved run (rewritten once ``--comm auto`` has chosen)."""
+    (out / "plan.json").write_text(json.dumps({**plan.to_dict(), **extra}, indent=2, default=str) + "\n")
+
+
 @contextlib.contextmanager
 def open_run_dir(plan: Any) -> Iterator[Start]:
     """Steps 1-3 for ``plan`` (a :class:`~flashsgd.train.plan.RunPlan`); the lock is held inside."""
@@ -192,5 +197,5 @@ def open_run_dir(plan: Any) -> Iterator[Start]:
             start = dataclasses.replace(start, moved_aside=_move_aside(out))
         if start.kind != "complete":
             (out / "config.toml").write_text(dumps(cfg))
-            (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2, default=str) + "\n")
+            write_plan(out, plan)
         yield start

@@ -23,7 +23,7 @@ from flashsgd.train.data import Datasets, ShardedSampler
 from flashsgd.train.models import build_model
 from flashsgd.train.plan import RunPlan
 from flashsgd.train.report import Metrics, summarize
-from flashsgd.train.rundir import Start
+from flashsgd.train.rundir import Start, write_plan
 from flashsgd.train.trainer import (CommTimer, average_buffers, build_ddp, evaluate, inject_fault,
                                     setup_process)
 
@@ -48,8 +48,10 @@ class Worker:
 
             plan, self.auto = resolve_auto(plan, self.model, self.optimizer, data, self.device,
                                            self.loss_fn, self.out,
-                                           resume=start.checkpoint is not None)
+                                           resume_from=start.checkpoint)
             self.plan, self.cfg = plan, plan.config
+            if self.rank == 0:
+                write_plan(self.out, plan, chosen_by="auto (auto.json)")
         self.timer = CommTimer()
         self.ddp, self.hook_state, self.topology = build_ddp(plan, self.model, self.device, self.timer)
         check_optimizer_momentum(self.hook_state, self.optimizer)  # momentum applied once, not twice
