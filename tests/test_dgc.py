@@ -120,23 +120,25 @@ def test_masking_and_clipping(run_ranks):
 
 
 def test_run_checks_conflicts_and_step_count_bound():
-    from flashsgd.comm.sparse_checks import MIN_COVERAGE, check_optimizer_momentum, check_sparse_run, coverage
+    from flashsgd.comm.sparse_checks import check_optimizer_momentum, check_sparse_run
+    from flashsgd.exchanges import MIN_COVERAGE, CommonOptions, SparseOptions, coverage
 
     with pytest.raises(ValueError, match="warm-up lasts 500 steps, longer than the run \\(120 steps\\)"):
-        check_sparse_run("gtopk", {"density": 0.01, "density_warmup": 0.25, "density_warmup_steps": 500},
-                         total_steps=120, world=4)
+        check_sparse_run("gtopk", SparseOptions(density=0.01, density_warmup=0.25, density_warmup_steps=500),
+                         total_steps=120)
     with pytest.raises(ValueError, match="momentum applied twice"):
-        check_sparse_run("gtopk", {"density": 0.5, "momentum_correction": 0.9}, 1000, 4,
+        check_sparse_run("gtopk", SparseOptions(density=0.5, momentum_correction=0.9), 1000,
                          optimizer_momentum=0.9)
-    assert check_sparse_run("torus2d", {"density": 1e-6}, 10, 4) == []
-    # the bound: gtopk sends density * numel per step, topk up to world times that
-    assert coverage("gtopk", 1002, 8, 0.001) == pytest.approx(1.0)
-    assert coverage("topk", 1002, 8, 0.001) == pytest.approx(8.0)
-    assert coverage("gtopk", 12, 4, 0.01, density_warmup=1.0, density_warmup_steps=4) == pytest.approx(
-        0.01 ** 0.5 + 0.01 ** 0.75 + 8 * 0.01)  # steps 2, 3 of the warm-up, then 8 at 0.01
-    (warning,) = check_sparse_run("gtopk", {"density": 0.001}, 1002, 8)
-    assert "at most 1.0 times" in warning and f">= {int(MIN_COVERAGE / 0.001) + 1} steps" in warning
-    assert check_sparse_run("gtopk", {"density": 0.1}, 1002, 8) == []
+    assert check_sparse_run("torus2d", CommonOptions(), 10) == []
+    # the bound: density * numel per step for gtopk, and the same (measured, not P times) for topk
+    assert coverage(1002, SparseOptions(density=0.001)) == pytest.approx(1.0)
+    assert coverage(12, SparseOptions(density=0.01, density_warmup=1.0, density_warmup_steps=4)) == \
+        pytest.approx(0.01 ** 0.5 + 0.01 ** 0.75 + 8 * 0.01)  # steps 2, 3 of the warm-up, then 8 at 0.01
+    (warning,) = check_sparse_run("gtopk", SparseOptions(density=0.001), 1002)
+    # coverage = (steps - start_iter) x density >= 20 needs 20000 sparse steps after the 2 dense ones
+    assert "at most 1.0 times" in warning and f">= {int(MIN_COVERAGE / 0.001) + 2} steps" in warning
+    assert check_sparse_run("topk", SparseOptions(density=0.001), 1002) == [warning.replace("gtopk", "topk")]
+    assert check_sparse_run("gtopk", SparseOptions(density=0.1), 1002) == []
     # a hook that owns the momentum refuses an optimizer with momentum
     net = nn.Linear(2, 2)
 

@@ -103,8 +103,8 @@ def test_registry_names_and_unknown_hook():
 
 
 @pytest.mark.parametrize("name, options, message", [
-    ("torus2d", {"grd": "2x2"}, "hook 'torus2d' got unknown option\\(s\\) grd; valid: ranks_per_node, "
-                                "grid, threaded, timeout_s"),
+    ("torus2d", {"grd": "2x2"}, "hook 'torus2d' got unknown option\\(s\\) grd; valid: timeout_s, "
+                                "ranks_per_node, grid, threaded"),
     ("native", {"grid": "2x2"}, "hook 'native' got unknown option\\(s\\) grid; valid: timeout_s"),
     ("noop", {"threaded": True}, "valid: timeout_s"),
     ("native", {"timeout_s": float("nan")}, "timeout_s must be a finite number of seconds > 0, got nan"),
@@ -140,7 +140,7 @@ def _bad_registrations():
     # a dense state pickles without its process groups and keeps working after unpickling
     state = register_hook(DDP(_net()), "torus2d", grid="2x2")
     clone = pickle.loads(pickle.dumps(state))
-    errors["pickled"] = (clone.name, clone.grid, clone.topology is None, type(clone) is DenseHookState)
+    errors["pickled"] = (clone.name, clone.options.grid, clone.topology is None, type(clone) is DenseHookState)
     return errors
 
 

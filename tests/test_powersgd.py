@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd.comm.hooks import HOOKS, hook_options, register_hook
+from flashsgd.exchanges import LowRankOptions
 
 
 from ddp_helpers import flat_params as _params  # noqa: E402
@@ -22,7 +23,7 @@ from ddp_helpers import train_steps as _train  # noqa: E402
 def test_registered_options_and_bad_input():
     assert "powersgd" in HOOKS
     assert hook_options("powersgd", matrix_approximation_rank=2, density=0.01, seed=3, timeout_s=9.0) == \
-        {"matrix_approximation_rank": 2, "seed": 3, "timeout_s": 9.0}
+        LowRankOptions(matrix_approximation_rank=2, seed=3, timeout_s=9.0)
     net = nn.Linear(2, 2)
     for opts, word in (({"matrix_approximation_rank": 0}, "matrix_approximation_rank must be an integer >= 1"),
                        ({"start_iter": 1}, "start_iter must be an integer >= 2"),

@@ -41,7 +41,7 @@ def test_density_schedule_golden():
         DensitySchedule(0.01, density_warmup=2.0)
     with pytest.raises(ValueError, match="density_warmup_steps"):
         DensitySchedule(0.01, density_warmup=0.2, density_warmup_steps=-1)
-    with pytest.raises(ValueError, match="density_warmup_mode must be 'exponential' or 'linear'"):
+    with pytest.raises(ValueError, match="density_warmup_mode must be one of exponential, linear, got 'cosine'"):
         DensitySchedule(0.01, density_warmup_mode="cosine")
 
 

@@ -121,7 +121,7 @@ def test_node_layout_checked_before_groups():
             check_node_layout(bad, 6)
     with pytest.raises(ValueError, match="node_split must be one of leader, slices, sparse, got 'x'"):
         register_hook(nn.Linear(2, 2), "hgtopk", node_split="x")
-    with pytest.raises(ValueError, match="threshold tolerance"):
+    with pytest.raises(ValueError, match="threshold_tolerance must be >= 0, got -1"):
         register_hook(nn.Linear(2, 2), "gtopk", threshold_tolerance=-1)
     assert "hgtopk" in HOOKS
 

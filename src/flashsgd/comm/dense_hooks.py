@@ -70,9 +70,10 @@ import torch.distributed as dist
 from flashsgd.comm.dense import ALLREDUCE, DTYPES, duplex_groups
 from flashsgd.comm.hook_common import (CommThread, HookFactory, StatelessHookState,
                                        completed_future, ddp_hook)
-from flashsgd.comm.topology import Topology, check_timeout_s, get_topology
+from flashsgd.comm.topology import Topology, get_topology
+from flashsgd.exchanges import CommonOptions, DenseOptions, names
 
-DENSE_HOOKS = ("ring", "hierarchical", "torus2d")
+DENSE_HOOKS = tuple(n for n in names("dense") if n != "native")
 
 
 class DenseHookState(StatelessHookState):
@@ -82,46 +83,41 @@ class DenseHookState(StatelessHookState):
     process groups and the thread are dropped when pickled (``__getstate__``) and rebuilt lazily.
 
     Args:
-        name: the algorithm (a name in :data:`flashsgd.comm.dense.ALLREDUCE`, not ``native``).
-        ranks_per_node: L (``None``: detected); used by hierarchical and the default grid.
-        grid: ``"XxY"`` for torus2d (``None``: X = L).
-        threaded: run the all-reduce on a communication thread (see the module docstring).
-        timeout_s: deadline of every wait on a peer, seconds (``None``: the default group's).
+        name: the algorithm (one of :data:`DENSE_HOOKS`).
+        options: :class:`~flashsgd.exchanges.DenseOptions` (ranks per node, grid, threaded,
+            timeout_s: every field documented there).
     """
 
     __slots__ = (
-        "ranks_per_node", "grid", "threaded", "timeout_s",  # hyper-parameters
+        "options",                                  # hyper-parameters
         "topology", "comm",                         # internal (not checkpointed)
         "buckets", "elements",                      # stats: calls and elements reduced
     )
 
-    def __init__(self, name: str, ranks_per_node: int | None = None, grid: str | None = None,
-                 threaded: bool = True, timeout_s: float | None = None) -> None:
-        if name not in ALLREDUCE or name == "native":
-            raise ValueError(f"dense hook algorithm must be one of "
-                             f"{', '.join(n for n in ALLREDUCE.names() if n != 'native')}, got {name!r}")
-        if not isinstance(threaded, bool):
-            raise ValueError(f"threaded must be True or False, got {threaded!r}")
+    def __init__(self, name: str, options: DenseOptions = DenseOptions()) -> None:
+        if name not in DENSE_HOOKS:
+            raise ValueError(f"dense hook algorithm must be one of {', '.join(DENSE_HOOKS)}, got {name!r}")
         super().__init__(name)
-        self.ranks_per_node, self.grid, self.threaded = ranks_per_node, grid, threaded
-        self.timeout_s = None if timeout_s is None else check_timeout_s(timeout_s)
-        self.topology: Topology | None = get_topology(ranks_per_node=ranks_per_node, grid=grid,
-                                                      timeout_s=timeout_s)
+        self.options = options
+        self.topology: Topology | None = self._topology()
         duplex_groups(self.topology)  # collective: create any extra groups now, not in backward
-        self.comm: CommThread | None = CommThread() if threaded else None
+        self.comm: CommThread | None = CommThread() if options.threaded else None
         self.buckets = 0
         self.elements = 0
 
+    def _topology(self) -> Topology:
+        o = self.options
+        return get_topology(ranks_per_node=o.ranks_per_node, grid=o.grid, timeout_s=o.timeout_s)
+
     def __getstate__(self) -> dict:
-        return {"name": self.name, "ranks_per_node": self.ranks_per_node, "grid": self.grid,
-                "threaded": self.threaded, "timeout_s": self.timeout_s, "buckets": self.buckets,
+        return {"name": self.name, "options": self.options, "buckets": self.buckets,
                 "elements": self.elements}
 
     def __setstate__(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
         self.topology = None
-        self.comm = CommThread() if self.threaded else None
+        self.comm = CommThread() if self.options.threaded else None
 
 
 @ddp_hook
@@ -136,8 +132,7 @@ def dense_hook(state: DenseHookState, bucket: dist.GradBucket) -> torch.futures.
     # Step 1
     buf = bucket.buffer()
     if state.topology is None:  # unpickled state: rebuild (every rank does it at the same bucket)
-        state.topology = get_topology(ranks_per_node=state.ranks_per_node, grid=state.grid,
-                                      timeout_s=state.timeout_s)
+        state.topology = state._topology()
     fn, topo = ALLREDUCE.get(state.name), state.topology
     state.buckets += 1
     state.elements += buf.numel()
@@ -156,27 +151,22 @@ def noop_hook(state: StatelessHookState, bucket: dist.GradBucket) -> torch.futur
     return completed_future(bucket.buffer())
 
 
-def make_native(ddp_model: Any, timeout_s: float | None = None) -> tuple[StatelessHookState, None]:
+def make_native(ddp_model: Any, options: CommonOptions) -> tuple[StatelessHookState, None]:
     """``native``: register nothing, DDP's built-in all-reduce stays (bounded by its process
     group's timeout; ``timeout_s`` is validated, so every hook takes the same options)."""
-    if timeout_s is not None:
-        check_timeout_s(timeout_s)
     return StatelessHookState("native"), None
 
 
-def make_noop(ddp_model: Any, timeout_s: float | None = None) -> tuple[StatelessHookState, Callable]:
+def make_noop(ddp_model: Any, options: CommonOptions) -> tuple[StatelessHookState, Callable]:
     """``noop``: no communication (the benchmark ceiling), hence no wait for ``timeout_s`` to bound."""
-    if timeout_s is not None:
-        check_timeout_s(timeout_s)
     return StatelessHookState("noop"), noop_hook
 
 
 def dense_factory(name: str) -> HookFactory:
     """The factory of the dense hook ``name`` (one of :data:`DENSE_HOOKS`)."""
-    def make(ddp_model: Any, ranks_per_node: int | None = None, grid: str | None = None,
-             threaded: bool = True, timeout_s: float | None = None) -> tuple[DenseHookState, Callable]:
+    def make(ddp_model: Any, options: DenseOptions) -> tuple[DenseHookState, Callable]:
         _check_model(ddp_model, name)
-        return DenseHookState(name, ranks_per_node, grid, threaded, timeout_s), dense_hook
+        return DenseHookState(name, options), dense_hook
 
     make.__name__ = f"make_{name}"
     make.__doc__ = f"Hook averaging each bucket with the {name} all-reduce."

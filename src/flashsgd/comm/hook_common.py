@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 HookFactory = Callable[..., tuple[Any, Callable | None]]
-"""``make(ddp_model, **options) -> (state, hook | None)``: what :data:`flashsgd.comm.hooks.HOOKS` holds."""
+"""``make(ddp_model, options) -> (state, hook | None)``: what :data:`flashsgd.comm.hooks.HOOKS` holds."""
 
 
 def completed_future(value: Any) -> torch.futures.Future:

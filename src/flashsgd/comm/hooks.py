@@ -6,10 +6,11 @@ Use::
     ...train...
     ckpt["hook"] = state.state_dict(); state.load_state_dict(ckpt["hook"])
 
-Each entry of ``HOOKS`` is a factory ``make(ddp_model, **options) -> (state, hook | None)``;
-:func:`register_hook` validates the options and calls ``ddp_model.register_comm_hook(state, hook)``
-unless the hook is None. This module fills the registry from the two hook modules (one-way
-imports: they never import this one):
+Each entry of ``HOOKS`` is a factory ``make(ddp_model, options) -> (state, hook | None)``, one per
+exchange of the catalog (:data:`flashsgd.exchanges.EXCHANGES`, in its order), whose typed options
+class holds every option and default; :func:`register_hook` builds and validates the options and
+calls ``ddp_model.register_comm_hook(state, hook)`` unless the hook is None. This module fills the
+registry from the hook modules (one-way imports: they never import this one):
 
 - :mod:`flashsgd.comm.dense_hooks`: ``native``, ``noop``, ``ring``, ``hierarchical``, ``torus2d``
   (all-reduce algorithms of :mod:`flashsgd.comm.dense`; threading, overlap and bucket sizes are
@@ -28,32 +29,33 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
 from flashsgd.comm import dense_hooks, powersgd_hooks, sparse_hooks
 from flashsgd.comm.hook_common import HookFactory
+from flashsgd.exchanges import EXCHANGES
 from flashsgd.registry import Registry
 
+_FACTORIES = {"native": dense_hooks.make_native, "noop": dense_hooks.make_noop,
+              **{name: dense_hooks.dense_factory(name) for name in dense_hooks.DENSE_HOOKS},
+              **{name: sparse_hooks.sparse_factory(name) for name in sparse_hooks.ALGORITHMS},
+              "powersgd": powersgd_hooks.make_powersgd}
+
 HOOKS: Registry[HookFactory] = Registry("DDP communication hook")
-HOOKS.add("native", dense_hooks.make_native)
-HOOKS.add("noop", dense_hooks.make_noop)
-for _name in dense_hooks.DENSE_HOOKS:
-    HOOKS.add(_name, dense_hooks.dense_factory(_name))
-for _name in sparse_hooks.ALGORITHMS:
-    HOOKS.add(_name, sparse_hooks.sparse_factory(_name))
-HOOKS.add("powersgd", powersgd_hooks.make_powersgd)
+for _name in EXCHANGES:  # every exchange of the catalog has a hook, in catalog order
+    HOOKS.add(_name, _FACTORIES.pop(_name))
+assert not _FACTORIES, f"hooks without a catalog entry: {sorted(_FACTORIES)}"
+del _name
 
 
-def hook_options(name: str, **offered: Any) -> dict[str, Any]:
-    """The subset of ``offered`` options that hook ``name`` accepts (for callers, such as the
-    trainer, that hold one set of settings for every hook)."""
-    accepted = list(inspect.signature(HOOKS.get(name)).parameters)[1:]  # after ddp_model
-    return {k: v for k, v in offered.items() if k in accepted}
+def hook_options(name: str, **offered: Any) -> Any:
+    """The options object of hook ``name`` from the subset of ``offered`` it accepts (for callers,
+    such as the trainer, that hold one set of settings for every hook)."""
+    return EXCHANGES[name].options_from(**offered)
 
 
-def register_hook(ddp_model: Any, name: str, *, wrap: Callable | None = None,
-                  **options: Any) -> Any:
+def register_hook(ddp_model: Any, name: str, options: Any = None, *, wrap: Callable | None = None,
+                  **kwargs: Any) -> Any:
     """Attach the hook registered as ``name`` to a DDP model; return its state (for checkpoints).
 
     Must be called on every rank, with the same name and options, before the first backward
@@ -63,21 +65,22 @@ def register_hook(ddp_model: Any, name: str, *, wrap: Callable | None = None,
     Args:
         ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` module.
         name: a name in :data:`HOOKS` (unknown names raise ValueError listing the known ones).
+        options: the hook's options object (:attr:`flashsgd.exchanges.Exchange.options`), or None
+            to build it from ``kwargs``.
         wrap: optional ``wrap(hook) -> hook`` applied before registration (e.g. a timer).
-        **options: the hook's options (unknown options raise ValueError listing the valid ones).
+        **kwargs: the hook's options by name (unknown options raise ValueError listing the valid
+            ones; bad values raise ValueError naming the option).
 
     Returns:
         The hook state: ``state_dict()`` / ``load_state_dict()`` work for every hook.
     """
-    factory = HOOKS.get(name)
-    params = list(inspect.signature(factory).parameters)[1:]  # after ddp_model
-    unknown = sorted(set(options) - set(params))
-    if unknown:
-        raise ValueError(f"hook {name!r} got unknown option(s) {', '.join(unknown)}; "
-                         f"valid: {', '.join(params) or '(none)'}")
-    state, hook = factory(ddp_model, **options)
+    factory, exchange = HOOKS.get(name), EXCHANGES[name]
+    if options is None:
+        options = exchange.make_options(**kwargs)
+    elif kwargs or not isinstance(options, exchange.options):
+        raise ValueError(f"hook {name!r}: pass either an {exchange.options.__name__} or options by "
+                         f"name, got {type(options).__name__} and {sorted(kwargs)}")
+    state, hook = factory(ddp_model, options)
     if hook is not None:
         ddp_model.register_comm_hook(state, wrap(hook) if wrap else hook)
     return state
-
-

@@ -44,7 +44,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDS
                                                                       powerSGD_hook)
 
 from flashsgd.comm.hook_common import ddp_hook
-from flashsgd.comm.topology import check_timeout_s
+from flashsgd.exchanges import LowRankOptions
 
 _MEMORIES = ("error_dict", "p_memory_dict", "q_memory_dict")
 _COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compression",
@@ -142,36 +142,21 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     return powerSGD_hook(state.powersgd, bucket)
 
 
-def make_powersgd(ddp_model: Any, matrix_approximation_rank: int = 1, start_iter: int = 2,
-                  min_compression_rate: float = 2.0, seed: int = 0,
-                  timeout_s: float | None = None) -> tuple[PowerSGDHookState, Callable]:
+def make_powersgd(ddp_model: Any, options: LowRankOptions) -> tuple[PowerSGDHookState, Callable]:
     """``powersgd`` (Step 1): torch's PowerSGD hook on DDP's process group.
 
-    Args:
-        ddp_model: the DDP module (its ``process_group`` is used).
-        matrix_approximation_rank: rank r of the low-rank approximation, >= 1 (torch's default 1;
-            Vogels et al. use 1-4).
-        start_iter: dense all-reduce iterations before compression, >= 2 (DDP rebuilds its buckets
-            after the first iteration; torch's default is 1000, ours matches the sparse hooks').
-        min_compression_rate: a matrix is compressed only if (n + m) * r * rate < n * m.
-        seed: seed of torch's RNG for the random initial Q (the same on every rank).
-        timeout_s: validated only (torch's hook waits with the process group's own timeout).
+    Options (:class:`~flashsgd.exchanges.LowRankOptions`, defaults and sources there):
+    ``matrix_approximation_rank`` r, ``start_iter`` (dense all-reduce iterations before
+    compression, >= 2: DDP rebuilds its buckets after the first iteration; torch's default is 1000,
+    ours matches the sparse hooks'), ``min_compression_rate``, ``seed`` (torch's RNG for the random
+    initial Q, the same on every rank), ``timeout_s`` (validated only: torch's hook waits with the
+    process group's own timeout).
     """
-    if isinstance(matrix_approximation_rank, bool) or not isinstance(matrix_approximation_rank, int) \
-            or matrix_approximation_rank < 1:
-        raise ValueError(f"matrix_approximation_rank must be an integer >= 1, "
-                         f"got {matrix_approximation_rank!r}")
-    if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 2:
-        raise ValueError(f"start_iter must be an integer >= 2 (DDP rebuilds its buckets after the "
-                         f"first iteration), got {start_iter!r}")
-    if not min_compression_rate > 0:
-        raise ValueError(f"min_compression_rate must be > 0, got {min_compression_rate!r}")
-    if timeout_s is not None:
-        check_timeout_s(timeout_s)
     group = getattr(ddp_model, "process_group", None) or dist.group.WORLD
-    inner = PowerSGDState(group, matrix_approximation_rank=matrix_approximation_rank,
-                          start_powerSGD_iter=start_iter, min_compression_rate=min_compression_rate,
-                          random_seed=int(seed), compression_stats_logging_frequency=10 ** 9)
+    inner = PowerSGDState(group, matrix_approximation_rank=options.matrix_approximation_rank,
+                          start_powerSGD_iter=options.start_iter,
+                          min_compression_rate=options.min_compression_rate,
+                          random_seed=int(options.seed), compression_stats_logging_frequency=10 ** 9)
     module = getattr(ddp_model, "module", ddp_model)
     positions = {id(p): i for i, p in enumerate(module.parameters())}
     return PowerSGDHookState(inner, positions), powersgd_hook

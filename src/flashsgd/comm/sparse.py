@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from flashsgd.comm.topology import default_timeout_s
+from flashsgd.exchanges import INT32_NUMEL, wire_index_bytes  # noqa: F401 (INT32_NUMEL re-exported)
 from flashsgd.comm.waits import gather_from_peers, global_rank, wait_peer
 
 # selection and density live in sparse_select; re-exported here (one import site for callers)
@@ -201,14 +202,11 @@ def gtopk_reference(values: list[torch.Tensor], indices: list[torch.Tensor], k: 
 
 # ------------------------------------------------------------------------- messages -------------
 
-INT32_NUMEL = 2 ** 31
-"""Buckets shorter than this send int32 indices (every index <= 2**31 - 1 fits)."""
-
-
 def wire_index_dtype(numel: int) -> torch.dtype:
     """The dtype of indices (and words) on the wire for a bucket of ``numel`` elements: int32 when
-    ``numel < 2**31`` (4 bytes per index instead of 8), else int64."""
-    return torch.int32 if numel < INT32_NUMEL else torch.int64
+    ``numel < 2**31`` (4 bytes per index instead of 8), else int64
+    (:func:`flashsgd.exchanges.wire_index_bytes`, the catalog's wire format)."""
+    return {4: torch.int32, 8: torch.int64}[wire_index_bytes(numel)]
 
 
 def _pack(values: torch.Tensor, indices: torch.Tensor, numel: int,

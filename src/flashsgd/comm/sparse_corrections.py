@@ -36,35 +36,12 @@ Example::
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from flashsgd.comm.waits import wait_collective
-
-
-def check_momentum(momentum: float, nesterov: bool) -> tuple[float, bool]:
-    """Validate the hook's momentum-correction factor: a number in [0, 1); Nesterov needs > 0."""
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum_correction must be a momentum factor in [0, 1) (0: off; DGC and "
-                         f"the recipes use 0.9), got {momentum!r}")
-    if not isinstance(nesterov, bool):
-        raise ValueError(f"nesterov must be True or False, got {nesterov!r}")
-    if nesterov and momentum == 0.0:
-        raise ValueError("nesterov=True needs momentum_correction > 0 (got 0: no momentum in the hook)")
-    return float(momentum), nesterov
-
-
-def check_local_clip(max_norm: float | None) -> float | None:
-    """Validate the local clipping norm: None (off) or a finite number > 0."""
-    if max_norm is None:
-        return None
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) \
-            or not (math.isfinite(max_norm) and max_norm > 0):
-        raise ValueError(f"local_clip must be None (off) or a gradient norm > 0, got {max_norm!r}")
-    return float(max_norm)
 
 
 def check_momentum_owner(hook_momentum: float, optimizer_momentum: float) -> None:

@@ -46,11 +46,13 @@ from flashsgd.comm.sparse import (GTopk, _bytes_as_words, _counted, gtopk_allred
 from flashsgd.comm.sparse_slices import hgtopk_slices_allreduce
 from flashsgd.comm.topology import Topology, check_timeout_s
 from flashsgd.comm.waits import wait_collective
+from flashsgd.exchanges import NODE_SPLITS
 
 Select = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-SPLITS = ("leader", "slices", "sparse")
+SPLITS = NODE_SPLITS
 """How a node combines its ranks' gradients before the cross-node gTop-k: a dense reduce to one
-leader, a dense reduce-scatter into R slices, or a sparse gTop-k merge inside the node."""
+leader, a dense reduce-scatter into R slices, or a sparse gTop-k merge inside the node (the
+catalog's :data:`flashsgd.exchanges.NODE_SPLITS`)."""
 
 
 def check_node_layout(ranks_per_node: int, world_size: int) -> int:

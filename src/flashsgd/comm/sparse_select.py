@@ -25,23 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+# the density's default, its check and its schedule are the catalog's (torch-free)
+from flashsgd.exchanges import DEFAULT_DENSITY, check_density as validate_density, density_at  # noqa: F401
+
 # ----------------------------------------------------------------------------- density ----------
-
-
-DEFAULT_DENSITY = 0.001
-"""Fraction of entries each rank sends unless told otherwise: Shi et al. 2019 train at 0.001."""
-
-
-def validate_density(density: float, name: str = "density") -> float:
-    """Return ``density`` as a float if it lies in (0, 1], else raise ValueError naming ``name``."""
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
-        raise ValueError(f"{name} must be a number in (0, 1] (fraction of entries sent), "
-                         f"got {density!r}")
-    return float(density)
 
 
 def k_from_density(numel: int, density: float) -> int:
@@ -53,58 +43,22 @@ def k_from_density(numel: int, density: float) -> int:
     return max(1, min(numel, math.ceil(round(validate_density(density) * numel, 9))))
 
 
-def density_at(step: int, density: float, density_warmup: float | None = None,
-               density_warmup_steps: int = 0,
-               density_warmup_mode: Literal["exponential", "linear"] = "exponential") -> float:
-    """Density at iteration ``step``: ``density_warmup`` -> ``density`` over ``density_warmup_steps``,
-    then flat.
-
-    Shi et al. (and DGC) send more in the first epoch(s). ``exponential`` interpolates the log of
-    the density (0.25 -> 0.001 over 4 epochs gives 0.25, 0.063, 0.016, 0.004, 0.001 at the epoch
-    boundaries); ``linear`` interpolates the density itself (``density_warmup_mode``). Pure function
-    of ``step``.
-
-    Example::
-
-        >>> density_at(50, 0.001, density_warmup=0.25, density_warmup_steps=100)  # sqrt(0.25 * 0.001)
-        0.0158...
-    """
-    density = validate_density(density)
-    if density_warmup is None or density_warmup_steps <= 0 or step >= density_warmup_steps:
-        return density
-    start = validate_density(density_warmup, "density_warmup")
-    frac = max(step, 0) / density_warmup_steps
-    if density_warmup_mode == "exponential":
-        return start * (density / start) ** frac
-    if density_warmup_mode == "linear":
-        return start + (density - start) * frac
-    raise ValueError(f"density_warmup_mode must be 'exponential' or 'linear', "
-                     f"got {density_warmup_mode!r}")
-
-
 @dataclass(frozen=True)
 class DensitySchedule:
-    """A fixed density, optionally after a denser warm-up (see :func:`density_at`)."""
+    """A fixed density, optionally after a denser warm-up (see :func:`density_at`); a callable
+    ``schedule(step) -> density`` for code that holds no :class:`~flashsgd.exchanges.SparseOptions`."""
 
     density: float = DEFAULT_DENSITY
-    """Target fraction of entries each rank sends, in (0, 1]."""
     density_warmup: float | None = None
-    """Density at step 0 of the warm-up (e.g. 0.25); None: no warm-up."""
     density_warmup_steps: int = 0
-    """Iterations of the warm-up (the trainer converts epochs to iterations)."""
-    density_warmup_mode: Literal["exponential", "linear"] = "exponential"
-    """Interpolation between density_warmup and density."""
+    density_warmup_mode: str = "exponential"
 
     def __post_init__(self) -> None:
-        validate_density(self.density)
-        if self.density_warmup is not None:
-            validate_density(self.density_warmup, "density_warmup")
-        steps = self.density_warmup_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"density_warmup_steps must be an integer >= 0, got {steps!r}")
-        if self.density_warmup_mode not in ("exponential", "linear"):
-            raise ValueError(f"density_warmup_mode must be 'exponential' or 'linear', "
-                             f"got {self.density_warmup_mode!r}")
+        from flashsgd.exchanges import SparseOptions
+
+        SparseOptions(density=self.density, density_warmup=self.density_warmup,
+                      density_warmup_steps=self.density_warmup_steps,
+                      density_warmup_mode=self.density_warmup_mode)  # one set of checks
 
     def __call__(self, step: int) -> float:
         return density_at(step, self.density, self.density_warmup, self.density_warmup_steps,

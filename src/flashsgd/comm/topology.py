@@ -36,6 +36,8 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flashsgd.exchanges import check_timeout_s  # noqa: F401 (one check, the catalog's)
+
 if TYPE_CHECKING:  # torch is imported inside the functions that need it: parse_grid stays torch-free
     from torch.distributed import ProcessGroup
 
@@ -122,14 +124,6 @@ def parse_grid(grid: str | tuple[int, int] | None, world_size: int,
         raise ValueError(f"grid {x}x{y} has {x * y} ranks but the world size is {world_size}; "
                          f"valid grids: {', '.join(valid_grids(world_size))}")
     return x, y
-
-
-def check_timeout_s(timeout_s: float, name: str = "timeout_s") -> float:
-    """Return ``timeout_s`` as a float if it is a finite number of seconds > 0, else raise ValueError."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
-            not math.isfinite(timeout_s) or timeout_s <= 0:
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {timeout_s!r}")
-    return float(timeout_s)
 
 
 def default_timeout_s() -> float:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
+from flashsgd.exchanges import NODE_SPLITS, SELECTIONS, option_default
 from flashsgd.train.config_values import choices_of, coerce
 
 __all__ = ["TrainConfig", "DataConfig", "ModelConfig", "OptimConfig", "CommConfig", "RunConfig",
@@ -56,18 +57,6 @@ def _recipe_names() -> list[str]:
     from flashsgd.optim.recipes import RECIPES
 
     return list(RECIPES)
-
-
-def _selection_names() -> list[str]:
-    from flashsgd.comm.sparse import SELECTIONS
-
-    return list(SELECTIONS)
-
-
-def _node_splits() -> list[str]:
-    from flashsgd.comm.sparse_hier import SPLITS
-
-    return list(SPLITS)
 
 
 def choice(default: str, names: Callable[[], list[str]]) -> Any:
@@ -140,7 +129,8 @@ class OptimConfig:
 
 @dataclass
 class CommConfig:
-    """``[comm]``: how gradients cross the network (a DDP communication hook)."""
+    """``[comm]``: how gradients cross the network (a DDP communication hook). The exchange options'
+    defaults are the catalog's (:mod:`flashsgd.exchanges`), read here, never restated."""
 
     algorithm: str = choice("torus2d", _hook_names)
     """Hook name in flashsgd.comm.hooks.HOOKS (noop: no exchange, for benchmarks only), or auto: the
@@ -156,7 +146,7 @@ class CommConfig:
     """torus2d grid XxY with X*Y = world size; unset: X = ranks per node (2x2 on 4 local workers)."""
     ranks_per_node: Optional[int] = None
     """Ranks per node; unset: torchrun's LOCAL_WORLD_SIZE, or 2 emulated per node on local spawn."""
-    density: float = 0.001
+    density: float = option_default("density")
     """topk/gtopk/hgtopk: fraction of gradient entries sent per step, in (0, 1] (0.001: Shi et al.)."""
     density_warmup: Optional[float] = None
     """topk/gtopk: density at the first sparse step, decaying to `density` (Shi et al.: denser
@@ -167,26 +157,26 @@ class CommConfig:
     """topk/gtopk/hgtopk: DGC momentum correction (Lin et al. 2018): the recipe's momentum is applied
     in the hook and the velocity accumulated in the residual; the optimizer runs with momentum 0.
     Helps SGD at low coverage, hurts LARS (docs/sparse_accuracy.md)."""
-    momentum_masking: bool = True
+    momentum_masking: bool = option_default("momentum_masking")
     """With momentum_correction: zero the velocity where entries were sent (DGC)."""
     local_clip: Optional[float] = None
     """topk/gtopk/hgtopk: L2 norm each rank's bucket gradient is clipped to before accumulation
     (DGC's local clipping); unset: off."""
-    layer_trust: bool = False
+    layer_trust: bool = option_default("layer_trust")
     """topk/gtopk/hgtopk with LARS: trust ratios from the per-layer dense gradient norms (one small
     all-reduce per bucket) instead of the sparse aggregate's."""
-    matrix_approximation_rank: int = 1
+    matrix_approximation_rank: int = option_default("matrix_approximation_rank")
     """powersgd: rank of torch's PowerSGD approximation (rank 2 was within 0.3 pt of dense on the
     1250-step MNIST-1D run)."""
-    selection: str = choice("sampled", _selection_names)
+    selection: str = choice(option_default("selection"), lambda: list(SELECTIONS))
     """topk/gtopk/hgtopk: exact (torch.topk), sampled (threshold from a sample, then an exact trim)
     or threshold (candidates from block maxima, the threshold kept across steps): the same entries."""
-    threshold_tolerance: float = 0.25
+    threshold_tolerance: float = option_default("threshold_tolerance")
     """selection threshold: a kept threshold is re-estimated when it selects more than (1 + tol) k
     entries (Ok-Topk's reuse; 0: re-estimate every step)."""
-    threshold_every: int = 8
+    threshold_every: int = option_default("threshold_every")
     """selection threshold: re-estimate the kept threshold at least every N steps."""
-    node_split: str = choice("leader", _node_splits)
+    node_split: str = choice(option_default("node_split"), lambda: list(NODE_SPLITS))
     """hgtopk: leader (dense reduce to one rank per node, gTop-k among leaders), slices (each rank
     runs gTop-k on 1/R of the gradient) or sparse (gTop-k inside the node too)."""
     bucket_mb: float = 25.0

@@ -27,7 +27,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import Any
 
 from flashsgd.comm.sparse_checks import check_sparse_run
 from flashsgd.comm.topology import parse_grid
+from flashsgd.exchanges import EXCHANGES
 from flashsgd.optim.plan import build_batch_table
 from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
 from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at
@@ -157,17 +157,17 @@ class RunPlan:
 
 def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
                   steps_per_epoch: int) -> tuple[dict[str, Any], Recipe]:
-    """Step 4: the options of ``cfg.comm`` that hook ``cfg.comm.algorithm``'s factory accepts, and
-    the recipe the optimizer runs (without momentum when the hook applies it: DGC's momentum
-    correction moves the momentum into the compressor, Lin et al. 2018)."""
-    from flashsgd.comm import hooks
-
+    """Step 4: the options of ``cfg.comm`` that exchange ``cfg.comm.algorithm`` takes (checked by
+    its options class, :mod:`flashsgd.exchanges`), and the recipe the optimizer runs (without
+    momentum when the hook applies it: DGC's momentum correction moves the momentum into the
+    compressor, Lin et al. 2018)."""
     c = cfg.comm
     if c.algorithm == "auto":  # chosen at start-up (flashsgd.train.auto), then derived again
         if c.momentum_correction:
             raise ValueError("config key comm.momentum_correction: --comm auto chooses the algorithm "
                              "itself; name a sparse algorithm (topk, gtopk, hgtopk) to use it")
         return {}, recipe
+    exchange = EXCHANGES[c.algorithm]
     offered: dict[str, Any] = {"ranks_per_node": ranks_per_node, "grid": c.grid, "density": c.density,
                                "selection": c.selection, "seed": cfg.run.seed,
                                "timeout_s": cfg.run.timeout_s, "momentum_masking": c.momentum_masking,
@@ -178,16 +178,20 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
     if c.density_warmup is not None and c.density_warmup > c.density:
         offered["density_warmup"] = c.density_warmup
         offered["density_warmup_steps"] = max(1, round(c.density_warmup_epochs * steps_per_epoch))
-    params = inspect.signature(hooks.HOOKS[c.algorithm]).parameters
     if c.momentum_correction:
-        if "momentum_correction" not in params:
+        if "momentum_correction" not in exchange.option_names():
             raise ValueError(f"config key comm.momentum_correction: hook {c.algorithm!r} has no momentum "
                              "correction; it applies to the sparse hooks (topk, gtopk, hgtopk)")
         offered.update(momentum_correction=recipe.momentum, nesterov=recipe.nesterov)
         recipe = dataclasses.replace(recipe, momentum=0.0, nesterov=False)
-    options = hooks.hook_options(c.algorithm, **offered)
+    try:
+        exchange.options_from(**offered)  # every value checked by the exchange's options class
+    except ValueError as exc:
+        raise ValueError(f"config section [comm] for {c.algorithm!r}: {exc}") from None
+    defaults = exchange.defaults()
     # the switches are left out where they equal the hook's own default: the banner stays short
-    return {k: v for k, v in options.items() if k not in SWITCHES or params[k].default != v}, recipe
+    return {k: v for k, v in offered.items()
+            if k in defaults and (k not in SWITCHES or defaults[k] != v)}, recipe
 
 
 def check_auto_cluster(spec: str, world: int, ranks_per_node: int | None) -> None:
@@ -240,7 +244,8 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) 
     total = sum(len(ShardedSampler.batch_ends(num_train, batch_at(e, table), world)) for e in range(epochs))
     options, recipe = _hook_options(cfg, recipe, rpn, max(1, num_train // table.rows[0][1]))  # Step 4
     try:
-        warnings = check_sparse_run(cfg.comm.algorithm, options, total, world, recipe.momentum)
+        warnings = [] if cfg.comm.algorithm == "auto" else check_sparse_run(
+            cfg.comm.algorithm, EXCHANGES[cfg.comm.algorithm].make_options(**options), total, recipe.momentum)
     except ValueError as exc:
         raise ValueError(f"config keys comm.density_warmup_epochs / comm.momentum_correction: {exc}") from None
     return RunPlan(config=cfg, world=world, ranks_per_node=rpn, grid=grid, recipe=recipe,

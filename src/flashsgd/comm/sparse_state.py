@@ -1,0 +1,255 @@
+"""The state of the sparse hooks (:mod:`flashsgd.comm.sparse_hooks`): options, per-bucket residuals
+and velocities with the parameters they cover, checkpoints, counters.
+
+Paper: Shi et al. 2019, gTop-k S-SGD (arXiv 1901.04359), error feedback; Lin et al. 2018, DGC
+(arXiv 1712.01887), momentum correction. Nothing here depends on which exchange runs: the state
+is the same for ``topk``, ``gtopk`` and ``hgtopk``; the hook module holds the behaviour.
+
+Residuals are keyed by bucket index and remember which parameters (by position in the model) they
+cover; if the layout ever differs (DDP's rebuild after the first iteration, or a checkpoint from
+another ``bucket_cap_mb``), all residuals (and velocities) are split per parameter and
+re-assembled for the new buckets, so no mass is lost.
+
+Example::
+
+    >>> state = SparseHookState("gtopk", SparseOptions(density=0.01)).bind(ddp_model)  # doctest: +SKIP
+    >>> ckpt["hook"] = state.state_dict(); state.load_state_dict(ckpt["hook"])        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flashsgd.comm.hook_common import CommThread
+from flashsgd.comm.sparse_corrections import layer_norms
+from flashsgd.comm.sparse_select import SelectionWorkspace, ThresholdReuse
+from flashsgd.comm.topology import default_timeout_s, get_topology
+from flashsgd.exchanges import SparseOptions
+
+_NO_NODES = object()
+
+
+class SparseHookState:
+    """State of the ``topk`` / ``gtopk`` / ``hgtopk`` hooks: options, per-bucket residuals, counters.
+
+    Args:
+        algorithm: the exchange's name (a sparse name of :data:`flashsgd.exchanges.EXCHANGES`;
+            checkpoints carry it).
+        options: its :class:`~flashsgd.exchanges.SparseOptions` (or ``HierSparseOptions``): every
+            option, default and its source is documented there.
+        process_group: DDP's group (None: the default group; set by :meth:`bind`).
+        param_positions: ``{id(parameter): position in model.parameters()}`` (residual remapping;
+            set by :meth:`bind`).
+    """
+
+    __slots__ = (
+        # hyper-parameters
+        "algorithm", "options", "process_group",
+        # internal state
+        "iter", "residuals", "velocities", "layer_norms", "layouts", "pending", "pending_velocities",
+        "param_positions", "generator", "workspace", "checked", "reuse", "topology", "comm",
+        "pending_job",
+        # stats
+        "bytes_sent", "sparse_buckets", "dense_buckets", "last_density", "residual_remaps",
+    )
+
+    def __init__(self, algorithm: str, options: SparseOptions, process_group: Any = None,
+                 param_positions: dict[int, int] | None = None) -> None:
+        if not isinstance(options, SparseOptions):
+            raise ValueError(f"options must be a SparseOptions, got {type(options).__name__}")
+        self.algorithm, self.options, self.process_group = algorithm, options, process_group
+        self.comm = CommThread() if options.threaded else None  # the thread starts at its first bucket
+        self.pending_job: torch.futures.Future | None = None  # the last bucket handed to it
+        self.reuse = ThresholdReuse(options.threshold_tolerance, options.threshold_every)
+        self.topology = None  # hgtopk: set by bind()
+        self.layer_norms: dict[int, torch.Tensor] = {}  # parameter position -> dense gradient norm
+        self.param_positions = param_positions
+        self.iter = 0
+        self.residuals: dict[int, torch.Tensor] = {}   # bucket index -> flat residual
+        self.velocities: dict[int, torch.Tensor] = {}  # bucket index -> flat velocity (momentum corr.)
+        self.layouts: dict[int, tuple] = {}            # bucket index -> parameter positions
+        self.pending: dict[int, torch.Tensor] | None = None  # per-parameter residuals to re-assemble
+        self.pending_velocities: dict[int, torch.Tensor] | None = None  # the same, for velocities
+        self.generator: torch.Generator | None = None
+        self.workspace = SelectionWorkspace()
+        self.checked: set[int] = set()
+        self.bytes_sent = 0       # bytes handed to the backend by this rank (sparse + dense phase)
+        self.sparse_buckets = 0
+        self.dense_buckets = 0
+        self.last_density = 1.0
+        self.residual_remaps = 0
+
+    def grad_norms(self, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """(len(params),) dense gradient norms of ``params`` from this step (``layer_trust``), for
+        :class:`flashsgd.optim.lars.LARS`'s ``grad_norm_source``; None when one is unknown."""
+        pos = self.param_positions or {}
+        norms = [self.layer_norms.get(pos.get(id(p), -1)) for p in params]
+        return None if any(n is None for n in norms) else torch.stack(norms)
+
+    def record_layer_norms(self, layout: tuple, idx: int, buf: torch.Tensor) -> None:
+        """Step 1b (``layer_trust``): the dense norm of each parameter's gradient in bucket
+        ``idx`` (``layout``: :meth:`layout` of it)."""
+        timeout_s = default_timeout_s() if self.options.timeout_s is None else self.options.timeout_s
+        norms = layer_norms(buf, [size for _, size in layout], self.process_group, timeout_s,
+                            f"{self.algorithm} hook, layer norms of bucket {idx}")
+        self.layer_norms.update((pos, norm) for (pos, _), norm in zip(layout, norms) if pos is not None)
+
+    @property
+    def owns_momentum(self) -> bool:
+        """True when the hook applies momentum (momentum correction): the optimizer must not."""
+        return self.options.momentum_correction > 0
+
+    @property
+    def momentum(self) -> float:
+        """The hook's momentum factor (0: the optimizer owns the momentum)."""
+        return self.options.momentum_correction
+
+    # ---------------------------------------------------------------------- checkpointing ---
+    def state_dict(self) -> dict:
+        """Iteration, residuals with their parameter layouts, RNG state and counters (tensors cloned)."""
+        return {
+            "algorithm": self.algorithm, "iter": self.iter,
+            "residuals": {k: v.clone() for k, v in self.residuals.items()},
+            "layouts": dict(self.layouts),
+            "pending": {k: v.clone() for k, v in (self.pending or {}).items()},
+            "velocities": {k: v.clone() for k, v in self.velocities.items()},
+            "pending_velocities": {k: v.clone() for k, v in (self.pending_velocities or {}).items()},
+            "generator": None if self.generator is None else self.generator.get_state(),
+            "thresholds": self.reuse.state_dict(),
+            "stats": {"bytes_sent": self.bytes_sent, "sparse_buckets": self.sparse_buckets,
+                      "dense_buckets": self.dense_buckets, "residual_remaps": self.residual_remaps,
+                      "last_density": self.last_density},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; a different bucket layout is remapped at the next step."""
+        if state.get("algorithm") != self.algorithm:
+            raise ValueError(f"state_dict is for hook {state.get('algorithm')!r}, not {self.algorithm!r}")
+        self.iter = int(state["iter"])
+        self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
+        self.layouts = {int(k): tuple(tuple(x) for x in v) for k, v in state["layouts"].items()}
+        self.pending = {int(k): v.clone() for k, v in state.get("pending", {}).items()} or None
+        self.velocities = {int(k): v.clone() for k, v in state.get("velocities", {}).items()}
+        self.pending_velocities = {int(k): v.clone()
+                                   for k, v in state.get("pending_velocities", {}).items()} or None
+        self.generator = None
+        if state.get("generator") is not None:
+            self.generator = torch.Generator()
+            self.generator.set_state(state["generator"])
+        if state.get("thresholds") is not None:
+            self.reuse.load_state_dict(state["thresholds"])
+        for key, value in state.get("stats", {}).items():
+            setattr(self, key, value)
+        self.checked = set()
+
+    def __getstate__(self) -> dict:
+        """Everything but the process group, the id-based parameter map and the workspace."""
+        return {"algorithm": self.algorithm, "options": self.options, "state": self.state_dict()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["algorithm"], state["options"])
+        self.load_state_dict(state["state"])
+
+    # ------------------------------------------------------------------------- residuals ----
+    def layout(self, bucket: dist.GradBucket) -> tuple:
+        """((parameter position or None, numel), ...) of the bucket, in buffer order."""
+        pos = self.param_positions or {}
+        return tuple((pos.get(id(p)), p.numel()) for p in bucket.parameters())
+
+    def bind(self, ddp_model: Any) -> "SparseHookState":
+        """Attach to a DDP model: its process group and the parameter positions (after unpickling);
+        an exchange with a node step (``hgtopk``) builds its node / cross groups here (every rank,
+        same order)."""
+        module = getattr(ddp_model, "module", ddp_model)
+        self.param_positions = {id(p): i for i, p in enumerate(module.parameters())}
+        self.process_group = getattr(ddp_model, "process_group", None)
+        ranks_per_node = getattr(self.options, "ranks_per_node", _NO_NODES)
+        if ranks_per_node is not _NO_NODES:
+            self.topology = get_topology(ranks_per_node, timeout_s=self.options.timeout_s)
+        return self
+
+    def residual(self, bucket: dist.GradBucket) -> torch.Tensor:
+        """This bucket's residual (zeros the first time), re-assembled if the layout changed."""
+        self._check_layout(bucket)
+        return _assemble(self.residuals.get(bucket.index()), self.pending, self.layout(bucket),
+                         bucket.buffer())
+
+    def velocity(self, bucket: dist.GradBucket) -> torch.Tensor:
+        """This bucket's velocity (momentum correction; zeros the first time), as :meth:`residual`."""
+        self._check_layout(bucket)
+        return _assemble(self.velocities.get(bucket.index()), self.pending_velocities,
+                         self.layout(bucket), bucket.buffer())
+
+    def keep(self, idx: int, layout: tuple, residual: torch.Tensor | None,
+             velocity: torch.Tensor | None) -> None:
+        """Store bucket ``idx``'s residual and velocity (None: none kept) with its ``layout``."""
+        if residual is not None:
+            self.residuals[idx] = residual
+        if velocity is not None:
+            self.velocities[idx] = velocity
+        self.layouts[idx] = layout
+
+    def layout_changed(self, bucket: dist.GradBucket) -> bool:
+        """Whether this bucket's stored residual / velocity was kept for another layout."""
+        idx, numel = bucket.index(), bucket.buffer().numel()
+        known = self.layouts.get(idx)
+        stored = [t for t in (self.residuals.get(idx), self.velocities.get(idx)) if t is not None]
+        return known is not None and (known != self.layout(bucket) or any(t.numel() != numel for t in stored))
+
+    def drain(self) -> None:
+        """Wait for the buckets handed to the communication thread (re-raises their error)."""
+        if self.pending_job is not None:
+            self.pending_job.wait()
+            self.pending_job = None
+
+    def _check_layout(self, bucket: dist.GradBucket) -> None:
+        """Split every stored tensor per parameter when this bucket's layout changed."""
+        if self.layout_changed(bucket):
+            self._split_residuals()  # DDP rebuilt its buckets, or a checkpoint of another layout
+
+    def _split_residuals(self) -> None:
+        """Move every bucket residual (velocity) into ``pending`` (``pending_velocities``), one
+        piece per parameter position."""
+        if any(pos is None for layout in self.layouts.values() for pos, _ in layout):
+            warnings.warn("sparse hook: the bucket layout changed and this state does not know the "
+                          "parameters' positions (unpickled without register_hook); residuals "
+                          "reset to zero", RuntimeWarning, stacklevel=3)
+        self.pending = _split(self.residuals, self.layouts, self.pending)
+        self.pending_velocities = _split(self.velocities, self.layouts, self.pending_velocities)
+        self.residuals, self.velocities, self.layouts = {}, {}, {}
+        self.residual_remaps += 1
+
+
+
+def _split(tensors: dict[int, torch.Tensor], layouts: dict[int, tuple],
+           pending: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
+    """``pending`` plus every bucket tensor cut into per-parameter pieces (by layout position);
+    buckets whose layout has unknown positions are dropped (the caller warns)."""
+    pieces: dict[int, torch.Tensor] = dict(pending or {})
+    for idx, flat in tensors.items():
+        layout = layouts[idx]
+        if any(pos is None for pos, _ in layout):
+            continue
+        offset = 0
+        for pos, size in layout:
+            pieces[pos] = flat[offset:offset + size].clone()
+            offset += size
+    return pieces
+
+
+def _assemble(stored: torch.Tensor | None, pending: dict[int, torch.Tensor] | None, layout: tuple,
+              buf: torch.Tensor) -> torch.Tensor:
+    """``stored`` (zeros when None) plus the pieces of ``pending`` this layout holds (popped)."""
+    out = torch.zeros_like(buf) if stored is None else stored
+    if pending:  # per-parameter pieces waiting for the bucket that now holds them
+        offset = 0
+        for pos, size in layout:
+            piece = pending.pop(pos, None) if pos is not None else None
+            if piece is not None:
+                out[offset:offset + size] += piece.to(out.dtype)
+            offset += size
+    return out
