@@ -14,7 +14,7 @@ from flashsgd.cli import main
 from flashsgd.train.compare import Run, compare, derive_labels
 from flashsgd.train.report import read_metrics
 
-TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--progress", "false",
+TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--no-progress",
         "--workers", "2"]
 
 

@@ -1,4 +1,4 @@
-"""prepare() and Plan: run length, stepping past the end, loader checks, explicit model tweaks,
+"""prepare() and RecipeSetup: run length, stepping past the end, loader checks, explicit model tweaks,
 integral numbers."""
 
 import dataclasses
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from flashsgd.optim import RECIPES, PlanWarning, Schedule, as_int, prepare, scaled_lr, steps_per_epoch
+from flashsgd.optim import RECIPES, RecipeWarning, Schedule, as_int, prepare, scaled_lr, steps_per_epoch
 
 
 class BasicBlock(nn.Module):
@@ -48,7 +48,7 @@ def test_prepare_epochs_rescales_the_recipe():
 
 
 def test_prepare_warns_when_the_preset_length_is_implicit():
-    with pytest.warns(PlanWarning, match="recipe 'fujitsu' plans 90 epochs.*epochs=N"):
+    with pytest.warns(RecipeWarning, match="recipe 'fujitsu' plans 90 epochs.*epochs=N"):
         plan = prepare(RECIPES["fujitsu"], _model(), 512, 1000)
     assert plan.epochs == 90
     _no_warnings(prepare, RECIPES["fujitsu"], _model(), 512, 1000, epochs=90)  # asked for: silent
@@ -69,7 +69,7 @@ def test_stepping_past_the_end_warns_once():
     assert plan.total_steps() == 2 * 3
     _no_warnings(lambda: [plan.set_lr(s) for s in range(6)])
     end_lr = plan.lr_at_step(5)
-    with pytest.warns(PlanWarning, match=r"step 6 is past the plan's end \(6 steps.*drop_last=True"):
+    with pytest.warns(RecipeWarning, match=r"step 6 is past the plan's end \(6 steps.*drop_last=True"):
         assert plan.set_lr(6) <= end_lr
     _no_warnings(plan.set_lr, 7)  # once per plan
 

@@ -27,7 +27,7 @@ def test_precedence_defaults_toml_cli(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[optim]\nglobal_batch = 8192\nepochs = 3\n[comm]\nalgorithm = "ring"\n[run]\nseed = 5\n')
     args = build_parser().parse_args(["train", "--config", str(path), "--comm", "gtopk",
-                                      "--density", "0.05", "--nesterov", "false"])
+                                      "--density", "0.05", "--no-nesterov"])
     cfg = parse_config(args)
     assert cfg.optim.global_batch == 8192 and cfg.optim.epochs == 3.0  # TOML over defaults
     assert cfg.comm.algorithm == "gtopk" and cfg.comm.density == 0.05  # CLI over TOML (--comm alias)

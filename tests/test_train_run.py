@@ -20,7 +20,7 @@ from flashsgd.train import config as C
 from flashsgd.train.report import read_metrics
 from flashsgd.train.trainer import train
 
-TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--progress", "false"]
+TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--no-progress"]
 REPO = Path(__file__).resolve().parents[1]
 
 

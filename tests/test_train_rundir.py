@@ -11,7 +11,7 @@ import pytest
 from flashsgd.cli import main
 from flashsgd.train import rundir
 
-TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--progress", "false",
+TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--no-progress",
         "--workers", "2", "--comm", "ring"]
 
 

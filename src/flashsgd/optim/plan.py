@@ -9,14 +9,14 @@ that depends on the global batch, the dataset size and the run length is derived
 0. The run length: ``epochs`` given -> the recipe rescaled with ``Recipe.for_epochs``.
 1. :func:`apply_model_tweaks` (only with ``model_tweaks=True``, the default) - BatchNorm
    running-statistics momentum and zero-gamma of residual blocks' last BN; what it changed is
-   recorded in ``Plan.model_tweaks`` and printed by :meth:`Plan.describe`.
+   recorded in ``RecipeSetup.model_tweaks`` and printed by :meth:`RecipeSetup.describe`.
 2. :func:`build_optimizer` - parameter groups (no decay / no LARS adaptation for bias and norm
    parameters), then SGD (Nesterov) or :class:`~flashsgd.optim.lars.LARS`, LR set for step 0.
 3. :func:`build_schedule` + :func:`build_batch_table` - the LR schedule and the batch-size table.
 4. :func:`build_loss` - ``torch.nn.CrossEntropyLoss(label_smoothing=...)`` (torch's, not ours).
 
-A plan is stepped by global step; it warns (:class:`PlanWarning`) when stepped past its
-:meth:`Plan.total_steps` and :meth:`Plan.check_loader` compares a loader's length with the plan's
+A plan is stepped by global step; it warns (:class:`RecipeWarning`) when stepped past its
+:meth:`RecipeSetup.total_steps` and :meth:`RecipeSetup.check_loader` compares a loader's length with the plan's
 steps per epoch, so that a ``drop_last`` mismatch cannot silently stop the LR short of its end.
 
 Example (what a trainer does)::
@@ -50,7 +50,7 @@ from flashsgd.optim.schedules import (BatchTable, Schedule, as_int, batch_at, ep
                                       steps_per_epoch)
 
 
-class PlanWarning(UserWarning):
+class RecipeWarning(UserWarning):
     """A plan and the loop that runs it disagree (run length, steps per epoch)."""
 
 
@@ -132,7 +132,7 @@ def build_optimizer(recipe: Recipe, model: nn.Module, global_batch: int) -> torc
 
 
 @dataclass
-class Plan:
+class RecipeSetup:
     """Everything a trainer needs from a recipe at one global batch, dataset size and run length."""
 
     recipe: Recipe
@@ -170,7 +170,7 @@ class Plan:
         """LR at global step ``step`` (a function of ``step`` alone; follows the batch table and the
         scaling rule).
 
-        Past :meth:`total_steps` the LR stays at its final value and a :class:`PlanWarning` is
+        Past :meth:`total_steps` the LR stays at its final value and a :class:`RecipeWarning` is
         given once per plan: the loop runs more steps than planned (a loader that keeps the last
         partial batch while the plan has ``drop_last=True``, or more epochs than ``plan.epochs``).
         """
@@ -182,7 +182,7 @@ class Plan:
                 f"step {step} is past the plan's end ({self.total_steps()} steps: {self.epochs} epochs "
                 f"of {self.num_samples} samples, drop_last={self.drop_last}); the LR stays at its "
                 f"final value {lr:.4g}. Does the loader keep the last partial batch while the plan "
-                f"drops it, or does the loop run more than plan.epochs?", PlanWarning, stacklevel=2)
+                f"drops it, or does the loop run more than plan.epochs?", RecipeWarning, stacklevel=2)
         return lr
 
     def set_lr(self, step: int) -> float:
@@ -232,7 +232,7 @@ def _for_run_length(recipe: Recipe, epochs: float | None) -> Recipe:
             warnings.warn(
                 f"recipe {recipe.name!r} plans {PRESET_EPOCHS:g} epochs (the presets' ImageNet "
                 f"length): pass prepare(..., epochs=N) for another run length, or "
-                f"epochs={PRESET_EPOCHS:g} to silence this warning", PlanWarning, stacklevel=3)
+                f"epochs={PRESET_EPOCHS:g} to silence this warning", RecipeWarning, stacklevel=3)
         return recipe
     if not (math.isfinite(epochs) and epochs > 0):
         raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}")
@@ -241,7 +241,7 @@ def _for_run_length(recipe: Recipe, epochs: float | None) -> Recipe:
 
 def prepare(recipe: Recipe, model: nn.Module, global_batch: int, num_samples: int,
             drop_last: bool = False, *, epochs: float | None = None,
-            model_tweaks: bool = True) -> Plan:
+            model_tweaks: bool = True) -> RecipeSetup:
     """Steps 0-4: the run length, model tweaks, optimizer, schedule, batch table and loss.
 
     Args:
@@ -252,15 +252,15 @@ def prepare(recipe: Recipe, model: nn.Module, global_batch: int, num_samples: in
         drop_last: whether the loader drops the last partial batch (sets steps per epoch).
         epochs: the run length; when it differs from ``recipe.epochs`` the recipe's warmup,
             milestones and batch rows are rescaled (``Recipe.for_epochs``). Omitted: the recipe's
-            own length, with a :class:`PlanWarning` when that is the presets' 90 epochs.
+            own length, with a :class:`RecipeWarning` when that is the presets' 90 epochs.
         model_tweaks: apply the recipe's BatchNorm tweaks (:func:`apply_model_tweaks`); False
-            leaves the model untouched. ``Plan.model_tweaks`` lists what was changed.
+            leaves the model untouched. ``RecipeSetup.model_tweaks`` lists what was changed.
     """
     global_batch = as_int("global_batch", global_batch)
     num_samples = as_int("num_samples", num_samples)
     recipe = _for_run_length(recipe, epochs)  # Step 0
     tweaks = apply_model_tweaks(recipe, model) if model_tweaks else []  # Step 1
-    return Plan(recipe=recipe, optimizer=build_optimizer(recipe, model, global_batch),
+    return RecipeSetup(recipe=recipe, optimizer=build_optimizer(recipe, model, global_batch),
                 schedule=build_schedule(recipe), table=build_batch_table(recipe, global_batch),
                 loss_fn=build_loss(recipe), num_samples=num_samples, drop_last=drop_last,
                 model_tweaks=tweaks)

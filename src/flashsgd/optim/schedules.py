@@ -125,13 +125,41 @@ def batch_at(epoch: float, table: BatchTable) -> int:
     return table.rows[bisect.bisect_right(starts, int(math.floor(epoch))) - 1][1]
 
 
-def steps_per_epoch(num_samples: int, global_batch: int, drop_last: bool = False) -> int:
-    """Optimizer steps in one pass over ``num_samples`` samples at ``global_batch``."""
+def batch_ends(num_samples: int, global_batch: int, drop_last: bool = False,
+               min_last: int = 1) -> list[int]:
+    """End offsets of one epoch's global batches: the one rule for steps per epoch.
+
+    Full batches of ``global_batch``, then the remainder: dropped with ``drop_last``, else one more
+    (smaller) batch when it holds at least ``min_last`` samples, else merged into the last full
+    batch. The trainer passes ``min_last`` = the world size (every worker needs >= 1 sample per
+    step); a plain single-process loader is ``min_last=1`` (DataLoader's ``drop_last=False``).
+
+    Example::
+
+        >>> batch_ends(10, 4), batch_ends(10, 4, drop_last=True), batch_ends(9, 4, min_last=2)
+        ([4, 8, 10], [4, 8], [4, 9])
+    """
     num_samples, global_batch = as_int("num_samples", num_samples), as_int("global_batch", global_batch)
-    n = num_samples // global_batch if drop_last else -(-num_samples // global_batch)
-    if n == 0:
-        raise ValueError(f"global_batch {global_batch} > num_samples {num_samples} with drop_last")
-    return n
+    min_last = as_int("min_last", min_last)
+    b = min(global_batch, num_samples)
+    ends = list(range(b, num_samples + 1, b))
+    if drop_last:
+        if global_batch > num_samples:
+            raise ValueError(f"global_batch {global_batch} > num_samples {num_samples} with drop_last")
+        return ends
+    if ends[-1] != num_samples:
+        if num_samples - ends[-1] < min_last:
+            ends[-1] = num_samples  # merge a too-small remainder into the last full batch
+        else:
+            ends.append(num_samples)
+    return ends
+
+
+def steps_per_epoch(num_samples: int, global_batch: int, drop_last: bool = False,
+                    min_last: int = 1) -> int:
+    """Optimizer steps in one pass over ``num_samples`` samples at ``global_batch``
+    (:func:`batch_ends`)."""
+    return len(batch_ends(num_samples, global_batch, drop_last, min_last))
 
 
 def epoch_at_step(step: int, table: BatchTable, num_samples: int, drop_last: bool = False) -> float:

@@ -7,7 +7,8 @@ emulated node). Under torchrun the same command joins the environment's rendezvo
 else Gloo) and runs one worker per process.
 
 Configuration: defaults < TOML file (--config) < flags. Every config key is a flag (dashes for
-underscores); see docs/training.md for the reference. --comm is short for --algorithm.
+underscores; the exchange, TOML key comm.algorithm, is --comm); booleans are --x / --no-x;
+see docs/training.md for the reference.
 
 Run directory (--out): a rerun with the same settings resumes from the newest checkpoint (or says
 the run is already complete); other settings are refused with the differing keys listed;
@@ -35,8 +36,13 @@ from pathlib import Path
 
 from flashsgd.train import config as C
 
-ALIASES = {"algorithm": ["--comm"]}
-"""Extra flag spellings of config keys."""
+FLAGS = {"algorithm": "comm"}
+"""Config keys whose flag is spelled differently (one spelling each): the exchange is ``--comm`` on
+every subcommand."""
+
+
+def _is_bool(hint) -> bool:
+    return hint is bool or (typing.get_origin(hint) is typing.Union and bool in typing.get_args(hint))
 
 
 def _metavar(f: dataclasses.Field, hint) -> str:
@@ -58,10 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (section, f, hint) in C.field_index().items():
         group = groups.setdefault(section, parser.add_argument_group(f"[{section}]"))
         default = f.default if f.default is not dataclasses.MISSING else None
+        flag = "--" + FLAGS.get(name, name).replace("_", "-")
+        text = f"{docs.get(name, '')} (default: {default})".replace("%", "%%")
+        if _is_bool(hint):  # --x / --no-x
+            group.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=text,
+                               action=argparse.BooleanOptionalAction)
+            continue
         # values stay strings here and are checked by config.coerce (errors name the key)
-        group.add_argument("--" + name.replace("_", "-"), *ALIASES.get(name, []), dest=name,
-                           default=argparse.SUPPRESS, metavar=_metavar(f, hint),
-                           help=f"{docs.get(name, '')} (default: {default})".replace("%", "%%"))
+        group.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=_metavar(f, hint), help=text)
 
 
 def parse_config(args: argparse.Namespace) -> C.TrainConfig:

@@ -135,7 +135,7 @@ class CommConfig:
     algorithm: str = choice("torus2d", _hook_names)
     """Hook name in flashsgd.comm.hooks.HOOKS (noop: no exchange, for benchmarks only), or auto: the
     planner's choice for this cluster (algorithm, bucket size, density, grid or rank; measured at
-    start-up, recorded in <out>/auto.json); flag ``--algorithm`` or ``--comm``."""
+    start-up, recorded in <out>/auto.json); flag ``--comm``."""
     cluster: Optional[str] = None
     """auto: the cluster to plan for, a preset or a TOML file (e.g. the cluster.toml an earlier auto
     run measured); unset: the network is measured at start-up (a few seconds)."""

@@ -47,6 +47,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flashsgd.optim.schedules import batch_ends
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp")
@@ -75,15 +77,10 @@ class ShardedSampler:
 
     @staticmethod
     def batch_ends(num_samples: int, global_batch: int, world_size: int) -> list[int]:
-        """Step 2: end offsets of an epoch's global batches in the permutation."""
-        n, b = num_samples, min(global_batch, num_samples)
-        ends = list(range(b, n + 1, b))
-        if ends[-1] != n:
-            if n - ends[-1] < world_size:
-                ends[-1] = n  # merge a too-small remainder into the last full batch
-            else:
-                ends.append(n)
-        return ends
+        """Step 2: end offsets of an epoch's global batches (the one rule,
+        :func:`flashsgd.optim.schedules.batch_ends`: a remainder smaller than the world joins the
+        last full batch)."""
+        return batch_ends(num_samples, global_batch, min_last=world_size)
 
     def steps(self) -> list[int]:
         """End offsets of this epoch's global batches (:meth:`batch_ends`)."""

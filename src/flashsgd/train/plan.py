@@ -37,9 +37,8 @@ from flashsgd.comm.topology import parse_grid
 from flashsgd.exchanges import EXCHANGES
 from flashsgd.optim.plan import build_batch_table
 from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
-from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at
+from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at, steps_per_epoch
 from flashsgd.train.config import TrainConfig, to_dict
-from flashsgd.train.data import ShardedSampler
 
 # Recipe fields a config key may override (config key -> Recipe field; the same names).
 RECIPE_OVERRIDES = ("lr_per_ref", "ref_batch", "momentum", "nesterov", "weight_decay",
@@ -241,8 +240,10 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) 
                          f"of {small[0]} for {world} workers: every worker needs >= 1 sample per step; "
                          f"use optim.global_batch >= {world * cfg.optim.global_batch // small[0]}")
     epochs = math.ceil(recipe.epochs)
-    total = sum(len(ShardedSampler.batch_ends(num_train, batch_at(e, table), world)) for e in range(epochs))
-    options, recipe = _hook_options(cfg, recipe, rpn, max(1, num_train // table.rows[0][1]))  # Step 4
+    # the one steps-per-epoch rule (a remainder smaller than the world joins the last full batch)
+    total = sum(steps_per_epoch(num_train, batch_at(e, table), min_last=world) for e in range(epochs))
+    first_epoch_steps = steps_per_epoch(num_train, table.rows[0][1], min_last=world)
+    options, recipe = _hook_options(cfg, recipe, rpn, first_epoch_steps)  # Step 4
     try:
         warnings = [] if cfg.comm.algorithm == "auto" else check_sparse_run(
             cfg.comm.algorithm, EXCHANGES[cfg.comm.algorithm].make_options(**options), total, recipe.momentum)
