@@ -136,7 +136,7 @@ def test_a_link_too_slow_for_the_timeout_skips_with_the_reason(monkeypatch, tmp_
     by = {r["comm"]: r for r in rows}
     assert "step_s" in by["noop"]
     for c in ("ring", "topk"):
-        assert "over the collective timeout --timeout 120 s" in by[c]["skipped"]
+        assert "over the collective timeout --timeout-s 120 s" in by[c]["skipped"]
     assert progress.skipped == 2 * (_spec()["warmup"] + _spec()["iters"])
 
 

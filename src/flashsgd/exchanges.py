@@ -70,6 +70,9 @@ MIN_COVERAGE = 20.0
 (docs/sparse_accuracy.md), coverage 1.2 lost 12-13 points, 3.7-6.4 lost 1.5-4.7, 12-13 lost
 0.7-2.3, 23 and 37 lost 0.4-0.5. ``flashsgd train`` warns below it; the planner offers no sparse
 exchange below it."""
+BUCKET_MB = 25.0
+"""Gradient bucket cap in MiB (DDP's ``bucket_cap_mb`` default and unit: 25 x 2**20 bytes, the first
+bucket 1 MiB): one bucket is one exchange call; the trainer, the benches and the simulator use it."""
 INT32_NUMEL = 2 ** 31
 """Buckets shorter than this send int32 indices (every index <= 2**31 - 1 fits), longer ones int64."""
 WIRE_INDEX_BYTES = 4

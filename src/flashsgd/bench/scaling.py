@@ -49,10 +49,12 @@ import time
 from pathlib import Path
 
 from flashsgd.bench import scaling_rank
+from flashsgd.cli_flags import add_option_flag
 from flashsgd.comm.hooks import HOOKS
 from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_available,
                                     emulated_cluster, parse_rate)
 from flashsgd.emulate.ranks import MASTER_PORT, RankError, run_ranks
+from flashsgd.exchanges import BUCKET_MB
 
 HELP = "training steps per hook on an emulated cluster of 1..N nodes: efficiency vs nodes, with the simulator"
 AUTO = "auto"  # the trainer's --comm auto: its choice is measured beside every hook
@@ -91,13 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--channels", type=int, default=32, help="mnist1d_cnn width")
     parser.add_argument("--batch", type=int, default=None, help="per-rank batch (default 32; --quick 16)")
     parser.add_argument("--recipe", default="fujitsu", help="a name in flashsgd.optim.recipes.RECIPES")
-    parser.add_argument("--density", type=float, default=0.001, help="topk/gtopk density")
-    parser.add_argument("--selection", default="sampled", help="topk/gtopk selection: exact or sampled")
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size (MB)")
+    add_option_flag(parser, "density")
+    add_option_flag(parser, "selection")
+    parser.add_argument("--bucket-mb", type=float, default=BUCKET_MB, help="DDP bucket cap (MiB)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per hook (>= 2)")
     parser.add_argument("--iters", type=int, default=None, help="timed steps per hook")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--timeout", type=float, default=120.0,
+    parser.add_argument("--timeout-s", type=float, default=120.0,
                         help="deadline of every collective, seconds: longer all-reduces are skipped")
     parser.add_argument("--quick", action="store_true", help="1 and 2 nodes, 2+3 steps of batch 16")
     parser.add_argument("--json", default=None, help="write rows, predictions and settings here")
@@ -128,15 +130,15 @@ def settings(args: argparse.Namespace) -> dict:
             "model": args.model, "dataset": args.dataset, "image_shape": args.image_shape,
             "channels": args.channels, "recipe": args.recipe, "density": args.density,
             "selection": args.selection, "bucket_mb": args.bucket_mb, "threads": args.threads,
-            "timeout_s": args.timeout}
+            "timeout_s": args.timeout_s}
     if spec["warmup"] < 2:
         raise ValueError(f"--warmup must be >= 2 (DDP rebuilds buckets after step 1, sparse hooks "
                          f"compress from step 3), got {spec['warmup']}")
     for key in ("iters", "batch", "ranks_per_node", "threads"):
         if spec[key] < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {spec[key]}")
-    if args.timeout <= 0:
-        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.timeout_s <= 0:
+        raise ValueError(f"--timeout-s must be > 0 seconds, got {args.timeout_s}")
     if args.comm_compute is not None and not args.comm_compute > 0:
         raise ValueError(f"--comm-compute must be > 0, got {args.comm_compute}")
     return spec
@@ -209,7 +211,7 @@ def run_node_count(spec: dict, nodes: int, rate_bps: int, comms: list[str], work
         for c in slow:
             rows.append({"comm": c, "skipped": f"a dense all-reduce of {grad_bytes / 1e6:.2f} MB at "
                          f"{rate_bps / 1e6:g} Mbit/s takes ~{est:.0f} s, over the collective timeout "
-                         f"--timeout {spec['timeout_s']:g} s: raise --timeout or the link rate"})
+                         f"--timeout-s {spec['timeout_s']:g} s: raise --timeout-s or the link rate"})
             progress.skip(spec["warmup"] + spec["iters"])
         comms = [c for c in comms if c == "noop"]
     shape = ClusterSpec(nodes, rpn, rate_bps, subnet=spec["subnet"])

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
-from flashsgd.exchanges import NODE_SPLITS, SELECTIONS, option_default
+from flashsgd.exchanges import BUCKET_MB, NODE_SPLITS, SELECTIONS, option_default
 from flashsgd.train.config_values import choices_of, coerce
 
 __all__ = ["TrainConfig", "DataConfig", "ModelConfig", "OptimConfig", "CommConfig", "RunConfig",
@@ -179,8 +179,8 @@ class CommConfig:
     node_split: str = choice(option_default("node_split"), lambda: list(NODE_SPLITS))
     """hgtopk: leader (dense reduce to one rank per node, gTop-k among leaders), slices (each rank
     runs gTop-k on 1/R of the gradient) or sparse (gTop-k inside the node too)."""
-    bucket_mb: float = 25.0
-    """DDP gradient bucket size in MB."""
+    bucket_mb: float = BUCKET_MB
+    """DDP gradient bucket cap in MiB (DDP's ``bucket_cap_mb``; one bucket = one exchange call)."""
 
 
 @dataclass

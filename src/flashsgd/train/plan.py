@@ -126,7 +126,7 @@ class RunPlan:
                               if self.grid else "ranks per node detected at start-up")
         return "\n".join([
             f"flashsgd train | world {self.world} ({layout}) | backend {cfg.run.backend}",
-            f"  algorithm   {cfg.comm.algorithm} {self.hook_options or ''} bucket {cfg.comm.bucket_mb:g} MB",
+            f"  algorithm   {cfg.comm.algorithm} {self.hook_options or ''} bucket {cfg.comm.bucket_mb:g} MiB",
             f"  batch       global {' -> '.join(map(str, batches))} (table {list(self.table.rows)}), "
             f"per worker {per_worker}; {self.total_steps} steps in {self.epochs} epochs",
             f"  lr          effective peak {self.peak_lr():.4g} (lr_per_ref {r.lr_per_ref:g} x "

@@ -1,0 +1,90 @@
+"""Command-line flags of exchange options, read from the catalog (:mod:`flashsgd.exchanges`).
+
+Every subcommand that takes an exchange option (``--density``, ``--selection``, ``--node-split``,
+``--matrix-approximation-rank`` ...) declares it with :func:`add_option_flag`: the flag's spelling
+(dashes for underscores), type, choices, default and help are the options class's, so a default
+or a spelling cannot drift between ``train``, ``bench`` and ``simulate``. The exchange itself is
+``--comm`` everywhere (:func:`add_comm_flag`).
+
+Example::
+
+    >>> import argparse
+    >>> p = argparse.ArgumentParser()
+    >>> add_option_flag(p, "density")
+    >>> p.parse_args([]).density
+    0.001
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from typing import Any
+
+from flashsgd.exchanges import EXCHANGES, NODE_SPLITS, SELECTIONS, option_default
+
+CHOICES = {"selection": SELECTIONS, "node_split": NODE_SPLITS}
+
+
+def option_doc(name: str) -> str:
+    """The docstring of option ``name`` in the first options class that declares it."""
+    for exchange in EXCHANGES.values():
+        for cls in exchange.options.__mro__:
+            if name in getattr(cls, "__annotations__", {}):
+                tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+                body = tree.body[0].body  # type: ignore[attr-defined]
+                for a, b in zip(body, body[1:]):
+                    if isinstance(a, ast.AnnAssign) and getattr(a.target, "id", None) == name \
+                            and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                        return " ".join(str(b.value.value).split())
+    raise KeyError(f"no exchange option {name!r}")
+
+
+def _type(name: str) -> Any:
+    for exchange in EXCHANGES.values():
+        fields = {f.name: f for f in dataclasses.fields(exchange.options)}
+        if name in fields:
+            hint = typing.get_type_hints(exchange.options)[name]
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            return args[0] if args else hint
+    raise KeyError(f"no exchange option {name!r}")
+
+
+def add_option_flag(parser: Any, name: str, **override: Any) -> None:
+    """``--name-with-dashes`` for exchange option ``name``: its type, choices, default and help from
+    the catalog (``override`` replaces any of them, e.g. ``help=`` for a bench's wording)."""
+    kind = _type(name)
+    kwargs: dict[str, Any] = {"default": option_default(name), "help": option_doc(name)}
+    if kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs["type"] = kind
+        if name in CHOICES:
+            kwargs["choices"] = CHOICES[name]
+    kwargs.update(override)
+    kwargs["help"] = f"{kwargs['help']} (default: %(default)s)"
+    parser.add_argument("--" + name.replace("_", "-"), **kwargs)
+
+
+def add_comm_flag(parser: Any, default: str | None, what: str = "exchanges to compare") -> None:
+    """``--comm NAME[,NAME...]``: the exchange(s), names of :data:`flashsgd.exchanges.EXCHANGES`."""
+    parser.add_argument("--comm", default=default, metavar="NAME[,NAME...]",
+                        help=f"{what}, comma-separated (default: {default or 'all'}); "
+                             f"known: {', '.join(EXCHANGES)}")
+
+
+def comm_list(value: str | None, known: list[str], flag: str = "--comm") -> list[str]:
+    """Split a ``--comm a,b`` value; every name must be in ``known`` (once); None: all of ``known``."""
+    if value is None:
+        return list(known)
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        raise ValueError(f"{flag} {value!r}: unknown {', '.join(unknown) or '(empty)'}; known: {', '.join(known)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{flag} {value!r} lists a name twice")
+    return names
