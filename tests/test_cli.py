@@ -32,7 +32,7 @@ def test_unknown_command_names_the_valid_ones(capsys):
 def test_simulate_does_not_import_torch():
     code = ("import sys; from flashsgd.cli import main; "
             "main(['simulate', '--cluster', '1gbe', '--gpus', '8', '--model', 'resnet50', "
-            "'--algorithm', 'gtopk']); assert 'torch' not in sys.modules, 'torch was imported'")
+            "'--comm', 'gtopk']); assert 'torch' not in sys.modules, 'torch was imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
 

@@ -75,14 +75,37 @@ def test_grids_are_every_factorisation_that_keeps_rows_inside_nodes():
     assert all(x * y == 4096 for x, y in planner.grids(4096, 4))
 
 
-def test_the_coverage_bound_is_gtopks_bound_train_warns_with():
-    from flashsgd.comm import sparse_checks
+def test_the_planner_reads_the_catalog():
+    from flashsgd import exchanges
 
-    assert planner.MIN_COVERAGE == sparse_checks.MIN_COVERAGE
-    for algo, world, steps, d in (("gtopk", 8, 1250, 0.001), ("gtopk", 4, 300, 0.01), ("hgtopk", 8, 50, 0.1)):
-        assert planner.coverage(steps, d) == pytest.approx(sparse_checks.coverage(algo, steps, world, d))
-    # Top-k: not the world-times larger upper bound (ranks often pick the same entries)
-    assert planner.coverage(1250, 0.001) < sparse_checks.coverage("topk", 1250, 8, 0.001)
+    assert planner.coverage is exchanges.coverage  # one coverage rule, not a copy
+    assert planner.MIN_COVERAGE == exchanges.MIN_COVERAGE
+    assert planner.WIRE_INDEX_BYTES == exchanges.WIRE_INDEX_BYTES
+    assert planner.SPARSE_START_ITER == exchanges.DENSE_ITERATIONS
+    assert planner.DENSITIES[0] == exchanges.DEFAULT_DENSITY
+    assert (planner.DENSE, planner.SPARSE, planner.LOWRANK) == tuple(
+        tuple(exchanges.names(f)) for f in ("dense", "sparse", "lowrank"))
+    for steps, d in ((1250, 0.001), (300, 0.01), (50, 0.1)):  # without a warm-up: (steps - 2) x density
+        assert planner.coverage_without_warmup(steps, d) == pytest.approx(
+            exchanges.coverage(steps, exchanges.SparseOptions(density=d)))
+        assert planner.coverage_without_warmup(steps, d) == pytest.approx((steps - 2) * d)
+
+
+def test_hgtopk_node_splits_are_settings_like_densities():
+    c = load_cluster_text(LAB, "lab")  # 2 ranks per node
+    plan = planner.make_plan(resnet50(), c, gpus=8, batch_per_gpu=32, images_per_s=200.0,
+                             accuracy_risk="any")
+    splits = {p.candidate.node_split for p in plan.ranked if p.candidate.algorithm == "hgtopk"}
+    assert splits == {"leader", "slices", "sparse"}
+    assert {p.candidate.node_split for p in plan.ranked if p.candidate.algorithm != "hgtopk"} == {None}
+    cand = planner.Candidate("hgtopk", 4.0, density=0.01, node_split="slices")
+    assert cand.label() == "hgtopk density 0.01 node_split=slices, 4 MiB buckets"
+    rec = next(p for p in plan.ranked if p.candidate.node_split == "slices").to_dict()
+    assert rec["node_split"] == "slices" and "rank" not in rec
+    # the accuracy rule speaks once per density, not once per split
+    short = planner.make_plan(resnet50(), c, gpus=8, batch_per_gpu=32, images_per_s=200.0, steps=1000)
+    assert sum(line.startswith("hgtopk density 0.001") for line in short.ruled_out) == 1
+    assert not any("node_split" in line for line in short.ruled_out)
 
 
 def test_compression_is_offered_only_when_the_run_keeps_accuracy():
@@ -98,7 +121,8 @@ def test_compression_is_offered_only_when_the_run_keeps_accuracy():
     assert densities == {0.1}  # 0.01 x 998 = 10 < 20
     anyrisk = planner.make_plan(resnet50(), c, gpus=32, batch_per_gpu=32, images_per_s=200.0,
                                 accuracy_risk="any")
-    assert {p.candidate.rank for p in anyrisk.ranked if p.candidate.algorithm == "powersgd"} == {1, 2, 4}
+    assert {p.candidate.matrix_approximation_rank for p in anyrisk.ranked
+            if p.candidate.algorithm == "powersgd"} == {1, 2, 4}
 
 
 def test_a_slow_network_picks_sparse_and_a_fast_one_dense():
@@ -191,9 +215,7 @@ def test_near_tied_bucket_caps_go_to_the_largest():
     plan = planner.make_plan(resnet50(), CLUSTERS.get("abci"), gpus=64, batch_per_gpu=32,
                              images_per_s=370.0, steps=50_000)
     c = plan.choice
-    same = [p for p in plan.ranked if (p.candidate.algorithm, p.candidate.grid, p.candidate.density,
-                                       p.candidate.rank) == (c.candidate.algorithm, c.candidate.grid,
-                                                             c.candidate.density, c.candidate.rank)]
+    same = [p for p in plan.ranked if p.candidate.setting() == c.candidate.setting()]
     best = min(p.step_s for p in same)
     assert c.step_s <= best * planner.BUCKET_TIE
     assert all(p.candidate.bucket_mb <= c.candidate.bucket_mb for p in same
@@ -208,7 +230,7 @@ def test_near_tied_bucket_caps_go_to_the_largest():
     ({"numels": [100], "backward_share": ["x"]}, "\"backward_share\" must be a list of finite numbers"),
 ])
 def test_a_bad_profile_names_the_file_and_the_field(tmp_path, profile, message):
-    from flashsgd.sim.plan_cli import load_profile
+    from flashsgd.sim.workload import load_profile
 
     path = tmp_path / "m.json"
     path.write_text(json.dumps(profile))

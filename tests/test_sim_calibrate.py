@@ -102,12 +102,12 @@ def run_cli(*argv):
 
 
 def test_cli_breakdown_sweep_json_and_plot(tmp_path, capsys):
-    assert run_cli("--cluster", "abci", "--gpus", "1024", "--algorithm", "torus2d", "--grid", "4x256",
+    assert run_cli("--cluster", "abci", "--gpus", "1024", "--comm", "torus2d", "--grid", "4x256",
                    "--precision", "fp16") == 0
     out = capsys.readouterr().out
     assert "exposed comm" in out and "efficiency" in out
     js, png = tmp_path / "s.json", tmp_path / "s.png"
-    assert run_cli("--sweep-gpus", "8,64,512", "--algorithm", "ring,gtopk", "--algorithm", "torus2d",
+    assert run_cli("--sweep-gpus", "8,64,512", "--comm", "ring,gtopk,torus2d",
                    "--json", str(js), "--plot", str(png)) == 0
     doc = json.loads(js.read_text())
     pairs = [(r["algorithm"], r["gpus"]) for r in doc["results"]]
@@ -118,8 +118,8 @@ def test_cli_breakdown_sweep_json_and_plot(tmp_path, capsys):
 def test_cli_local_calibration_and_validation(tmp_path, capsys):
     ar = write_fixture(tmp_path / "ar.json")
     assert run_cli("--calibration", str(ar), "--validate", "--fit", "per-algorithm") == 0
-    assert "max |error| for messages >= 1 MB" in capsys.readouterr().out
-    assert run_cli("--cluster", "local", "--calibration", str(ar), "--gpus", "8", "--algorithm", "ring",
+    assert "max |error| for messages >= 1 MiB" in capsys.readouterr().out
+    assert run_cli("--cluster", "local", "--calibration", str(ar), "--gpus", "8", "--comm", "ring",
                    "--images-per-s", "100") == 0
     assert "cluster local" in capsys.readouterr().out
 
@@ -133,7 +133,7 @@ def test_cli_predicts_a_second_run_from_the_first(tmp_path, capsys):
     assert len(rows) == 32  # 4 algorithms x 8 sizes, the no-op skipped
     # noise-free truth predicts the noisy run within its +-3% noise
     assert max(abs(r["rel_error"]) for r in rows) < 0.031
-    assert "max |error| for messages >= 1 MB" in capsys.readouterr().out
+    assert "max |error| for messages >= 1 MiB" in capsys.readouterr().out
     doc = json.loads(b.read_text())
     doc["meta"]["ranks_per_node"] = 4
     b.write_text(json.dumps(doc))
@@ -145,11 +145,11 @@ def test_cli_predicts_a_second_run_from_the_first(tmp_path, capsys):
 
 def test_cli_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="unknown simulated algorithm 'rign'"):
-        run_cli("--algorithm", "rign")
+        run_cli("--comm", "rign")
     with pytest.raises(ValueError, match="unknown cluster preset"):
         run_cli("--cluster", "nope")
     with pytest.raises(ValueError, match="grid 4x100 has 400 ranks but the world size is 1024; valid grids"):
-        run_cli("--gpus", "1024", "--algorithm", "torus2d", "--grid", "4x100")
+        run_cli("--gpus", "1024", "--comm", "torus2d", "--grid", "4x100")
     with pytest.raises(ValueError, match="grid must look like 'XxY'"):
         run_cli("--gpus", "8", "--grid", "banana")
     with pytest.raises(ValueError, match="--grid '4x4' fits none of --sweep-gpus 8,64"):

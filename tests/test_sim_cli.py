@@ -8,7 +8,7 @@ import sys
 
 from flashsgd.sim import cli
 
-SWEEP = ("--cluster", "abci", "--sweep-gpus", "8,64", "--algorithm", "ring")
+SWEEP = ("--cluster", "abci", "--sweep-gpus", "8,64", "--comm", "ring")
 
 
 def run_cli(*argv):
@@ -41,9 +41,60 @@ def test_simulate_with_grid_and_calibration_never_imports_torch(tmp_path):
     path = tmp_path / "ar.json"
     path.write_text(json.dumps(bench))
     code = ("import sys; from flashsgd.cli import main\n"
-            "assert main(['simulate', '--gpus', '1024', '--algorithm', 'torus2d', '--grid', '32x32']) == 0\n"
+            "assert main(['simulate', '--gpus', '1024', '--comm', 'torus2d', '--grid', '32x32']) == 0\n"
             f"assert main(['simulate', '--calibration', {str(path)!r}, '--gpus', '8', '--grid', '2x4',"
-            " '--algorithm', 'torus2d', '--images-per-s', '100']) == 0\n"
+            " '--comm', 'torus2d', '--images-per-s', '100']) == 0\n"
             "assert 'torch' not in sys.modules, 'torch was imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_no_module_under_sim_imports_flashsgd_train():
+    """sim/ is below train/: no import statement names flashsgd.train, and importing every sim module
+    loads none of it (a training model reaches the planner as ``flashsgd.train.models:NAME``)."""
+    import ast
+    from pathlib import Path
+
+    sim_dir = Path(cli.__file__).parent
+    found = []
+    for path in sorted(sim_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}:{node.lineno} {m}" for m in mods if m.startswith("flashsgd.train")]
+    assert found == []
+    names = " ".join(f"flashsgd.sim.{p.stem}" for p in sorted(sim_dir.glob("*.py")) if p.stem != "__init__")
+    code = (f"import importlib, sys\nfor m in {names.split()!r}: importlib.import_module(m)\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('flashsgd.train'))\n"
+            "assert not bad, bad")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_simulate_and_plan_resolve_models_alike(tmp_path, capsys):
+    from flashsgd.sim import plan_cli
+    from flashsgd.sim.workload import get_workload
+
+    profile = tmp_path / "m.json"
+    profile.write_text(json.dumps({"numels": [1000, 2_000_000, 10]}))
+    assert get_workload(str(profile)).num_params == 2_001_010
+    w = get_workload("flashsgd.train.models:resnet20")  # a flashsgd training model, by factory
+    assert w.num_tensors > 50 and w.name == "flashsgd.train.models:resnet20"
+    for argv in (["--model", str(profile), "--images-per-s", "100"],
+                 ["--model", "flashsgd.train.models:resnet20", "--images-per-s", "900"]):
+        assert run_cli("--cluster", "1gbe", "--gpus", "8", "--comm", "gtopk", *argv) == 0
+        p = argparse.ArgumentParser()
+        plan_cli.add_arguments(p)
+        assert plan_cli.run(p.parse_args(["--cluster", "1gbe", "--gpus", "8", *argv])) == 0
+    assert "MiB" in capsys.readouterr().out
+    defaults = argparse.ArgumentParser()
+    cli.add_arguments(defaults)
+    args = defaults.parse_args([])
+    assert (args.precision, args.density, args.index_bytes, args.node_split) == ("fp32", 0.001, 4, "leader")
+    assert "int32" in cli_help("--index-bytes") and "int64" in cli_help("--index-bytes")
+
+
+def cli_help(flag: str) -> str:
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    return next(a.help for a in p._actions if flag in a.option_strings)

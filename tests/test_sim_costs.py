@@ -14,9 +14,9 @@ A, BW, G = 1e-5, 10.0, 1e-11  # alpha 10 us, 10 GB/s (beta 1e-10 s/B), gamma 1e-
 BETA = 1e-10
 
 
-def flat(rpn=8, call=0.0, select=0.0, sparse=0.0):
+def flat(ranks_per_node=8, call=0.0, select=0.0, sparse=0.0):
     link = Link(alpha_s=A, bandwidth_gbps=BW)
-    return ClusterModel("flat", rpn, link, link, gamma_s_per_byte=G, call_overhead_s=call,
+    return ClusterModel("flat", ranks_per_node, link, link, gamma_s_per_byte=G, call_overhead_s=call,
                    select_s_per_elem=select, sparse_overhead_s=sparse)
 
 
@@ -51,8 +51,9 @@ def test_sparse_costs_match_hand_values():
     setup = CommSetup(gpus=4, cluster=flat(), density=0.01)
     n = 4e6
     k, pair = 1e4, 8
-    # Bruck all-gather: 2 rounds, (P-1) k pairs; + residual add n g + scatter-add P k values.
-    topk = 2 * A + 3 * k * pair * BETA + n * G + 4 * k * 4 * G
+    # direct exchange (comm/sparse.py topk_allgather): one round, (P-1) messages of k pairs at
+    # once; + residual add n g + scatter-add P k values.
+    topk = A + 3 * k * pair * BETA + n * G + 4 * k * 4 * G
     assert total("topk", n, setup) == pytest.approx(topk, rel=1e-12)
     # gTop-k butterfly (comm/sparse.py): lgP rounds, each one k-pair message (sent and received at
     # once) and one merge of 2k (k values reduced): 2 a + 2 k pair b + residual add + 2 merges.
@@ -85,7 +86,7 @@ def test_gtopk_bytes_match_the_implementation(world):
     # int32 indices below 2**31 elements, int64 from there on (comm/sparse.py wire_index_dtype)
     for (value_bytes, dtype), (index_bytes, numel) in itertools.product(
             ((4, torch.float32), (2, torch.float16)), ((4, 10**6), (8, 2**31))):
-        cluster = flat(rpn=max(world, 2))
+        cluster = flat(ranks_per_node=max(world, 2))
         for k in (1, 7, 1000, 1001):
             setup = CommSetup(gpus=world, cluster=cluster, index_bytes=index_bytes,
                               value_bytes=value_bytes, density=1.0)
@@ -136,7 +137,7 @@ def test_hierarchical_two_levels_hand_value():
 @pytest.mark.parametrize("p", [2, 3, 8, 64, 1000])
 def test_ring_bandwidth_term_attains_lower_bound(p):
     # Any point-to-point all-reduce moves >= 2(P-1)/P n bytes through each rank's link.
-    c = flat(rpn=p)
+    c = flat(ranks_per_node=p)
     n = np.array([1e3, 1e6, 1e9])
     cost = exchange_cost("ring", n, CommSetup(gpus=p, cluster=c))
     np.testing.assert_allclose(cost.bandwidth_s, n * BETA * 2 * (p - 1) / p, rtol=1e-12)
@@ -182,7 +183,7 @@ def test_one_gpu_costs_nothing_and_costs_grow_with_size():
 
 
 def test_non_power_of_two_adds_fold_steps():
-    c = flat(rpn=16)
+    c = flat(ranks_per_node=16)
     t6, t4 = total("recursive_doubling", 1e6, CommSetup(gpus=6, cluster=c)), \
         total("recursive_doubling", 1e6, CommSetup(gpus=4, cluster=c))
     assert t6 == pytest.approx(t4 + 2 * (A + 1e6 * BETA) + 1e6 * G, rel=1e-12)
@@ -257,7 +258,7 @@ def test_powersgd_is_three_rings_of_the_compressed_sizes_plus_the_products():
     u, ps, qs, flops, nm = split(mats, 2)
     # (64, 1) stays dense (64 < 65 * 1 * 2); (64, 576) and (10, 64) send P: n r and Q: m r
     assert (u, ps, qs) == (64, 128 + 20, 1152 + 128)
-    setup = CommSetup(gpus=8, cluster=c, matrices=mats, lowrank=2)
+    setup = CommSetup(gpus=8, cluster=c, matrices=mats, matrix_approximation_rank=2)
     want = sum(float(ring(4.0 * v, setup).total) for v in (u, ps, qs)) + flops * 1e-10 \
         + nm * 4 * c.gamma_s_per_byte
     assert float(exchange_cost("powersgd", 0.0, setup).total) == pytest.approx(want)

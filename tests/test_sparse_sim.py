@@ -1,4 +1,5 @@
-"""Simulator cost of hierarchical gTop-k without dense traffic (flashsgd.sim.costs_sparse.hgtopk_sparse)."""
+"""Simulator costs of the sparse exchanges: Top-k's direct exchange and hgtopk's node splits
+(flashsgd.sim.costs_sparse, flashsgd.sim.costs_hier)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,64 @@ from flashsgd.sim.costs import CommSetup
 from flashsgd.sim.network import CLUSTERS
 
 
+def test_node_splits_are_an_option_of_hgtopk_not_names():
+    from flashsgd.exchanges import EXCHANGES, NODE_SPLITS
+    from flashsgd.sim.algorithms import COSTS, REFERENCES
+    from flashsgd.sim.costs_hier import NODE_SPLIT_COSTS
+
+    assert not any(n.startswith("hgtopk_") for n in ALGORITHMS)
+    assert tuple(NODE_SPLIT_COSTS) == NODE_SPLITS
+    # the registry is the catalog's exchanges (with a cost) and the listed references
+    assert ALGORITHMS.names() == [n for n, e in EXCHANGES.items() if e.cost] + list(REFERENCES)
+    assert all(ALGORITHMS.get(n) is COSTS[e.cost] for n, e in EXCHANGES.items() if e.cost)
+    four = CommSetup(gpus=8, cluster=CLUSTERS.get("abci"))
+    assert CommSetup(gpus=8, cluster=CLUSTERS.get("abci")).node_split == "leader"
+    for split in NODE_SPLITS:
+        s = dataclasses.replace(four, node_split=split)
+        assert exchange_cost("hgtopk", 4e6, s) == NODE_SPLIT_COSTS[split](4e6, s)
+    with pytest.raises(ValueError, match="node_split must be one of leader, slices, sparse"):
+        CommSetup(gpus=8, cluster=CLUSTERS.get("abci"), node_split="ring")
+
+
+def test_topk_is_one_round_of_direct_exchange_sharing_the_node_link():
+    abci = CLUSTERS.get("abci")  # 4 ranks per node
+    n, k = 4e6, 1000  # 1e6 fp32 elements at density 0.001
+    msg = 8 * k  # int32 indices + fp32 values
+    sel = 1e6 * abci.select_s_per_elem + n * abci.gamma_s_per_byte + abci.sparse_overhead_s
+    add = 8 * k * 4 * abci.gamma_s_per_byte  # P k values scatter-added (8 ranks)
+    got = exchange_cost("topk", n, CommSetup(gpus=8, cluster=abci))
+    intra = abci.intra.alpha_s + 3 * msg * abci.intra.beta_s_per_byte
+    inter = abci.inter.alpha_s + 4 * msg * 4 * abci.inter.beta_s_per_byte  # 4 other-node peers x 4 ranks
+    assert float(got.latency_s + got.bandwidth_s) == pytest.approx(max(intra, inter), rel=1e-12)
+    assert float(got.total) == pytest.approx(max(intra, inter) + sel + add, rel=1e-12)
+    # one node: the L-1 messages on the intra link, one latency
+    node = exchange_cost("topk", n, CommSetup(gpus=4, cluster=abci))
+    assert float(node.latency_s) == pytest.approx(abci.intra.alpha_s)
+    assert float(node.bandwidth_s) == pytest.approx(3 * msg * abci.intra.beta_s_per_byte)
+    # one rank per node (1gbe): one latency for any P, the bytes of (P-1) messages
+    gbe = CLUSTERS.get("1gbe")
+    flat = exchange_cost("topk", n, CommSetup(gpus=32, cluster=gbe))
+    assert float(flat.latency_s) == pytest.approx(gbe.inter.alpha_s)
+    assert float(flat.bandwidth_s) == pytest.approx(31 * msg * gbe.inter.beta_s_per_byte)
+
+
 def test_hgtopk_sparse_cost():
-    assert "hgtopk_sparse" in ALGORITHMS
-    one = CommSetup(gpus=8, cluster=CLUSTERS.get("1gbe"))  # one rank per node: it is gTop-k
-    assert float(exchange_cost("hgtopk_sparse", 4e6, one).total) == pytest.approx(
+    one = CommSetup(gpus=8, cluster=CLUSTERS.get("1gbe"), node_split="sparse")  # one rank per node: gTop-k
+    assert float(exchange_cost("hgtopk", 4e6, one).total) == pytest.approx(
         float(exchange_cost("gtopk", 4e6, one).total))
-    four = CommSetup(gpus=8, cluster=CLUSTERS.get("abci"))  # 2 nodes x 4 ranks
-    sparse = exchange_cost("hgtopk_sparse", 102e6, four)
+    leader = CommSetup(gpus=8, cluster=CLUSTERS.get("abci"))  # 2 nodes x 4 ranks
+    four = dataclasses.replace(leader, node_split="sparse")
+    sparse = exchange_cost("hgtopk", 102e6, four)
     # no dense traffic: far less link time than the leader split's 102 MB node reduce
-    assert float(sparse.bandwidth_s) < float(exchange_cost("hgtopk", 102e6, four).bandwidth_s)
+    assert float(sparse.bandwidth_s) < float(exchange_cost("hgtopk", 102e6, leader).bandwidth_s)
     # one selection per rank, like flat gTop-k (the leaders do not select again)
     assert float(sparse.compute_s) <= float(exchange_cost("gtopk", 102e6, four).compute_s)
-    assert float(exchange_cost("hgtopk_sparse", 4e6, dataclasses.replace(four, gpus=1)).total) == 0
+    assert float(exchange_cost("hgtopk", 4e6, dataclasses.replace(four, gpus=1)).total) == 0
 
 
 def test_hgtopk_slices_cost_is_its_docstring_formula():
-    assert "hgtopk_slices" in ALGORITHMS
     abci = CLUSTERS.get("abci")  # 4 ranks per node; 8 GPUs = 2 nodes
-    setup = CommSetup(gpus=8, cluster=abci)
+    setup = CommSetup(gpus=8, cluster=abci, node_split="slices")
     n, lr = 4e6, 4
     m, ks = n / 4, math.ceil(0.001 * 1e6 / lr)  # 250 pairs per slice
     a, b = abci.intra.alpha_s, abci.intra.beta_s_per_byte
@@ -42,13 +83,13 @@ def test_hgtopk_slices_cost_is_its_docstring_formula():
              + 2 * ks * sel + ks * 4 * g + abci.sparse_overhead_s)
     # 4. all-gather of the 4 slice results (indices, counted indices, values)
     step4 = a + 3 * (msg + 4 * ks) * b
-    got = exchange_cost("hgtopk_slices", n, setup)
+    got = exchange_cost("hgtopk", n, setup)
     assert float(got.total) == pytest.approx(step1 + cross + step4, rel=1e-12)
     # one rank per node: gTop-k among the nodes
-    one = CommSetup(gpus=8, cluster=CLUSTERS.get("1gbe"))
-    assert float(exchange_cost("hgtopk_slices", 4e6, one).total) == pytest.approx(
+    one = CommSetup(gpus=8, cluster=CLUSTERS.get("1gbe"), node_split="slices")
+    assert float(exchange_cost("hgtopk", 4e6, one).total) == pytest.approx(
         float(exchange_cost("gtopk", 4e6, one).total))
     # a node alone: no cross-node exchange, still the node's reduce-scatter and all-gather
     node = dataclasses.replace(setup, gpus=4)
-    assert float(exchange_cost("hgtopk_slices", n, node).bandwidth_s) == pytest.approx(
+    assert float(exchange_cost("hgtopk", n, node).bandwidth_s) == pytest.approx(
         3 * (n / lr) * b + 3 * (msg + 4 * ks) * b)

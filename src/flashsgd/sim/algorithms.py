@@ -1,13 +1,13 @@
-"""The simulator's algorithm names: one registry, filled here, and the cost of an exchange by name.
+"""The simulator's algorithm names: one registry, filled from the exchange catalog, and the cost of
+an exchange by name.
 
-Every name maps to a cost function ``cost(n_bytes, setup) -> Cost`` (:data:`flashsgd.sim.costs.CostFn`):
-the dense all-reduces of :mod:`flashsgd.sim.costs` and the sparse exchanges of
-:mod:`flashsgd.sim.costs_sparse` (formulas in the docstring table of :mod:`flashsgd.sim.costs`).
-``native``, ``ring``, ``hierarchical``, ``torus2d``, ``topk``, ``gtopk``, ``hgtopk`` and ``powersgd``
-are flashsgd's own hooks (``flashsgd.comm.dense``, ``flashsgd.comm.sparse``, ``comm.sparse_hier``,
-``comm.powersgd_hooks``; PowerSGD in :mod:`flashsgd.sim.costs_lowrank`); the others are simulator-only
-references. Adding an algorithm is one line in :data:`ALGORITHMS`: the CLI (``--algorithm``), the
-calibration and the tests read the names from it.
+Every name maps to a cost function ``cost(n_bytes, setup) -> Cost`` (:data:`flashsgd.sim.costs.CostFn`).
+The exchanges flashsgd runs come from :data:`flashsgd.exchanges.EXCHANGES`: each one with a ``cost``
+name gets the function of that name in :data:`COSTS` (``native`` is costed as the ring, ``noop``
+sends nothing and has none); a catalog entry whose cost is missing here fails at import. The
+simulator-only references (:data:`REFERENCES`: ``recursive_doubling``, ``rabenseifner``,
+``binomial``, ``gtopk_tree``) are listed explicitly. The CLI (``--comm``), the calibration and the
+tests read the names from :data:`ALGORITHMS`.
 
 Example::
 
@@ -22,29 +22,40 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashsgd.exchanges import EXCHANGES
 from flashsgd.registry import Registry
-from flashsgd.sim import costs, costs_lowrank, costs_sparse
+from flashsgd.sim import costs, costs_hier, costs_lowrank, costs_sparse
 from flashsgd.sim.costs import CommSetup, Cost, CostFn, zero_cost
 
+COSTS: dict[str, CostFn] = {
+    "ring": costs.ring,  # also native's: NCCL/Gloo pick a ring for large messages (stated assumption)
+    "hierarchical": costs.hierarchical,
+    "torus2d": costs.torus2d,
+    "topk": costs_sparse.topk,
+    "gtopk": costs_sparse.gtopk,
+    "hgtopk": costs_hier.hgtopk,       # node_split from CommSetup.node_split
+    "powersgd": costs_lowrank.powersgd,
+}
+"""Cost function of each ``cost`` name of the catalog (:attr:`flashsgd.exchanges.Exchange.cost`)."""
+
+REFERENCES: dict[str, CostFn] = {
+    "recursive_doubling": costs.recursive_doubling,
+    "rabenseifner": costs.rabenseifner,
+    "binomial": costs.binomial,
+    "gtopk_tree": costs_sparse.gtopk_tree,
+}
+"""Simulator-only algorithms (no hook runs them): references for the papers' figures."""
+
 ALGORITHMS: Registry[CostFn] = Registry("simulated algorithm")
-for _name, _fn in (
-    ("ring", costs.ring),
-    ("native", costs.ring),  # NCCL/Gloo pick a ring for large messages (stated assumption)
-    ("hierarchical", costs.hierarchical),
-    ("torus2d", costs.torus2d),
-    ("recursive_doubling", costs.recursive_doubling),
-    ("rabenseifner", costs.rabenseifner),
-    ("binomial", costs.binomial),
-    ("topk", costs_sparse.topk),
-    ("gtopk", costs_sparse.gtopk),
-    ("gtopk_tree", costs_sparse.gtopk_tree),
-    ("hgtopk", costs_sparse.hgtopk),
-    ("hgtopk_sparse", costs_sparse.hgtopk_sparse),
-    ("hgtopk_slices", costs_sparse.hgtopk_slices),
-    ("powersgd", costs_lowrank.powersgd),
-):
+for _name, _exchange in EXCHANGES.items():
+    if _exchange.cost is not None:
+        if _exchange.cost not in COSTS:
+            raise KeyError(f"exchange {_name!r}: cost function {_exchange.cost!r} is not in "
+                           "flashsgd.sim.algorithms.COSTS")
+        ALGORITHMS.add(_name, COSTS[_exchange.cost])
+for _name, _fn in REFERENCES.items():
     ALGORITHMS.add(_name, _fn)
-del _name, _fn
+del _name, _exchange, _fn
 
 
 def exchange_cost(algorithm: str, n_bytes, setup: CommSetup) -> Cost:
@@ -52,7 +63,7 @@ def exchange_cost(algorithm: str, n_bytes, setup: CommSetup) -> Cost:
     fn = ALGORITHMS.get(algorithm)
     n = np.asarray(n_bytes, dtype=float)
     if np.any(n < 0):
-        raise ValueError(f"n_bytes must be >= 0, got min {float(n.min())}")
+        raise ValueError(f"n_bytes must be >= 0, got {float(n.min())}")
     if setup.gpus == 1:
         return zero_cost(n)
     return fn(n, setup)

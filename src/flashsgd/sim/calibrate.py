@@ -102,8 +102,8 @@ def load_bench(path: str | Path, statistic: Literal["time_us", "time_us_min"] = 
     world = meta.get("world")
     if not isinstance(world, int) or world < 2:
         raise ValueError(f"calibration file {str(path)!r}: meta.world must be an int >= 2, got {world!r}")
-    rpn = meta.get("ranks_per_node", world)
-    if not isinstance(rpn, int) or rpn < 1:
+    ranks_per_node = meta.get("ranks_per_node", world)
+    if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
         raise ValueError(f"calibration file {str(path)!r}: meta.ranks_per_node must be an int >= 1")
     grid = _meta_grid(meta.get("grid"), world, path)
     rows, skipped = [], set()
@@ -124,12 +124,12 @@ def load_bench(path: str | Path, statistic: Literal["time_us", "time_us_min"] = 
     if not rows:
         raise ValueError(f"calibration file {str(path)!r}: no results for modelled algorithms "
                          f"{ALGORITHMS.names()}")
-    return BenchFile(world, rpn, grid, meta, rows, sorted(skipped))
+    return BenchFile(world, ranks_per_node, grid, meta, rows, sorted(skipped))
 
 
-def _unit_cluster(rpn: int, alpha: float, bw_gbps: float, gamma: float) -> ClusterModel:
+def _unit_cluster(ranks_per_node: int, alpha: float, bw_gbps: float, gamma: float) -> ClusterModel:
     link = Link(alpha_s=alpha, bandwidth_gbps=bw_gbps)
-    return ClusterModel(name="unit", ranks_per_node=rpn, intra=link, inter=link, gamma_s_per_byte=gamma,
+    return ClusterModel(name="unit", ranks_per_node=ranks_per_node, intra=link, inter=link, gamma_s_per_byte=gamma,
                    call_overhead_s=0.0)
 
 

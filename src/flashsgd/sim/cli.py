@@ -2,10 +2,11 @@
 
 Examples:
   flashsgd simulate --cluster abci --gpus 1024 --model resnet50 --batch-per-gpu 32 \\
-      --algorithm torus2d --grid 32x32 --precision fp16
-  flashsgd simulate --cluster abci --sweep-gpus 8,64,512,4096 --algorithm all --json runs/eff.json
+      --comm torus2d --grid 32x32 --precision fp16
+  flashsgd simulate --cluster abci --sweep-gpus 8,64,512,4096 --comm all --json runs/eff.json
       # table, runs/eff.json, and the efficiency plot next to it: runs/eff.png
-  flashsgd simulate --cluster local --calibration ar.json --gpus 8 --algorithm ring
+  flashsgd simulate --cluster 1gbe --gpus 16 --comm gtopk,hgtopk --node-split slices --images-per-s 200
+  flashsgd simulate --cluster local --calibration ar.json --gpus 8 --comm ring
   flashsgd simulate --calibration ar.json --validate        # fit on half the sizes, predict the rest
   flashsgd simulate --calibrate scaling.json --calibrate-on 2x1,8x1
       # fit the step model to `bench scaling` rows of these shapes, predict every row
@@ -20,11 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from flashsgd.comm.topology import parse_grid
+from flashsgd.exchanges import DEFAULT_DENSITY, NODE_SPLITS, WIRE_INDEX_BYTES, option_default
 from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.engine import SimConfig, SimResult, simulate, sweep
 from flashsgd.sim.cluster_file import load_cluster
 from flashsgd.sim.network import CLUSTERS, get_cluster
-from flashsgd.sim.workload import get_workload
+from flashsgd.sim.workload import MODEL_HELP, get_workload
 
 
 def _ints(text: str) -> list[int]:
@@ -60,25 +62,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--show", action="store_true", help="print the cluster parameters")
     p.add_argument("--gpus", type=int, default=256, help="number of GPUs (default 256)")
     p.add_argument("--sweep-gpus", type=_ints, metavar="N,N,...", help="simulate each GPU count")
-    p.add_argument("--model", default="resnet50",
-                   help="built-in workload (resnet50, vgg16) or package.module:factory")
+    p.add_argument("--model", default="resnet50", metavar="NAME_OR_PROFILE", help=MODEL_HELP)
     p.add_argument("--batch-per-gpu", type=int, default=32)
     p.add_argument("--images-per-s", type=float,
                    help="single-GPU training throughput at --batch-per-gpu (default: the cluster's "
                         "ResNet-50 figure for --precision)")
-    p.add_argument("--algorithm", action="append", metavar="NAME",
-                   help=f"repeatable or comma list, or 'all': {', '.join(ALGORITHMS.names())}")
+    p.add_argument("--comm", metavar="NAME[,NAME...]",
+                   help=f"exchanges to simulate, comma-separated, or 'all' (default native): "
+                        f"{', '.join(ALGORITHMS.names())}")
     p.add_argument("--grid", help="torus2d grid XxY, X*Y = --gpus or one of --sweep-gpus "
                                   "(default: near-square, X per node)")
-    p.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP-style bucket cap (MB)")
+    p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
+                   help="gradient element type on the wire (default fp32, as flashsgd train)")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="DDP bucket cap in MiB (DDP's bucket_cap_mb; default 25)")
     p.add_argument("--groups", type=_ints, metavar="N,N,...",
                    help="fixed fusion groups (tensor counts in backward order, e.g. 3,21,57,80)")
     p.add_argument("--no-overlap", action="store_true", help="communicate only after backward")
-    p.add_argument("--density", type=float, default=0.001, help="topk/gtopk density (default 0.001)")
-    p.add_argument("--index-bytes", type=int, choices=(4, 8), default=4,
-                   help="topk/gtopk bytes per index: 4 (int32, the papers; default) or 8 (int64, "
-                        "what flashsgd's comm/sparse.py sends)")
+    p.add_argument("--density", type=float, default=DEFAULT_DENSITY,
+                   help=f"topk/gtopk/hgtopk density (default {DEFAULT_DENSITY:g})")
+    p.add_argument("--node-split", choices=NODE_SPLITS, default=option_default("node_split"),
+                   help=f"hgtopk's node step (default {option_default('node_split')})")
+    p.add_argument("--matrix-approximation-rank", type=int, default=option_default("matrix_approximation_rank"),
+                   help="powersgd's rank (default %(default)s)")
+    p.add_argument("--index-bytes", type=int, choices=(4, 8), default=WIRE_INDEX_BYTES,
+                   help="sparse bytes per index: 4 (int32, the default: what flashsgd's comm/sparse.py "
+                        "sends for buckets under 2**31 elements, and the papers) or 8 (int64, its "
+                        "format for larger buckets)")
     p.add_argument("--json", metavar="PATH", help="write inputs and results as JSON")
     p.add_argument("--out", metavar="DIR",
                    help="with --sweep-gpus: write the scaling-efficiency plot as DIR/sim_sweep.png")
@@ -87,8 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or in --out; none without either)")
 
 
-def _algorithms(values: list[str] | None) -> list[str]:
-    names = [n.strip() for v in (values or ["native"]) for n in v.split(",") if n.strip()]
+def _algorithms(value: str | None) -> list[str]:
+    """``--comm``: comma-separated names (default native) or 'all'; ValueError on an unknown one."""
+    names = [n.strip() for n in (value or "native").split(",") if n.strip()]
     if "all" in names:
         return ALGORITHMS.names()
     for n in names:
@@ -147,7 +158,7 @@ def _validate(bench, mode: str) -> dict:
     v = validate(bench, mode)
     print(f"validation ({mode} fit on sizes {[int(s) for s in v.fit_sizes]}; predicting the others):")
     _print_errors(v.rows)
-    print(f"max |error| for messages >= 1 MB: {v.max_error(1 << 20):.1%} (target 25%); "
+    print(f"max |error| for messages >= 1 MiB: {v.max_error(1 << 20):.1%} (target 25%); "
           f"all sizes: {v.max_error():.1%}")
     return {"mode": mode, "fit_sizes": v.fit_sizes, "rows": v.rows,
             "max_error_ge_1MB": v.max_error(1 << 20), "max_error": v.max_error()}
@@ -169,14 +180,14 @@ def _predict_file(path: str, params: dict, statistic: str, calib) -> dict:
     _print_errors(rows)
     big = [abs(r["rel_error"]) for r in rows if r["size_bytes"] >= 1 << 20]
     worst = max(big) if big else float("nan")
-    print(f"max |error| for messages >= 1 MB: {worst:.1%} (target 25%)")
+    print(f"max |error| for messages >= 1 MiB: {worst:.1%} (target 25%)")
     return {"path": path, "rows": rows, "max_error_ge_1MB": worst}
 
 
 def _print_breakdown(r: SimResult) -> None:
     ms = 1e3
     print(f"algorithm {r.algorithm}, {r.gpus} GPUs, {r.buckets} buckets "
-          f"(largest {r.bucket_bytes_max / 1e6:.1f} MB)")
+          f"(largest {r.bucket_bytes_max / 2 ** 20:.1f} MiB)")
     print(f"  iteration        {r.iteration_s * ms:9.2f} ms")
     print(f"  compute          {r.compute_s * ms:9.2f} ms  (forward + backward + update, one GPU)")
     print(f"  communication    {r.comm_s * ms:9.2f} ms  (latency {r.latency_s * ms:.2f}, bandwidth "
@@ -268,16 +279,17 @@ def run(args: argparse.Namespace) -> int:
         if ips is None:
             raise ValueError(f"--images-per-s is required for model {args.model!r} on cluster "
                              f"{cluster.name!r} at {args.precision}")
-    algos = _algorithms(args.algorithm)
+    algos = _algorithms(args.comm)
     base = SimConfig(algorithm=algos[0], gpus=args.gpus, images_per_s=ips,
                      batch_per_gpu=args.batch_per_gpu, precision=args.precision,
                      bucket_mb=args.bucket_mb, groups=tuple(args.groups) if args.groups else None,
                      overlap=not args.no_overlap,
                      grid=_grid(args.grid, args.sweep_gpus or [args.gpus]), density=args.density,
-                     index_bytes=args.index_bytes)
-    grad_mb = workload.num_params * (2 if args.precision == "fp16" else 4) / 1e6
+                     index_bytes=args.index_bytes, node_split=args.node_split,
+                     matrix_approximation_rank=args.matrix_approximation_rank)
+    grad_mib = workload.num_params * (2 if args.precision == "fp16" else 4) / 2 ** 20
     print(f"{cluster.describe()}\nworkload {workload.name}: {workload.num_tensors} tensors, "
-          f"{workload.num_params:,} params, {grad_mb:.1f} MB of {args.precision} gradients; "
+          f"{workload.num_params:,} params, {grad_mib:.1f} MiB of {args.precision} gradients; "
           f"{ips:g} images/s/GPU at batch {args.batch_per_gpu}")
     report["inputs"] = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     report["workload"] = {"name": workload.name, "tensors": workload.num_tensors,

@@ -25,8 +25,12 @@ binomial            2 lgP a + 2 n lgP b + n lgP g (binomial reduce then broadcas
 hierarchical        ring reduce-scatter in node (L) + ring all-reduce of n/L across N nodes (L
                     concurrent rings per node) + ring all-gather in node
 torus2d (X x Y)     2(X-1) a_x + 2(Y-1) a_y + 2(X-1)/X n b_x + 2(Y-1)/(XY) n b_y + (P-1)/P n g
-topk                select(m) + Bruck all-gather of k (value, index) pairs: lgP a + (P-1) k s b
-                    + scatter-add of P k values
+topk                select(m) + direct exchange, as ``comm/sparse.py`` runs it: every rank sends
+                    its k pairs to each of the P-1 others at once (one round): a + (P-1) k s b
+                    (the inter-node part, P-L messages per rank, shares the node link with the
+                    node's L ranks: a_x + (P-L) k s L b_x) + scatter-add of P k values
+hgtopk              node step (``node_split``: leader, slices or sparse; :mod:`.costs_sparse`)
+                    + gtopk among the N nodes + the result shared inside the node
 gtopk               butterfly as in ``comm/sparse.py``: select(m) + lgP' rounds, every rank swaps
                     k pairs with rank XOR 2^i (both directions at once) and merges 2k -> k:
                     lgP' a + lgP' k s b; P not a power of two: + fold-in (k pairs) and fold-out
@@ -38,10 +42,11 @@ gtopk_tree          Shi et al.'s reference implementation (simulator-only): sele
 
 Non-powers of two: recursive doubling and Rabenseifner fold the extra ``P - 2^floor(lgP)`` ranks in
 with one step before and one after (MPICH), and so does the gtopk butterfly (``comm/sparse.py``);
-binomial trees, Bruck and gtopk_tree use ceil(lgP) steps. The sparse exchanges (topk, gtopk,
+binomial trees and gtopk_tree use ceil(lgP) steps. The sparse exchanges (topk, gtopk, hgtopk,
 gtopk_tree) live in :mod:`flashsgd.sim.costs_sparse`, built from the link helpers here; gtopk's
 messages are sized as ``comm/sparse.py`` packs them (k s bytes padded to index-sized words). Both
-modules' functions are registered by name in one place, :data:`flashsgd.sim.algorithms.ALGORITHMS`.
+modules' functions are registered by name in one place, :data:`flashsgd.sim.algorithms.ALGORITHMS`,
+from the catalog :data:`flashsgd.exchanges.EXCHANGES` (each exchange's ``cost``).
 
 Example::
 
@@ -59,12 +64,14 @@ from typing import Callable
 
 import numpy as np
 
+from flashsgd.exchanges import DEFAULT_DENSITY, NODE_SPLITS, WIRE_INDEX_BYTES, option_default
 from flashsgd.sim.network import ClusterModel
 
 
 @dataclass(frozen=True)
 class CommSetup:
-    """Who exchanges: how many GPUs on which cluster, with which grid, density and element sizes."""
+    """Who exchanges: how many GPUs on which cluster, with which grid, density, node split and
+    element sizes (defaults: the catalog's, :mod:`flashsgd.exchanges`)."""
 
     gpus: int
     """Number of ranks P (one per GPU)."""
@@ -72,26 +79,29 @@ class CommSetup:
     """Link levels and per-call costs."""
     grid: tuple[int, int] | None = None
     """torus2d grid (X, Y), X horizontal (contiguous ranks); None: :func:`auto_grid`."""
-    density: float = 0.001
+    density: float = DEFAULT_DENSITY
     """Sparse algorithms: fraction of gradient elements sent, k = ceil(density * m)."""
+    node_split: str = option_default("node_split")
+    """hgtopk: how a node combines its ranks (:data:`flashsgd.exchanges.NODE_SPLITS`; the
+    ``node_split`` option of :class:`flashsgd.exchanges.HierSparseOptions`)."""
     value_bytes: int = 4
     """Bytes per gradient element: 4 (fp32) or 2 (fp16)."""
-    index_bytes: int = 4
+    index_bytes: int = WIRE_INDEX_BYTES
     """Bytes per sparse index: 4 (int32: the papers' format, and what ``comm/sparse.py`` sends for
     buckets under 2**31 elements) or 8 (int64, its format for larger buckets)."""
     matrices: tuple[tuple[int, int], ...] | None = None
     """PowerSGD: (rows, cols) of every gradient tensor of the message, viewed as torch's hook views
     it (``shape[0] x rest``; 1-D tensors as (n, 1)); None: the message is one square matrix."""
-    lowrank: int = 1
-    """PowerSGD: rank r of the approximation."""
+    matrix_approximation_rank: int = 1
+    """PowerSGD: rank r of the approximation (torch's ``matrix_approximation_rank``)."""
 
     def __post_init__(self) -> None:
-        p, lpn = self.gpus, self.cluster.ranks_per_node
+        p, per_node = self.gpus, self.cluster.ranks_per_node
         if not isinstance(p, int) or p < 1:
             raise ValueError(f"gpus must be an int >= 1, got {p!r}")
-        if p > lpn and p % lpn:
+        if p > per_node and p % per_node:
             raise ValueError(
-                f"gpus={p} must be <= ranks_per_node={lpn} or a multiple of it (full nodes) "
+                f"gpus={p} must be <= ranks_per_node={per_node} or a multiple of it (full nodes) "
                 f"on cluster {self.cluster.name!r}"
             )
         if not 0.0 < self.density <= 1.0:
@@ -101,25 +111,27 @@ class CommSetup:
                 f"value_bytes must be 2, 4 or 8 and index_bytes 4 or 8, got {self.value_bytes}, "
                 f"{self.index_bytes}"
             )
+        if self.node_split not in NODE_SPLITS:
+            raise ValueError(f"node_split must be one of {', '.join(NODE_SPLITS)}, got {self.node_split!r}")
         if self.grid is not None:
             x, y = self.grid
             if x < 1 or y < 1 or x * y != p:
                 raise ValueError(f"grid {x}x{y} does not match gpus={p}: need X*Y == gpus")
-            lr = self.local_ranks
-            if p > lpn and x % lr and lr % x:
+            lr = self.ranks_per_node_used
+            if p > per_node and x % lr and lr % x:
                 raise ValueError(
                     f"grid {x}x{y}: X={x} must divide or be a multiple of ranks_per_node={lr} "
                     "so that horizontal rings do not straddle nodes unevenly"
                 )
 
     @property
-    def local_ranks(self) -> int:
-        """Ranks per node actually used: L = min(P, ranks_per_node)."""
+    def ranks_per_node_used(self) -> int:
+        """Ranks per node of this run: L = min(P, the cluster's ranks_per_node)."""
         return min(self.gpus, self.cluster.ranks_per_node)
 
     @property
     def torus_grid(self) -> tuple[int, int]:
-        return self.grid if self.grid is not None else auto_grid(self.gpus, self.local_ranks)
+        return self.grid if self.grid is not None else auto_grid(self.gpus, self.ranks_per_node_used)
 
 
 def auto_grid(gpus: int, ranks_per_node: int) -> tuple[int, int]:
@@ -182,7 +194,7 @@ def step_cost(chunk: np.ndarray, steps: float, levels: list[tuple[float, float]]
 
 def _ring_levels(members: int, stride: int, setup: CommSetup) -> list[tuple[float, float]]:
     """Links of a ring of ``members`` ranks ``stride`` apart, all such rings running at once."""
-    c, lr = setup.cluster, setup.local_ranks
+    c, lr = setup.cluster, setup.ranks_per_node_used
     intra = (c.intra.alpha_s, c.intra.beta_s_per_byte)
     if members * stride <= lr:  # the whole ring lives inside one node
         return [intra]
@@ -195,7 +207,7 @@ def _ring_levels(members: int, stride: int, setup: CommSetup) -> list[tuple[floa
 def pair_levels(distance: int, flows: int, setup: CommSetup) -> list[tuple[float, float]]:
     """Link between partners ``distance`` ranks apart; ``flows`` ranks per node cross at once."""
     c = setup.cluster
-    if distance < setup.local_ranks:
+    if distance < setup.ranks_per_node_used:
         return [(c.intra.alpha_s, c.intra.beta_s_per_byte)]
     return [(c.inter.alpha_s, c.inter.beta_s_per_byte * flows)]
 
@@ -222,7 +234,7 @@ def ring(n_bytes, setup: CommSetup) -> Cost:
 def hierarchical(n_bytes, setup: CommSetup) -> Cost:
     """Reduce-scatter in node, all-reduce of n/L across nodes, all-gather in node (3 calls)."""
     n = np.asarray(n_bytes, dtype=float)
-    lr = setup.local_ranks
+    lr = setup.ranks_per_node_used
     nodes = setup.gpus // lr
     # Step 1: ring reduce-scatter among the L ranks of each node -> each holds n/L reduced bytes.
     cost = _ring(n, lr, 1, setup, phases=1, reduce=True)
@@ -271,7 +283,7 @@ def recursive_doubling(n_bytes, setup: CommSetup) -> Cost:
     p2, cost = _fold(n, setup)
     g = setup.cluster.gamma_s_per_byte
     for i in range(p2.bit_length() - 1):
-        lat, bw = step_cost(n, 1, pair_levels(1 << i, setup.local_ranks, setup))  # every rank sends
+        lat, bw = step_cost(n, 1, pair_levels(1 << i, setup.ranks_per_node_used, setup))  # every rank sends
         cost = cost + Cost(lat, bw, n * g, np.zeros_like(n))
     return cost + _call_overhead(n, setup, calls=1)
 
@@ -287,7 +299,7 @@ def rabenseifner(n_bytes, setup: CommSetup) -> Cost:
         # Step 1 (halving): partner P'/2^(i+1) away, exchange and reduce n/2^(i+1) bytes.
         # Step 2 (doubling) mirrors it with the same sizes and partners, without the reduction.
         chunk = n / (1 << (i + 1))
-        lat, bw = step_cost(chunk, 2, pair_levels(p2 >> (i + 1), setup.local_ranks, setup))
+        lat, bw = step_cost(chunk, 2, pair_levels(p2 >> (i + 1), setup.ranks_per_node_used, setup))
         cost = cost + Cost(lat, bw, chunk * g, np.zeros_like(n))
     return cost + _call_overhead(n, setup, calls=1)
 

@@ -59,10 +59,10 @@ def powersgd(n_bytes, setup: CommSetup) -> Cost:
         return zero_cost(n)
     vb = setup.value_bytes
     if setup.matrices is not None:
-        parts = [np.full_like(n, v) for v in split(setup.matrices, setup.lowrank)]
+        parts = [np.full_like(n, v) for v in split(setup.matrices, setup.matrix_approximation_rank)]
     else:  # one square matrix per message
         side = np.sqrt(n / vb)
-        r = np.minimum(side, setup.lowrank)
+        r = np.minimum(side, setup.matrix_approximation_rank)
         worth = side * side > 2 * side * r * MIN_COMPRESSION_RATE
         parts = [np.where(worth, 0.0, side * side), np.where(worth, side * r, 0.0),
                  np.where(worth, side * r, 0.0), np.where(worth, 6 * side * side * r + 2 * side * r * r, 0.0),

@@ -5,21 +5,21 @@ Low Bandwidth Networks" (arXiv 1901.04359). Registered by name in
 :data:`flashsgd.sim.algorithms.ALGORITHMS` (formulas in the docstring table of
 :mod:`flashsgd.sim.costs`, whose link helpers they use):
 
-- ``topk``: local top-k, Bruck all-gather of every rank's k pairs, scatter-add.
+- ``topk``: ``flashsgd.comm.sparse.topk_allgather``: local top-k, one round in which every rank
+  sends its k pairs to each of the P-1 others at once (:func:`direct_levels`: the inter-node
+  messages of a node's L ranks share its link), scatter-add.
 - ``gtopk``: the butterfly of ``flashsgd.comm.sparse.gtopk_allreduce``: lgP' rounds in which every
   rank swaps its k pairs with rank XOR 2^i and both merge; the P - P' extra ranks folded in before
   and out after (P' = largest power of two <= P). Per-rank bytes: :func:`gtopk_bytes_per_rank`,
   equal to ``flashsgd.comm.sparse.gtopk_bytes_sent`` with ``index_bytes=4`` (int32, buckets under
   2**31 elements) and ``index_bytes=8`` (int64, larger buckets) (tested).
-- ``hgtopk``: ``flashsgd.comm.sparse_hier``: dense reduce to a leader per node, gTop-k among the
-  leaders, broadcast inside the node (:func:`hgtopk`).
-- ``hgtopk_sparse``: ``hgtopk_allreduce(split="sparse")``: every rank selects, gTop-k inside the
-  node, gTop-k among the leaders, broadcast inside the node (:func:`hgtopk_sparse`).
-- ``hgtopk_slices``: ``hgtopk_allreduce(split="slices")``: node reduce-scatter into L slices, L
-  gTop-k of k/L pairs across nodes at once, node all-gather of the results (:func:`hgtopk_slices`).
+- ``hgtopk``: :mod:`flashsgd.sim.costs_hier` (one cost per node split), built on :func:`gtopk`.
 - ``gtopk_tree`` (simulator-only): Shi et al.'s reference implementation, a tree reduction of
   pairwise merges then a broadcast of the k result pairs (2 ceil(lgP) rounds); what the paper's
   figures were measured with.
+
+:func:`message_pattern` gives the bytes each rank sends and the rounds of each exchange as these
+costs count them; ``tests/test_sim_pattern.py`` checks them against a real Gloo run of ``comm``.
 
 Every function has the signature ``cost(n_bytes, setup) -> Cost`` of :mod:`flashsgd.sim.costs`.
 
@@ -45,27 +45,46 @@ from flashsgd.sim.costs import CommSetup, Cost, pair_levels, step_cost, zero_cos
 
 
 def _k(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarray]:
+    """(m elements, k pairs) of a message of ``n`` bytes: k = ceil(density m) in [1, m], the product
+    rounded to 9 digits first as ``comm.sparse_select.k_from_density`` does (0.01 x 1000 = 10)."""
     m = n / setup.value_bytes  # gradient elements in the message
-    return m, np.maximum(1.0, np.ceil(setup.density * m))
+    return m, np.clip(np.ceil(np.round(setup.density * m, 9)), 1.0, np.maximum(m, 1.0))
+
+
+def direct_levels(setup: CommSetup) -> list[tuple[float, float]]:
+    """Links of one round in which every rank sends one message to each of the P-1 others at once
+    (``comm/waits.gather_from_peers``), as (a, b per byte of one message): the L-1 messages to its
+    own node share the rank's intra link ((L-1) b_intra); the P-L to other nodes leave through the
+    node's link, which carries them for all L ranks of the node at once ((P-L) L b_inter). The round
+    takes as long as the slower level (:func:`flashsgd.sim.costs.step_cost`)."""
+    c, p, lr = setup.cluster, setup.gpus, setup.ranks_per_node_used
+    levels = []
+    if lr > 1:
+        levels.append((c.intra.alpha_s, (lr - 1) * c.intra.beta_s_per_byte))
+    if p > lr:
+        levels.append((c.inter.alpha_s, (p - lr) * lr * c.inter.beta_s_per_byte))
+    return levels
 
 
 def topk(n_bytes, setup: CommSetup) -> Cost:
-    """Top-k S-SGD: local top-k, all-gather of k (value, index) pairs, scatter-add of P*k."""
+    """Top-k S-SGD as ``comm/sparse.py`` ``topk_allgather`` runs it: local top-k, one round of direct
+    exchange (every rank's k pairs to each of the P-1 others at once), scatter-add of P k values.
+
+    Cost: select(m) + a + (P-1) k s b with one node; across nodes the slower of the node's own
+    messages, a + (L-1) k s b_intra, and the other nodes', a + (P-L) k s L b_inter (the L ranks of
+    a node share its link: :func:`direct_levels`); + P k adds.
+    """
     n = np.asarray(n_bytes, dtype=float)
     if setup.gpus == 1:
         return zero_cost(n)
     c, p = setup.cluster, setup.gpus
     m, k = _k(n, setup)
-    pair = setup.value_bytes + setup.index_bytes
     # Step 1: select the k largest |g| of m local elements (plus the residual add, a pass over m).
     comp = m * c.select_s_per_elem + n * c.gamma_s_per_byte
     cost = Cost(np.zeros_like(n), np.zeros_like(n), comp, np.full_like(n, c.sparse_overhead_s))
-    # Step 2: Bruck all-gather: round i sends min(2^i, P-2^i) blocks of k pairs to distance 2^i;
-    # sum over rounds = (P-1) k pairs.
-    for i in range(math.ceil(math.log2(p))):
-        blocks = min(1 << i, p - (1 << i))
-        lat, bw = step_cost(blocks * k * pair, 1, pair_levels(1 << i, setup.local_ranks, setup))
-        cost = cost + Cost(lat, bw, np.zeros_like(n), np.zeros_like(n))
+    # Step 2: one round, every rank sends its packed message to each of the P-1 others at once.
+    lat, bw = step_cost(sparse_message_bytes(k, setup), 1, direct_levels(setup))
+    cost = cost + Cost(lat, bw, np.zeros_like(n), np.zeros_like(n))
     # Step 3: scatter-add the P*k received values into a dense buffer.
     return cost + Cost(np.zeros_like(n), np.zeros_like(n), p * k * setup.value_bytes * c.gamma_s_per_byte,
                        np.zeros_like(n))
@@ -131,7 +150,7 @@ def gtopk(n_bytes, setup: CommSetup) -> Cost:
     k, merge, cost = _sparse_start(n, setup)
     msg = sparse_message_bytes(k, setup)
     # The E extra ranks p2..P-1 pair with r - p2: up to min(E, L) of one node cross at once.
-    fold_flows = min(extra, setup.local_ranks) if extra else 1
+    fold_flows = min(extra, setup.ranks_per_node_used) if extra else 1
     if extra:
         # Step 2 (fold in): rank r + P' sends its k pairs to r, which merges them.
         lat, bw = step_cost(msg, 1, pair_levels(p2, fold_flows, setup))
@@ -140,7 +159,7 @@ def gtopk(n_bytes, setup: CommSetup) -> Cost:
         # Step 3 (butterfly round i): every rank r < P' swaps k pairs with r XOR 2^i (send and
         # receive at once, so one message time per round) and both merge 2k -> k. All L ranks of
         # a node cross at once once 2^i >= L.
-        lat, bw = step_cost(msg, 1, pair_levels(1 << i, setup.local_ranks, setup))
+        lat, bw = step_cost(msg, 1, pair_levels(1 << i, setup.ranks_per_node_used, setup))
         cost = cost + Cost(lat, bw, merge, z)
     if extra:
         # Step 4 (fold out): rank r sends the final k pairs + a k-byte survivor mask to r + P'.
@@ -166,121 +185,82 @@ def gtopk_tree(n_bytes, setup: CommSetup) -> Cost:
     return cost
 
 
-def _leaders(setup: CommSetup) -> CommSetup:
-    """The setup of the gTop-k among node leaders: one rank per node crosses the inter link."""
-    return dataclasses.replace(setup, gpus=setup.gpus // setup.local_ranks, grid=None,
+# ------------------------------------------------------------------ message pattern ----------
+
+
+@dataclasses.dataclass(frozen=True)
+class MessagePattern:
+    """What the ranks hand to the backend in one exchange, as the simulator costs it."""
+
+    bytes_per_rank: np.ndarray
+    """(P,) bytes each rank sends, ranks node-major (rank = node L + local rank): its isend/send
+    messages, and its part of a node collective as the cost counts it (a binomial reduce: every
+    non-root rank sends the n bytes once; a binomial broadcast: a rank sends one message per child)."""
+    rounds: int
+    """Message rounds on the critical path: the a terms of the cost."""
+
+
+def _rounds_gtopk(p: int) -> int:
+    """Butterfly rounds of gTop-k among ``p`` ranks: lgP' (+ fold-in and fold-out)."""
+    if p == 1:
+        return 0
+    p2 = 1 << (p.bit_length() - 1)
+    return (p2.bit_length() - 1) + (2 if p != p2 else 0)
+
+
+def _flat(setup: CommSetup, members: int) -> CommSetup:
+    """``setup`` for an exchange among ``members`` ranks, one per node (a cross or node group)."""
+    return dataclasses.replace(setup, gpus=members, grid=None,
                                cluster=dataclasses.replace(setup.cluster, ranks_per_node=1))
 
 
-def _node_broadcast(n: np.ndarray, setup: CommSetup, steps: int) -> Cost:
-    """The k global pairs and the k counted indices (w = index_bytes each) back to every rank of
-    the node: ceil(lgL) (a + (k s + w k) b) on the intra link."""
-    k = _k(n, setup)[1]
-    intra = setup.cluster.intra
-    lat, bw = step_cost(sparse_message_bytes(k, setup) + setup.index_bytes * k, steps,
-                        [(intra.alpha_s, intra.beta_s_per_byte)])
-    return Cost(lat, bw, np.zeros_like(n), np.zeros_like(n))
+def _binomial_children(local: int, size: int) -> int:
+    """Messages rank ``local`` sends in a binomial broadcast from 0 over ``size`` ranks."""
+    return sum(1 for i in range(max(size - 1, 0).bit_length()) if local < (1 << i) and local + (1 << i) < size)
 
 
-def hgtopk(n_bytes, setup: CommSetup) -> Cost:
-    """Hierarchical gTop-k as ``comm/sparse_hier.py`` runs it: dense inside a node, gTop-k across.
+def message_pattern(algorithm: str, numel: int, setup: CommSetup) -> MessagePattern:
+    """Bytes each rank sends and the rounds of ``algorithm`` (ring, topk, gtopk, hgtopk with
+    ``setup.node_split``) over a bucket of ``numel`` elements, from the sizes the cost functions
+    use: what a real run must hand to its backend (pinned by ``tests/test_sim_pattern.py``).
 
-    Steps (L ranks per node, N nodes): 1. binomial reduce of the n-byte accumulated gradient to the
-    node's leader over the intra link: ceil(lgL) (a + n b + n g); 2-3. the leader's selection and
-    :func:`gtopk` among the N leaders (one flow per node on the inter link); 4. broadcast of the k
-    result pairs and the k counted indices inside the node: ceil(lgL) (a + (k s + w k) b).
+    Example::
+
+        >>> from flashsgd.sim.network import CLUSTERS
+        >>> p = message_pattern("topk", 4000, CommSetup(gpus=4, cluster=CLUSTERS.get("1gbe"), density=0.01))
+        >>> p.bytes_per_rank.tolist(), p.rounds        # 3 messages of 40 int32 indices + 40 fp32 values
+        ([960.0, 960.0, 960.0, 960.0], 1)
     """
-    n = np.asarray(n_bytes, dtype=float)
-    if setup.gpus == 1:
-        return zero_cost(n)
-    c, lr = setup.cluster, setup.local_ranks
-    nodes = setup.gpus // lr
-    z = np.zeros_like(n)
-    intra = [(c.intra.alpha_s, c.intra.beta_s_per_byte)]
+    p, lr = setup.gpus, setup.ranks_per_node_used
+    n = float(numel * setup.value_bytes)
+    k = int(_k(np.asarray(n), setup)[1])
+    out = np.zeros(p)
+    if p == 1:
+        return MessagePattern(out, 0)
+    if algorithm == "ring":  # 2(P-1) steps of one n/P chunk
+        return MessagePattern(np.full(p, 2 * (p - 1) / p * n), 2 * (p - 1))
+    if algorithm == "topk":  # one round: the message to each of the P-1 others
+        return MessagePattern(np.full(p, (p - 1) * float(sparse_message_bytes(k, setup))), 1)
+    if algorithm == "gtopk":
+        return MessagePattern(gtopk_bytes_per_rank(k, setup), _rounds_gtopk(p))
+    if algorithm != "hgtopk":
+        raise ValueError(f"no message pattern for {algorithm!r}: ring, topk, gtopk or hgtopk")
+    nodes, split = p // lr, setup.node_split
+    w = setup.index_bytes
     steps = math.ceil(math.log2(lr)) if lr > 1 else 0
-    cost = zero_cost(n)
-    if steps:
-        # Step 1: node sum to the leader (binomial tree, full n bytes per round).
-        lat, bw = step_cost(n, steps, intra)
-        cost = cost + Cost(lat, bw, steps * n * c.gamma_s_per_byte, z)
-    if nodes > 1:
-        # Steps 2-3: selection at the leader, gTop-k among the leaders (one rank per node crosses).
-        cost = cost + gtopk(n, _leaders(setup))
-    else:
-        cost = cost + _sparse_start(n, setup)[2]
-    if steps:
-        cost = cost + _node_broadcast(n, setup, steps)  # Step 4
-    return cost
-
-
-def hgtopk_sparse(n_bytes, setup: CommSetup) -> Cost:
-    """Hierarchical gTop-k without dense traffic (``comm/sparse_hier.py``, ``split="sparse"``).
-
-    Steps (L ranks per node, N nodes): 1. every rank's selection and :func:`gtopk` among the L
-    ranks of its node (intra link; the selection is counted here); 2. :func:`gtopk` among the N
-    leaders (one flow per node on the inter link, no second selection); 3. broadcast of the k
-    result pairs and the k counted indices inside the node: ceil(lgL) (a + (k s + w k) b).
-    """
-    n = np.asarray(n_bytes, dtype=float)
-    if setup.gpus == 1:
-        return zero_cost(n)
-    lr = setup.local_ranks
-    nodes = setup.gpus // lr
-    steps = math.ceil(math.log2(lr))
-    leaders = _leaders(setup)
-    if lr == 1:  # one rank per node: the leaders' gTop-k is the whole exchange
-        return gtopk(n, leaders)
-    # Step 1: selection + the node's butterfly (a node alone: L ranks on the intra link)
-    cost = gtopk(n, dataclasses.replace(setup, gpus=lr, grid=None))
-    if nodes > 1:
-        # Step 2: the leaders' butterfly, without a second selection (a second call's overhead)
-        cross, select = gtopk(n, leaders), _sparse_start(n, leaders)[2]
-        cost = cost + Cost(cross.latency_s, cross.bandwidth_s, cross.compute_s - select.compute_s,
-                           cross.overhead_s)
-    if steps:
-        cost = cost + _node_broadcast(n, setup, steps)  # Step 3
-    return cost
-
-
-def hgtopk_slices(n_bytes, setup: CommSetup) -> Cost:
-    """Hierarchical gTop-k over L slices (``comm/sparse_slices.py``, ``split="slices"``).
-
-    Steps (L ranks per node, N nodes, m elements of v bytes, n = v m, w = index_bytes, k pairs):
-
-    1. node reduce-scatter by direct exchange: every rank sends the L - 1 slices it does not own
-       (n / L bytes each, all at once) and sums the L - 1 it receives; with the residual add over
-       its whole acc: a + (L-1) n/L b + (n + (L-1) n/L) g on the intra link;
-    2-3. rank l selects k/L of its m/L entries and runs :func:`gtopk` of them among the N ranks
-       with local rank l; the L exchanges cross each node's link at once (L flows share it);
-    4. node all-gather by direct exchange of the L slice results (k/L global indices, k/L counted
-       indices, k/L values per message): a + (L-1) ((k/L) w + sparse message of k/L) b, intra.
-
-    With L = 1 it is :func:`gtopk` among the nodes.
-    """
-    n = np.asarray(n_bytes, dtype=float)
-    if setup.gpus == 1:
-        return zero_cost(n)
-    c, lr = setup.cluster, setup.local_ranks
-    nodes = setup.gpus // lr
-    if lr == 1:
-        return gtopk(n, _leaders(setup))
-    z = np.zeros_like(n)
-    intra = [(c.intra.alpha_s, c.intra.beta_s_per_byte)]
-    # Step 1: L - 1 slices of n / L out and in, summed; the residual add over the whole acc
-    lat, bw = step_cost((lr - 1) * n / lr, 1, intra)
-    cost = Cost(lat, bw, (n + (lr - 1) * n / lr) * c.gamma_s_per_byte, z)
-    # Steps 2-3: selection over the slice, gTop-k of its k/L pairs among the N nodes, L flows per
-    # node (the slice's own residual add is counted by gtopk's start: take it out of step 1's)
-    if nodes > 1:
-        shared = dataclasses.replace(c, ranks_per_node=1, inter=dataclasses.replace(
-            c.inter, bandwidth_gbps=c.inter.bandwidth_gbps / lr))
-        cross = gtopk(n / lr, dataclasses.replace(setup, gpus=nodes, grid=None, cluster=shared))
-    else:
-        cross = _sparse_start(n / lr, setup)[2]
-    cost = cost + Cost(cross.latency_s, cross.bandwidth_s,
-                       cross.compute_s - n / lr * c.gamma_s_per_byte, cross.overhead_s)
-    # Step 4: the L results to every rank of the node
-    k_slice = _k(n / lr, setup)[1]
-    msg = sparse_message_bytes(k_slice, setup) + setup.index_bytes * k_slice
-    lat, bw = step_cost((lr - 1) * msg, 1, intra)
-    return cost + Cost(lat, bw, z, z)
+    if split == "slices":  # (L-1) slices of n/L, gTop-k of k/L among the nodes, the L results
+        k_slice = int(_k(np.asarray(n / lr), setup)[1])
+        cross = gtopk_bytes_per_rank(k_slice, _flat(setup, nodes))
+        result = float(sparse_message_bytes(k_slice, setup)) + w * k_slice
+        for r in range(p):
+            out[r] = (lr - 1) * (n / lr + result) + cross[r // lr]
+        return MessagePattern(out, (2 if lr > 1 else 0) + _rounds_gtopk(nodes))
+    cross = gtopk_bytes_per_rank(k, _flat(setup, nodes))
+    inner = gtopk_bytes_per_rank(k, _flat(setup, lr)) if split == "sparse" else None
+    bcast = float(sparse_message_bytes(k, setup)) + w * k  # k global + k counted indices, k values
+    for r in range(p):
+        local = r % lr
+        node_step = inner[local] if inner is not None else (n if local else 0.0)
+        out[r] = node_step + (cross[r // lr] if local == 0 else 0.0) + _binomial_children(local, lr) * bcast
+    first = _rounds_gtopk(lr) if split == "sparse" else steps
+    return MessagePattern(out, first + _rounds_gtopk(nodes) + steps)

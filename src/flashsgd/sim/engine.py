@@ -5,7 +5,7 @@ Algorithm (per iteration, one GPU's view; all GPUs are identical in data paralle
 1. Forward takes ``forward_fraction`` of the single-GPU step time ``T1 = batch / images_per_s``;
    backward the rest minus the update, spread over the gradient tensors by their backward share.
 2. Gradients are fused into buckets in backward order: DDP-style by size (close a bucket once it
-   holds >= ``bucket_mb``) or by fixed tensor counts (Fujitsu-style ``groups``, e.g. 3, 21, 57, 80).
+   holds >= ``bucket_mb`` MiB, DDP's ``bucket_cap_mb`` unit) or by fixed tensor counts (Fujitsu-style ``groups``, e.g. 3, 21, 57, 80).
 3. A bucket's exchange starts when its last gradient is ready and the previous bucket's exchange
    has finished (one communication stream); without overlap, all start after backward.
 4. The optimizer update runs after backward and the last exchange.
@@ -31,6 +31,7 @@ from typing import Literal
 
 import numpy as np
 
+from flashsgd.exchanges import DEFAULT_DENSITY, WIRE_INDEX_BYTES, option_default
 from flashsgd.sim.algorithms import exchange_cost
 from flashsgd.sim.costs import CommSetup, Cost
 from flashsgd.sim.network import ClusterModel
@@ -54,19 +55,22 @@ class SimConfig:
     precision: Literal["fp16", "fp32"] = "fp32"
     """Gradient element type on the wire."""
     bucket_mb: float = 25.0
-    """DDP-style bucket cap in MB (1e6 bytes); ignored when ``groups`` is set."""
+    """DDP-style bucket cap in MiB (2**20 bytes: DDP's ``bucket_cap_mb``); ignored when ``groups``
+    is set."""
     groups: tuple[int, ...] | None = None
     """Fixed fusion groups: numbers of tensors per group in backward order (must sum to all)."""
     overlap: bool = True
     """Start each bucket's exchange during backward (False: all after backward)."""
     grid: tuple[int, int] | None = None
     """torus2d grid X x Y (None: near-square, X a multiple of the node size)."""
-    density: float = 0.001
-    """topk / gtopk: fraction of elements sent."""
-    index_bytes: int = 4
-    """topk / gtopk: bytes per sparse index, 4 (int32: the papers, and ``comm/sparse.py`` for
-    buckets under 2**31 elements) or 8 (int64, ``comm/sparse.py`` for larger buckets)."""
-    lowrank: int = 1
+    density: float = DEFAULT_DENSITY
+    """topk / gtopk / hgtopk: fraction of elements sent (the catalog's default)."""
+    index_bytes: int = WIRE_INDEX_BYTES
+    """topk / gtopk / hgtopk: bytes per sparse index, 4 (int32: the papers, and ``comm/sparse.py``
+    for buckets under 2**31 elements) or 8 (int64, ``comm/sparse.py`` for larger buckets)."""
+    node_split: str = option_default("node_split")
+    """hgtopk: how a node combines its ranks (:data:`flashsgd.exchanges.NODE_SPLITS`)."""
+    matrix_approximation_rank: int = 1
     """powersgd: rank of the approximation (torch's ``matrix_approximation_rank``)."""
     forward_fraction: float = 1 / 3
     """Share of T1 spent in forward (backward ~ 2x forward)."""
@@ -125,7 +129,7 @@ def bucket_bounds(numels: np.ndarray, elem_bytes: int, bucket_mb: float,
         if sum(groups) != t:
             raise ValueError(f"groups {groups} sum to {sum(groups)}, need {t} (the workload's tensors)")
         return np.cumsum(groups)
-    cap = bucket_mb * 1e6
+    cap = bucket_mb * 2 ** 20  # MiB, as DDP's bucket_cap_mb
     ends, size = [], 0.0
     for i, n in enumerate(numels):
         size += float(n) * elem_bytes
@@ -153,7 +157,8 @@ def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimRe
     """Simulate one iteration of ``workload`` on ``cfg.gpus`` GPUs of ``cluster``."""
     elem = BYTES[cfg.precision]
     setup = CommSetup(gpus=cfg.gpus, cluster=cluster, grid=cfg.grid, density=cfg.density,
-                      value_bytes=elem, index_bytes=cfg.index_bytes, lowrank=cfg.lowrank)
+                      value_bytes=elem, index_bytes=cfg.index_bytes, node_split=cfg.node_split,
+                      matrix_approximation_rank=cfg.matrix_approximation_rank)
     t1 = cfg.batch_per_gpu / cfg.images_per_s
     fwd, upd = cfg.forward_fraction * t1, cfg.update_fraction * t1
     bwd = t1 - fwd - upd

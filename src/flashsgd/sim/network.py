@@ -100,13 +100,13 @@ class ClusterModel:
         """ValueError unless ``gpus`` ranks fit this cluster: full nodes, at most ``nodes`` of them."""
         if not isinstance(gpus, int) or gpus < 1:
             raise ValueError(f"the number of GPUs must be an int >= 1, got {gpus!r}")
-        lpn = self.ranks_per_node
-        if gpus > lpn and gpus % lpn:
+        per_node = self.ranks_per_node
+        if gpus > per_node and gpus % per_node:
             raise ValueError(f"{gpus} GPUs do not fill whole nodes of cluster {self.name!r} "
-                             f"({lpn} per node): use a multiple of {lpn} or at most {lpn}")
-        if self.nodes is not None and gpus > self.nodes * lpn:
-            raise ValueError(f"{gpus} GPUs exceed cluster {self.name!r}: {self.nodes} nodes x {lpn} = "
-                             f"{self.nodes * lpn} GPUs at most")
+                             f"({per_node} per node): use a multiple of {per_node} or at most {per_node}")
+        if self.nodes is not None and gpus > self.nodes * per_node:
+            raise ValueError(f"{gpus} GPUs exceed cluster {self.name!r}: {self.nodes} nodes x {per_node} = "
+                             f"{self.nodes * per_node} GPUs at most")
 
     def describe(self) -> str:
         """Human-readable summary of the cluster's parameters."""

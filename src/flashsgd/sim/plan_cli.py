@@ -9,7 +9,8 @@ anyway).
 Examples:
   flashsgd plan --cluster 1gbe --gpus 32 --model resnet50 --steps 50000
   flashsgd plan --cluster abci --gpus 4096 --model resnet50 --batch-per-gpu 32 --steps 1000
-  flashsgd plan --cluster lab.toml --gpus 8 --model resnet20 --images-per-s 900 --steps 20000
+  flashsgd plan --cluster lab.toml --gpus 8 --model flashsgd.train.models:resnet20 --images-per-s 900 \
+      --steps 20000
       # a cluster file: flashsgd.sim.cluster_file (docs/planner.md has an example)
   flashsgd plan --cluster 1gbe --gpus 16 --model profile.json --images-per-s 300 --json plan.json
 """
@@ -22,25 +23,17 @@ import math
 import time
 from pathlib import Path
 
-import numpy as np
-
 from flashsgd.sim.cluster_file import load_cluster
 from flashsgd.sim.network import CLUSTERS
-from flashsgd.sim.planner import Plan, make_plan
-from flashsgd.sim.workload import WORKLOADS, Workload, from_module, get_workload
-
-TRAIN_MODELS_CLASSES = 10  # flashsgd's own models as `flashsgd train` builds them (10 classes)
+from flashsgd.sim.planner import CommPlan, make_plan
+from flashsgd.sim.workload import MODEL_HELP, Workload, get_workload
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, metavar="PRESET_OR_FILE",
                    help=f"a preset ({', '.join(CLUSTERS.names())}) or a cluster file NAME.toml")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs (ranks)")
-    p.add_argument("--model", default="resnet50", metavar="NAME_OR_PROFILE",
-                   help=f"built-in workload ({', '.join(WORKLOADS.names())}), one of flashsgd's "
-                        "training models (resnet20, resnet18, mnist1d_cnn), a profile .json "
-                        "({\"numels\": [...], optional \"backward_share\", \"matrices\"}) or "
-                        "package.module:factory")
+    p.add_argument("--model", default="resnet50", metavar="NAME_OR_PROFILE", help=MODEL_HELP)
     p.add_argument("--batch-per-gpu", type=int, default=32, help="samples per GPU per step (default 32)")
     p.add_argument("--images-per-s", type=float, default=None,
                    help="one GPU's training throughput at --batch-per-gpu (default: the cluster's "
@@ -55,52 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the plan (every candidate, ranked) as JSON")
 
 
-def load_profile(path: str) -> Workload:
-    """A workload from a JSON profile: ``numels`` in backward order, optional ``backward_share``
-    (default: proportional to the sizes), ``matrices`` ((rows, cols) per tensor) and ``name``."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"model profile {path!r}: cannot read it as JSON ({exc})") from None
-    numels = doc.get("numels") if isinstance(doc, dict) else None
-    if not (isinstance(numels, list) and numels
-            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in numels)):
-        raise ValueError(f"model profile {path!r}: needs \"numels\": a non-empty list of positive "
-                         "integers (per-tensor gradient sizes in backward order)")
-    share = doc.get("backward_share", numels)
-    if not (isinstance(share, list) and all(isinstance(v, (int, float)) and math.isfinite(v) for v in share)):
-        raise ValueError(f"model profile {path!r}: \"backward_share\" must be a list of finite numbers")
-    matrices = doc.get("matrices")
-    if matrices is not None and not (isinstance(matrices, list) and all(
-            isinstance(m, list) and len(m) == 2 and all(isinstance(v, int) and v > 0 for v in m)
-            for m in matrices)):
-        raise ValueError(f"model profile {path!r}: \"matrices\" must be [rows, cols] pairs of positive "
-                         "integers, one per tensor")
-    try:
-        return Workload(doc.get("name", Path(path).stem), np.asarray(numels), np.asarray(share, dtype=float),
-                        note=f"profile {path}", matrices=matrices)
-    except ValueError as exc:
-        raise ValueError(f"model profile {path!r}: {exc}") from None
-
-
-def resolve_model(spec: str) -> Workload:
-    """``--model``: a profile .json, a built-in workload, a flashsgd training model, or module:factory."""
-    if spec.endswith(".json"):
-        return load_profile(spec)
-    if spec in WORKLOADS or ":" in spec:
-        return get_workload(spec)
-    from flashsgd.train.models import MODELS, build_model  # imports torch: only for these models
-
-    if spec in MODELS:
-        return from_module(build_model(spec, TRAIN_MODELS_CLASSES), name=spec)
-    raise ValueError(f"--model {spec!r}: not a built-in workload ({', '.join(WORKLOADS.names())}), a "
-                     f"training model ({', '.join(MODELS.names())}), a profile .json or "
-                     "package.module:factory")
-
-
-def print_plan(plan: Plan, top: int) -> None:
+def print_plan(plan: CommPlan, top: int) -> None:
     """The best setting of each algorithm (fastest first), the choice and what was ruled out."""
-    print(f"{'':2}{'candidate':<42} {'step ms':>8} {'compute':>8} {'exposed':>8} {'compress':>8} {'eff':>5}")
+    print(f"{'':2}{'candidate':<54} {'step ms':>8} {'compute':>8} {'exposed':>8} {'compress':>8} {'eff':>5}")
     shown: dict[str, None] = {}
     for p in plan.ranked:
         if p.candidate.algorithm in shown:
@@ -110,7 +60,7 @@ def print_plan(plan: Plan, top: int) -> None:
             p = plan.choice  # its chosen setting (a near-tied bucket cap may differ from the fastest)
         r = p.result
         mark = "*" if p is plan.choice else " "
-        print(f"{mark:2}{p.candidate.label():<42} {p.step_s * 1e3:8.1f} {r.compute_s * 1e3:8.1f} "
+        print(f"{mark:2}{p.candidate.label():<54} {p.step_s * 1e3:8.1f} {r.compute_s * 1e3:8.1f} "
               f"{r.exposed_comm_s * 1e3:8.1f} {p.compression_s * 1e3:8.1f} {r.efficiency:5.0%}")
         if len(shown) == top:
             break
@@ -139,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be an integer >= 1, got {value}")
     cluster = load_cluster(args.cluster)
     cluster.check_gpus(args.gpus)
-    workload = resolve_model(args.model)
+    workload = get_workload(args.model)
     plan = make_plan(workload, cluster, args.gpus, args.batch_per_gpu, images_per_s(args, cluster, workload),
                      steps=args.steps, accuracy_risk=args.accuracy_risk, precision=args.precision)
     elapsed = time.perf_counter() - t0

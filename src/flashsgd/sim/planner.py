@@ -11,11 +11,12 @@ Algorithm (:func:`make_plan`):
 1. Candidates (:func:`candidates`): every dense algorithm (``native``, ``ring``, ``hierarchical``
    when the run spans nodes of >= 2 ranks, ``torus2d`` on every grid X x Y = P whose rows do not
    straddle nodes unevenly), every sparse exchange (``topk``, ``gtopk``, ``hgtopk``) at
-   :data:`DENSITIES`, PowerSGD at :data:`LOWRANKS`; each with DDP bucket caps of
-   :data:`BUCKETS_MB` (1 to 128 MB).
+   :data:`DENSITIES` (``hgtopk`` with each node split of :data:`flashsgd.exchanges.NODE_SPLITS`),
+   PowerSGD at :data:`LOWRANKS`; each with DDP bucket caps of :data:`BUCKETS_MB` (1 to 128 MiB).
+   The families, defaults and rules come from the catalog :mod:`flashsgd.exchanges`.
 2. Accuracy (:func:`accuracy_rule`, ``accuracy_risk="low"``): a sparse candidate is kept only when
    every gradient entry can be sent at least :data:`MIN_COVERAGE` times over the run even without a
-   warm-up (gTop-k's step-count bound, :func:`coverage`, for Top-k too), and it runs with DGC's
+   warm-up (gTop-k's step-count bound, :func:`flashsgd.exchanges.coverage`, for Top-k too), and it runs with DGC's
    density warm-up (:data:`DENSITY_WARMUP`): what was measured on MNIST-1D (coverage 23-37 with that
    warm-up lost 0.4-0.5 points; 1.2 without lost 12-13; docs/sparse_accuracy.md). PowerSGD only at
    rank >= 2 and >= 1250 steps (rank 2 lost 0.27 points over 1250 steps, 1.02 over 120). Without
@@ -24,13 +25,13 @@ Algorithm (:func:`make_plan`):
 3. Predict every candidate with :func:`flashsgd.sim.engine.simulate` (buckets fused in backward
    order, exchanges overlapping backward on one stream) and rank by step time; ties keep the order
    of step 1 (``native`` first: the simplest choice wins a tie).
-4. The choice (:attr:`Plan.choice`): the fastest, except that a compressing exchange must beat the
+4. The choice (:attr:`CommPlan.choice`): the fastest, except that a compressing exchange must beat the
    best dense one by :data:`COMPRESSION_MARGIN`, and of bucket caps predicting within
-   :data:`BUCKET_TIE` the largest; explained in one line (:meth:`Plan.explain`): its
+   :data:`BUCKET_TIE` the largest; explained in one line (:meth:`CommPlan.explain`): its
    speed-up over the best dense choice and why (how much of that step the exchange leaves
    exposed), and why it is safe.
 
-Cost: (#dense algorithms + #grids + #densities x 3 + #ranks) x #bucket caps simulations, each
+Cost: (#dense algorithms + #grids + #densities x (2 + #node splits) + #ranks) x #bucket caps simulations, each
 O(tensors + buckets x lg P): 4096 GPUs in well under a second.
 
 Example::
@@ -46,28 +47,27 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Literal
 
+from flashsgd.exchanges import (DEFAULT_DENSITY, DENSE_ITERATIONS, EXCHANGES, MIN_COVERAGE, NODE_SPLITS,
+                                WIRE_INDEX_BYTES, SparseOptions, coverage, names)
 from flashsgd.sim.engine import SimConfig, SimResult, simulate
 from flashsgd.sim.network import ClusterModel
 from flashsgd.sim.workload import Workload
 
-DENSE = ("native", "ring", "hierarchical", "torus2d")
-SPARSE = ("topk", "gtopk", "hgtopk")
-LOWRANK = ("powersgd",)
+DENSE = tuple(names("dense"))
+SPARSE = tuple(names("sparse"))
+LOWRANK = tuple(names("lowrank"))
 BUCKETS_MB = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
-DENSITIES = (0.001, 0.01, 0.1)
+"""DDP bucket caps tried, MiB (DDP's ``bucket_cap_mb`` unit)."""
+DENSITIES = (DEFAULT_DENSITY, 0.01, 0.1)
 LOWRANKS = (1, 2, 4)
-MIN_COVERAGE = 20.0
-"""Coverage below which a sparse run loses accuracy (:data:`flashsgd.comm.sparse_checks.MIN_COVERAGE`;
-the planner stays importable without torch, a test keeps the two equal)."""
-SPARSE_START_ITER = 2
+SPARSE_START_ITER = DENSE_ITERATIONS
+"""The sparse hooks exchange densely for their first steps (the catalog's ``start_iter``)."""
 DENSITY_WARMUP = (0.25, 0.4)
 """(start density, fraction of the run): the warm-up a sparse choice runs with at low accuracy risk,
 DGC's 0.25 decaying exponentially, over 4 of 10 epochs as in the measured runs (Lin et al. 2018)."""
-MIB_IN_MB = 2 ** 20 / 1e6
-"""DDP's ``bucket_cap_mb`` counts MiB; the engine's ``bucket_mb`` MB."""
-"""The sparse hooks exchange densely for their first steps (:class:`flashsgd.comm.sparse_hooks.SparseHookState`)."""
 POWERSGD_MIN_STEPS = 1250
 POWERSGD_MIN_RANK = 2
 BUCKET_TIE = 1.01
@@ -76,9 +76,6 @@ costs the model does not see (Python-level hooks, CPU sharing) favour fewer buck
 COMPRESSION_MARGIN = 1.05
 """A compressing exchange is chosen only when it predicts a step this much faster than the best
 dense one: within the model's error a dense exchange, which changes nothing in the training, wins."""
-WIRE_INDEX_BYTES = 4
-"""Bytes per sparse index in flashsgd's own messages (``comm/sparse.py`` sends int32 indices for every
-bucket under 2**31 elements: :func:`flashsgd.comm.sparse.wire_index_dtype`)."""
 Risk = Literal["low", "any"]
 
 
@@ -88,27 +85,36 @@ class Candidate:
 
     algorithm: str
     bucket_mb: float
+    """DDP bucket cap, MiB."""
     grid: tuple[int, int] | None = None
     """torus2d: X x Y."""
     density: float | None = None
     """topk / gtopk / hgtopk: fraction of the gradient sent."""
-    rank: int | None = None
+    node_split: str | None = None
+    """hgtopk: how a node combines its ranks (:data:`flashsgd.exchanges.NODE_SPLITS`)."""
+    matrix_approximation_rank: int | None = None
     """powersgd: rank of the approximation."""
 
-    def label(self) -> str:
-        """``gtopk density 0.01, 4 MB buckets``."""
+    def setting(self) -> str:
+        """``hgtopk density 0.01 node_split=slices``: the algorithm and its setting, no bucket cap."""
         what = self.algorithm
         if self.grid:
             what += f" {self.grid[0]}x{self.grid[1]}"
         if self.density is not None:
             what += f" density {self.density:g}"
-        if self.rank is not None:
-            what += f" rank {self.rank}"
-        return f"{what}, {self.bucket_mb:g} MB buckets"
+        if self.node_split is not None:
+            what += f" node_split={self.node_split}"
+        if self.matrix_approximation_rank is not None:
+            what += f" rank {self.matrix_approximation_rank}"
+        return what
+
+    def label(self) -> str:
+        """``gtopk density 0.01, 4 MiB buckets``."""
+        return f"{self.setting()}, {self.bucket_mb:g} MiB buckets"
 
     @property
     def compresses(self) -> bool:
-        return self.algorithm in SPARSE + LOWRANK
+        return EXCHANGES.get(self.algorithm).compresses
 
 
 @dataclass(frozen=True)
@@ -130,14 +136,15 @@ class Prediction:
     def to_dict(self) -> dict:
         c, r = self.candidate, self.result
         return {"algorithm": c.algorithm, "bucket_mb": c.bucket_mb, "grid": list(c.grid) if c.grid else None,
-                "density": c.density, "rank": c.rank, "label": c.label(), "step_s": r.iteration_s,
+                "density": c.density, "node_split": c.node_split,
+                "matrix_approximation_rank": c.matrix_approximation_rank, "label": c.label(), "step_s": r.iteration_s,
                 "compute_s": r.compute_s, "exposed_comm_s": r.exposed_comm_s,
                 "compression_s": self.compression_s, "efficiency": r.efficiency,
                 "images_per_s": r.images_per_s}
 
 
 @dataclass(frozen=True)
-class Plan:
+class CommPlan:
     """Ranked predictions (fastest first) and what the accuracy rule ruled out."""
 
     cluster: ClusterModel
@@ -217,12 +224,11 @@ def grids(gpus: int, ranks_per_node: int) -> list[tuple[int, int]]:
     return out
 
 
-def coverage(steps: int, density: float) -> float:
-    """Times each gradient entry can at most be sent over ``steps`` at ``density`` without a warm-up:
-    gTop-k's step-count bound (:func:`flashsgd.comm.sparse_checks.coverage`). Top-k's bound there
-    is ``world`` times larger, an upper bound the planner does not count on (the ranks often pick
-    the same entries: plain Top-k at 0.001 over 1250 steps on 8 ranks, bound 10, lost 2.6 points)."""
-    return max(0, steps - SPARSE_START_ITER) * min(1.0, density)
+@lru_cache(maxsize=None)
+def coverage_without_warmup(steps: int, density: float) -> float:
+    """:func:`flashsgd.exchanges.coverage` of a run of ``steps`` at ``density`` without a warm-up
+    (the catalog's ``start_iter``): the bound the planner counts on (cached: one per density)."""
+    return coverage(steps, SparseOptions(density=density))
 
 
 def warmup_note() -> str:
@@ -232,8 +238,9 @@ def warmup_note() -> str:
 
 def coverage_note(c: Candidate, steps: int | None) -> str:
     if c.algorithm in LOWRANK:
-        return f"rank {c.rank} >= {POWERSGD_MIN_RANK} over {steps} >= {POWERSGD_MIN_STEPS} steps"
-    return (f"each entry can be sent {coverage(steps, c.density):.0f} times over {steps} steps even "
+        return (f"rank {c.matrix_approximation_rank} >= {POWERSGD_MIN_RANK} over {steps} >= "
+                f"{POWERSGD_MIN_STEPS} steps")
+    return (f"each entry can be sent {coverage_without_warmup(steps, c.density):.0f} times over {steps} steps even "
             f"without a warm-up (>= {MIN_COVERAGE:g}), run {warmup_note()}")
 
 
@@ -244,11 +251,11 @@ def accuracy_rule(c: Candidate, steps: int | None, risk: Risk) -> str | None:
     if steps is None:
         return "the run length is unknown (give --steps)"
     if c.algorithm in LOWRANK:
-        if c.rank < POWERSGD_MIN_RANK or steps < POWERSGD_MIN_STEPS:
+        if c.matrix_approximation_rank < POWERSGD_MIN_RANK or steps < POWERSGD_MIN_STEPS:
             return (f"kept accuracy only at rank >= {POWERSGD_MIN_RANK} over >= {POWERSGD_MIN_STEPS} "
                     "steps (measured; rank 2 over 120 steps lost 1 point)")
         return None
-    cover = coverage(steps, c.density)
+    cover = coverage_without_warmup(steps, c.density)
     if cover < MIN_COVERAGE:
         return (f"each entry could be sent only {cover:.2f} times over {steps} steps (< "
                 f"{MIN_COVERAGE:g}: step-count bound)")
@@ -266,25 +273,28 @@ def candidates(gpus: int, cluster: ClusterModel, buckets_mb=BUCKETS_MB,
             continue  # one level: the same as ring / gtopk
         if algo == "torus2d":
             settings = [{"grid": g} for g in grids(gpus, cluster.ranks_per_node)]
+        elif algo == "hgtopk":
+            settings = [{"density": d, "node_split": s} for d in DENSITIES for s in NODE_SPLITS]
         elif algo in SPARSE:
             settings = [{"density": d} for d in DENSITIES]
         elif algo in LOWRANK:
-            settings = [{"rank": r} for r in LOWRANKS]
+            settings = [{"matrix_approximation_rank": r} for r in LOWRANKS]
         else:
             settings = [{}]
         out += [Candidate(algo, float(b), **s) for s in settings for b in buckets_mb]
     return out
 
 
-def _ruled_out_lines(rejected: dict[tuple[str, str], str]) -> list[str]:
-    """One line per (algorithm, density or rank) ruled out, with its reason (every bucket cap)."""
-    return [f"{setting}: {why}" for (_, setting), why in rejected.items()]
+def _ruled_out_lines(rejected: dict[str, str]) -> list[str]:
+    """One line per algorithm and density or rank ruled out, with its reason (every bucket cap and
+    node split)."""
+    return [f"{setting}: {why}" for setting, why in rejected.items()]
 
 
 def make_plan(workload: Workload, cluster: ClusterModel, gpus: int, batch_per_gpu: int,
               images_per_s: float, steps: int | None = None, accuracy_risk: Risk = "low",
               precision: str = "fp32", index_bytes: int = WIRE_INDEX_BYTES, buckets_mb=BUCKETS_MB,
-              algorithms: tuple[str, ...] = DENSE + SPARSE + LOWRANK) -> Plan:
+              algorithms: tuple[str, ...] = DENSE + SPARSE + LOWRANK) -> CommPlan:
     """Steps 1-3 for ``gpus`` ranks of ``cluster`` training ``workload`` (see the module docstring).
 
     ``index_bytes``: bytes per sparse index on the wire (default: what ``comm/sparse.py`` sends).
@@ -300,14 +310,14 @@ def make_plan(workload: Workload, cluster: ClusterModel, gpus: int, batch_per_gp
     for c in candidates(gpus, cluster, buckets_mb, algorithms):              # Step 1
         why = accuracy_rule(c, steps, accuracy_risk)                          # Step 2
         if why is not None:
-            rejected[c.algorithm, c.label().rsplit(",", 1)[0]] = why
+            rejected[replace(c, node_split=None).setting()] = why
             continue
-        cfg = SimConfig(**{**base.__dict__, "algorithm": c.algorithm, "bucket_mb": c.bucket_mb * MIB_IN_MB,
-                           "grid": c.grid, "density": c.density or base.density,
-                           "lowrank": c.rank or 1})
+        cfg = replace(base, algorithm=c.algorithm, bucket_mb=c.bucket_mb, grid=c.grid,
+                      density=c.density or base.density, node_split=c.node_split or base.node_split,
+                      matrix_approximation_rank=c.matrix_approximation_rank or 1)
         kept.append(Prediction(c, simulate(workload, cluster, cfg)))          # Step 3
     if not kept:
         raise ValueError("no candidate left: every algorithm was ruled out ("
                          + "; ".join(_ruled_out_lines(rejected)) + ")")
     ranked = sorted(kept, key=lambda p: p.step_s)  # stable: ties keep the simplest first
-    return Plan(cluster, workload, gpus, steps, accuracy_risk, ranked, _ruled_out_lines(rejected))
+    return CommPlan(cluster, workload, gpus, steps, accuracy_risk, ranked, _ruled_out_lines(rejected))

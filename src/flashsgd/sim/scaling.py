@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flashsgd.exchanges import WIRE_INDEX_BYTES
 from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.calibrate import load_json
 from flashsgd.sim.costs import CommSetup
@@ -117,8 +118,8 @@ def design(row: dict, density: float) -> np.ndarray:
     out = []
     for cluster in clusters:
         setup = CommSetup(gpus=row["world"], cluster=cluster, grid=grid, density=density,
-                          value_bytes=4, index_bytes=4,  # comm/sparse.py: int32 indices (< 2**31 elements)
-                          matrices=matrices)
+                          value_bytes=4, index_bytes=WIRE_INDEX_BYTES,  # comm/sparse.py: int32 under 2**31 elements
+                          matrices=matrices, **({"node_split": row["node_split"]} if row.get("node_split") else {}))
         out.append(float(np.sum(fn(n, setup).total)) if row["world"] > 1 else 0.0)
     return np.array(out)
 

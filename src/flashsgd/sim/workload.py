@@ -11,8 +11,10 @@ need neither torchvision nor flashsgd's own model zoo:
 * ``vgg16``: ImageNet VGG-16 (13 conv + 3 fc, with biases), 32 tensors, 138,357,544 parameters.
 
 Any ``torch.nn.Module`` works through :func:`from_module` (shares proportional to parameter count,
-a fallback stated in the output); a measured profile is a :class:`Workload` built directly from
-per-tensor sizes and backward times.
+a fallback stated in the output), named as ``package.module:factory`` (flashsgd's training models:
+``flashsgd.train.models:resnet20``; the simulator imports nothing from ``flashsgd.train``); a
+measured profile is a JSON file (:func:`load_profile`). :func:`get_workload` resolves all of them
+for ``flashsgd simulate`` and ``flashsgd plan`` alike.
 
 Example::
 
@@ -24,7 +26,10 @@ Example::
 from __future__ import annotations
 
 import importlib
+import json
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -173,8 +178,45 @@ def from_module(module, name: str | None = None) -> Workload:
                     tuple(n for n, _ in params), "backward share per tensor = parameter count", matrices)
 
 
+MODEL_HELP = ("built-in workload (resnet50, vgg16), a profile .json ({\"numels\": [...], optional "
+              "\"backward_share\", \"matrices\"}), or package.module:factory returning a torch model "
+              "(flashsgd's own: flashsgd.train.models:resnet20, :resnet18, :mnist1d_cnn)")
+"""``--model`` of ``flashsgd simulate`` and ``flashsgd plan`` (:func:`get_workload`)."""
+
+
+def load_profile(path: str) -> Workload:
+    """A workload from a JSON profile: ``numels`` in backward order, optional ``backward_share``
+    (default: proportional to the sizes), ``matrices`` ((rows, cols) per tensor) and ``name``."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"model profile {path!r}: cannot read it as JSON ({exc})") from None
+    numels = doc.get("numels") if isinstance(doc, dict) else None
+    if not (isinstance(numels, list) and numels
+            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in numels)):
+        raise ValueError(f"model profile {path!r}: needs \"numels\": a non-empty list of positive "
+                         "integers (per-tensor gradient sizes in backward order)")
+    share = doc.get("backward_share", numels)
+    if not (isinstance(share, list) and all(isinstance(v, (int, float)) and math.isfinite(v) for v in share)):
+        raise ValueError(f"model profile {path!r}: \"backward_share\" must be a list of finite numbers")
+    matrices = doc.get("matrices")
+    if matrices is not None and not (isinstance(matrices, list) and all(
+            isinstance(m, list) and len(m) == 2 and all(isinstance(v, int) and v > 0 for v in m)
+            for m in matrices)):
+        raise ValueError(f"model profile {path!r}: \"matrices\" must be [rows, cols] pairs of positive "
+                         "integers, one per tensor")
+    try:
+        return Workload(doc.get("name", Path(path).stem), np.asarray(numels), np.asarray(share, dtype=float),
+                        note=f"profile {path}", matrices=matrices)
+    except ValueError as exc:
+        raise ValueError(f"model profile {path!r}: {exc}") from None
+
+
 def get_workload(spec: str) -> Workload:
-    """A built-in name (``resnet50``, ``vgg16``) or ``package.module:factory`` returning an nn.Module."""
+    """``--model``: a profile ``.json`` (:func:`load_profile`), a built-in name (``resnet50``,
+    ``vgg16``) or ``package.module:factory`` returning an nn.Module (:func:`from_module`)."""
+    if spec.endswith(".json"):
+        return load_profile(spec)
     if ":" in spec:
         mod_name, _, fn_name = spec.partition(":")
         try:
@@ -182,7 +224,8 @@ def get_workload(spec: str) -> Workload:
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"model {spec!r}: cannot load {fn_name!r} from {mod_name!r} ({exc})") from None
         return from_module(factory(), name=spec)
-    try:
-        return WORKLOADS.get(spec)()
-    except ValueError as exc:
-        raise ValueError(f"{exc}; or 'package.module:factory' for any torch model") from None
+    if spec not in WORKLOADS:
+        raise ValueError(f"--model {spec!r}: not a built-in workload (unknown workload {spec!r}; known: "
+                         f"{', '.join(WORKLOADS.names())}), a profile .json or package.module:factory "
+                         f"for any torch model (flashsgd's training models: 'flashsgd.train.models:{spec}')")
+    return WORKLOADS.get(spec)()
