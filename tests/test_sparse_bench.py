@@ -27,12 +27,15 @@ def test_wire_bytes_per_node():
     assert wire_bytes_per_node("topk", k, m, 8, 1) == 7 * msg         # P - 1 messages
     assert wire_bytes_per_node("gtopk", k, m, 8, 2) == 2 * 2 * msg    # rounds 1, 2 leave the node, x2 ranks
     assert wire_bytes_per_node("hgtopk", k, m, 8, 2) == 2 * msg       # leaders only, 2 rounds
+    assert wire_bytes_per_node("hgtopk", k, m, 8, 2, "sparse") == 2 * msg
+    assert wire_bytes_per_node("hgtopk", k, m, 8, 2, "slices") == 2 * 2 * message_bytes(k // 2)  # 2 slices
     assert wire_bytes_per_node("dense", k, m, 8, 2) == 2 * 3 / 4 * 4 * m
     assert wire_bytes_per_node("gtopk", k, m, 4, 4) == 0.0            # one node: no link
 
 
 def test_options_errors():
     for argv, word in ((["--densities", "0"], "--densities"), (["--algorithms", "gtopk,x"], "unknown"),
+                       (["--algorithms", "hgtopk_slices"], "unknown"), (["--node-splits", "ring"], "--node-splits"),
                        (["--world", "6", "--ranks-per-node", "4"], "ranks_per_node must divide"),
                        (["--link", "fast"], "link rate"),
                        (["--fuse", "compiled", "--selector", "exact"], "--selector threshold")):
@@ -41,19 +44,25 @@ def test_options_errors():
     cfg, world = config_from_args(_args("--world", "4", "--algorithms", "hgtopk", "--fuse", "both",
                                         "--link", "1gbit", "--ranks-per-node", "2"))
     assert (cfg.fuse, cfg.link_bps, cfg.ranks_per_node, world) == ([False, True], 10**9, 2, 4)
+    assert cfg.node_splits == ["leader"]
+    cfg, _ = config_from_args(_args("--algorithms", "hgtopk", "--node-splits", "slices,sparse"))
+    assert cfg.node_splits == ["slices", "sparse"]
 
 
 def _bench_body():
     torch.manual_seed(0)
     cfg = SparseBenchConfig(numel=20_000, densities=[0.01], algorithms=["topk", "gtopk", "hgtopk"],
-                            link_bps=10**9, ranks_per_node=2, iters=2, warmup=1, verbose=False)
+                            node_splits=["leader", "slices", "sparse"], link_bps=10**9, ranks_per_node=2,
+                            iters=2, warmup=1, verbose=False)
     return measure(cfg)
 
 
 def test_measure_rows(run_ranks):
     rows = run_ranks(_bench_body, 4)[0]
     names = [r["algorithm"] for r in rows]
-    assert names == ["add (1 pass)", "dense", "topk", "gtopk", "hgtopk"]
+    assert names == ["add (1 pass)", "dense", "topk", "gtopk", "hgtopk node_split=leader",
+                     "hgtopk node_split=slices", "hgtopk node_split=sparse"]
+    assert [r.get("node_split") for r in rows[4:]] == ["leader", "slices", "sparse"]
     for row in rows[2:]:
         for key in ("accum_ms", "select_ms", "exchange_ms", "merge_ms", "scatter_ms", "passes",
                     "wire_ms", "floor_ms", "ratio_to_dense", "e2e_ms"):

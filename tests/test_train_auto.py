@@ -82,3 +82,15 @@ def test_auto_bad_input_is_one_line_before_any_process(tmp_path, capfd, extra, m
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "run").exists()  # refused before the run directory is claimed
+
+
+def test_comm_changes_pass_the_node_split_and_the_rank():
+    from flashsgd.train.auto import comm_changes
+
+    hier = comm_changes({"algorithm": "hgtopk", "bucket_mb": 4.0, "density": 0.01, "node_split": "slices",
+                         "density_warmup": 0.25, "density_warmup_fraction": 0.4}, 2, 10)
+    assert (hier["node_split"], hier["density"], hier["density_warmup_epochs"]) == ("slices", 0.01, 4.0)
+    low = {"algorithm": "powersgd", "bucket_mb": 4.0}
+    assert comm_changes({**low, "matrix_approximation_rank": 2}, 1, 10)["matrix_approximation_rank"] == 2
+    assert comm_changes({**low, "rank": 4}, 1, 10)["matrix_approximation_rank"] == 4  # an older record
+    assert "node_split" not in comm_changes({"algorithm": "ring", "bucket_mb": 4.0}, 1, 10)

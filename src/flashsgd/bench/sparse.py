@@ -9,7 +9,8 @@ median over ``--iters``):
 1. ``add``: one ``torch.add`` over the gradient on every rank at once: the unit of a memory pass
    (ranks sharing a core included).
 2. ``dense``: ``torch.distributed.all_reduce`` of the whole gradient (native; the baseline).
-3. per algorithm (``topk``, ``gtopk``, ``hgtopk``, ``hgtopk_slices``, ``hgtopk_sparse``) and variant (eager, or the add and block maxima
+3. per algorithm (``topk``, ``gtopk``, ``hgtopk`` once per ``--node-splits`` entry, rows named
+   ``hgtopk node_split=slices``) and variant (eager, or the add and block maxima
    fused by ``torch.compile``: ``--fuse``): one bucket's step as the DDP hook does it, with error
    feedback (:mod:`flashsgd.bench.sparse_steps`): its phases accum / select / exchange / merge /
    scatter are clocked on rank 0.
@@ -32,7 +33,8 @@ eager and compiled); time, speed-up over torch.topk, passes, and the squared mas
 Example::
 
     flashsgd bench emulate --cluster 8x1 --link 1gbit -- sparse --densities 0.001,0.01 --link 1gbit
-    flashsgd bench emulate --cluster 4x2 --link 1gbit -- sparse --algorithms gtopk,hgtopk --link 1gbit
+    flashsgd bench emulate --cluster 4x2 --link 1gbit -- sparse --algorithms gtopk,hgtopk \
+        --node-splits leader,slices,sparse --link 1gbit
     flashsgd bench sparse --selection --fuse both --json runs/selection.json
 """
 
@@ -51,8 +53,8 @@ import torch.distributed as dist
 from flashsgd.bench.common import (add_run_arguments, check_run_arguments, format_header, format_row,
                                    ranks_on_this_host, run_metadata, time_ops, write_json)
 from flashsgd.bench.sparse_hook import measure_hook
-from flashsgd.bench.sparse_steps import (FLOOR_PASSES, PHASES, STEP_ALGORITHMS, SparseStepOptions,
-                                         make_step, wire_bytes_per_node)
+from flashsgd.bench.sparse_steps import (DEFAULT_NODE_SPLIT, FLOOR_PASSES, PHASES, STEP_ALGORITHMS,
+                                         SparseStepOptions, make_step, step_name, wire_bytes_per_node)
 from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, SelectionWorkspace, gtopk_bytes_sent,
                                   k_from_density, topk_bytes_sent, validate_density,
                                   wire_index_dtype)
@@ -61,6 +63,7 @@ from flashsgd.comm.sparse_hier import broadcast_len, check_node_layout
 from flashsgd.comm.sparse_select import ThresholdReuse, topk_threshold
 from flashsgd.comm.topology import get_topology
 from flashsgd.emulate.netns import parse_rate
+from flashsgd.exchanges import NODE_SPLITS
 from flashsgd.launch import run as launch_run, under_torchrun
 
 HELP = "time Top-k / gTop-k / hierarchical gTop-k against dense all-reduce, and top-k selection"
@@ -93,6 +96,8 @@ class SparseBenchConfig:
     densities: list[float] = field(default_factory=lambda: [DEFAULT_DENSITY])
     algorithms: list[str] = field(default_factory=lambda: ["topk", "gtopk"])
     """Sparse algorithms timed against dense (topk, gtopk, hgtopk)."""
+    node_splits: list[str] = field(default_factory=lambda: [DEFAULT_NODE_SPLIT])
+    """hgtopk: one row per node split (:data:`flashsgd.exchanges.NODE_SPLITS`)."""
     selector: str = "threshold"
     """Selection used by the exchange rows: a name in SELECTIONS."""
     fuse: list[bool] = field(default_factory=lambda: [False])
@@ -119,14 +124,14 @@ def _rpn(cfg: SparseBenchConfig, world: int) -> int:
     return check_node_layout(rpn, world)
 
 
-def _bytes_per_rank(algo: str, k: int, world: int, rpn: int, numel: int) -> int:
+def _bytes_per_rank(algo: str, node_split: str | None, k: int, world: int, rpn: int, numel: int) -> int:
     f32 = torch.float32
     if algo == "topk":
         return topk_bytes_sent(k, world, f32, numel)
     if algo == "gtopk":
         return max(gtopk_bytes_sent(k, world, r, f32, numel) for r in range(world))
     nodes = world // rpn
-    if algo == "hgtopk_slices":  # (R-1) slices of m/R sent in the node, a gTop-k of k/R, an all-gather
+    if node_split == "slices":  # (R-1) slices of m/R sent in the node, a gTop-k of k/R, an all-gather
         k_slice, m_slice = -(-k // rpn), -(-numel // rpn)
         cross = (max(gtopk_bytes_sent(k_slice, nodes, n, f32, m_slice) for n in range(nodes))
                  if nodes > 1 else 0)
@@ -134,7 +139,7 @@ def _bytes_per_rank(algo: str, k: int, world: int, rpn: int, numel: int) -> int:
         return 4 * numel * (rpn - 1) // rpn + cross + (rpn - 1) * word * broadcast_len(k_slice, f32, numel)
     leader = max(gtopk_bytes_sent(k, nodes, n, f32, numel) for n in range(nodes)) if nodes > 1 else 0
     bcast = (rpn - 1) * wire_index_dtype(numel).itemsize * broadcast_len(k, f32, numel)
-    if algo == "hgtopk_sparse":  # the node's gTop-k, then the leader's
+    if node_split == "sparse":  # the node's gTop-k, then the leader's
         node = max(gtopk_bytes_sent(k, rpn, r, f32, numel) for r in range(rpn)) if rpn > 1 else 0
         return node + leader + bcast
     return max(leader + bcast, 4 * numel if rpn > 1 else 0)
@@ -149,7 +154,7 @@ def measure(cfg: SparseBenchConfig) -> list[dict]:
     """Per-rank body: time add, dense and every sparse step for every density (collective)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     m, rpn = cfg.numel, _rpn(cfg, world)
-    topology = get_topology(rpn) if any(a.startswith("hgtopk") for a in cfg.algorithms) else None
+    topology = get_topology(rpn) if "hgtopk" in cfg.algorithms else None
     grad = torch.randn(m, generator=torch.Generator().manual_seed(rank))
     dense_buf, add_out = torch.zeros(m), torch.empty(m)
     talk = cfg.verbose and rank == 0
@@ -158,8 +163,10 @@ def measure(cfg: SparseBenchConfig) -> list[dict]:
     rows = []
     for density in cfg.densities:
         k = k_from_density(m, density)
-        variants = [(a, f) for a in cfg.algorithms for f in cfg.fuse]
-        steps = [make_step(a, grad, k, SparseStepOptions(cfg.selector, f, topology)) for a, f in variants]
+        variants = [(a, s, f) for a in cfg.algorithms
+                    for s in (cfg.node_splits if a == "hgtopk" else [None]) for f in cfg.fuse]
+        steps = [make_step(a, grad, k, SparseStepOptions(cfg.selector, f, topology, s or DEFAULT_NODE_SPLIT))
+                 for a, s, f in variants]
         fns = [lambda: torch.add(grad, dense_buf, out=add_out), lambda: dist.all_reduce(dense_buf)]
         timings = time_ops(fns + steps, cfg.iters, cfg.warmup)
         add_s, dense_s = timings[0].median_s, timings[1].median_s
@@ -175,18 +182,21 @@ def measure(cfg: SparseBenchConfig) -> list[dict]:
                   "floor_ms": dense_wire, "e2e_over_floor": dense_s * 1e3 / dense_wire if dense_wire else None,
                   "bytes_per_rank": 2 * (world - 1) * m * 4 // world, "ratio_to_dense": 1.0,
                   "for_density": density}]
-        for (algo, fused), step, t in zip(variants, steps, timings[2:]):
+        for (algo, split, fused), step, t in zip(variants, steps, timings[2:]):
             phases = _phase_medians(step, cfg.warmup)
-            wire = wire_bytes_per_node(algo, k, m, world, rpn) / rate * 1e3 if rate else 0.0
-            floor = FLOOR_PASSES[(algo, fused)] * add_s * 1e3 + wire
+            wire = (wire_bytes_per_node(algo, k, m, world, rpn, split or DEFAULT_NODE_SPLIT) / rate * 1e3
+                    if rate else 0.0)
+            name = step_name(algo, split)
+            floor = FLOOR_PASSES[(name, fused)] * add_s * 1e3 + wire
             batch.append({
-                "algorithm": algo + ("+compiled" if fused else ""), "density": density, "k": k,
+                "algorithm": name + ("+compiled" if fused else ""), "node_split": split,
+                "density": density, "k": k,
                 "e2e_ms": t.median_s * 1e3, "e2e_ms_min": t.min_s * 1e3, "e2e_ms_max": t.max_s * 1e3,
                 **phases,
                 "passes": (phases["accum_ms"] + phases["select_ms"] + phases["scatter_ms"]) / (add_s * 1e3),
-                "wire_ms": wire, "floor_ms": floor, "floor_passes": FLOOR_PASSES[(algo, fused)],
+                "wire_ms": wire, "floor_ms": floor, "floor_passes": FLOOR_PASSES[(name, fused)],
                 "e2e_over_floor": t.median_s * 1e3 / floor,
-                "bytes_per_rank": _bytes_per_rank(algo, k, world, rpn, m),
+                "bytes_per_rank": _bytes_per_rank(algo, split, k, world, rpn, m),
                 "ratio_to_dense": dense_s / t.median_s,
                 "ratio_to_topk": None,
             })
@@ -312,6 +322,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated, each in (0, 1] (default {DEFAULT_DENSITY}, the paper's)")
     parser.add_argument("--algorithms", default="topk,gtopk",
                         help=f"comma-separated from {', '.join(ALGORITHMS)} (default topk,gtopk)")
+    parser.add_argument("--node-splits", default=DEFAULT_NODE_SPLIT,
+                        help=f"hgtopk: comma-separated node splits, one row each, from "
+                             f"{', '.join(NODE_SPLITS)} (default {DEFAULT_NODE_SPLIT})")
     parser.add_argument("--selector", default="threshold", choices=sorted(SELECTIONS),
                         help="selection used in the exchange rows: exact (torch.topk), sampled "
                              "(sampled threshold) or threshold (block maxima, kept threshold; default)")
@@ -353,6 +366,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[SparseBenchConfig, int]:
     bad = [a for a in algorithms if a not in ALGORITHMS]
     if bad or not algorithms:
         raise ValueError(f"--algorithms: unknown {bad or '(empty)'}; valid: {', '.join(ALGORITHMS)}")
+    node_splits = [s.strip() for s in args.node_splits.split(",") if s.strip()]
+    bad = [s for s in node_splits if s not in NODE_SPLITS]
+    if bad or not node_splits:
+        raise ValueError(f"--node-splits: unknown {bad or '(empty)'}; valid: {', '.join(NODE_SPLITS)}")
     link = parse_rate(args.link) if args.link else None
     if args.ranks_per_node is not None:
         check_node_layout(args.ranks_per_node, world)
@@ -369,6 +386,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SparseBenchConfig, int]:
         raise ValueError(f"--fuse {args.fuse} fuses the threshold selector's block maxima; "
                          f"use --selector threshold (got {args.selector!r})")
     cfg = SparseBenchConfig(numel=args.numel, densities=densities, algorithms=algorithms,
+                            node_splits=node_splits,
                             selector=args.selector, fuse=fuse, link_bps=link,
                             ranks_per_node=args.ranks_per_node, iters=args.iters, warmup=args.warmup,
                             hook=args.hook, hook_layers=args.hook_layers, hook_width=args.hook_width,

@@ -8,8 +8,9 @@ with the phases clocked separately (rank-local clocks, no extra synchronization)
   ``compiled`` variant);
 - ``select``: the rest of the selection (threshold, candidates, trim to k);
 - ``exchange``: the communication: topk's all-gather with its scatter-add into a zeroed buffer;
-  gTop-k's sends and waits; hgtopk's node reduce and broadcast (with the copy into the output
-  and the scatter of the result) and the leaders' gTop-k sends;
+  gTop-k's sends and waits; hgtopk's node step (``node_split``: the leader's reduce and broadcast,
+  the slices' reduce-scatter and all-gather, or the node's gTop-k; with the copy into the output
+  and the scatter of the result) and the gTop-k sends among the nodes;
 - ``merge``: gTop-k's pairwise merges and counted-index tracking;
 - ``scatter``: the dense average written into the bucket and the residual's counted entries
   zeroed.
@@ -23,6 +24,8 @@ Example::
 
     >>> step = make_step("gtopk", grad, k, SparseStepOptions(selector="threshold"))
     >>> step()            # one bucket's step; step.splits holds the phase times of each call
+    >>> step_name("hgtopk", "slices")                   # the row of hgtopk with that node split
+    'hgtopk node_split=slices'
 """
 
 from __future__ import annotations
@@ -39,11 +42,20 @@ from flashsgd.comm.sparse_fused import add_block_maxima_
 from flashsgd.comm.sparse_hier import hgtopk_allreduce
 from flashsgd.comm.sparse_select import ThresholdReuse, auto_block, topk_threshold
 from flashsgd.comm.topology import Topology
+from flashsgd.exchanges import NODE_SPLITS, names, option_default
 
 PHASES = ("accum", "select", "exchange", "merge", "scatter")
-STEP_ALGORITHMS = ("topk", "gtopk", "hgtopk", "hgtopk_slices", "hgtopk_sparse")
-"""hgtopk_slices / hgtopk_sparse: hgtopk with ``split="slices"`` / ``"sparse"``
-(:func:`flashsgd.comm.sparse_hier.hgtopk_allreduce`)."""
+STEP_ALGORITHMS = tuple(names("sparse"))
+"""The catalog's sparse exchanges; hgtopk's node split is an option (:class:`SparseStepOptions`)."""
+DEFAULT_NODE_SPLIT = option_default("node_split")
+
+
+def step_name(algorithm: str, node_split: str | None = None) -> str:
+    """Row name of a step: the algorithm, and for hgtopk its node split (``hgtopk node_split=slices``)."""
+    if algorithm != "hgtopk":
+        return algorithm
+    return f"hgtopk node_split={node_split or DEFAULT_NODE_SPLIT}"
+
 
 FLOOR_PASSES = {
     # 1 (residual += grad) + 2/3 (block maxima: read 4m) + 1/3 (zero fill of the bucket: write 4m)
@@ -55,18 +67,18 @@ FLOOR_PASSES = {
     ("topk", True): 2.0,
     # per rank: add (1) + copy of acc into the bucket (2/3) + zero fill (1/3); the leader adds the
     # reduce's sum (1 per other rank of the node, counted once) and the block maxima (2/3)
-    ("hgtopk", False): 11 / 3,
-    ("hgtopk", True): 3.0,
+    ("hgtopk node_split=leader", False): 11 / 3,
+    ("hgtopk node_split=leader", True): 3.0,
     # per rank, R = 2: add (1) + own slice copied and the other summed in (1/3 + 1/2) + block
     # maxima of the slice (1/2) + zero fill (1/3)
-    ("hgtopk_slices", False): 8 / 3,
-    ("hgtopk_slices", True): 8 / 3,
+    ("hgtopk node_split=slices", False): 8 / 3,
+    ("hgtopk node_split=slices", True): 8 / 3,
     # no dense traffic: as gtopk
-    ("hgtopk_sparse", False): 2.0,
-    ("hgtopk_sparse", True): 4 / 3,
+    ("hgtopk node_split=sparse", False): 2.0,
+    ("hgtopk node_split=sparse", True): 4 / 3,
 }
 """Memory passes (units of one torch.add over the gradient) each step cannot avoid; key
-(algorithm, fused with torch.compile)."""
+(:func:`step_name`, fused with torch.compile)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,12 @@ class SparseStepOptions:
     """Fuse the add and the block maxima with torch.compile (``threshold`` selector only)."""
     topology: Topology | None = None
     """hgtopk's node layout (required for hgtopk)."""
+    node_split: str = DEFAULT_NODE_SPLIT
+    """hgtopk: how a node combines its ranks (:data:`flashsgd.exchanges.NODE_SPLITS`)."""
+
+    def __post_init__(self) -> None:
+        if self.node_split not in NODE_SPLITS:
+            raise ValueError(f"node_split must be one of {', '.join(NODE_SPLITS)}, got {self.node_split!r}")
 
 
 class SparseStep:
@@ -88,7 +106,7 @@ class SparseStep:
                  "splits")
 
     def __init__(self, algorithm: str, grad: torch.Tensor, k: int, options: SparseStepOptions) -> None:
-        if algorithm.startswith("hgtopk") and options.topology is None:
+        if algorithm == "hgtopk" and options.topology is None:
             raise ValueError("hgtopk needs options.topology (ranks per node)")
         self.algorithm, self.grad, self.k, self.options = algorithm, grad, k, options
         self.residual = torch.zeros_like(grad)
@@ -107,7 +125,8 @@ class SparseStep:
     def _accumulate(self) -> torch.Tensor | None:
         """residual += grad (with the block maxima when they will be used)."""
         block = auto_block(self.grad.numel(), self.k)
-        dense_in_node = self.algorithm in ("hgtopk", "hgtopk_slices")  # they select the node sum
+        dense_in_node = self.algorithm == "hgtopk" and self.options.node_split in ("leader", "slices")
+        # (they select over the node sum, not over this rank's residual)
         if self.options.selector == "threshold" and block and not dense_in_node:
             return add_block_maxima_(self.residual, self.grad, block, compiled=self.options.compiled)
         self.residual.add_(self.grad)
@@ -119,7 +138,7 @@ class SparseStep:
         t0 = time.perf_counter()
         bmax = self._accumulate()
         t1 = time.perf_counter()
-        if self.algorithm.startswith("hgtopk"):
+        if self.algorithm == "hgtopk":
             sel = {"s": 0.0}
 
             def timed_select(x, k):
@@ -130,7 +149,7 @@ class SparseStep:
 
             res = hgtopk_allreduce(self.residual, self.k, self.options.topology, out=self.out,
                                    select=timed_select, check=False, timings=tm,
-                                   split=self.algorithm.partition("_")[2] or "leader")
+                                   split=self.options.node_split)
             t3 = time.perf_counter()
             t2 = t1 + sel["s"]
             self.out.div_(world)
@@ -165,15 +184,15 @@ def make_step(algorithm: str, grad: torch.Tensor, k: int, options: SparseStepOpt
 
 # --------------------------------------------------------------------------------- wire ---------
 
-def _gtopk_cross_bytes(k: int, world: int, rpn: int, numel: int) -> list[int]:
-    """Per node: bytes flat gTop-k over ``world`` ranks (node-major, rpn per node) sends to
+def _gtopk_cross_bytes(k: int, world: int, ranks_per_node: int, numel: int) -> list[int]:
+    """Per node: bytes flat gTop-k over ``world`` ranks (node-major) sends to
     other nodes (butterfly partners r XOR 2^i, fold-in r -> r - P2, fold-out r -> r + P2)."""
     p2 = 1 << (world.bit_length() - 1)
     msg = message_bytes(k, torch.float32, numel)
     rounds = p2.bit_length() - 1
     # the fold-out message (pairs + survivor mask): what the rank sends beyond its rounds
     fold_out = gtopk_bytes_sent(k, world, 0, torch.float32, numel) - rounds * msg
-    out = [0] * (world // rpn)
+    out = [0] * (world // ranks_per_node)
     for r in range(world):
         sends = []
         if r >= p2:
@@ -182,30 +201,33 @@ def _gtopk_cross_bytes(k: int, world: int, rpn: int, numel: int) -> list[int]:
             sends += [(r ^ (1 << i), msg) for i in range(rounds)]
             if r + p2 < world:
                 sends.append((r + p2, fold_out))
-        out[r // rpn] += sum(b for peer, b in sends if peer // rpn != r // rpn)
+        out[r // ranks_per_node] += sum(b for peer, b in sends if peer // ranks_per_node != r // ranks_per_node)
     return out
 
 
-def wire_bytes_per_node(algorithm: str, k: int, numel: int, world: int, rpn: int) -> float:
+def wire_bytes_per_node(algorithm: str, k: int, numel: int, world: int, ranks_per_node: int,
+                        node_split: str = DEFAULT_NODE_SPLIT) -> float:
     """Bytes through the busiest node's link (one direction) for one step of ``algorithm``.
 
     dense: 2(N-1)/N * 4m (the bound of any all-reduce); topk: each rank's message to the P - R
     ranks of other nodes, R ranks per node; gtopk: the cross-node sends of the butterfly;
-    hgtopk: the node leader's gTop-k among the N leaders. N = world / rpn nodes.
+    hgtopk: the node leader's gTop-k among the N leaders (``node_split`` leader or sparse), or R
+    gTop-k of k/R pairs leaving the node at once (slices). N = world / R nodes.
     """
-    nodes = world // rpn
+    nodes = world // ranks_per_node
     if nodes <= 1:
         return 0.0
     if algorithm == "dense":
         return 2 * (nodes - 1) / nodes * 4 * numel
     if algorithm == "topk":
-        return rpn * (world - rpn) * message_bytes(k, torch.float32, numel)
+        return ranks_per_node * (world - ranks_per_node) * message_bytes(k, torch.float32, numel)
     if algorithm == "gtopk":
-        return float(max(_gtopk_cross_bytes(k, world, rpn, numel)))
-    if algorithm in ("hgtopk", "hgtopk_sparse"):
+        return float(max(_gtopk_cross_bytes(k, world, ranks_per_node, numel)))
+    if algorithm == "hgtopk" and node_split in ("leader", "sparse"):
         return float(max(gtopk_bytes_sent(k, nodes, n, torch.float32, numel) for n in range(nodes)))
-    if algorithm == "hgtopk_slices":  # R gTop-k of ~k/R pairs leave each node at once
-        k_slice = -(-k // rpn)
-        return float(rpn * max(gtopk_bytes_sent(k_slice, nodes, n, torch.float32, -(-numel // rpn))
-                               for n in range(nodes)))
+    if algorithm == "hgtopk" and node_split == "slices":  # R gTop-k of ~k/R pairs leave each node at once
+        k_slice = -(-k // ranks_per_node)
+        m_slice = -(-numel // ranks_per_node)
+        return float(ranks_per_node * max(gtopk_bytes_sent(k_slice, nodes, n, torch.float32, m_slice)
+                                          for n in range(nodes)))
     raise ValueError(f"unknown algorithm {algorithm!r}")

@@ -300,8 +300,11 @@ def comm_changes(choice: dict, ranks_per_node: int, epochs: int) -> dict[str, An
         changes["density"] = choice["density"]
     if choice.get("grid"):
         changes["grid"] = f"{choice['grid'][0]}x{choice['grid'][1]}"
-    if choice.get("rank") is not None:
-        changes["matrix_approximation_rank"] = choice["rank"]
+    if choice.get("node_split") is not None:
+        changes["node_split"] = choice["node_split"]
+    rank = choice.get("matrix_approximation_rank", choice.get("rank"))  # "rank": older auto.json records
+    if rank is not None:
+        changes["matrix_approximation_rank"] = rank
     return changes
 
 
