@@ -411,7 +411,10 @@ def coverage(total_steps: int, options: SparseOptions) -> float:
         >>> round(coverage(1250, SparseOptions(density=0.001)), 3)
         1.248
     """
-    return sum(min(1.0, options.density_at(s)) for s in range(options.start_iter, total_steps))
+    start = options.start_iter
+    warm_end = max(start, min(total_steps, options.density_warmup_steps if options.density_warmup else 0))
+    warm = sum(min(1.0, options.density_at(s)) for s in range(start, warm_end))  # O(warm-up steps)
+    return warm + max(0, total_steps - warm_end) * min(1.0, options.density)  # flat after it
 
 
 def steps_for_coverage(options: SparseOptions, target: float = MIN_COVERAGE) -> int:
