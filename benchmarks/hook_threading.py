@@ -1,13 +1,16 @@
 """Does a communication thread pay for itself in the Gloo hooks? (``threaded=False`` vs ``True``)
 
-Trains an MLP with DDP on W local Gloo ranks and times full training steps (forward, backward with
-the hook, SGD step; barrier before each, max over ranks, median over steps) for DDP's built-in
-all-reduce (``native``) and for the ring and torus2d hooks of ``flashsgd.comm.dense_hooks``, each
-with ``threaded=False`` (the bucket is reduced inside the hook, backward waits) and
-``threaded=True`` (the hook's default: a communication thread reduces while backward goes on).
-Both options are passed explicitly. Configurations are interleaved round by round so that
-background load on a shared machine hits all of them alike. Prints the median step time and the
-ratio to native measured in the same run.
+Trains an MLP with DDP on W local Gloo ranks and times full training steps - the trainer's own
+step (:class:`flashsgd.train.step.TrainStep` through :func:`flashsgd.bench.sparse_hook.hook_step`:
+forward, loss, backward with the hook, the [loss, samples, non-finite] all-reduce, SGD step) - for
+DDP's built-in all-reduce (``native``) and for the ring and torus2d hooks of
+``flashsgd.comm.dense_hooks``, each with ``threaded=False`` (the bucket is reduced inside the hook,
+backward waits) and ``threaded=True`` (the hook's default: a communication thread reduces while
+backward goes on). Both options are passed explicitly. Timed with :func:`flashsgd.timing.time_ops`
+(interleaved step by step, barrier before each, slowest rank, median): ``--rounds`` x
+(``--steps`` - 1) timed steps per configuration after ``--steps`` - 1 untimed ones. The MLP is
+``bench sparse --hook``'s (5 square layers of ``--width`` and a 10-way head). Prints the median
+step time and the ratio to native measured in the same run.
 
     python benchmarks/hook_threading.py --world 4 --rounds 5 --steps 6
 """
@@ -15,49 +18,20 @@ ratio to native measured in the same run.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
-import torch
 import torch._dynamo  # noqa: F401  imported once before forking (DDP imports it)
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from flashsgd.comm.hooks import register_hook
+from flashsgd.bench.sparse_hook import hook_model, hook_step
 from flashsgd.launch import spawn
+from flashsgd.timing import time_ops
 
-
-def _model(width: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(64, width), torch.nn.ReLU()]
-    for _ in range(4):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))  # ~4 * width^2 parameters
+LAYERS = 5
 
 
 def _worker(configs, rounds, steps, width, batch, bucket_mb):
-    rank = dist.get_rank()
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(batch, 64, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    runs = []
-    for name, opts in configs:
-        model = DDP(_model(width), bucket_cap_mb=bucket_mb)
-        register_hook(model, name, **opts)
-        runs.append((model, torch.optim.SGD(model.parameters(), lr=0.01)))
-    times = {i: [] for i in range(len(configs))}
-    for _ in range(rounds):
-        for i, (model, opt) in enumerate(runs):
-            for step in range(steps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                if step >= 1:  # the first step of a round re-warms caches
-                    times[i].append(dt.item())
-    return {i: statistics.median(t) for i, t in times.items()}
+    fns = [hook_step(name, opts, LAYERS, width, bucket_mb, batch)[0] for name, opts in configs]
+    timings = time_ops(fns, iters=rounds * max(1, steps - 1), warmup=max(1, steps - 1))
+    return [t.median_s for t in timings]
 
 
 def main() -> None:
@@ -76,9 +50,9 @@ def main() -> None:
         configs += [(name, dict(extra, threaded=False)), (name, dict(extra, threaded=True))]
     med = spawn(_worker, a.world, (configs, a.rounds, a.steps, a.width, a.batch, a.bucket_mb),
                 timeout_s=1200)[0]
-    params = sum(q.numel() for q in _model(a.width).parameters())
+    params = sum(q.numel() for q in hook_model(LAYERS, a.width).parameters())
     print(f"# world {a.world}, MLP {params / 1e6:.2f} M params ({params * 4 / 2**20:.1f} MiB fp32), "
-          f"batch {a.batch}/rank, bucket_cap_mb {a.bucket_mb}, {a.rounds} rounds x {a.steps} steps")
+          f"batch {a.batch}/rank, bucket_cap_mb {a.bucket_mb}, {a.rounds * max(1, a.steps - 1)} timed steps")
     print(f"{'hook':<28}{'step(ms)':>10}{'x native':>10}")
     for i, (name, opts) in enumerate(configs):
         label = name if name == "native" else f"{name} threaded={opts['threaded']}"

@@ -29,10 +29,11 @@ from flashsgd.bench.common import (ALLREDUCE_COLUMNS, DTYPES, add_run_arguments,
                                    bus_factor, check_memory, check_run_arguments, dtype_name,
                                    format_header, format_row, host_memory_available, human_size,
                                    parse_dtype, parse_sizes, ranks_on_this_host, run_metadata,
-                                   time_ops, write_json)
+                                   write_json)
 from flashsgd.comm.dense import ALLREDUCE
 from flashsgd.comm.topology import divisors, get_topology, parse_grid
 from flashsgd.launch import default_backend, run as launch_run, under_torchrun
+from flashsgd.timing import time_ops
 
 HELP = f"time {'/'.join(ALLREDUCE.names())} all-reduce over message sizes (nccl-tests rows)"
 DEFAULT_SIZES = "4K,64K,1M,16M,128M"
@@ -85,7 +86,7 @@ def measure(cfg: AllreduceBenchConfig) -> list[dict]:
     For each size:
 
     1. one verified call per algorithm (:func:`_verify`: exact sum, ``check=True``);
-    2. :func:`~flashsgd.bench.common.time_ops`: ``warmup`` untimed calls each, then ``iters``
+    2. :func:`~flashsgd.timing.time_ops`: ``warmup`` untimed calls each, then ``iters``
        repetitions with the algorithms interleaved (barrier before each call, max over ranks);
     3. one row per algorithm: median time, min/max, algbw, busbw, ratio to native's median.
     """

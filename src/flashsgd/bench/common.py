@@ -2,16 +2,15 @@
 
 Conventions (nccl-tests, doc/PERFORMANCE.md): a size is the bytes each rank contributes;
 ``algbw = size / time`` and ``busbw = algbw * factor`` with factor 2(P-1)/P for all-reduce and
-(P-1)/P for reduce-scatter / all-gather, GB = 1e9 bytes. Timing (:func:`time_ops`): warm-up calls
-excluded, every repetition starts after a barrier, a repetition's time is the maximum over ranks
-(the collective is done when its slowest rank is), and the median over repetitions is reported
-with its min and max as the spread. :func:`time_ops` interleaves the compared calls repetition by
-repetition, so a drifting background load (a shared machine) biases none of them.
+(P-1)/P for reduce-scatter / all-gather, GB = 1e9 bytes. Timing is :func:`flashsgd.timing.time_ops`
+(the one step timer): warm-up calls excluded, every repetition starts after a barrier, a
+repetition's time is the maximum over ranks, the median reported with its min and max, the compared
+calls interleaved repetition by repetition.
 
 Used by ``flashsgd bench allreduce`` and reusable by the other communication benchmarks: call
-:func:`time_ops` inside an initialized process group, build rows as dicts, print them with
-:func:`format_row` under :func:`format_header` (extra columns are appended by passing a longer
-column list), and save with :func:`write_json` next to :func:`run_metadata`. Before spawning,
+:func:`~flashsgd.timing.time_ops` inside an initialized process group, build rows as dicts,
+print them with :func:`format_row` under :func:`format_header` (extra columns are appended by
+passing a longer column list), and save with :func:`write_json` next to :func:`run_metadata`. Before spawning,
 :func:`check_memory` refuses message sizes whose buffers cannot fit in memory.
 
 Example::
@@ -33,14 +32,10 @@ import os
 import platform
 import re
 import socket
-import statistics
 import sys
-import time
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
 from flashsgd.launch import under_torchrun
 
@@ -105,64 +100,6 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-# ---------------------------------------------------------------------------------- timing ------
-
-@dataclass(frozen=True)
-class Timing:
-    """Seconds per call over the repetitions (each the max over ranks)."""
-
-    median_s: float
-    min_s: float
-    max_s: float
-    reps: int
-
-
-def time_ops(fns: Sequence[Callable[[], Any]], iters: int, warmup: int,
-             group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> list[Timing]:
-    """Time several collective calls, interleaved: warm-up excluded, barrier before each call.
-
-    Must be called by every rank of ``group`` with the same ``fns`` (each is collective).
-
-    1. ``warmup`` untimed calls of each function.
-    2. For each of the ``iters`` repetitions, call every function once after a barrier and read
-       this rank's clock around it; the order rotates by one per repetition. Interleaving makes
-       background load on a shared machine hit every function alike (a comparison measured this
-       way is fair even when the load drifts), rotation removes any benefit of going first.
-    3. One MAX all-reduce of the (iters, len(fns)) times: a repetition's time is its slowest rank
-       (the collective is done when every rank is); no extra collective inside a timed region.
-    4. Median over repetitions, with min and max as the spread.
-
-    With a CUDA ``device`` the device is synchronized before each clock read.
-    """
-    if iters < 1 or warmup < 0:
-        raise ValueError(f"iters must be >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
-    cuda = device is not None and device.type == "cuda"
-    # Step 1
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    # Step 2
-    k = len(fns)
-    times = [[0.0] * k for _ in range(iters)]
-    for i in range(iters):
-        for j in range(k):
-            j = (i + j) % k
-            dist.barrier(group)
-            if cuda:
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fns[j]()
-            if cuda:
-                torch.cuda.synchronize(device)
-            times[i][j] = time.perf_counter() - t0
-    # Step 3
-    reduced = torch.tensor(times, dtype=torch.float64, device=device)  # (iters, k)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-    # Step 4
-    per_fn = reduced.t().tolist()  # (k, iters)
-    return [Timing(statistics.median(t), min(t), max(t), iters) for t in per_fn]
 
 
 def bus_factor(collective: str, world: int) -> float:

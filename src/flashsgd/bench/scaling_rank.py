@@ -2,11 +2,11 @@
 
 Run by :mod:`flashsgd.bench.scaling` on every rank of an emulated cluster (torchrun's environment,
 see :mod:`flashsgd.emulate.ranks`) as ``python -m flashsgd.bench.scaling_rank SPEC.json OUT.json``.
-The step is the trainer's (:meth:`flashsgd.train.trainer.Worker.train_step`, composed from the same
-building blocks): a :class:`~flashsgd.train.data.ShardedSampler` batch of the run's dataset, forward,
-loss (sum x W / B, Goyal et al. 2017), backward through DDP + the hook
-(:func:`flashsgd.train.trainer.build_ddp`), the small all-reduce of [loss, samples, non-finite],
-and the recipe's optimizer step (:func:`flashsgd.optim.plan.prepare`: LARS or SGD).
+The step is the trainer's own :class:`flashsgd.train.step.TrainStep` (the object
+:class:`flashsgd.train.worker.Worker` runs): a :class:`~flashsgd.train.data.ShardedSampler` batch of
+the run's dataset, forward, loss (sum x W / B, Goyal et al. 2017), backward through DDP + the hook
+(:func:`flashsgd.train.rank.build_ddp`), the small all-reduce of [loss, samples, non-finite], and
+the recipe's optimizer step (:func:`flashsgd.optim.plan.prepare`: LARS or SGD).
 
 Algorithm (:func:`rank_main`):
 
@@ -16,10 +16,10 @@ Algorithm (:func:`rank_main`):
 2. Build each hook's model (same seed), optimizer, DDP + hook (:class:`Trainer`); ``warmup``
    untimed steps each (DDP rebuilds its buckets after the first; sparse hooks compress from the
    third).
-3. ``iters`` rounds of one timed step per hook, the order rotating every round, each step after a
-   barrier; a step's time is the slowest rank's (all-reduce MAX). Rank 0's split: forward, backward
-   (with the exchange of synchronous hooks), the hook's own time
-   (:class:`~flashsgd.train.trainer.CommTimer`), sync all-reduce, optimizer.
+3. ``iters`` rounds of one timed step per hook (:func:`flashsgd.timing.time_ops`): the order
+   rotating every round, each step after a barrier; a step's time is the slowest rank's (all-reduce
+   MAX). Rank 0's split: forward, backward (with the exchange of synchronous hooks), the hook's own
+   time (:class:`~flashsgd.train.rank.CommTimer`), sync all-reduce, optimizer.
 4. Sparse hooks: the compression (accumulate + selection) of each DDP bucket timed apart on this
    rank, at the same CPU share.
 5. Rank 0 writes the rows to ``OUT.json``; before every step it appends the hook's name to
@@ -45,25 +45,30 @@ from flashsgd.comm.sparse_hooks import ALGORITHMS as SPARSE_HOOKS
 def run_config(spec: dict, comm: str, world: int) -> dict:
     """The flat config keys (:func:`flashsgd.train.config.resolve`) of one measured hook."""
     batch = spec["batch"] * world
+    samples = batch * (spec["warmup"] + spec["iters"] + 1)
+    if spec["dataset"] == "mnist1d":  # generated in multiples of 10
+        samples = -(-samples // 10) * 10
     return {"dataset": spec["dataset"], "image_shape": spec["image_shape"], "model": spec["model"],
-            "channels": spec["channels"], "num_samples": batch * (spec["warmup"] + spec["iters"] + 1),
+            "channels": spec["channels"], "num_samples": samples,
             "recipe": spec["recipe"], "proxy_tuning": False, "global_batch": batch,
             "algorithm": comm, "ranks_per_node": spec["ranks_per_node"], "density": spec["density"],
             "selection": spec["selection"], "bucket_mb": spec["bucket_mb"], "workers": world,
             "timeout_s": spec["timeout_s"], "threads": spec["threads"], "progress": False,
-            "out": spec["out_dir"], "seed": 0,
+            "out": spec["out_dir"], "seed": 0, **({"grid": spec["grid"]} if spec.get("grid") else {}),
             # auto: a benchmark measures speed, so every candidate may be chosen (as measured here)
             **({"accuracy_risk": "any"} if comm == "auto" else {})}
 
 
 class Trainer:
-    """Model, optimizer, DDP + hook and sampler of one hook's measurement (Step 2)."""
+    """Model, optimizer, DDP + hook, sampler and :class:`~flashsgd.train.step.TrainStep` of one
+    hook's measurement (Step 2)."""
 
     def __init__(self, plan, data, device) -> None:
         from flashsgd.optim.plan import prepare
         from flashsgd.train.data import ShardedSampler
         from flashsgd.train.models import build_model
-        from flashsgd.train.trainer import CommTimer, build_ddp
+        from flashsgd.train.rank import CommTimer, build_ddp
+        from flashsgd.train.step import TrainStep
 
         cfg = plan.config
         self.plan, self.data, self.device = plan, data, device
@@ -83,41 +88,29 @@ class Trainer:
             self.plan = plan
         self.timer = CommTimer()
         self.ddp, self.hook_state, _ = build_ddp(plan, self.model, device, self.timer)
+        self.train_step = TrainStep(self.ddp, self.optimizer, self.loss_fn, self.timer, device,
+                                    nonfinite="skip")
         self.sampler = ShardedSampler(plan.num_train, self.rank, self.world, cfg.run.seed)
         self.sampler.set_epoch(0, plan.batch_at(0))
         self.batches = iter(self.sampler)
         self.sizes = self.sampler.global_sizes()
         self.aug = torch.Generator().manual_seed(cfg.run.seed * 7919 + self.rank)
         self.step_no = 0
+        self.splits: list[dict[str, float]] = []
 
     def step(self) -> dict[str, float]:
-        """One training step as the trainer runs it; returns rank 0's split in seconds."""
-        t0 = time.perf_counter()
+        """One training step as the trainer runs it; returns (and records) rank 0's split in
+        seconds and the loss."""
         i = self.step_no % len(self.sizes)
         idx = next(self.batches)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.plan.lr_at(i / len(self.sizes))
-        x, y = self.data.train.batch(idx, self.aug, train=True)
-        x, y = x.to(self.device), y.to(self.device)
-        comm0 = self.timer.seconds
-        t1 = time.perf_counter()
-        loss_sum = self.loss_fn(self.ddp(x), y)
-        t2 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=False)
-        (loss_sum * (self.world / self.sizes[i])).backward()
-        t3 = time.perf_counter()
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        bad = (~torch.isfinite(torch.stack([g.sum() for g in grads]).sum())).double()
-        stats = torch.stack([loss_sum.detach().double(), torch.tensor(float(len(y)), dtype=torch.float64),
-                             bad])
-        dist.all_reduce(stats)
-        t4 = time.perf_counter()
-        if stats[2].item() == 0:
-            self.optimizer.step()
-        t5 = time.perf_counter()
+        res = self.train_step(lambda: self.data.train.batch(idx, self.aug, train=True), self.sizes[i],
+                              lr=self.plan.lr_at(i / len(self.sizes)), step=self.step_no)
         self.step_no += 1
-        return {"data": t1 - t0, "forward": t2 - t1, "backward": t3 - t2, "hook": self.timer.seconds - comm0,
-                "sync": t4 - t3, "optimizer": t5 - t4, "loss": stats[0].item() / stats[1].item()}
+        t = res.times()
+        split = {"data": t["data"], "forward": t["forward"], "backward": t["backward"], "hook": t["comm"],
+                 "sync": t["sync"], "optimizer": t["optimizer"], "loss": res.loss}
+        self.splits.append(split)
+        return split
 
     def bucket_bytes(self) -> list[int]:
         """DDP's gradient bucket sizes in bytes (after its rebuild), in reduction order."""
@@ -130,7 +123,7 @@ def model_info(spec: dict) -> dict:
     workload)."""
     from flashsgd.train.config import resolve
     from flashsgd.train.models import build_model
-    from flashsgd.train.trainer import load_data
+    from flashsgd.train.rank import load_data
 
     data = load_data(resolve(cli=run_config(spec, "noop", 1)))
     model = build_model(spec["model"], data.num_classes, spec["channels"])
@@ -168,7 +161,7 @@ def build(spec: dict, comm: str, data) -> "Trainer | dict":
     """Steps 1-2 for one hook: its trainer, or a ``skipped`` row naming why it cannot run here."""
     from flashsgd.train.config import resolve
     from flashsgd.train.plan import build_plan
-    from flashsgd.train.trainer import setup_process
+    from flashsgd.train.rank import setup_process
 
     world = dist.get_world_size()
     try:
@@ -181,32 +174,31 @@ def build(spec: dict, comm: str, data) -> "Trainer | dict":
 
 def timed_steps(spec: dict, trainers: dict, progress: Path | None) -> dict[str, list]:
     """Steps 2-3: warm-up per hook, then ``iters`` rounds of one step per hook, the order rotating
-    each round (drifting background load biases no hook); each step after a barrier."""
-    for comm, trainer in trainers.items():
-        for _ in range(spec["warmup"]):
+    each round (drifting background load biases no hook); each step after a barrier
+    (:func:`flashsgd.timing.time_ops`). Returns {hook: [(slowest rank's seconds, rank 0's split)]}."""
+    from flashsgd.timing import time_ops
+
+    def timed(comm: str, trainer: Trainer):
+        def step() -> None:
             _tick(progress, comm)
             trainer.step()
+        return step
+
     names = list(trainers)
-    out: dict[str, list] = {c: [] for c in names}
-    for i in range(spec["iters"]):
-        for comm in names[i % len(names):] + names[:i % len(names)]:
-            _tick(progress, comm)
-            dist.barrier()
-            t0 = time.perf_counter()
-            split = trainers[comm].step()
-            out[comm].append((time.perf_counter() - t0, split))
-    return out
+    for trainer in trainers.values():
+        trainer.splits.clear()
+    timings = time_ops([timed(c, trainers[c]) for c in names], iters=spec["iters"], warmup=spec["warmup"])
+    return {c: list(zip(t.times_s, trainers[c].splits[spec["warmup"]:]))
+            for c, t in zip(names, timings)}
 
 
 def row_of(spec: dict, comm: str, trainer: Trainer, steps: list) -> dict:
     """The row of one hook: step times of the slowest rank, rank 0's split (Step 3), compression
     (Step 4)."""
-    slowest = torch.tensor([d for d, _ in steps], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     splits = [s for _, s in steps]
     buckets = trainer.bucket_bytes()
     plan = trainer.plan
-    row = {"comm": comm, "step_s": slowest.tolist(), "bucket_bytes": buckets,
+    row = {"comm": comm, "step_s": [d for d, _ in steps], "bucket_bytes": buckets,
            "split_s": {k: statistics.median(s[k] for s in splits) for k in splits[0] if k != "loss"},
            "loss_first": splits[0]["loss"], "loss_last": splits[-1]["loss"],
            "hook_options": plan.hook_options, "grid": list(plan.grid) if plan.grid else None,
@@ -230,7 +222,7 @@ def _tick(progress: Path | None, comm: str) -> None:
 def rank_main(spec: dict, out: str) -> None:
     """All of the spec's hooks on this rank; rank 0 writes ``out`` (Step 5)."""
     from flashsgd.train.config import resolve
-    from flashsgd.train.trainer import load_data
+    from flashsgd.train.rank import load_data
 
     rank = dist.get_rank()
     data = load_data(resolve(cli=run_config(spec, "noop", dist.get_world_size())))

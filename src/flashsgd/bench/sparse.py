@@ -3,7 +3,7 @@ into phases and set beside the wire time and the memory floor; top-k selection s
 
 Exchange mode (default): ``--world`` ranks (spawned, or under torchrun / ``flashsgd bench emulate``),
 each with a random fp32 gradient of ``--numel`` elements (default 25,557,032: ResNet-50). For every
-density, interleaved (common.time_ops: barrier before each call, a call's time is its slowest rank,
+density, interleaved (timing.time_ops: barrier before each call, a call's time is its slowest rank,
 median over ``--iters``):
 
 1. ``add``: one ``torch.add`` over the gradient on every rank at once: the unit of a memory pass
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from flashsgd.bench.common import (add_run_arguments, check_run_arguments, format_header, format_row,
-                                   ranks_on_this_host, run_metadata, time_ops, write_json)
+                                   ranks_on_this_host, run_metadata, write_json)
 from flashsgd.bench.sparse_hook import measure_hook
 from flashsgd.bench.sparse_steps import (DEFAULT_NODE_SPLIT, FLOOR_PASSES, PHASES, STEP_ALGORITHMS,
                                          SparseStepOptions, make_step, step_name, wire_bytes_per_node)
@@ -65,6 +65,7 @@ from flashsgd.comm.topology import get_topology
 from flashsgd.emulate.netns import parse_rate
 from flashsgd.exchanges import NODE_SPLITS
 from flashsgd.launch import run as launch_run, under_torchrun
+from flashsgd.timing import time_ops
 
 HELP = "time Top-k / gTop-k / hierarchical gTop-k against dense all-reduce, and top-k selection"
 RESNET50_NUMEL = 25_557_032

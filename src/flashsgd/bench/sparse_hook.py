@@ -2,10 +2,11 @@
 exchange inside the hook (synchronous) or on a communication thread (``threaded=True``).
 
 What it answers: does handing bucket i's exchange to a thread, so that the selection of bucket
-i + 1 and the rest of backward overlap it (:mod:`flashsgd.comm.sparse_step`), make a step faster?
+i + 1 and the rest of backward overlap it (:mod:`flashsgd.comm.sparse_hooks`), make a step faster?
 Every rank trains an MLP of ``--hook-layers`` square layers of ``--hook-width`` (default 8 x 1024:
 8.4M parameters, 34 MB fp32) with DDP buckets of ``--bucket-mb`` (default 8: 4-5 buckets after
-the rebuild) on a fixed per-rank batch. Functions timed, interleaved (``common.time_ops``: barrier
+the rebuild) on a fixed per-rank batch, with the trainer's step (:class:`flashsgd.train.step.TrainStep`,
+plain SGD). Functions timed, interleaved (:func:`flashsgd.timing.time_ops`: barrier
 before each step, slowest rank, median over ``--iters``; the first ``max(--warmup, 3)`` steps
 untimed, so the hooks' two dense iterations are past):
 
@@ -28,8 +29,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from flashsgd.bench.common import format_header, format_row, time_ops
+from flashsgd.bench.common import format_header, format_row
 from flashsgd.comm.hooks import register_hook
+from flashsgd.timing import time_ops
+from flashsgd.train.rank import CommTimer
+from flashsgd.train.step import TrainStep
 
 HOOK_COLUMNS = [
     ("hook", "hook", 22, "s"), ("density", "density", 8, "g"), ("buckets", "buckets", 8, "d"),
@@ -50,18 +54,21 @@ def hook_model(layers: int, width: int) -> torch.nn.Module:
     return torch.nn.Sequential(*blocks, torch.nn.Linear(width, 10))
 
 
-def _trainer(name: str, options: dict, layers: int, width: int, bucket_mb: float, batch: int):
-    """(one training step, the hook's state or None) for hook ``name`` with ``options``."""
+def hook_step(name: str, options: dict, layers: int, width: int, bucket_mb: float, batch: int):
+    """(one training step, the hook's state or None) for hook ``name`` with ``options``: the
+    trainer's own :class:`~flashsgd.train.step.TrainStep` (loss summed x W / B, the hook timed by a
+    :class:`~flashsgd.train.rank.CommTimer`, the [loss, samples, non-finite] all-reduce), plain SGD."""
+    timer = CommTimer()
     model = DDP(hook_model(layers, width), bucket_cap_mb=bucket_mb)
-    state = register_hook(model, name, **options)
+    state = register_hook(model, name, wrap=timer.wrap, **options)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    train_step = TrainStep(model, opt, torch.nn.CrossEntropyLoss(reduction="sum"), timer)
+    global_batch = batch * dist.get_world_size()
 
     def step() -> None:
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        train_step(lambda: (x, y), global_batch)
 
     return step, state
 
@@ -76,7 +83,7 @@ def measure_hook(densities: list[float], algorithms: list[str], selector: str, l
             for threaded in (False, True):
                 configs.append((algo, {"density": density, "selection": selector, "threaded": threaded},
                                 density))
-    built = [_trainer(name, opts, layers, width, bucket_mb, batch) for name, opts, _ in configs]
+    built = [hook_step(name, opts, layers, width, bucket_mb, batch) for name, opts, _ in configs]
     timings = time_ops([step for step, _ in built], iters, max(warmup, DENSE_ITERATIONS + 1))
     noop_s, native_s = timings[0].median_s, timings[1].median_s
     rows = []

@@ -1,18 +1,24 @@
-"""`flashsgd bench train`: images/s of the full training step per communication hook, over W ranks.
+"""`flashsgd bench train`: images/s of the trainer's training step per communication hook, over W ranks.
 
 One process group of W local ranks (or torchrun's). For each hook (default: every name in
-``flashsgd.comm.hooks.HOOKS``) a copy of the same model is wrapped in its own DDP with that hook
-(one hook per DDP instance). The step is what `flashsgd train` does: forward, loss, backward (the
-hook exchanges the gradients), SGD step, on synthetic ImageNet- or CIFAR-shaped batches.
+``flashsgd.comm.hooks.HOOKS``) the step is exactly what `flashsgd train` runs: the run plan of
+:func:`flashsgd.train.plan.build_plan` (the recipe's optimizer, LARS or SGD with its LR schedule;
+the hook's options), the model, DDP + hook of :func:`flashsgd.train.rank.build_ddp`, and
+:class:`flashsgd.train.step.TrainStep` (forward, loss sum x W / B, backward with the exchange, the
+[loss, samples, non-finite] all-reduce, optimizer step), built by ``bench scaling``'s
+:func:`flashsgd.bench.scaling_rank.build` on a synthetic CIFAR- or ImageNet-shaped dataset (or
+MNIST-1D). Until the shared step it timed its own loop (plain SGD at lr 0.01, mean loss, no
+agreement all-reduce); its times are now comparable with ``flashsgd train``'s and ``bench scaling``'s.
 
 1. Warm-up steps per hook are excluded (DDP rebuilds its buckets after the first iteration;
    sparse hooks start compressing later).
-2. The hooks' steps are timed interleaved (:func:`flashsgd.bench.common.time_ops`: barrier before
-   each step, the slowest rank's time, rotating order), so drifting background load on a shared
-   machine biases no hook.
+2. The hooks' steps are timed interleaved (:func:`flashsgd.timing.time_ops`: barrier before each
+   step, the slowest rank's time, rotating order), so drifting background load on a shared machine
+   biases no hook.
 3. Reported per hook: median step time (min..max), images/s = global batch / median time, the
    ratio to DDP's ``native`` hook measured in the same run, and the ratio to ``noop`` (no
-   communication at all: the ceiling a perfect all-reduce would approach).
+   communication at all: the ceiling a perfect all-reduce would approach). A hook that cannot run
+   at this world or layout is a row with the reason.
 
 Example::
 
@@ -23,14 +29,12 @@ Example::
 from __future__ import annotations
 
 import argparse
-import copy
 
-import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd import launch
-from flashsgd.bench.common import run_metadata, time_ops, write_json
+from flashsgd.bench.common import run_metadata, write_json
+from flashsgd.timing import time_ops
 
 HELP = "images/s of the training step per DDP hook over W ranks, vs native and the no-op ceiling"
 
@@ -48,57 +52,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--density", type=float, default=0.001,
                         help="topk/gtopk density (default 0.001, Shi et al.'s)")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size (MB)")
+    parser.add_argument("--recipe", default="fujitsu", help="a name in flashsgd.optim.recipes.RECIPES")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per hook")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per hook")
     parser.add_argument("--json", default=None, help="write results to this JSON file")
 
 
-def _bench(opts: dict, emulate: bool) -> dict:
-    from flashsgd.comm.hooks import HOOKS, hook_options, register_hook
-    from flashsgd.comm.topology import get_topology
-    from flashsgd.train.models import build_model
-
+def spec_of(opts: dict, world: int, emulate: bool, out_dir: str) -> dict:
+    """The ``bench scaling`` rank spec (:func:`flashsgd.bench.scaling_rank.run_config`) of ``opts``."""
+    from flashsgd.train.config import TrainConfig
     from flashsgd.train.plan import emulated_ranks_per_node
 
-    world, rank = dist.get_world_size(), dist.get_rank()
     rpn = opts["ranks_per_node"] or (emulated_ranks_per_node(world) if emulate else None)
-    topo = get_topology(ranks_per_node=rpn, grid=opts["grid"])
+    mnist = opts["image_shape"] == "mnist1d"
+    return {"dataset": "mnist1d" if mnist else "synthetic", "image_shape": "cifar" if mnist else opts["image_shape"],
+            "model": opts["model"], "channels": TrainConfig().model.channels, "recipe": opts["recipe"],
+            "ranks_per_node": rpn, "density": opts["density"], "selection": TrainConfig().comm.selection,
+            "bucket_mb": opts["bucket_mb"], "grid": opts["grid"], "timeout_s": 300.0, "threads": 0,
+            "batch": opts["batch"], "warmup": opts["warmup"], "iters": opts["iters"], "out_dir": out_dir}
+
+
+def _bench(opts: dict, emulate: bool) -> dict:
+    import tempfile
+
+    from flashsgd.bench.scaling_rank import Trainer, build, run_config
+    from flashsgd.comm.hooks import HOOKS
+    from flashsgd.comm.topology import get_topology
+    from flashsgd.train.config import resolve
+    from flashsgd.train.rank import load_data
+
+    world = dist.get_world_size()
     names = opts["hooks"] or HOOKS.names()
     for n in names:
         HOOKS.get(n)  # unknown names: ValueError listing the known ones
-    shape, classes = {"cifar": ((3, 32, 32), 10), "imagenet": ((3, 224, 224), 1000),
-                      "mnist1d": ((40,), 10)}[opts["image_shape"]]
-    torch.manual_seed(0)
-    base = build_model(opts["model"], classes)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn((opts["batch"],) + shape, generator=g)
-    y = torch.randint(0, classes, (opts["batch"],), generator=g)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    steps = []
-    for name in names:
-        model = DDP(copy.deepcopy(base), bucket_cap_mb=opts["bucket_mb"])
-        register_hook(model, name, **hook_options(name, ranks_per_node=rpn, grid=opts["grid"],
-                                                  density=opts["density"]))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-        def step(model=model, opt=opt):
-            opt.zero_grad(set_to_none=False)
-            loss_fn(model(x), y).backward()
-            opt.step()
-        steps.append(step)
+    spec = spec_of(opts, world, emulate, tempfile.gettempdir())
+    data = load_data(resolve(cli=run_config(spec, "noop", world)))
+    built = {n: build(spec, n, data) for n in names}
+    trainers = {n: t for n, t in built.items() if isinstance(t, Trainer)}
     # Steps 1-2
-    timings = time_ops(steps, iters=opts["iters"], warmup=opts["warmup"])
+    timings = dict(zip(trainers, time_ops([t.step for t in trainers.values()], iters=opts["iters"],
+                                          warmup=opts["warmup"])))
     # Step 3
     gb = opts["batch"] * world
     rows = [{"hook": n, "step_ms": t.median_s * 1e3, "min_ms": t.min_s * 1e3, "max_ms": t.max_s * 1e3,
-             "images_per_s": gb / t.median_s} for n, t in zip(names, timings)]
-    by = {r["hook"]: r["images_per_s"] for r in rows}
+             "images_per_s": gb / t.median_s} if (t := timings.get(n)) else
+            {"hook": n, "skipped": built[n]["skipped"]} for n in names]
+    by = {r["hook"]: r["images_per_s"] for r in rows if "images_per_s" in r}
     for r in rows:
-        r["ratio_to_native"] = r["images_per_s"] / by["native"] if "native" in by else None
-        r["ratio_to_noop"] = r["images_per_s"] / by["noop"] if "noop" in by else None
-    params = sum(p.numel() for p in base.parameters())
+        if "images_per_s" in r:
+            r["ratio_to_native"] = r["images_per_s"] / by["native"] if "native" in by else None
+            r["ratio_to_noop"] = r["images_per_s"] / by["noop"] if "noop" in by else None
+    first = next(iter(trainers.values()), None)
+    params = sum(p.numel() for p in first.model.parameters()) if first else 0
+    topo = get_topology(ranks_per_node=first.plan.ranks_per_node if first else spec["ranks_per_node"],
+                        grid=opts["grid"])
+    recipe = f"{first.plan.recipe.name} ({type(first.optimizer).__name__})" if first else opts["recipe"]
     return {"rows": rows, "world": world, "topology": topo.describe(), "params": params,
-            "global_batch": gb}
+            "global_batch": gb, "recipe": recipe}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--batch, --iters and --workers must be >= 1 and --warmup >= 0")
     opts = {k: getattr(args, k) for k in ("model", "image_shape", "batch", "hooks", "grid",
                                            "ranks_per_node", "density", "bucket_mb", "iters",
-                                           "warmup")}
+                                           "warmup", "recipe")}
     if launch.under_torchrun():
         res = launch.run(_bench, (opts, False), world_size=args.workers)
     else:
@@ -116,12 +126,16 @@ def run(args: argparse.Namespace) -> int:
     meta = run_metadata(benchmark="train", **{k: v for k, v in opts.items()}, world=res["world"],
                         topology=res["topology"], params=res["params"], global_batch=res["global_batch"])
     print(f"# bench train: {args.model} ({res['params']:,} parameters), {res['topology']}, "
-          f"per-worker batch {args.batch} (global {res['global_batch']}), {args.image_shape} input")
+          f"per-worker batch {args.batch} (global {res['global_batch']}), {args.image_shape} input, "
+          f"recipe {res['recipe']}")
     print(f"# torch {meta['torch']}, {meta['cpu_count']} CPUs, load avg {meta['loadavg_1m']:.1f}; "
           f"median of {args.iters} interleaved steps after {args.warmup} warm-up")
     print(f"{'hook':>13} {'step ms':>9} {'min..max ms':>17} {'images/s':>10} {'vs native':>10} {'vs noop':>8}")
     for r in res["rows"]:
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        if "skipped" in r:
+            print(f"{r['hook']:>13} skipped: {r['skipped']}")
+            continue
         print(f"{r['hook']:>13} {r['step_ms']:9.1f} {r['min_ms']:8.1f}..{r['max_ms']:<8.1f} "
               f"{r['images_per_s']:10.1f} {fmt(r['ratio_to_native']):>10} {fmt(r['ratio_to_noop']):>8}")
     if args.json:

@@ -6,7 +6,8 @@ per-link byte counts: for each algorithm and size it
 
 1. fills a float32 tensor with ``rank + 1`` on every rank,
 2. reads the node's interface counters (``/proc/net/dev`` of the node's namespace, local rank 0),
-3. runs ``warmup + reps`` all-reduces (barrier before each, timed on every rank, max over ranks),
+3. runs ``warmup + reps`` all-reduces (:func:`flashsgd.timing.time_ops`: barrier before each,
+   timed on every rank, max over ranks, median; the input refilled untimed before each),
 4. reads the counters again and checks the result is exactly ``W (W + 1) / 2`` per repetition,
 5. gathers the per-node byte deltas (per operation) to rank 0, which writes one JSON file in the
    dense bench's schema (``meta`` + ``results`` rows with ``algorithm``, ``size_bytes``,
@@ -25,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from flashsgd.comm.dense import ALLREDUCE
 from flashsgd.comm.topology import get_topology
 from flashsgd.launch import init_from_env, shutdown
+from flashsgd.timing import time_ops
 
 
 def read_counters(ifname: str) -> tuple[int, int]:
@@ -55,6 +55,29 @@ def _allreduce_fn(name: str):
     return lambda t, topo: fn(t, topo, op="sum")
 
 
+class _CheckedAllReduce:
+    """One all-reduce per call on a fresh ``rank + 1`` input (filled by :meth:`prepare`, untimed);
+    counts the results that are not ``expected``."""
+
+    def __init__(self, fn, topo, numel: int, rank: int, expected: float) -> None:
+        self.fn, self.topo, self.rank, self.expected = fn, topo, rank, expected
+        self.t = torch.empty(numel, dtype=torch.float32)
+        self.wrong, self.pending = 0, False
+
+    def check(self) -> None:
+        if self.pending:
+            self.wrong += int(not bool(torch.all(self.t == self.expected)))
+            self.pending = False
+
+    def prepare(self) -> None:
+        self.check()
+        self.t.fill_(self.rank + 1)
+
+    def __call__(self) -> None:
+        self.fn(self.t, self.topo)
+        self.pending = True
+
+
 def probe(algorithms: list[str], sizes_bytes: list[int], ifname: str, warmup: int, reps: int) -> dict:
     """Run the measurements of the module doc on this rank; rank 0 returns the JSON document."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -69,35 +92,26 @@ def probe(algorithms: list[str], sizes_bytes: list[int], ifname: str, warmup: in
         fn = _allreduce_fn(algo)
         for size in sizes_bytes:
             numel = max(1, size // 4)  # float32
-            t = torch.empty(numel, dtype=torch.float32)
+            call = _CheckedAllReduce(fn, topo, numel, rank, expected)
             # Step 2: counters before
             dist.barrier()
             before = read_counters(ifname) if counting else (0, 0)
-            times, ok = [], True
-            for i in range(warmup + reps):
-                # Step 1 / 3: fresh input, barrier, timed all-reduce
-                t.fill_(rank + 1)
-                dist.barrier()
-                start = time.perf_counter()
-                fn(t, topo)
-                elapsed = time.perf_counter() - start
-                ok = ok and bool(torch.all(t == expected))
-                if i >= warmup:
-                    times.append(elapsed)
+            # Steps 1, 3: fresh input (untimed), barrier, timed all-reduce (max over ranks, median)
+            timing = time_ops([call], iters=reps, warmup=warmup, prepare=[call.prepare])[0]
             dist.barrier()
-            # Step 4: counters after
+            # Step 4: counters after; the last result checked too
             after = read_counters(ifname) if counting else (0, 0)
-            # Step 5: max time over ranks, per-node bytes per operation, correctness everywhere
-            stats = torch.tensor([*times, float(not ok)], dtype=torch.float64)
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+            call.check()
+            # Step 5: correctness everywhere, per-node bytes per operation
+            bad = torch.tensor([float(call.wrong)], dtype=torch.float64)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
             delta = [(after[0] - before[0]) / (warmup + reps), (after[1] - before[1]) / (warmup + reps)]
             gathered = [None] * world
             dist.all_gather_object(gathered, delta if counting else None)
             per_node = [d for d in gathered if d is not None]
-            med = statistics.median(stats[:-1].tolist())
-            rows.append({"algorithm": algo, "size_bytes": numel * 4, "time_us": med * 1e6,
-                         "times_us": [x * 1e6 for x in stats[:-1].tolist()],
-                         "correct": bool(stats[-1] == 0),
+            rows.append({"algorithm": algo, "size_bytes": numel * 4, "time_us": timing.median_s * 1e6,
+                         "times_us": [x * 1e6 for x in timing.times_s],
+                         "correct": bool(bad.item() == 0),
                          "node_tx_bytes": [d[0] for d in per_node],
                          "node_rx_bytes": [d[1] for d in per_node]})
     return {"meta": {"world": world, "ranks_per_node": rpn, "backend": dist.get_backend(),

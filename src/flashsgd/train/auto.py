@@ -32,7 +32,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from flashsgd.sim.network import ClusterModel, Link
+from flashsgd.timing import time_ops
 
 PROBE_DENSITY = 0.01
 SMALL_BYTES = 32 * 1024
@@ -51,25 +51,9 @@ LINK_REPS = 5
 
 def _timed(fn: Callable[[], Any], device: torch.device, active: bool = True, reps: int = 3) -> float:
     """Median of ``reps`` runs of ``fn`` after one warm-up, each after a barrier (and, on a GPU,
-    until its kernels finish); the slowest rank's (ranks with ``active`` False only take part in
-    the barriers)."""
-    def run() -> None:
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    if active:
-        run()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if active:
-            run()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times) if active else 0.0], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    until its kernels finish), each run's time the slowest rank's (:func:`flashsgd.timing.time_ops`;
+    ranks with ``active`` False only take part in the barriers)."""
+    return time_ops([fn], iters=reps, warmup=1, device=device, active=active)[0].median_s
 
 
 def compute_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer,

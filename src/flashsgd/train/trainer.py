@@ -1,4 +1,4 @@
-"""The training loop of `flashsgd train`: DDP + communication hook + large-batch recipe, on W ranks.
+"""The entry point of `flashsgd train`: DDP + communication hook + large-batch recipe, on W ranks.
 
 Papers: Goyal et al. 2017 (per-worker BN, one shuffle split over workers, loss normalized by the
 global batch, linear scaling + warmup), Mikami et al. 2018 (batch-size control, label smoothing,
@@ -9,160 +9,28 @@ flashsgd.comm.
 opens the run directory (:mod:`flashsgd.train.rundir`: lock, resume checks, config and plan
 written), then runs :class:`~flashsgd.train.worker.Worker` on every rank through
 :func:`flashsgd.launch.run` (torchrun's group when present, NCCL with CUDA, else W local Gloo
-processes). This module holds the per-rank building blocks the worker (and ``bench scaling``) use.
-Per rank:
-
-1. Set up the process: intra-op threads, determinism, device.
-2. Build the model (same seed on every rank), the recipe's optimizer, DDP (plain BatchNorm:
-   statistics per worker; buffers not broadcast) and the hook with its deadline.
-3. Restore the checkpoint the run directory chose (or start at step 0).
-4. Per epoch: the global batch from the batch table; per step: LR at the fractional epoch,
-   forward, loss = sum over the local shard * W / B (so that DDP's average of the W gradients is
-   the gradient of the mean over the global batch, whatever the shard sizes), backward (the hook
-   exchanges gradients), one small all-reduce of [loss, samples, non-finite], optimizer step or a
-   skipped step, metrics, checkpoint every N steps.
-5. Per epoch end: average BN running statistics over workers, evaluate on the test split
-   (sharded), checkpoint. A run stopped by ``run.max_steps`` checkpoints, then evaluates.
-6. Rank 0: summary.json and report.png.
+processes). What one rank does (Steps 1-6) is in :mod:`flashsgd.train.worker`, its building blocks
+in :mod:`flashsgd.train.rank`, the training step in :mod:`flashsgd.train.step`.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
-import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd import launch
-from flashsgd.train.config import TrainConfig, parse_fail_at
-from flashsgd.train.data import Datasets, build_datasets
+from flashsgd.train.config import TrainConfig
+from flashsgd.train.data import Datasets
 from flashsgd.train.plan import RunPlan, build_plan
+from flashsgd.train.rank import load_data
 from flashsgd.train.rundir import RunDirError, Start, open_run_dir
-
-
-class CommTimer:
-    """Wraps the hook DDP calls, adding up each bucket's seconds from the hook call until its future
-    completes: the whole exchange for synchronous and threaded hooks alike (overlapped with backward
-    when the hook is asynchronous, so the sum can exceed the exposed time). DDP's built-in
-    all-reduce (``native``) registers no hook and is not measured."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def wrap(self, hook):
-        def timed(state, bucket):
-            t0 = time.perf_counter()
-
-            def done(fut):  # runs when the exchange completes; never blocks (value is ready)
-                self.seconds += time.perf_counter() - t0
-                return fut.value()
-
-            return hook(state, bucket).then(done)
-        return timed
-
-
-@torch.no_grad()
-def average_buffers(model: torch.nn.Module, inplace: bool = True) -> dict[str, torch.Tensor]:
-    """Average the float buffers (BN running statistics) over workers; returns {name: average}.
-
-    Training never reads them (BN uses batch statistics), so averaging before eval changes no
-    parameter. ``inplace=False`` leaves the model's per-worker buffers untouched (checkpoints).
-    """
-    named = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
-    if not named:
-        return {}
-    flat = torch.cat([b.reshape(-1) for _, b in named])
-    if dist.get_world_size() > 1:
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
-    avg = dict(zip([n for n, _ in named],
-                   [t.view_as(b) for t, (_, b) in zip(flat.split([b.numel() for _, b in named]), named)]))
-    if inplace:
-        for n, b in named:
-            b.copy_(avg[n])
-    return avg
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, split, rank: int, world: int, device: torch.device,
-             chunk: int = 1024) -> tuple[float, float]:
-    """(accuracy %, mean loss) on ``split``, each rank scoring a contiguous shard."""
-    model.eval()
-    n = len(split)
-    lo, hi = rank * n // world, (rank + 1) * n // world
-    stats = torch.zeros(3, dtype=torch.float64, device=device)
-    for i in range(lo, hi, chunk):
-        x, y = split.batch(torch.arange(i, min(i + chunk, hi)), train=False)
-        out = model(x.to(device))
-        y = y.to(device)
-        stats[0] += (out.argmax(1) == y).sum().item()
-        stats[1] += len(y)
-        stats[2] += torch.nn.functional.cross_entropy(out, y, reduction="sum").item()
-    model.train()
-    dist.all_reduce(stats)
-    return 100.0 * stats[0].item() / stats[1].item(), stats[2].item() / stats[1].item()
-
-
-def inject_fault(spec: str, rank: int, step: int) -> bool:
-    """Debug (tests): at ``step`` on ``rank`` exit the process, hang, or return True (NaN loss).
-
-    Only in the first attempt of a torchrun elastic group (TORCHELASTIC_RESTART_COUNT 0/unset).
-    """
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return False
-    r, s, mode = parse_fail_at(spec)
-    if r != rank or s != step:
-        return False
-    if mode == "exit":
-        print(f"[flashsgd] fault injection: rank {rank} exits at step {step}", flush=True)
-        os._exit(17)
-    if mode == "hang":
-        print(f"[flashsgd] fault injection: rank {rank} hangs at step {step}", flush=True)
-        time.sleep(10 ** 6)
-    return mode == "nan"
-
-
-def setup_process(plan: RunPlan) -> torch.device:
-    """Step 1: intra-op threads (cores shared by this node's ranks), determinism, device."""
-    r = plan.config.run
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world))
-    torch.set_num_threads(r.threads or max(1, (os.cpu_count() or 1) // local_world))
-    torch.use_deterministic_algorithms(r.deterministic)
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def build_ddp(plan: RunPlan, model: torch.nn.Module, device: torch.device, timer: CommTimer):
-    """Step 2 (second half): DDP with per-worker BN buffers, the hook; returns (ddp, state, topology)."""
-    from flashsgd.comm.hooks import register_hook
-    from flashsgd.comm.topology import get_topology
-
-    c = plan.config.comm
-    topo = get_topology(ranks_per_node=plan.ranks_per_node, grid=c.grid, timeout_s=plan.config.run.timeout_s)
-    # BN buffers stay per worker during training (Goyal); averaged before eval and checkpoints.
-    sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in \
-        inspect.signature(DDP.__init__).parameters else {"broadcast_buffers": False}
-    ddp = DDP(model, bucket_cap_mb=c.bucket_mb,
-              device_ids=[device.index] if device.type == "cuda" else None, **sync)
-    state = register_hook(ddp, c.algorithm, wrap=timer.wrap, **plan.hook_options)
-    return ddp, state, topo
-
-
-def load_data(cfg: TrainConfig) -> Datasets:
-    """The run's datasets (MNIST-1D is generated once and cached; see flashsgd.train.data)."""
-    d = cfg.data
-    return build_datasets(d.dataset, d.num_samples, d.data_dir, d.image_shape, d.image_size, d.data_seed)
+from flashsgd.train.worker import Worker
 
 
 def worker(plan: RunPlan, data: Datasets, start: Start) -> dict[str, Any]:
     """One rank's run (see :class:`~flashsgd.train.worker.Worker`)."""
-    from flashsgd.train.worker import Worker
-
     return Worker(plan, data, start).run()
 
 

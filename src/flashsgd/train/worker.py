@@ -1,8 +1,22 @@
-"""One rank of a `flashsgd train` run: Steps 1-6 of :mod:`flashsgd.train.trainer`, in named methods.
+"""One rank of a `flashsgd train` run (:func:`flashsgd.train.trainer.train` starts one per rank).
 
 Papers: Goyal et al. 2017 (per-worker BN, the loss normalized by the global batch, linear scaling
 and warmup), Mikami et al. 2018 (batch-size control), Yamazaki et al. 2019 (LARS), Shi et al. 2019
-(gTop-k) - through the :class:`~flashsgd.train.plan.RunPlan` every rank receives.
+(gTop-k) - through the :class:`~flashsgd.train.plan.RunPlan` every rank receives. Building blocks
+from :mod:`flashsgd.train.rank`; the step is :class:`flashsgd.train.step.TrainStep` (the one every
+benchmark times). Per rank (:class:`Worker`):
+
+1. Set up the process: intra-op threads, determinism, device.
+2. Build the model (same seed on every rank), the recipe's optimizer, DDP (plain BatchNorm:
+   statistics per worker; buffers not broadcast), the hook with its deadline, and the step.
+3. Restore the checkpoint the run directory chose (or start at step 0).
+4. Per epoch: the global batch from the batch table; per step: LR at the fractional epoch, then
+   the :class:`~flashsgd.train.step.TrainStep` (forward, loss = sum over the local shard * W / B,
+   backward with the hook's exchange, one small all-reduce of [loss, samples, non-finite],
+   optimizer step or a skipped step), metrics, checkpoint every N steps.
+5. Per epoch end: average BN running statistics over workers, evaluate on the test split
+   (sharded), checkpoint. A run stopped by ``run.max_steps`` checkpoints, then evaluates.
+6. Rank 0: summary.json and report.png.
 """
 
 from __future__ import annotations
@@ -23,9 +37,10 @@ from flashsgd.train.data import Datasets, ShardedSampler
 from flashsgd.train.models import build_model
 from flashsgd.train.plan import RunPlan
 from flashsgd.train.report import Metrics, summarize
+from flashsgd.train.rank import (CommTimer, average_buffers, build_ddp, evaluate, inject_fault,
+                                 setup_process)
 from flashsgd.train.rundir import Start, write_plan
-from flashsgd.train.trainer import (CommTimer, average_buffers, build_ddp, evaluate, inject_fault,
-                                    setup_process)
+from flashsgd.train.step import TrainStep
 
 
 class Worker:
@@ -55,6 +70,8 @@ class Worker:
         self.timer = CommTimer()
         self.ddp, self.hook_state, self.topology = build_ddp(plan, self.model, self.device, self.timer)
         check_optimizer_momentum(self.hook_state, self.optimizer)  # momentum applied once, not twice
+        self.step = TrainStep(self.ddp, self.optimizer, self.loss_fn, self.timer, self.device,
+                              nonfinite=self.cfg.run.nonfinite)
         if getattr(self.hook_state, "layer_trust", False) and isinstance(self.optimizer, LARS):
             self.optimizer.grad_norm_source = self.hook_state.grad_norms  # trust from dense norms
         self.sampler = ShardedSampler(plan.num_train, self.rank, self.world, self.cfg.run.seed)
@@ -102,53 +119,27 @@ class Worker:
 
     # ---------------------------------------------------------------- Step 4: one step ----------
     def train_step(self, epoch: int, i: int, idx: torch.Tensor, sizes: list[int]) -> None:
-        """Forward, backward (hook exchange), agreement on the loss and non-finite values, step."""
-        step, world, r = self.progress["step"], self.world, self.cfg.run
-        t0 = time.perf_counter()
-        make_nan = inject_fault(self.fault, self.rank, step)
+        """Step 4: the LR at the fractional epoch, :class:`~flashsgd.train.step.TrainStep` on the
+        sampler's batch ``idx`` (step ``i`` of ``sizes``), the count of skipped steps, metrics."""
+        step = self.progress["step"]
+        poison = inject_fault(self.fault, self.rank, step)
         lr = self.plan.lr_at(epoch + i / len(sizes))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        x, y = self.data.train.batch(idx, self.aug, train=True)
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        comm0 = self.timer.seconds
-        t1 = time.perf_counter()
-        loss_sum = self.loss_fn(self.ddp(x), y)
-        if make_nan:
-            loss_sum = loss_sum * float("nan")
-        t2 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=False)
-        (loss_sum * (world / sizes[i])).backward()
-        t3 = time.perf_counter()
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        bad = (~torch.isfinite(torch.stack([g.sum() for g in grads]).sum())).float() \
-            + (~torch.isfinite(loss_sum.detach())).float()
-        stats = torch.stack([loss_sum.detach().double(), torch.tensor(float(len(y)), dtype=torch.float64,
-                             device=self.device), bad.double()]).to(self.device)
-        dist.all_reduce(stats)
-        t4 = time.perf_counter()
-        skipped = stats[2].item() > 0
-        if skipped and r.nonfinite == "stop":
-            raise FloatingPointError(f"non-finite loss or gradient at step {step} (epoch {epoch}); "
-                                     "set run.nonfinite = 'skip' to skip such steps instead")
-        if skipped:
+        res = self.step(lambda: self.data.train.batch(idx, self.aug, train=True), sizes[i], lr=lr,
+                        step=step, epoch=epoch, poison=poison)
+        if res.skipped:
             self.progress["skipped"] += 1
-            self.optimizer.zero_grad(set_to_none=False)
-        else:
-            self.optimizer.step()
-        t5 = time.perf_counter()
         self.progress["step"] = step + 1
         self.progress["elapsed_s"] = time.perf_counter() - self.t_start
-        loss = stats[0].item() / stats[1].item()
-        self.metrics.step(step=step, epoch=epoch + (i + 1) / len(sizes), loss=loss, lr=lr,
+        local = len(idx)
+        self.metrics.step(step=step, epoch=epoch + (i + 1) / len(sizes), loss=res.loss, lr=lr,
                           global_batch=sizes[i], scheduled_batch=self.sampler.global_batch,
-                          local_batch=len(y), images_per_s=sizes[i] / (t5 - t0), t_step_s=t5 - t0,
-                          t_data_s=t1 - t0, t_forward_s=t2 - t1, t_backward_s=t3 - t2,
-                          t_comm_s=self.timer.seconds - comm0, t_sync_s=t4 - t3, t_optimizer_s=t5 - t4,
-                          skipped=bool(skipped))
+                          local_batch=local, images_per_s=sizes[i] / res.total_s, t_step_s=res.total_s,
+                          t_data_s=res.data_s, t_forward_s=res.forward_s, t_backward_s=res.backward_s,
+                          t_comm_s=res.comm_s, t_sync_s=res.sync_s, t_optimizer_s=res.optimizer_s,
+                          skipped=res.skipped)
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(epoch=epoch, loss=f"{loss:.3f}", lr=f"{lr:.3g}", refresh=False)
+            self.bar.set_postfix(epoch=epoch, loss=f"{res.loss:.3f}", lr=f"{lr:.3g}", refresh=False)
 
     # ---------------------------------------------------------------- Steps 4-5: epochs ---------
     def run_epoch(self, epoch: int) -> bool:

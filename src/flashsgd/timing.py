@@ -1,0 +1,103 @@
+"""The one step timer: interleaved, barrier-separated, slowest rank, median with min and max.
+
+Every measurement of a collective call or a training step goes through :func:`time_ops`
+(``flashsgd bench *``, ``train --comm auto``'s probes, the emulated cluster's probe, the scripts
+in ``benchmarks/``), so "a step's time" means the same thing everywhere (nccl-tests' convention,
+doc/PERFORMANCE.md): warm-up calls excluded, each repetition after a barrier, a repetition's time
+is the maximum over ranks (a collective is done when its slowest rank is), the median over the
+repetitions reported with the min and max as the spread. :func:`clock` is the CUDA-aware clock
+the training step's phase times are read with.
+
+Example::
+
+    t = time_ops([lambda: dist.all_reduce(x), lambda: x.add_(1)], iters=5, warmup=1)[0]
+    print(f"{t.median_s * 1e3:.1f} ms ({t.min_s * 1e3:.1f}..{t.max_s * 1e3:.1f})")
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def clock(device: torch.device | None = None) -> float:
+    """``time.perf_counter()`` after the device's queued kernels finish (CUDA; a no-op elsewhere):
+    a CUDA clock read without a synchronize measures the launch, not the work."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call over the repetitions (each the max over ranks)."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    reps: int
+    times_s: tuple[float, ...] = ()
+    """Every repetition's time (the slowest rank's), in repetition order."""
+
+
+def time_ops(fns: Sequence[Callable[[], Any]], iters: int, warmup: int,
+             group: dist.ProcessGroup | None = None, device: torch.device | None = None,
+             active: bool = True, prepare: Sequence[Callable[[], Any]] | None = None) -> list[Timing]:
+    """Time several collective calls, interleaved: warm-up excluded, barrier before each call.
+
+    Must be called by every rank of ``group`` with the same ``fns`` (each is collective).
+
+    1. ``warmup`` untimed calls of each function.
+    2. For each of the ``iters`` repetitions, call every function once after a barrier and read
+       this rank's clock around it; the order rotates by one per repetition. Interleaving makes
+       background load on a shared machine hit every function alike (a comparison measured this
+       way is fair even when the load drifts), rotation removes any benefit of going first.
+    3. One MAX all-reduce of the (iters, len(fns)) times: a repetition's time is its slowest rank
+       (the collective is done when every rank is); no extra collective inside a timed region.
+    4. Median over repetitions, with min and max as the spread.
+
+    Args:
+        fns: the calls to compare (each collective over ``group``, or local).
+        iters, warmup: timed repetitions and untimed calls per function.
+        group, device: the barrier's and the final all-reduce's group; with a CUDA ``device`` the
+            device is synchronized before each clock read.
+        active: False on a rank that only takes part in the barriers (its calls are skipped and
+            count as 0 s: the time is the active ranks').
+        prepare: per function, an untimed call before each of its calls (warm-up included), before
+            the barrier: fresh input, a check of the previous result.
+    """
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"iters must be >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
+    k = len(fns)
+    prepare = list(prepare) if prepare is not None else [lambda: None] * k
+    if len(prepare) != k:
+        raise ValueError(f"prepare has {len(prepare)} entries for {k} functions")
+    # Step 1
+    for fn, before in zip(fns, prepare):
+        for _ in range(warmup if active else 0):
+            before()
+            fn()
+            clock(device)
+    # Step 2
+    times = [[0.0] * k for _ in range(iters)]
+    for i in range(iters):
+        for j in range(k):
+            j = (i + j) % k
+            if active:
+                prepare[j]()
+            dist.barrier(group)
+            t0 = clock(device)
+            if active:
+                fns[j]()
+            times[i][j] = clock(device) - t0 if active else 0.0
+    # Step 3
+    reduced = torch.tensor(times, dtype=torch.float64, device=device)  # (iters, k)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    # Step 4
+    per_fn = reduced.t().tolist()  # (k, iters)
+    return [Timing(statistics.median(t), min(t), max(t), iters, tuple(t)) for t in per_fn]
