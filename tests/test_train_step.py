@@ -118,8 +118,11 @@ def _calls(path: Path) -> set[str]:
 
 
 def test_the_worker_and_the_benchmarks_build_the_one_step_and_call_no_backward_of_their_own():
-    users = ["train/worker.py", "bench/scaling_rank.py", "bench/sparse_hook.py"]
-    for rel in users:
+    assert "TrainStep" in _calls(SRC / "train/rank.py")  # build_rank: the rank every user trains with
+    for rel in ["train/worker.py", "bench/scaling_rank.py"]:
+        calls = _calls(SRC / rel)
+        assert "build_rank" in calls and "TrainStep" not in calls and "backward" not in calls, rel
+    for rel in ["bench/sparse_hook.py"]:
         calls = _calls(SRC / rel)
         assert "TrainStep" in calls and "backward" not in calls, rel
     train_bench = _calls(SRC / "bench/train.py")  # through scaling_rank's Trainer
@@ -147,3 +150,26 @@ def test_bench_scaling_rank_times_the_trainers_step(run_ranks, tmp_path):
         assert set(r["split_s"]) == {"data", "forward", "backward", "hook", "sync", "optimizer"}
     progress = (tmp_path / "rows.json.progress").read_text().split()
     assert progress.count("noop") == progress.count("ring") == 5
+
+
+def _rank_parts(algorithm: str, extra: dict):
+    """build_rank on a small MNIST-1D plan: what the worker and bench scaling both train with."""
+    from flashsgd.train.config import resolve
+    from flashsgd.train.plan import build_plan
+    from flashsgd.train.rank import build_rank, load_data
+
+    cfg = resolve(cli={"num_samples": 2000, "epochs": 2, "global_batch": 256, "algorithm": algorithm,
+                       "recipe": "fujitsu", **extra})
+    data = load_data(cfg)
+    plan = build_plan(cfg, dist.get_world_size(), len(data.train), local_spawn=True)
+    parts = build_rank(plan, data, torch.device("cpu"))
+    return (type(parts.optimizer).__name__, parts.optimizer.__dict__.get("grad_norm_source") is not None,
+            parts.model_tweaks, parts.step.nonfinite)
+
+
+def test_build_rank_wires_the_sparse_hooks_into_the_optimizer(run_ranks):
+    # layer_trust: LARS takes its trust ratios from the hook's dense norms (the worker and the
+    # benches share build_rank, so neither can forget it)
+    opt, wired, tweaks, nonfinite = run_ranks(_rank_parts, 2, "gtopk", {"layer_trust": True, "density": 0.1})[0]
+    assert opt == "LARS" and wired and tweaks and nonfinite == "skip"
+    assert run_ranks(_rank_parts, 2, "torus2d", {})[0][:2] == ("LARS", False)

@@ -64,32 +64,15 @@ class Trainer:
     hook's measurement (Step 2)."""
 
     def __init__(self, plan, data, device) -> None:
-        from flashsgd.optim.plan import prepare
         from flashsgd.train.data import ShardedSampler
-        from flashsgd.train.models import build_model
-        from flashsgd.train.rank import CommTimer, build_ddp
-        from flashsgd.train.step import TrainStep
+        from flashsgd.train.rank import build_rank
 
-        cfg = plan.config
-        self.plan, self.data, self.device = plan, data, device
+        self.data, self.device = data, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        torch.manual_seed(cfg.run.seed)
-        self.model = build_model(cfg.model.model, data.num_classes, cfg.model.channels).to(device)
-        self.optimizer = prepare(plan.recipe, self.model, cfg.optim.global_batch, plan.num_train,
-                                 epochs=plan.recipe.epochs).optimizer
-        self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing,
-                                                 reduction="sum")
-        self.auto = None
-        if cfg.comm.algorithm == "auto":  # the trainer's own choice (flashsgd.train.auto), measured here
-            from flashsgd.train.auto import resolve_auto
-
-            plan, self.auto = resolve_auto(plan, self.model, self.optimizer, data, device, self.loss_fn,
-                                           None, resume_from=None)
-            self.plan = plan
-        self.timer = CommTimer()
-        self.ddp, self.hook_state, _ = build_ddp(plan, self.model, device, self.timer)
-        self.train_step = TrainStep(self.ddp, self.optimizer, self.loss_fn, self.timer, device,
-                                    nonfinite="skip")
+        parts = build_rank(plan, data, device)  # the trainer's own rank (--comm auto: its choice)
+        self.plan, self.model, self.optimizer, self.auto = parts.plan, parts.model, parts.optimizer, parts.auto
+        self.timer, self.ddp, self.hook_state, self.train_step = parts.timer, parts.ddp, parts.hook_state, parts.step
+        cfg = plan.config
         self.sampler = ShardedSampler(plan.num_train, self.rank, self.world, cfg.run.seed)
         self.sampler.set_epoch(0, plan.batch_at(0))
         self.batches = iter(self.sampler)

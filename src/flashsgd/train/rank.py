@@ -14,6 +14,9 @@ from __future__ import annotations
 import inspect
 import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from flashsgd.train.config import TrainConfig, parse_fail_at
 from flashsgd.train.data import Datasets, build_datasets
 from flashsgd.train.plan import RunPlan
+from flashsgd.train.step import TrainStep
 
 
 class CommTimer:
@@ -131,6 +135,57 @@ def build_ddp(plan: RunPlan, model: torch.nn.Module, device: torch.device, timer
               device_ids=[device.index] if device.type == "cuda" else None, **sync)
     state = register_hook(ddp, c.algorithm, wrap=timer.wrap, **plan.hook_options)
     return ddp, state, topo
+
+
+@dataclass
+class RankParts:
+    """What one rank trains with (:func:`build_rank`)."""
+
+    plan: RunPlan
+    """The run plan (``--comm auto``: with the exchange chosen at start-up)."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: torch.nn.Module
+    model_tweaks: list[str]
+    timer: CommTimer
+    ddp: DDP
+    hook_state: Any
+    topology: Any
+    step: TrainStep
+    auto: dict | None = None
+    """``--comm auto``'s record (measurements, choice), None otherwise."""
+
+
+def build_rank(plan: RunPlan, data: Datasets, device: torch.device, *, out: Path | None = None,
+               resume_from: Path | None = None) -> RankParts:
+    """Step 2 for one rank: the model (same seed on every rank), the recipe's tweaks and optimizer
+    (:mod:`flashsgd.optim.plan`'s builders over the plan's rescaled recipe: the plan already holds
+    the schedule and the batch table), the summed loss (Goyal et al.: divided by the global batch
+    in the step), ``--comm auto``'s choice, DDP + hook timed by a :class:`CommTimer`, the momentum
+    and trust-ratio wiring of the sparse hooks, and the :class:`TrainStep`."""
+    from flashsgd.comm.sparse_checks import check_optimizer_momentum
+    from flashsgd.optim.lars import LARS
+    from flashsgd.optim.plan import apply_model_tweaks, build_optimizer
+    from flashsgd.train.models import build_model
+
+    cfg = plan.config
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg.model.model, data.num_classes, cfg.model.channels).to(device)
+    tweaks = apply_model_tweaks(plan.recipe, model)
+    optimizer = build_optimizer(plan.recipe, model, cfg.optim.global_batch)
+    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing, reduction="sum")
+    auto = None
+    if cfg.comm.algorithm == "auto":  # measure, plan, and run the choice (flashsgd.train.auto)
+        from flashsgd.train.auto import resolve_auto
+
+        plan, auto = resolve_auto(plan, model, optimizer, data, device, loss_fn, out, resume_from=resume_from)
+    timer = CommTimer()
+    ddp, hook_state, topology = build_ddp(plan, model, device, timer)
+    check_optimizer_momentum(hook_state, optimizer)  # momentum applied once, not twice
+    if getattr(getattr(hook_state, "options", None), "layer_trust", False) and isinstance(optimizer, LARS):
+        optimizer.grad_norm_source = hook_state.grad_norms  # trust ratios from dense norms
+    step = TrainStep(ddp, optimizer, loss_fn, timer, device, nonfinite=plan.config.run.nonfinite)
+    return RankParts(plan, model, optimizer, loss_fn, tweaks, timer, ddp, hook_state, topology, step, auto)
 
 
 def load_data(cfg: TrainConfig) -> Datasets:

@@ -29,18 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.sparse_checks import check_optimizer_momentum
-from flashsgd.optim.lars import LARS
-from flashsgd.optim.plan import prepare
 from flashsgd.train import checkpoint as ckpt
 from flashsgd.train.data import Datasets, ShardedSampler
-from flashsgd.train.models import build_model
 from flashsgd.train.plan import RunPlan
 from flashsgd.train.report import Metrics, summarize
-from flashsgd.train.rank import (CommTimer, average_buffers, build_ddp, evaluate, inject_fault,
+from flashsgd.train.rank import (average_buffers, build_rank, evaluate, inject_fault,
                                  setup_process)
 from flashsgd.train.rundir import Start, write_plan
-from flashsgd.train.step import TrainStep
 
 
 class Worker:
@@ -50,30 +45,16 @@ class Worker:
         self.plan, self.data, self.cfg = plan, data, plan.config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = setup_process(plan)                                              # Step 1
-        torch.manual_seed(self.cfg.run.seed)                                           # Step 2
-        self.model = build_model(self.cfg.model.model, data.num_classes, self.cfg.model.channels).to(self.device)
-        recipe_plan = prepare(plan.recipe, self.model, self.cfg.optim.global_batch, plan.num_train,
-                              epochs=plan.recipe.epochs)  # the recipe is already rescaled
-        self.optimizer, self.model_tweaks = recipe_plan.optimizer, recipe_plan.model_tweaks
-        self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing, reduction="sum")
+        parts = build_rank(plan, data, self.device, out=Path(self.cfg.run.out),        # Step 2
+                           resume_from=start.checkpoint)
+        self.model, self.optimizer, self.model_tweaks = parts.model, parts.optimizer, parts.model_tweaks
+        self.ddp, self.hook_state, self.topology = parts.ddp, parts.hook_state, parts.topology
+        self.timer, self.step, self.auto = parts.timer, parts.step, parts.auto
         self.out = Path(self.cfg.run.out)
-        self.auto = None
-        if self.cfg.comm.algorithm == "auto":  # measure, plan, and run the choice
-            from flashsgd.train.auto import resolve_auto
-
-            plan, self.auto = resolve_auto(plan, self.model, self.optimizer, data, self.device,
-                                           self.loss_fn, self.out,
-                                           resume_from=start.checkpoint)
-            self.plan, self.cfg = plan, plan.config
+        if self.auto is not None:  # --comm auto chose the exchange: the plan changed
+            self.plan, self.cfg = parts.plan, parts.plan.config
             if self.rank == 0:
-                write_plan(self.out, plan, chosen_by="auto (auto.json)")
-        self.timer = CommTimer()
-        self.ddp, self.hook_state, self.topology = build_ddp(plan, self.model, self.device, self.timer)
-        check_optimizer_momentum(self.hook_state, self.optimizer)  # momentum applied once, not twice
-        self.step = TrainStep(self.ddp, self.optimizer, self.loss_fn, self.timer, self.device,
-                              nonfinite=self.cfg.run.nonfinite)
-        if getattr(self.hook_state, "layer_trust", False) and isinstance(self.optimizer, LARS):
-            self.optimizer.grad_norm_source = self.hook_state.grad_norms  # trust from dense norms
+                write_plan(self.out, self.plan, chosen_by="auto (auto.json)")
         self.sampler = ShardedSampler(plan.num_train, self.rank, self.world, self.cfg.run.seed)
         self.aug = torch.Generator().manual_seed(self.cfg.run.seed * 7919 + self.rank)  # per-rank augmentation
         self.progress: dict[str, Any] = {"step": 0, "epoch": 0, "elapsed_s": 0.0, "skipped": 0,
