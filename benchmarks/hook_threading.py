@@ -12,7 +12,7 @@ backward goes on). Both options are passed explicitly. Timed with :func:`flashsg
 ``bench sparse --hook``'s (5 square layers of ``--width`` and a 10-way head). Prints the median
 step time and the ratio to native measured in the same run.
 
-    python benchmarks/hook_threading.py --world 4 --rounds 5 --steps 6
+    python benchmarks/hook_threading.py --workers 4 --rounds 5 --steps 6
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _worker(configs, rounds, steps, width, batch, bucket_mb):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--workers", type=int, default=4, help="local ranks (default 4)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--width", type=int, default=512)
@@ -48,10 +48,10 @@ def main() -> None:
     for name in ("ring", "torus2d"):
         extra = {"grid": a.grid} if name == "torus2d" and a.grid else {}
         configs += [(name, dict(extra, threaded=False)), (name, dict(extra, threaded=True))]
-    med = spawn(_worker, a.world, (configs, a.rounds, a.steps, a.width, a.batch, a.bucket_mb),
+    med = spawn(_worker, a.workers, (configs, a.rounds, a.steps, a.width, a.batch, a.bucket_mb),
                 timeout_s=1200)[0]
     params = sum(q.numel() for q in hook_model(LAYERS, a.width).parameters())
-    print(f"# world {a.world}, MLP {params / 1e6:.2f} M params ({params * 4 / 2**20:.1f} MiB fp32), "
+    print(f"# world {a.workers}, MLP {params / 1e6:.2f} M params ({params * 4 / 2**20:.1f} MiB fp32), "
           f"batch {a.batch}/rank, bucket_cap_mb {a.bucket_mb}, {a.rounds * max(1, a.steps - 1)} timed steps")
     print(f"{'hook':<28}{'step(ms)':>10}{'x native':>10}")
     for i, (name, opts) in enumerate(configs):

@@ -48,17 +48,19 @@ def test_bandwidth_convention_matches_nccl_tests():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--world", "8", "--grid", "3x3"], "grid 3x3 has 9 ranks but the world size is 8; valid grids: "
+    (["--workers", "8", "--grid", "3x3"], "grid 3x3 has 9 ranks but the world size is 8; valid grids: "
                                         "1x8, 2x4, 4x2, 8x1"),
-    (["--world", "6", "--ranks-per-node", "4"], "--ranks-per-node 4 must divide the world size 6; "
-                                                "valid: 1, 2, 3, 6"),
-    (["--algorithms", "ring,tree"], "unknown all-reduce algorithm 'tree'; known: native, ring"),
-    (["--algorithms", "ring,ring"], "lists a name twice"),
+    (["--workers", "6", "--ranks-per-node", "4"], "--ranks-per-node 4 must divide the world size 6; "
+                                                  "valid: 1, 2, 3, 6"),
+    (["--comm", "ring,tree"], "--comm 'ring,tree': unknown tree; known: native, ring"),
+    (["--comm", "ring,ring"], "lists a name twice"),
+    (["--comm", "topk"], "unknown topk; known: native, ring, hierarchical, torus2d"),
     (["--dtype", "float64"], "--dtype 'float64' is not supported; valid: float32"),
     (["--sizes", "2", "--dtype", "float32"], "2 B is smaller than one float32 element"),
     (["--iters", "0"], "--iters must be >= 1"),
-    (["--world", "0"], "--world must be an integer >= 1"),
-    (["--world", "8", "--sizes", "4K,100G"], "--sizes 100G: 8 rank(s) x 2 buffer(s) of 100.00 GiB = 1,600.00 GiB, "
+    (["--workers", "0"], "--workers must be an integer >= 1"),
+    (["--timeout-s", "0"], "--timeout-s must be a finite number of seconds > 0"),
+    (["--workers", "8", "--sizes", "4K,100G"], "--sizes 100G: 8 rank(s) x 2 buffer(s) of 100.00 GiB = 1,600.00 GiB, "
                                              "more than the "),
 ])
 def test_bad_options_are_clear_errors(argv, message, capsys):
@@ -91,8 +93,8 @@ def _check_json(path, world, grid, algorithms, sizes):
 
 def test_tiny_run_prints_rows_and_writes_json(tmp_path, capfd):
     path = tmp_path / "out" / "ar.json"
-    code = allreduce.run(_args("--world", "4", "--ranks-per-node", "2", "--grid", "2x2", "--sizes", "4K,12K",
-                               "--algorithms", "torus2d,native,ring,hierarchical", "--iters", "3",
+    code = allreduce.run(_args("--workers", "4", "--ranks-per-node", "2", "--grid", "2x2", "--sizes", "4K,12K",
+                               "--comm", "torus2d,native,ring,hierarchical", "--iters", "3",
                                "--warmup", "1", "--json", str(path)))
     assert code == 0
     out = capfd.readouterr().out
@@ -111,9 +113,9 @@ def test_runs_under_an_env_rendezvous(tmp_path, monkeypatch, capfd):
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(key, value)
     path = tmp_path / "env.json"
-    assert allreduce.run(_args("--world", "8", "--sizes", "4K", "--algorithms", "native,ring",
+    assert allreduce.run(_args("--workers", "8", "--sizes", "4K", "--comm", "native,ring",
                                "--iters", "2", "--warmup", "0", "--json", str(path))) == 0
-    doc = _check_json(path, 1, "1x1", ["native", "ring"], [4096])  # WORLD_SIZE wins over --world
+    doc = _check_json(path, 1, "1x1", ["native", "ring"], [4096])  # WORLD_SIZE wins over --workers
     assert doc["meta"]["launcher"] == "torchrun/env"
 
 

@@ -13,7 +13,8 @@ from flashsgd.registry import Registry
                                   ["simulate", "--help"], ["bench", "allreduce", "--help"],
                                   ["bench", "sparse", "--help"], ["bench", "lars", "--help"],
                                   ["bench", "train", "--help"], ["bench", "emulate", "--help"],
-                                  ["bench", "recipe", "--help"]])
+                                  ["bench", "recipe", "--help"], ["bench", "scaling", "--help"],
+                                  ["plan", "--help"], ["compare", "--help"]])
 def test_help_of_every_command(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -50,3 +51,90 @@ def test_bad_value_is_a_one_line_error_not_a_traceback(capsys):
     assert main(["bench", "lars", "--reps", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("flashsgd bench: error:") and "reps" in err and "Traceback" not in err
+
+
+# ---- one spelling per concept (issue 21) ------------------------------------------------------
+
+RETIRED = ("--world", "--algorithm", "--algorithms", "--hooks", "--timeout", "--rpn", "--lpn", "--local-ranks")
+COMMAND_PATHS = {"train", "bench allreduce", "bench sparse", "bench train", "bench scaling", "bench emulate",
+                 "bench lars", "bench recipe", "simulate", "plan", "compare", "emulate.probe"}
+OVERRIDES = {  # (command, flag): why its default is not the catalog's
+    ("train", "--timeout-s"): "the run's collective deadline (300 s), not the hooks' 'the process group's'",
+    ("train", "--nesterov"): "the optimizer's Nesterov (the recipe's), which the sparse hooks follow",
+    ("bench allreduce", "--timeout-s"): "the launch's deadline (1800 s)",
+    ("bench sparse", "--timeout-s"): "the launch's deadline (1800 s)",
+    ("bench emulate", "--timeout-s"): "the deadline per launch on the emulated cluster (900 s)",
+    ("bench scaling", "--timeout-s"): "the collective timeout of one scaling row (120 s)",
+    ("bench scaling", "--ranks-per-node"): "the emulated cluster's shape N x R (1), not 'detected'",
+    ("bench sparse", "--selection"): "threshold: the selection the bench measures (and --fuse compiles)",
+    ("bench sparse", "--bucket-mb"): "8 MiB: 4-5 buckets of the --hook MLP",
+}
+
+
+def _parsers():
+    """(command path, parser) of every leaf subcommand, and the emulated cluster's probe."""
+    import argparse
+
+    from flashsgd.cli import build_parser
+    from flashsgd.emulate.probe import build_parser as probe_parser
+
+    def walk(parser, path):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            yield " ".join(path), parser
+        for name, sub in (subs[0].choices.items() if subs else ()):
+            yield from walk(sub, path + [name])
+
+    return [*walk(build_parser(), []), ("emulate.probe", probe_parser())]
+
+
+def _shown_default(action):
+    """The default a flag shows: its value, or the '(default: X)' of its help where the parser
+    suppresses it (`train` reads defaults from its config)."""
+    import argparse
+    import ast
+    import re
+
+    if action.default is not argparse.SUPPRESS:
+        return action.default
+    m = re.search(r"\(default: ([^)]*)\)", " ".join((action.help or "").split()))
+    if m is None:
+        return argparse.SUPPRESS
+    try:
+        return ast.literal_eval(m.group(1))
+    except (ValueError, SyntaxError):
+        return m.group(1)
+
+
+def test_one_spelling_per_concept_and_the_catalogs_defaults():
+    import dataclasses
+    import re
+
+    from flashsgd.exchanges import BUCKET_MB, EXCHANGES, option_default
+
+    catalog = {"bucket_mb": BUCKET_MB}
+    for name in {f.name for e in EXCHANGES.values() for f in dataclasses.fields(e.options)}:
+        try:
+            catalog[name] = option_default(name)
+        except KeyError:  # no single default (threaded: dense True, sparse False): no flag can show one
+            pass
+    parsers = _parsers()
+    assert COMMAND_PATHS <= {path for path, _ in parsers}
+    retired = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, RETIRED)) + r")(?![\w-])")
+    used, problems = set(), []
+    for path, parser in parsers:
+        flags = [s for a in parser._actions for s in a.option_strings]
+        problems += [f"{path}: retired flag {f}" for f in flags if f in RETIRED]
+        problems += [f"{path} --help: mentions {m}" for m in sorted(set(retired.findall(parser.format_help())))]
+        for action in parser._actions:
+            flag = next((s for s in action.option_strings if s.startswith("--")), None)
+            if flag is None or action.dest not in catalog or action.dest == "help":
+                continue
+            if (path, flag) in OVERRIDES:
+                used.add((path, flag))
+                continue
+            shown = _shown_default(action)
+            if shown != catalog[action.dest]:
+                problems.append(f"{path} {flag}: default {shown!r}, the catalog's is {catalog[action.dest]!r}")
+    assert not problems, "\n".join(problems)
+    assert used == set(OVERRIDES), f"overrides listed for no flag: {set(OVERRIDES) - used}"

@@ -104,6 +104,15 @@ def test_unavailable_is_reported(monkeypatch, capsys):
     assert "iproute2" in capsys.readouterr().err
     assert emulate.run(parser.parse_args(["--cluster", "2by2"])) == 2
     assert "NODESxRANKS" in capsys.readouterr().err
+    assert emulate.run(parser.parse_args(["--cluster", "2x2", "--probe-comm", "ring,topk"])) == 2
+    assert "--probe-comm 'ring,topk': unknown topk" in capsys.readouterr().err  # before any setup
+
+
+def test_probe_takes_comm():
+    from flashsgd.emulate.probe import build_parser
+
+    args = build_parser().parse_args(["--comm", "native,ring", "--json", "p.json"])
+    assert args.comm == "native,ring" and build_parser().parse_args(["--json", "p.json"]).comm == "native"
 
 
 # ---- as root, with network namespaces ----------------------------------------------------------
@@ -127,7 +136,7 @@ def test_emulated_2x2_allreduce_rate_and_teardown(tmp_path):
     emulate.add_arguments(parser)
     out = tmp_path / "emu.json"
     args = parser.parse_args(["--cluster", "2x2", "--link", "200mbit", "--sizes-mb", "1,4",
-                              "--json", str(out), "--timeout", "60", "--logs", str(tmp_path / "logs")])
+                              "--json", str(out), "--timeout-s", "60", "--logs", str(tmp_path / "logs")])
     assert emulate.run(args) == 0
     doc = json.loads(out.read_text())
     assert doc["meta"]["world"] == 4 and doc["meta"]["emulated"]["nodes"] == 2
@@ -201,7 +210,7 @@ def test_ctrl_c_tears_down_with_one_line_and_exit_130(tmp_path):
             "p = argparse.ArgumentParser(); emulate.add_arguments(p)\n"
             "sys.exit(emulate.run(p.parse_args(sys.argv[1:])))")
     proc = subprocess.Popen([sys.executable, "-c", code, "--cluster", "2x1", "--link", "1mbit",
-                             "--sizes-mb", "10", "--timeout", "300", "--logs", str(tmp_path / "logs")],
+                             "--sizes-mb", "10", "--timeout-s", "300", "--logs", str(tmp_path / "logs")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     prefix = f"{netns.NAME_PREFIX}-{proc.pid}"
     deadline = time.monotonic() + 60

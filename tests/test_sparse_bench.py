@@ -34,19 +34,24 @@ def test_wire_bytes_per_node():
 
 
 def test_options_errors():
-    for argv, word in ((["--densities", "0"], "--densities"), (["--algorithms", "gtopk,x"], "unknown"),
-                       (["--algorithms", "hgtopk_slices"], "unknown"), (["--node-splits", "ring"], "--node-splits"),
-                       (["--world", "6", "--ranks-per-node", "4"], "ranks_per_node must divide"),
+    for argv, word in ((["--densities", "0"], "--densities"), (["--comm", "gtopk,x"], "--comm 'gtopk,x': unknown x"),
+                       (["--comm", "hgtopk_slices"], "unknown"), (["--node-splits", "ring"], "--node-splits"),
+                       (["--workers", "6", "--ranks-per-node", "4"], "ranks_per_node must divide"),
                        (["--link", "fast"], "link rate"),
-                       (["--fuse", "compiled", "--selector", "exact"], "--selector threshold")):
+                       (["--fuse", "compiled", "--selection", "exact"], "--selection threshold"),
+                       (["--hook", "--selection-speed"], "two different modes")):
         with pytest.raises(ValueError, match=word):
             config_from_args(_args(*argv))
-    cfg, world = config_from_args(_args("--world", "4", "--algorithms", "hgtopk", "--fuse", "both",
+    cfg, world = config_from_args(_args("--workers", "4", "--comm", "hgtopk", "--fuse", "both",
                                         "--link", "1gbit", "--ranks-per-node", "2"))
     assert (cfg.fuse, cfg.link_bps, cfg.ranks_per_node, world) == ([False, True], 10**9, 2, 4)
-    assert cfg.node_splits == ["leader"]
-    cfg, _ = config_from_args(_args("--algorithms", "hgtopk", "--node-splits", "slices,sparse"))
-    assert cfg.node_splits == ["slices", "sparse"]
+    assert cfg.node_splits == ["leader"] and cfg.selection == "threshold"  # the bench's own default
+    cfg, _ = config_from_args(_args("--comm", "hgtopk", "--node-splits", "slices,sparse", "--selection", "exact"))
+    assert cfg.node_splits == ["slices", "sparse"] and cfg.selection == "exact"
+    assert config_from_args(_args())[0].algorithms == ["topk", "gtopk"]
+    with pytest.raises(SystemExit):  # the mode switch is --selection-speed; --selection takes a choice
+        _args("--selection")
+    assert _args("--selection-speed").selection_speed
 
 
 def _bench_body():

@@ -96,9 +96,9 @@ def test_a_mean_loss_is_refused():
 def _bench_train_rows():
     from flashsgd.bench.train import _bench
 
-    opts = {"model": "mnist1d_cnn", "image_shape": "mnist1d", "batch": 8, "hooks": ["native", "noop", "ring"],
-            "grid": None, "ranks_per_node": None, "density": 0.01, "bucket_mb": 25.0, "iters": 2,
-            "warmup": 2, "recipe": "fujitsu"}
+    opts = {"model": "mnist1d_cnn", "image_shape": "mnist1d", "batch": 8, "comm": ["native", "noop", "ring"],
+            "grid": None, "ranks_per_node": None, "density": 0.01, "selection": "sampled", "bucket_mb": 25.0,
+            "iters": 2, "warmup": 2, "recipe": "fujitsu"}
     return _bench(opts, True)
 
 

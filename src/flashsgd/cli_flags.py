@@ -70,11 +70,13 @@ def add_option_flag(parser: Any, name: str, **override: Any) -> None:
     parser.add_argument("--" + name.replace("_", "-"), **kwargs)
 
 
-def add_comm_flag(parser: Any, default: str | None, what: str = "exchanges to compare") -> None:
-    """``--comm NAME[,NAME...]``: the exchange(s), names of :data:`flashsgd.exchanges.EXCHANGES`."""
+def add_comm_flag(parser: Any, default: str | None, what: str = "exchanges to compare",
+                  known: list[str] | tuple[str, ...] | None = None) -> None:
+    """``--comm NAME[,NAME...]``: the exchange(s), names of :data:`flashsgd.exchanges.EXCHANGES`
+    (or of ``known``, the subset a command runs; check the value with :func:`comm_list`)."""
     parser.add_argument("--comm", default=default, metavar="NAME[,NAME...]",
                         help=f"{what}, comma-separated (default: {default or 'all'}); "
-                             f"known: {', '.join(EXCHANGES)}")
+                             f"known: {', '.join(EXCHANGES if known is None else known)}")
 
 
 def comm_list(value: str | None, known: list[str], flag: str = "--comm") -> list[str]:

@@ -1,6 +1,6 @@
 """`flashsgd bench allreduce`: time native, ring, hierarchical and torus2d all-reduce (nccl-tests rows).
 
-Spawns ``--world`` local Gloo ranks (or runs under ``torchrun`` / any launcher that sets RANK,
+Spawns ``--workers`` local Gloo ranks (or runs under ``torchrun`` / any launcher that sets RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT), then for every message size and algorithm: one verified call
 (each rank contributes ``rank % 4 + 1``; the result must be the exact sum, with the cross-rank
 consistency check on), ``--warmup`` untimed calls, and ``--iters`` timed repetitions in which
@@ -12,7 +12,7 @@ row per (size, algorithm) with ``ratio_to_native`` = native's median time / this
 
 Example::
 
-    flashsgd bench allreduce --world 8 --ranks-per-node 4 --grid 2x4 --sizes 4K:128M:4 \\
+    flashsgd bench allreduce --workers 8 --ranks-per-node 4 --grid 2x4 --sizes 4K:128M:4 \\
         --json runs/allreduce.json
 """
 
@@ -30,6 +30,7 @@ from flashsgd.bench.common import (ALLREDUCE_COLUMNS, DTYPES, add_run_arguments,
                                    format_header, format_row, host_memory_available, human_size,
                                    parse_dtype, parse_sizes, ranks_on_this_host, run_metadata,
                                    write_json)
+from flashsgd.cli_flags import add_comm_flag, comm_list
 from flashsgd.comm.dense import ALLREDUCE
 from flashsgd.comm.topology import divisors, get_topology, parse_grid
 from flashsgd.launch import default_backend, run as launch_run, under_torchrun
@@ -163,8 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torus2d grid XxY, X*Y = world (default X = ranks per node)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="L for hierarchical; emulates N = world/L nodes (default: detected)")
-    parser.add_argument("--algorithms", default=",".join(ALLREDUCE.names()),
-                        help=f"comma-separated, from {', '.join(ALLREDUCE.names())}")
+    add_comm_flag(parser, None, "all-reduce algorithms to time (native first)", known=ALLREDUCE.names())
     parser.add_argument("--sizes", default=DEFAULT_SIZES,
                         help="bytes per rank: list '4K,1M' and/or ranges '4K:128M' (x2) or '4K:128M:4'")
     parser.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
@@ -178,13 +178,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[AllreduceBenchConfig, in
                          f"valid: {', '.join(map(str, divisors(world)))}")
     if args.grid is not None:
         parse_grid(args.grid, world)  # raises with the valid grids
-    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    if not algorithms:
-        raise ValueError(f"--algorithms is empty; known: {', '.join(ALLREDUCE.names())}")
-    for a in algorithms:
-        ALLREDUCE.get(a)  # raises "unknown all-reduce algorithm ...; known: ..."
-    if len(set(algorithms)) != len(algorithms):
-        raise ValueError(f"--algorithms lists a name twice: {args.algorithms!r}")
+    algorithms = comm_list(args.comm, ALLREDUCE.names())  # unknown, empty or repeated: ValueError
     dtype = parse_dtype(args.dtype)
     sizes = parse_sizes(args.sizes)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -212,7 +206,8 @@ def _check_memory(size_bytes: int, world: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg, world = config_from_args(args)  # ValueError: flashsgd.cli prints it as a one-line error
-    out = launch_run(bench_worker, (cfg,), world_size=world, timeout_s=args.timeout, deadline_s=args.timeout)
+    out = launch_run(bench_worker, (cfg,), world_size=world, timeout_s=args.timeout_s,
+                     deadline_s=args.timeout_s)
     if out is not None and args.json:
         out["meta"]["config"] = asdict(cfg)
         write_json(args.json, out["meta"], out["results"])

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 import torch
 
+from flashsgd.exchanges import check_timeout_s
 from flashsgd.launch import under_torchrun
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -144,21 +145,23 @@ def format_row(row: dict, columns: Sequence[Column]) -> str:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, iters: int, warmup: int) -> None:
-    """The options every multi-rank benchmark shares: --world, --iters, --warmup, --timeout, --json."""
-    parser.add_argument("--world", type=int, default=8,
-                        help="local ranks to spawn (ignored under torchrun: WORLD_SIZE wins)")
+    """The options every multi-rank benchmark shares: --workers, --iters, --warmup, --timeout-s, --json."""
+    parser.add_argument("--workers", type=int, default=8,
+                        help="local ranks to spawn (ignored under torchrun: WORLD_SIZE wins; default 8)")
     parser.add_argument("--iters", type=int, default=iters, help=f"timed repetitions (default {iters})")
     parser.add_argument("--warmup", type=int, default=warmup,
                         help=f"untimed calls before timing (default {warmup})")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the run is aborted")
+    parser.add_argument("--timeout-s", type=float, default=1800.0,
+                        help="seconds before the run is aborted (default 1800)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write results + metadata here")
 
 
 def check_run_arguments(args: argparse.Namespace) -> int:
     """Validate the shared options (ValueError naming the option); return the world size."""
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.workers
     if not isinstance(world, int) or world < 1:
-        raise ValueError(f"--world must be an integer >= 1, got {world!r}")
+        raise ValueError(f"--workers must be an integer >= 1, got {world!r}")
+    check_timeout_s(args.timeout_s, "--timeout-s")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     return world

@@ -22,7 +22,7 @@ Steps:
 Example::
 
     $ flashsgd bench emulate --cluster 4x2 --link 1gbit --json out.json -- \\
-          allreduce --algorithms native,ring,hierarchical,torus2d --sizes 1M,10M,100M
+          allreduce --comm native,ring,hierarchical,torus2d --sizes 1M,10M,100M
     $ flashsgd bench emulate --cluster 2x2 --link 200mbit          # self-check only
 """
 
@@ -38,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from flashsgd.cli_flags import comm_list
 from flashsgd.comm.dense import ALLREDUCE
 from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_available,
                                     emulated_cluster, parse_rate, parse_shape)
@@ -54,12 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the annotated results here")
     parser.add_argument("--probe-mb", type=float, default=8.0,
                         help="message size (MB) of the link-byte probe; 0 disables the probe")
-    parser.add_argument("--probe-algorithms", default=None,
-                        help=f"comma-separated, from {', '.join(ALLREDUCE.names())} (default: those in "
-                             "the results, or 'native' without a benchmark)")
+    parser.add_argument("--probe-comm", default=None, metavar="NAME[,NAME...]",
+                        help=f"all-reduce algorithms of the probe, comma-separated, from "
+                             f"{', '.join(ALLREDUCE.names())} (default: those in the results, or "
+                             "'native' without a benchmark)")
     parser.add_argument("--sizes-mb", default="1,10",
                         help="sizes of the built-in probe benchmark when no benchmark is given")
-    parser.add_argument("--timeout", type=float, default=900.0, help="deadline per launch, seconds")
+    parser.add_argument("--timeout-s", type=float, default=900.0,
+                        help="deadline per launch, seconds (default 900)")
     parser.add_argument("--logs", default=None,
                         help="keep per-rank logs here (default: a temp dir, removed after a successful run)")
     parser.add_argument("bench", nargs=argparse.REMAINDER,
@@ -72,7 +75,7 @@ def _launch(cluster, module_args: list[str], log_dir: Path, timeout_s: float) ->
 
 def _probe(cluster, algorithms: str, sizes_mb: str, out: Path, log_dir: Path, timeout_s: float,
            warmup: int, reps: int) -> dict:
-    _launch(cluster, ["flashsgd.emulate.probe", "--algorithms", algorithms, "--sizes-mb", sizes_mb,
+    _launch(cluster, ["flashsgd.emulate.probe", "--comm", algorithms, "--sizes-mb", sizes_mb,
                       "--warmup", str(warmup), "--reps", str(reps), "--json", str(out)], log_dir, timeout_s)
     return json.loads(out.read_text())
 
@@ -90,15 +93,15 @@ def _measure(spec: ClusterSpec, bench: list[str], args: argparse.Namespace, work
         if bench:
             out = work / "bench.json"
             wall = _launch(cluster, ["flashsgd", "bench", *bench, "--json", str(out)], log_dir / "bench",
-                           args.timeout)
+                           args.timeout_s)
             if not out.exists():
                 raise ValueError(f"'flashsgd bench {bench[0]}' wrote no JSON at {out} "
                                  "(it must accept --json PATH and write it on rank 0)")
             doc = json.loads(out.read_text())
         else:
             t0 = time.monotonic()
-            doc = _probe(cluster, args.probe_algorithms or "native", args.sizes_mb, work / "bench.json",
-                         log_dir / "bench", args.timeout, warmup=1, reps=3)
+            doc = _probe(cluster, args.probe_comm or "native", args.sizes_mb, work / "bench.json",
+                         log_dir / "bench", args.timeout_s, warmup=1, reps=3)
             wall = time.monotonic() - t0
         after = cluster.link_bytes()
         run_bytes = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
@@ -106,11 +109,11 @@ def _measure(spec: ClusterSpec, bench: list[str], args: argparse.Namespace, work
         if not bench:
             return doc, doc, wall, run_bytes
         present = sorted({r.get("algorithm") for r in doc.get("results", [])} & set(ALLREDUCE))
-        algos = args.probe_algorithms or ",".join(present)
+        algos = args.probe_comm or ",".join(present)
         probe_doc = None
         if args.probe_mb > 0 and algos:
             probe_doc = _probe(cluster, algos, f"{args.probe_mb:g}", work / "probe.json",
-                               log_dir / "probe", args.timeout, warmup=0, reps=1)
+                               log_dir / "probe", args.timeout_s, warmup=0, reps=1)
         return doc, probe_doc, wall, run_bytes
 
 
@@ -119,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         nodes, rpn = parse_shape(args.cluster)
         spec = ClusterSpec(nodes, rpn, parse_rate(args.link), subnet=args.subnet)
+        if args.probe_comm is not None:
+            comm_list(args.probe_comm, ALLREDUCE.names(), "--probe-comm")
     except ValueError as exc:
         print(f"flashsgd bench emulate: {exc}", file=sys.stderr)
         return 2

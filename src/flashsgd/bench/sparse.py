@@ -1,7 +1,7 @@
 """`flashsgd bench sparse`: Top-k, gTop-k and hierarchical gTop-k against dense all-reduce, split
 into phases and set beside the wire time and the memory floor; top-k selection speed.
 
-Exchange mode (default): ``--world`` ranks (spawned, or under torchrun / ``flashsgd bench emulate``),
+Exchange mode (default): ``--workers`` ranks (spawned, or under torchrun / ``flashsgd bench emulate``),
 each with a random fp32 gradient of ``--numel`` elements (default 25,557,032: ResNet-50). For every
 density, interleaved (timing.time_ops: barrier before each call, a call's time is its slowest rank,
 median over ``--iters``):
@@ -25,7 +25,7 @@ Hook mode (``--hook``, :mod:`flashsgd.bench.sparse_hook`): whole DDP training st
 4-5 buckets through each sparse hook, synchronous vs ``threaded=True`` (the exchange on a
 communication thread, overlapping the next bucket's selection), beside ``noop`` and ``native``.
 
-Selection mode (``--selection``): one process, a random fp32 vector of ``--numel``, per density:
+Selection mode (``--selection-speed``): one process, a random fp32 vector of ``--numel``, per density:
 ``torch.add`` (the pass unit), ``torch.topk(|x|)``, the exact / sampled / threshold selections
 (threshold with and without reuse), and the compression of one bucket (add + maxima + selection,
 eager and compiled); time, speed-up over torch.topk, passes, and the squared mass kept.
@@ -33,9 +33,9 @@ eager and compiled); time, speed-up over torch.topk, passes, and the squared mas
 Example::
 
     flashsgd bench emulate --cluster 8x1 --link 1gbit -- sparse --densities 0.001,0.01 --link 1gbit
-    flashsgd bench emulate --cluster 4x2 --link 1gbit -- sparse --algorithms gtopk,hgtopk \
+    flashsgd bench emulate --cluster 4x2 --link 1gbit -- sparse --comm gtopk,hgtopk \
         --node-splits leader,slices,sparse --link 1gbit
-    flashsgd bench sparse --selection --fuse both --json runs/selection.json
+    flashsgd bench sparse --selection-speed --fuse both --json runs/selection.json
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ from flashsgd.bench.common import (add_run_arguments, check_run_arguments, forma
 from flashsgd.bench.sparse_hook import measure_hook
 from flashsgd.bench.sparse_steps import (DEFAULT_NODE_SPLIT, FLOOR_PASSES, PHASES, STEP_ALGORITHMS,
                                          SparseStepOptions, make_step, step_name, wire_bytes_per_node)
-from flashsgd.comm.sparse import (DEFAULT_DENSITY, SELECTIONS, SelectionWorkspace, gtopk_bytes_sent,
+from flashsgd.cli_flags import add_comm_flag, add_option_flag, comm_list
+from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, gtopk_bytes_sent,
                                   k_from_density, topk_bytes_sent, validate_density,
                                   wire_index_dtype)
 from flashsgd.comm.sparse_fused import compiled_available, compress_
@@ -63,7 +64,7 @@ from flashsgd.comm.sparse_hier import broadcast_len, check_node_layout
 from flashsgd.comm.sparse_select import ThresholdReuse, topk_threshold
 from flashsgd.comm.topology import get_topology
 from flashsgd.emulate.netns import parse_rate
-from flashsgd.exchanges import NODE_SPLITS
+from flashsgd.exchanges import BUCKET_MB, DEFAULT_DENSITY, NODE_SPLITS
 from flashsgd.launch import run as launch_run, under_torchrun
 from flashsgd.timing import time_ops
 
@@ -99,8 +100,9 @@ class SparseBenchConfig:
     """Sparse algorithms timed against dense (topk, gtopk, hgtopk)."""
     node_splits: list[str] = field(default_factory=lambda: [DEFAULT_NODE_SPLIT])
     """hgtopk: one row per node split (:data:`flashsgd.exchanges.NODE_SPLITS`)."""
-    selector: str = "threshold"
-    """Selection used by the exchange rows: a name in SELECTIONS."""
+    selection: str = "threshold"
+    """Selection used by the exchange rows (:data:`flashsgd.exchanges.SELECTIONS`): the bench's own
+    default, threshold (the fastest; the one ``--fuse`` compiles), not the hooks' sampled."""
     fuse: list[bool] = field(default_factory=lambda: [False])
     """Variants: eager (False) and/or the add + block maxima fused by torch.compile (True)."""
     link_bps: int | None = None
@@ -166,7 +168,7 @@ def measure(cfg: SparseBenchConfig) -> list[dict]:
         k = k_from_density(m, density)
         variants = [(a, s, f) for a in cfg.algorithms
                     for s in (cfg.node_splits if a == "hgtopk" else [None]) for f in cfg.fuse]
-        steps = [make_step(a, grad, k, SparseStepOptions(cfg.selector, f, topology, s or DEFAULT_NODE_SPLIT))
+        steps = [make_step(a, grad, k, SparseStepOptions(cfg.selection, f, topology, s or DEFAULT_NODE_SPLIT))
                  for a, s, f in variants]
         fns = [lambda: torch.add(grad, dense_buf, out=add_out), lambda: dist.all_reduce(dense_buf)]
         timings = time_ops(fns + steps, cfg.iters, cfg.warmup)
@@ -220,12 +222,12 @@ def bench_worker(cfg: SparseBenchConfig) -> dict | None:
     if cfg.verbose and rank == 0:
         size = "hook steps" if cfg.hook else f"numel {cfg.numel}"
         print(f"# flashsgd bench sparse: world {world}, backend {dist.get_backend()}, {size}, "
-              f"selector {cfg.selector}, iters {cfg.iters}, warmup {cfg.warmup}, torch "
+              f"selection {cfg.selection}, iters {cfg.iters}, warmup {cfg.warmup}, torch "
               f"{torch.__version__}, {os.cpu_count()} cpu(s), {on_host} rank(s) on this host, "
               f"{torch.get_num_threads()} thread(s)/rank, loadavg {os.getloadavg()[0]:.1f}", flush=True)
     load_start = os.getloadavg()[0]
     if cfg.hook:
-        results = measure_hook(cfg.densities, cfg.algorithms, cfg.selector, cfg.hook_layers,
+        results = measure_hook(cfg.densities, cfg.algorithms, cfg.selection, cfg.hook_layers,
                                cfg.hook_width, cfg.bucket_mb, cfg.batch, cfg.iters, cfg.warmup,
                                cfg.verbose)
     else:
@@ -276,7 +278,7 @@ def measure_selection(cfg: SparseBenchConfig) -> list[dict]:
     x = torch.randn(cfg.numel, generator=torch.Generator().manual_seed(0))
     talk = cfg.verbose
     if talk:
-        print(f"# flashsgd bench sparse --selection: numel {cfg.numel} fp32 (randn), torch "
+        print(f"# flashsgd bench sparse --selection-speed: numel {cfg.numel} fp32 (randn), torch "
               f"{torch.__version__}, {torch.get_num_threads()} thread(s), {os.cpu_count()} cpu(s), "
               f"loadavg {os.getloadavg()[0]:.1f}", flush=True)
         print(format_header(SELECTION_COLUMNS), flush=True)
@@ -320,15 +322,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numel", type=int, default=RESNET50_NUMEL,
                         help=f"gradient elements per rank (default {RESNET50_NUMEL}, ResNet-50)")
     parser.add_argument("--densities", default=str(DEFAULT_DENSITY),
-                        help=f"comma-separated, each in (0, 1] (default {DEFAULT_DENSITY}, the paper's)")
-    parser.add_argument("--algorithms", default="topk,gtopk",
-                        help=f"comma-separated from {', '.join(ALGORITHMS)} (default topk,gtopk)")
+                        help=f"comma-separated, each in (0, 1], one row each (default {DEFAULT_DENSITY}, "
+                             "the paper's)")
+    add_comm_flag(parser, "topk,gtopk", "sparse exchanges timed against dense", known=ALGORITHMS)
     parser.add_argument("--node-splits", default=DEFAULT_NODE_SPLIT,
                         help=f"hgtopk: comma-separated node splits, one row each, from "
                              f"{', '.join(NODE_SPLITS)} (default {DEFAULT_NODE_SPLIT})")
-    parser.add_argument("--selector", default="threshold", choices=sorted(SELECTIONS),
-                        help="selection used in the exchange rows: exact (torch.topk), sampled "
-                             "(sampled threshold) or threshold (block maxima, kept threshold; default)")
+    add_option_flag(parser, "selection", default="threshold",
+                    help="selection used in the exchange and hook rows: exact (torch.topk), sampled "
+                         "(sampled threshold) or threshold (block maxima, kept threshold); this bench's "
+                         "default is threshold, not the hooks' sampled: the fastest selection, the one "
+                         "--fuse compiles, is what it measures")
     parser.add_argument("--fuse", default="eager", choices=["eager", "compiled", "both"],
                         help="add + block maxima: eager passes, fused by torch.compile, or both "
                              "variants side by side (default eager)")
@@ -336,18 +340,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="link rate of the emulated cluster (e.g. 1gbit) for the wire-time column")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="node layout for hgtopk and the wire time (default: LOCAL_WORLD_SIZE, else 1)")
-    parser.add_argument("--selection", action="store_true",
-                        help="run the single-process selection micro-benchmark instead")
+    parser.add_argument("--selection-speed", action="store_true",
+                        help="run the single-process selection-speed micro-benchmark instead")
     parser.add_argument("--hook", action="store_true",
                         help="time whole DDP training steps through the sparse hooks, exchange "
                              "synchronous vs on a communication thread (threaded=True)")
     parser.add_argument("--hook-layers", type=int, default=8, help="--hook: square layers of the MLP")
     parser.add_argument("--hook-width", type=int, default=1024, help="--hook: width of the MLP")
     parser.add_argument("--bucket-mb", type=float, default=8.0,
-                        help="--hook: DDP bucket_cap_mb (default 8: 4-5 buckets of the 34 MB MLP)")
+                        help=f"--hook: DDP bucket cap in MiB (default 8, not the trainer's "
+                             f"{BUCKET_MB:g}: 4-5 buckets of the 34 MB MLP)")
     parser.add_argument("--batch", type=int, default=16, help="--hook: samples per rank and step")
     parser.add_argument("--threads", type=int, default=0,
-                        help="--selection: torch intra-op threads (default 0: torch's default)")
+                        help="--selection-speed: torch intra-op threads (default 0: torch's default)")
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[SparseBenchConfig, int]:
@@ -363,10 +368,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SparseBenchConfig, int]:
         raise ValueError("--densities is empty; e.g. 0.001,0.01")
     for d in densities:
         validate_density(d, "--densities")
-    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    bad = [a for a in algorithms if a not in ALGORITHMS]
-    if bad or not algorithms:
-        raise ValueError(f"--algorithms: unknown {bad or '(empty)'}; valid: {', '.join(ALGORITHMS)}")
+    algorithms = comm_list(args.comm, list(ALGORITHMS))  # unknown, empty or repeated: ValueError
     node_splits = [s.strip() for s in args.node_splits.split(",") if s.strip()]
     bad = [s for s in node_splits if s not in NODE_SPLITS]
     if bad or not node_splits:
@@ -380,15 +382,15 @@ def config_from_args(args: argparse.Namespace) -> tuple[SparseBenchConfig, int]:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         if not args.bucket_mb > 0:
             raise ValueError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
-        if args.selection:
-            raise ValueError("--hook and --selection are two different modes; give one")
+        if args.selection_speed:
+            raise ValueError("--hook and --selection-speed are two different modes; give one")
     fuse = {"eager": [False], "compiled": [True], "both": [False, True]}[args.fuse]
-    if fuse != [False] and args.selector != "threshold" and not args.selection:
-        raise ValueError(f"--fuse {args.fuse} fuses the threshold selector's block maxima; "
-                         f"use --selector threshold (got {args.selector!r})")
+    if fuse != [False] and args.selection != "threshold" and not args.selection_speed:
+        raise ValueError(f"--fuse {args.fuse} fuses the threshold selection's block maxima; "
+                         f"use --selection threshold (got {args.selection!r})")
     cfg = SparseBenchConfig(numel=args.numel, densities=densities, algorithms=algorithms,
                             node_splits=node_splits,
-                            selector=args.selector, fuse=fuse, link_bps=link,
+                            selection=args.selection, fuse=fuse, link_bps=link,
                             ranks_per_node=args.ranks_per_node, iters=args.iters, warmup=args.warmup,
                             hook=args.hook, hook_layers=args.hook_layers, hook_width=args.hook_width,
                             bucket_mb=args.bucket_mb, batch=args.batch)
@@ -397,7 +399,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SparseBenchConfig, int]:
 
 def run(args: argparse.Namespace) -> int:
     cfg, world = config_from_args(args)  # ValueError: flashsgd.cli prints it as a one-line error
-    if args.selection:
+    if args.selection_speed:
         if args.threads < 0:
             raise ValueError(f"--threads must be >= 0, got {args.threads}")
         if args.threads:
@@ -407,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
                                     torch_threads=torch.get_num_threads(),
                                     loadavg_1m_end=os.getloadavg()[0]), "results": results}
     else:
-        out = launch_run(bench_worker, (cfg,), world_size=world, timeout_s=args.timeout)
+        out = launch_run(bench_worker, (cfg,), world_size=world, timeout_s=args.timeout_s)
     if out is not None and args.json:
         out["meta"]["config"] = asdict(cfg)
         write_json(args.json, out["meta"], out["results"])

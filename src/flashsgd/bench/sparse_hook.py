@@ -20,7 +20,7 @@ gain of the thread), ``x native`` and ``x noop`` (ratios to the baselines of the
 Example::
 
     flashsgd bench emulate --cluster 8x1 --link 1gbit -- sparse --hook --densities 0.001 \\
-        --algorithms gtopk --json runs/hook_overlap.json
+        --comm gtopk --json runs/hook_overlap.json
 """
 
 from __future__ import annotations

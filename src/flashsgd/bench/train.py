@@ -1,7 +1,7 @@
 """`flashsgd bench train`: images/s of the trainer's training step per communication hook, over W ranks.
 
-One process group of W local ranks (or torchrun's). For each hook (default: every name in
-``flashsgd.comm.hooks.HOOKS``) the step is exactly what `flashsgd train` runs: the run plan of
+One process group of W local ranks (or torchrun's). For each hook (``--comm``; default: every name
+in ``flashsgd.comm.hooks.HOOKS``) the step is exactly what `flashsgd train` runs: the run plan of
 :func:`flashsgd.train.plan.build_plan` (the recipe's optimizer, LARS or SGD with its LR schedule;
 the hook's options), the model, DDP + hook of :func:`flashsgd.train.rank.build_ddp`, and
 :class:`flashsgd.train.step.TrainStep` (forward, loss sum x W / B, backward with the exchange, the
@@ -23,7 +23,7 @@ agreement all-reduce); its times are now comparable with ``flashsgd train``'s an
 Example::
 
     flashsgd bench train --workers 4 --model resnet20 --batch 32 --iters 10
-    flashsgd bench train --model resnet50 --image-shape imagenet --batch 8 --hooks native noop torus2d
+    flashsgd bench train --model resnet50 --image-shape imagenet --batch 8 --comm native,noop,torus2d
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ import torch.distributed as dist
 
 from flashsgd import launch
 from flashsgd.bench.common import run_metadata, write_json
+from flashsgd.cli_flags import add_comm_flag, add_option_flag, comm_list
+from flashsgd.exchanges import BUCKET_MB, names as exchange_names
 from flashsgd.timing import time_ops
 
 HELP = "images/s of the training step per DDP hook over W ranks, vs native and the no-op ceiling"
@@ -45,13 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-shape", choices=["cifar", "imagenet", "mnist1d"], default="cifar",
                         help="synthetic input: 3x32x32, 3x224x224, or MNIST-1D's 40 values")
     parser.add_argument("--batch", type=int, default=32, help="per-worker batch")
-    parser.add_argument("--hooks", nargs="+", default=None, help="hooks to compare (default: all)")
+    add_comm_flag(parser, None, "hooks to compare")
     parser.add_argument("--grid", default=None, help="torus2d grid XxY (default: X = ranks per node)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="ranks per (emulated) node; default 2 on local spawn when W is even")
-    parser.add_argument("--density", type=float, default=0.001,
-                        help="topk/gtopk density (default 0.001, Shi et al.'s)")
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size (MB)")
+    add_option_flag(parser, "density")
+    add_option_flag(parser, "selection")
+    parser.add_argument("--bucket-mb", type=float, default=BUCKET_MB,
+                        help=f"DDP bucket cap in MiB (default {BUCKET_MB:g})")
     parser.add_argument("--recipe", default="fujitsu", help="a name in flashsgd.optim.recipes.RECIPES")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per hook")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per hook")
@@ -67,7 +70,7 @@ def spec_of(opts: dict, world: int, emulate: bool, out_dir: str) -> dict:
     mnist = opts["image_shape"] == "mnist1d"
     return {"dataset": "mnist1d" if mnist else "synthetic", "image_shape": "cifar" if mnist else opts["image_shape"],
             "model": opts["model"], "channels": TrainConfig().model.channels, "recipe": opts["recipe"],
-            "ranks_per_node": rpn, "density": opts["density"], "selection": TrainConfig().comm.selection,
+            "ranks_per_node": rpn, "density": opts["density"], "selection": opts["selection"],
             "bucket_mb": opts["bucket_mb"], "grid": opts["grid"], "timeout_s": 300.0, "threads": 0,
             "batch": opts["batch"], "warmup": opts["warmup"], "iters": opts["iters"], "out_dir": out_dir}
 
@@ -76,15 +79,12 @@ def _bench(opts: dict, emulate: bool) -> dict:
     import tempfile
 
     from flashsgd.bench.scaling_rank import Trainer, build, run_config
-    from flashsgd.comm.hooks import HOOKS
     from flashsgd.comm.topology import get_topology
     from flashsgd.train.config import resolve
     from flashsgd.train.rank import load_data
 
     world = dist.get_world_size()
-    names = opts["hooks"] or HOOKS.names()
-    for n in names:
-        HOOKS.get(n)  # unknown names: ValueError listing the known ones
+    names = opts["comm"]
     spec = spec_of(opts, world, emulate, tempfile.gettempdir())
     data = load_data(resolve(cli=run_config(spec, "noop", world)))
     built = {n: build(spec, n, data) for n in names}
@@ -114,9 +114,10 @@ def _bench(opts: dict, emulate: bool) -> dict:
 def run(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.iters < 1 or args.warmup < 0 or args.workers < 1:
         raise ValueError("--batch, --iters and --workers must be >= 1 and --warmup >= 0")
-    opts = {k: getattr(args, k) for k in ("model", "image_shape", "batch", "hooks", "grid",
-                                           "ranks_per_node", "density", "bucket_mb", "iters",
-                                           "warmup", "recipe")}
+    opts = {k: getattr(args, k) for k in ("model", "image_shape", "batch", "grid", "ranks_per_node",
+                                           "density", "selection", "bucket_mb", "iters", "warmup",
+                                           "recipe")}
+    opts["comm"] = comm_list(args.comm, exchange_names())  # HOOKS has one hook per exchange
     if launch.under_torchrun():
         res = launch.run(_bench, (opts, False), world_size=args.workers)
     else:

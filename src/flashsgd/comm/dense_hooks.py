@@ -39,7 +39,7 @@ two modes:
   is returned. Lost: overlap of this bucket's communication with the backward computation of the
   layers that remain; the backward thread waits for each bucket's all-reduce.
 
-Measured (``python benchmarks/hook_threading.py --world 4 --grid 2x2 --rounds 4 --steps 5``,
+Measured (``python benchmarks/hook_threading.py --workers 4 --grid 2x2 --rounds 4 --steps 5``,
 docs/benchmarks.md "DDP hooks: synchronous vs communication thread"), on the shared 2-core
 machine: a 1.09 M-parameter MLP training step took 93.5 ms with the ring hook synchronous vs
 85.6 ms threaded (native DDP: 59.1 ms), torus2d 98.3 vs 75.5 ms (1.08-1.30x for the thread); it

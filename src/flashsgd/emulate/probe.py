@@ -31,6 +31,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from flashsgd.cli_flags import add_comm_flag, comm_list
 from flashsgd.comm.dense import ALLREDUCE
 from flashsgd.comm.topology import get_topology
 from flashsgd.launch import init_from_env, shutdown
@@ -120,17 +121,21 @@ def probe(algorithms: list[str], sizes_bytes: list[int], ifname: str, warmup: in
             "results": rows}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's options (``--comm`` as in every ``flashsgd bench``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--algorithms", default="native",
-                   help=f"comma-separated, from {', '.join(ALLREDUCE.names())}")
+    add_comm_flag(p, "native", "all-reduce algorithms to probe", known=ALLREDUCE.names())
     p.add_argument("--sizes-mb", default="8", help="comma-separated message sizes in MB (1e6 bytes)")
     p.add_argument("--ifname", default=os.environ.get("GLOO_SOCKET_IFNAME", "veth0"))
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--json", required=True, help="where rank 0 writes the results")
-    args = p.parse_args(argv)
-    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    algorithms = comm_list(args.comm, ALLREDUCE.names())
     sizes = [int(float(s) * 1e6) for s in args.sizes_mb.split(",") if s.strip()]
     init_from_env("gloo")
     try:
