@@ -138,3 +138,11 @@ def test_one_spelling_per_concept_and_the_catalogs_defaults():
                 problems.append(f"{path} {flag}: default {shown!r}, the catalog's is {catalog[action.dest]!r}")
     assert not problems, "\n".join(problems)
     assert used == set(OVERRIDES), f"overrides listed for no flag: {set(OVERRIDES) - used}"
+
+
+@pytest.mark.parametrize("argv", [["train", "--timeout", "5"], ["bench", "scaling", "--timeout", "5"],
+                                  ["simulate", "--algorithm", "ring"], ["bench", "allreduce", "--world", "2"]])
+def test_retired_spellings_are_refused_not_abbreviated(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err

@@ -34,15 +34,17 @@ def build_parser(load: tuple[str, ...] | None = None) -> argparse.ArgumentParser
     parser = argparse.ArgumentParser(
         prog="flashsgd",
         description="Large-minibatch, massively data-parallel synchronous SGD on PyTorch.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"flashsgd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for name, (module_name, help_line) in COMMANDS.items():
         if load is not None and name not in load:
-            sub.add_parser(name, help=help_line)
+            sub.add_parser(name, help=help_line, allow_abbrev=False)
             continue
         module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=help_line, description=module.__doc__,
+        # no abbreviations: a retired spelling (--timeout for --timeout-s) is an error, not a guess
+        p = sub.add_parser(name, help=help_line, description=module.__doc__, allow_abbrev=False,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)

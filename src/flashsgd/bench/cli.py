@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="benchmark", required=True)
     for name, module_name in BENCHMARKS.items():
         module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
+        p = sub.add_parser(name, help=module.HELP, description=module.__doc__, allow_abbrev=False,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(_bench_run=module.run)
