@@ -64,3 +64,25 @@ def _body():
 
 def test_powersgd_ddp_checkpoint(run_ranks):
     assert all(run_ranks(_body, 2))
+
+
+def _many_buckets(steps: int):
+    """PowerSGD over several DDP buckets on Gloo: every rank must issue the buckets' P and Q
+    all-reduces in the same order (torch's hook chains them in Future callbacks)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.ReLU())], nn.Linear(64, 5))
+    model = DDP(net, bucket_cap_mb=0.02)  # ~5 buckets of 64 x 64 weights
+    register_hook(model, "powersgd", matrix_approximation_rank=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for s in range(steps):
+        g = torch.Generator().manual_seed(s)  # the same batch on every rank: the same update
+        x, y = torch.randn(8, 64, generator=g), torch.randint(0, 5, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return _params(model)
+
+
+def test_powersgd_many_buckets_keeps_the_collective_order(run_ranks):
+    a, b = run_ranks(_many_buckets, 2, 12, timeout_s=60)
+    assert torch.equal(a, b)

@@ -93,6 +93,8 @@ class RunPlan:
     """Epochs the loop runs (the recipe's length, rounded up)."""
     total_steps: int
     """Optimizer steps of the whole run (before ``run.max_steps``)."""
+    first_epoch_steps: int
+    """Optimizer steps of the first epoch (its batch): the unit of ``comm.density_warmup_epochs``."""
     hook_options: dict[str, Any] = field(default_factory=dict)
     """Options of the communication hook ``config.comm.algorithm``."""
     warnings: tuple[str, ...] = ()
@@ -137,10 +139,15 @@ class RunPlan:
         ])
 
     def with_comm(self, **changes: Any) -> "RunPlan":
-        """This plan with ``comm`` keys changed (the choice of ``--comm auto``), derived again."""
-        comm = dataclasses.replace(self.config.comm, **changes)
-        return build_plan(dataclasses.replace(self.config, comm=comm), self.world, self.num_train,
-                          local_spawn=False)
+        """This plan with ``comm`` keys changed (the choice of ``--comm auto``): only the
+        exchange's part (Step 4: grid, hook options, warnings) is derived again; the recipe, the
+        layout, the batch table and the run length stay this plan's."""
+        cfg = dataclasses.replace(self.config, comm=dataclasses.replace(self.config.comm, **changes))
+        rpn = self.ranks_per_node if cfg.comm.ranks_per_node is None else cfg.comm.ranks_per_node
+        grid, options, recipe, warnings = _derive_comm(cfg, self.recipe, self.world, rpn,
+                                                       self.first_epoch_steps, self.total_steps)
+        return dataclasses.replace(self, config=cfg, ranks_per_node=rpn, grid=grid, recipe=recipe,
+                                   schedule=recipe.schedule(), hook_options=options, warnings=tuple(warnings))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (``<out>/plan.json``)."""
@@ -227,12 +234,6 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) 
                          f"valid: {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)}")
     if cfg.comm.algorithm == "auto" and cfg.comm.cluster:
         check_auto_cluster(cfg.comm.cluster, world, rpn)
-    grid = None
-    if rpn is not None or cfg.comm.grid is not None:
-        try:
-            grid = parse_grid(cfg.comm.grid, world, default_x=rpn)
-        except ValueError as exc:
-            raise ValueError(f"config key comm.grid: {exc}") from None
     table = build_batch_table(recipe, cfg.optim.global_batch)              # Step 3
     small = [b for _, b in table.rows if b < world]
     if small:
@@ -243,13 +244,27 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) 
     # the one steps-per-epoch rule (a remainder smaller than the world joins the last full batch)
     total = sum(steps_per_epoch(num_train, batch_at(e, table), min_last=world) for e in range(epochs))
     first_epoch_steps = steps_per_epoch(num_train, table.rows[0][1], min_last=world)
-    options, recipe = _hook_options(cfg, recipe, rpn, first_epoch_steps)  # Step 4
-    try:
-        warnings = [] if cfg.comm.algorithm == "auto" else check_sparse_run(
-            cfg.comm.algorithm, EXCHANGES[cfg.comm.algorithm].make_options(**options), total, recipe.momentum)
-    except ValueError as exc:
-        raise ValueError(f"config keys comm.density_warmup_epochs / comm.momentum_correction: {exc}") from None
+    grid, options, recipe, warnings = _derive_comm(cfg, recipe, world, rpn, first_epoch_steps, total)  # Step 4
     return RunPlan(config=cfg, world=world, ranks_per_node=rpn, grid=grid, recipe=recipe,
                    recipe_source=source, num_train=num_train, table=table,
-                   schedule=recipe.schedule(), epochs=epochs,
-                   total_steps=total, hook_options=options, warnings=tuple(warnings))
+                   schedule=recipe.schedule(), epochs=epochs, total_steps=total,
+                   first_epoch_steps=first_epoch_steps, hook_options=options, warnings=tuple(warnings))
+
+
+def _derive_comm(cfg: TrainConfig, recipe: Recipe, world: int, rpn: int | None, first_epoch_steps: int,
+                 total_steps: int) -> tuple[tuple[int, int] | None, dict[str, Any], Recipe, list[str]]:
+    """Step 4: the torus grid, the hook's options, the recipe the optimizer runs and the warnings."""
+    grid = None
+    if rpn is not None or cfg.comm.grid is not None:
+        try:
+            grid = parse_grid(cfg.comm.grid, world, default_x=rpn)
+        except ValueError as exc:
+            raise ValueError(f"config key comm.grid: {exc}") from None
+    options, recipe = _hook_options(cfg, recipe, rpn, first_epoch_steps)
+    try:
+        warnings = [] if cfg.comm.algorithm == "auto" else check_sparse_run(
+            cfg.comm.algorithm, EXCHANGES[cfg.comm.algorithm].make_options(**options), total_steps,
+            recipe.momentum)
+    except ValueError as exc:
+        raise ValueError(f"config keys comm.density_warmup_epochs / comm.momentum_correction: {exc}") from None
+    return grid, options, recipe, warnings
