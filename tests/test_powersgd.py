@@ -80,9 +80,9 @@ def _many_buckets(steps: int):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    return _params(model)
+    return _params(model).tolist()  # plain floats: no tensor crosses the process boundary
 
 
 def test_powersgd_many_buckets_keeps_the_collective_order(run_ranks):
     a, b = run_ranks(_many_buckets, 2, 12, timeout_s=60)
-    assert torch.equal(a, b)
+    assert a == b

@@ -21,8 +21,9 @@ Distributed Optimization" (arXiv 1905.13727). The algorithm is torch's
    therefore cut per parameter (error: the parameter's slice; P: n*r, Q: m*r of each compressed
    matrix, torch's order) and re-assembled for the new layout, which keeps a resumed run on the
    uninterrupted run's trajectory.
-   On Gloo the hook waits for torch's chain of all-reduces of each bucket before returning (its
-   callbacks would otherwise interleave the buckets' collectives differently on each rank).
+   On Gloo each bucket's chain of all-reduces runs on a communication thread, one bucket after the
+   other (torch's callbacks would otherwise interleave the buckets' collectives differently on
+   each rank), while backward goes on.
 
 Per bucket, torch's hook all-reduces the 1-D tensors (biases, norms) uncompressed and, for each
 matrix M (n x m) of the bucket, two all-reduces of P = M Q (n x r) and Q = M^T P (m x r): cost
@@ -45,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDState, _should_compress,
                                                                       powerSGD_hook)
 
-from flashsgd.comm.hook_common import completed_future, ddp_hook
+from flashsgd.comm.hook_common import CommThread, ddp_hook
 from flashsgd.exchanges import LowRankOptions
 
 _MEMORIES = ("error_dict", "p_memory_dict", "q_memory_dict")
@@ -61,11 +62,12 @@ class PowerSGDHookState:
         param_positions: ``{id(parameter): position in model.parameters()}`` (memory re-ordering).
     """
 
-    __slots__ = ("powersgd", "param_positions", "layouts", "pending")
+    __slots__ = ("powersgd", "param_positions", "layouts", "pending", "comm")
 
     def __init__(self, powersgd: PowerSGDState, param_positions: dict[int, int]) -> None:
         self.powersgd = powersgd
         self.param_positions = param_positions
+        self.comm = CommThread()  # Gloo: each bucket's chain of all-reduces, in bucket order
         self.layouts: dict[int, tuple] = {}  # bucket index -> ((position, shape), ...) in buffer order
         self.pending: dict[str, dict[int, torch.Tensor]] = {}  # memory name -> position -> piece
 
@@ -141,14 +143,14 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     """Step 3: torch's ``powerSGD_hook`` on the inner ``PowerSGDState`` (memories re-ordered first
     when DDP changed the bucket's parameters)."""
     state.follow_layout(bucket)
-    fut = powerSGD_hook(state.powersgd, bucket)
     if bucket.buffer().is_cuda:  # NCCL: the chain is enqueued on the stream in order
-        return fut
+        return powerSGD_hook(state.powersgd, bucket)
     # Gloo: torch's hook issues the Q all-reduce (and the decompression) in Future callbacks, on
     # Gloo's threads, while the backward thread goes on to the next bucket's P all-reduce: with
     # several buckets the ranks then issue collectives in different orders (a size mismatch or a
-    # hang). Finishing this bucket's chain here keeps one order on every rank (test_powersgd).
-    return completed_future(fut.wait())
+    # hang). The communication thread runs each bucket's whole chain before the next bucket's
+    # (FIFO: one order on every rank, test_powersgd) while backward goes on.
+    return state.comm.submit(lambda: powerSGD_hook(state.powersgd, bucket).wait())
 
 
 def make_powersgd(ddp_model: Any, options: LowRankOptions) -> tuple[PowerSGDHookState, Callable]:
