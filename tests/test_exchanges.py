@@ -114,3 +114,18 @@ def test_no_copy_of_a_catalog_default(value, names):
         if lines:
             found[str(path.relative_to(SRC))] = lines
     assert not found, f"defaults restated outside flashsgd/exchanges.py: {found}"
+
+
+def test_simulator_and_planner_read_the_catalog():
+    from flashsgd.comm.hooks import HOOKS
+    from flashsgd.sim import planner
+    from flashsgd.sim.algorithms import ALGORITHMS, REFERENCES
+
+    costed = [n for n, e in X.EXCHANGES.items() if e.cost is not None]
+    assert ALGORITHMS.names() == costed + list(REFERENCES)  # every hook's exchange, then references
+    assert set(costed) == set(HOOKS) - {"noop"}
+    from flashsgd.sim.network import CLUSTERS
+
+    offered = {c.algorithm for c in planner.candidates(8, CLUSTERS.get("abci"))}
+    assert offered == set(costed), "the planner offers exactly the exchanges the hooks run"
+    assert planner.coverage is X.coverage and planner.MIN_COVERAGE == X.MIN_COVERAGE
