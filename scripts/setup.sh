@@ -1,24 +1,55 @@
 #!/usr/bin/env bash
 # Set up flashsgd in ./.venv: one command, fresh machine, no multi-GB CUDA download on CPU machines.
 #
-# - The venv sees the system's site-packages, so a GPU user's own CUDA torch is used as it is.
-# - Only when no torch is importable does it install torch==2.13.0 (the CPU wheel on CPU machines;
-#   set FLASHSGD_TORCH to choose another spec, e.g. FLASHSGD_TORCH="torch==2.13.0+cu126").
-# - Then flashsgd itself, editable, with the test extras.
-# - As root, iproute2 (ip, tc) for the emulated cluster benchmarks, when missing.
+# 1. The venv sees the system's site-packages, so a GPU user's own (CUDA) torch is used as it is.
+# 2. Only when no torch is importable is torch installed:
+#    - FLASHSGD_TORCH set: that spec, as given (e.g. FLASHSGD_TORCH="torch==2.13.0+cu126");
+#    - an NVIDIA driver present (nvidia-smi): torch from the package registry (a CUDA build);
+#    - otherwise: PyTorch's CPU wheel index (https://download.pytorch.org/whl/cpu, ~200 MB instead
+#      of several GB of nvidia-* wheels), falling back to the registry when that index cannot be
+#      reached (a mirror-only or offline machine; a registry that pins a CPU wheel, as ours do).
+# 3. flashsgd itself, editable, with the test extras - skipped when this checkout is already
+#    installed in .venv with the same pyproject.toml (so a second run works offline: compute nodes
+#    often are); FLASHSGD_REINSTALL=1 forces it.
+# 4. As root, iproute2 (ip, tc) for the emulated cluster benchmarks, when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+TORCH_SPEC="${FLASHSGD_TORCH:-torch==2.13.0}"
+CPU_INDEX="https://download.pytorch.org/whl/cpu"
 
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv --system-site-packages .venv
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+# Step 2
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-    "${PIP[@]}" install "${FLASHSGD_TORCH:-torch==2.13.0}"
+    if [ -n "${FLASHSGD_TORCH:-}" ] || command -v nvidia-smi >/dev/null 2>&1; then
+        echo "setup: installing $TORCH_SPEC from the package registry" >&2
+        "${PIP[@]}" install "$TORCH_SPEC"
+    else
+        echo "setup: no NVIDIA driver: installing the CPU build of $TORCH_SPEC from $CPU_INDEX" >&2
+        if ! "${PIP[@]}" install --timeout 15 --retries 1 --index-url "$CPU_INDEX" "$TORCH_SPEC" 2>/dev/null; then
+            echo "setup: $CPU_INDEX not reachable; falling back to the package registry" >&2
+            "${PIP[@]}" install "$TORCH_SPEC"
+        fi
+    fi
 fi
-"${PIP[@]}" install -e ".[dev]" 2> >(grep -v "is ignored: it is neither" >&2)
-if [ -x scripts/install_iproute2.sh ] || [ -f scripts/install_iproute2.sh ]; then
+
+# Step 3
+stamp=.venv/.flashsgd-installed
+want="$(pwd) $(.venv/bin/python -c 'import hashlib,sys; print(hashlib.sha256(open("pyproject.toml","rb").read()).hexdigest())')"
+if [ "${FLASHSGD_REINSTALL:-0}" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+        && .venv/bin/python -c "import flashsgd, pytest, tqdm, tomli_w" 2>/dev/null; then
+    echo "setup: flashsgd already installed in .venv from this checkout (FLASHSGD_REINSTALL=1 to redo)" >&2
+else
+    "${PIP[@]}" install -e ".[dev]" 2> >(grep -v "is ignored: it is neither" >&2)
+    echo "$want" > "$stamp"
+fi
+
+# Step 4
+if [ -f scripts/install_iproute2.sh ]; then
     bash scripts/install_iproute2.sh || echo "note: iproute2 not installed; emulated-cluster tests will be skipped" >&2
 fi
 .venv/bin/python -c "import torch, flashsgd; print(f'flashsgd {flashsgd.__version__} ready: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}')"
