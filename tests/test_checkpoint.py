@@ -26,10 +26,16 @@ def _point(root: Path, text: str) -> None:
     (root / "latest").write_text(text)
 
 
-def test_empty_or_invalid_latest_says_so_and_names_the_intact_one(tmp_path):
+def test_the_newest_intact_checkpoint_is_found_whatever_latest_says(tmp_path):
+    """One rule (issue 23 item 7): a missing, empty, invalid or dangling ``latest`` resumes from the
+    newest intact checkpoint with a note saying why; it is an error only when none is intact."""
     assert ckpt.find_latest(tmp_path) is None and ckpt.resume_point(tmp_path) == (None, None)
     intact = _write(tmp_path, 4, world=2)
-    cases = {"": "latest is empty; it should name the newest checkpoint directory",
+    # no `latest` at all (deleted): the intact checkpoint is not discarded
+    target, note = ckpt.resume_point(tmp_path)
+    assert target == intact and ckpt.find_latest(tmp_path) == intact
+    assert note == f"{tmp_path / 'latest'} is missing; resuming from the newest intact checkpoint step-00000004 instead"
+    cases = {"": "latest is empty (it should name the newest checkpoint directory",
              "\n": "latest is empty",
              "banana": "names 'banana', which is not a checkpoint name",
              "../step-00000004": "which is not a checkpoint name",
@@ -38,11 +44,29 @@ def test_empty_or_invalid_latest_says_so_and_names_the_intact_one(tmp_path):
     cases["step-00000007"] = "names 'step-00000007', which is not a checkpoint (no shared.pt)"
     for text, expected in cases.items():
         _point(tmp_path, text)
-        for find in (ckpt.find_latest, ckpt.resume_point):
-            with pytest.raises(ckpt.CheckpointError) as err:
-                find(tmp_path)
-            assert expected in str(err.value), (text, str(err.value))
-            assert f"the newest intact checkpoint is {intact}" in str(err.value)
+        target, note = ckpt.resume_point(tmp_path)
+        assert target == intact and ckpt.find_latest(tmp_path) == intact, text
+        assert expected in note and note.endswith("checkpoint step-00000004 instead"), (text, note)
+    # no intact checkpoint left: an error that says what `latest` named, never "no checkpoint"
+    (intact / "shared.pt").write_bytes(b"")
+    for text in ("", "step-00000009"):
+        _point(tmp_path, text)
+        with pytest.raises(ckpt.CheckpointError, match="intact checkpoint in .* to resume from"):
+            ckpt.resume_point(tmp_path)
+    # no `latest` and nothing intact (killed while writing the first checkpoint): fresh, and says so
+    (tmp_path / "latest").unlink()
+    assert ckpt.resume_point(tmp_path) == (
+        None, "no intact checkpoint (damaged or unfinished: step-00000004, step-00000007)")
+
+
+def test_checkpoints_above_the_step_latest_names_are_not_resumed(tmp_path):
+    """``latest`` naming a missing step: the newest intact one at or below it (above: another run)."""
+    below, above = _write(tmp_path, 4, world=2), _write(tmp_path, 24, world=2)
+    _point(tmp_path, "step-00000012\n")
+    target, note = ckpt.resume_point(tmp_path)
+    assert target == below and "names 'step-00000012', which does not exist" in note
+    (tmp_path / "latest").unlink()
+    assert ckpt.resume_point(tmp_path)[0] == above
 
 
 def test_damaged_latest_falls_back_to_the_older_intact_one_with_a_note(tmp_path):

@@ -140,7 +140,8 @@ def test_one_spelling_per_concept_and_the_catalogs_defaults():
     assert used == set(OVERRIDES), f"overrides listed for no flag: {set(OVERRIDES) - used}"
 
 
-@pytest.mark.parametrize("argv", [["train", "--timeout", "5"], ["bench", "scaling", "--timeout", "5"],
+@pytest.mark.parametrize("argv", [["train", "--timeout", "5"], ["train", "--lr", "0.1"],
+                                  ["bench", "scaling", "--timeout", "5"],
                                   ["simulate", "--algorithm", "ring"], ["bench", "allreduce", "--world", "2"]])
 def test_retired_spellings_are_refused_not_abbreviated(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:

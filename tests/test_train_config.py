@@ -213,7 +213,7 @@ def test_plan_rejects_what_cannot_run_on_the_world(cli, world, needle):
     from flashsgd.train.plan import build_plan
 
     with pytest.raises(ValueError) as err:
-        build_plan(C.resolve(cli=cli), world=world, num_train=1600, local_spawn=True)
+        build_plan(C.resolve(cli=cli), world=world, num_train=8192, local_spawn=True)
     assert needle in str(err.value)
 
 

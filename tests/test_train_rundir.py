@@ -30,10 +30,10 @@ def test_rerun_resumes_only_with_the_same_settings(tmp_path, capfd):
     before = _snapshot(out)
     capfd.readouterr()
     # other settings: refused before any work, naming the key, old -> new, and the ways out
-    assert _train(out, "--lr-per-ref", "0.5", "--workers", "3") == 2
+    assert _train(out, "--lr-per-ref", "0.5", "--seed", "9") == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert "optim.lr_per_ref: None -> 0.5" in err[0] and "run.workers: 2 -> 3" in err[0]
+    assert "optim.lr_per_ref: None -> 0.5" in err[0] and "run.seed: 0 -> 9" in err[0]
     assert "--out NEW" in err[0] and "--resume never" in err[0]
     assert (out / "config.toml").read_text() == config and _snapshot(out) == before
     # same settings (a neutral key changed): already complete, nothing rewritten

@@ -52,7 +52,8 @@ def build_parser(load: tuple[str, ...] | None = None) -> argparse.ArgumentParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse and run; a ``ValueError`` (bad input) is printed as ``flashsgd: error: ...``, exit 2.
+    """Parse, check the output paths (:mod:`flashsgd.outputs`), run; a ``ValueError`` (bad input)
+    is printed as ``flashsgd: error: ...``, exit 2.
 
     Set ``FLASHSGD_DEBUG=1`` to get the traceback instead.
     """
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser((command,) if command in COMMANDS else ())
     args = parser.parse_args(argv)
     try:
+        from flashsgd.outputs import check_args
+
+        check_args(args)  # every declared output path, before any work
         return int(args._run(args) or 0)
     except BrokenPipeError:  # the reader went away (`flashsgd plan ... | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as the Python docs advise

@@ -39,6 +39,7 @@ import torch
 
 from flashsgd.exchanges import check_timeout_s
 from flashsgd.launch import under_torchrun
+from flashsgd.outputs import add_output
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -153,7 +154,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, iters: int, warmup: in
                         help=f"untimed calls before timing (default {warmup})")
     parser.add_argument("--timeout-s", type=float, default=1800.0,
                         help="seconds before the run is aborted (default 1800)")
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write results + metadata here")
+    add_output(parser, "--json", default=None, metavar="PATH", help="also write results + metadata here")
 
 
 def check_run_arguments(args: argparse.Namespace) -> int:

@@ -44,6 +44,7 @@ from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_ava
                                     emulated_cluster, parse_rate, parse_shape)
 from flashsgd.emulate.ranks import RankError, run_ranks
 from flashsgd.emulate.report import annotate, format_table
+from flashsgd.outputs import add_output
 
 HELP = "run a benchmark on an emulated cluster (network namespaces, tbf-capped links; needs root)"
 
@@ -52,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="2x2", help="NODESxRANKS, e.g. 4x2 (default 2x2)")
     parser.add_argument("--link", default="1gbit", help="each node's link rate, e.g. 1gbit, 200mbit, 10gbit")
     parser.add_argument("--subnet", default="10.213.0.0/24", help="private /24 for the namespaces")
-    parser.add_argument("--json", default=None, help="write the annotated results here")
+    add_output(parser, "--json", default=None, help="write the annotated results here")
     parser.add_argument("--probe-mb", type=float, default=8.0,
                         help="message size (MB) of the link-byte probe; 0 disables the probe")
     parser.add_argument("--probe-comm", default=None, metavar="NAME[,NAME...]",

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from flashsgd.optim.lars import LARS
+from flashsgd.outputs import add_output
 
 HELP = "LARS step time: batched norms (_foreach_norm) vs a per-parameter loop, ResNet-50 shapes"
 
@@ -128,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions per variant")
     parser.add_argument("--steps", type=int, default=5, help="steps per repetition")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
-    parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    add_output(parser, "--json", default=None, help="write the results to this JSON file")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from flashsgd.optim import RECIPES, Recipe, prepare
+from flashsgd.outputs import add_output
 from flashsgd.train.mnist1d import MNIST1DCNN, load_mnist1d
 
 HELP = "MNIST-1D accuracy at batch 128 vs large batches: plain SGD, + warmup, full recipe"
@@ -68,8 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-samples", type=int, default=40000,
                         help="MNIST-1D samples (80%% train), default 40000")
     parser.add_argument("--channels", type=int, default=32, help="CNN width")
-    parser.add_argument("--out", default="runs/bench-recipe", help="output folder for table + plot")
-    parser.add_argument("--json", default=None, help="also write all results to this JSON file")
+    add_output(parser, "--out", "dir", default="runs/bench-recipe", help="output folder for table + plot")
+    add_output(parser, "--json", default=None, help="also write all results to this JSON file")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
 
 
@@ -232,6 +233,7 @@ def _run(args: argparse.Namespace) -> int:
         + table + "\n")
     _plot(results, out / "recipe.png")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(
             {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
              "runs": [r for rows in results.values() for r in rows]}, indent=1, default=str))

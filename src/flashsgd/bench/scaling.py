@@ -55,6 +55,7 @@ from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_ava
                                     emulated_cluster, parse_rate)
 from flashsgd.emulate.ranks import MASTER_PORT, RankError, run_ranks
 from flashsgd.exchanges import BUCKET_MB
+from flashsgd.outputs import add_output
 
 HELP = "training steps per hook on an emulated cluster of 1..N nodes: efficiency vs nodes, with the simulator"
 AUTO = "auto"  # the trainer's --comm auto: its choice is measured beside every hook
@@ -102,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=120.0,
                         help="deadline of every collective, seconds: longer all-reduces are skipped")
     parser.add_argument("--quick", action="store_true", help="1 and 2 nodes, 2+3 steps of batch 16")
-    parser.add_argument("--json", default=None, help="write rows, predictions and settings here")
-    parser.add_argument("--plot", default=None, help="efficiency plot (default: next to --json, .png)")
+    add_output(parser, "--json", default=None, help="write rows, predictions and settings here")
+    add_output(parser, "--plot", default=None, help="efficiency plot (default: next to --json, .png)")
     parser.add_argument("--logs", default=None, help="keep per-rank logs here")
     parser.add_argument("--subnet", default="10.214.0.0/24", help="private /24 for the namespaces")
 

@@ -36,6 +36,7 @@ from flashsgd import launch
 from flashsgd.bench.common import run_metadata, write_json
 from flashsgd.cli_flags import add_comm_flag, add_option_flag, comm_list
 from flashsgd.exchanges import BUCKET_MB, names as exchange_names
+from flashsgd.outputs import add_output
 from flashsgd.timing import time_ops
 
 HELP = "images/s of the training step per DDP hook over W ranks, vs native and the no-op ceiling"
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="fujitsu", help="a name in flashsgd.optim.recipes.RECIPES")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per hook")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per hook")
-    parser.add_argument("--json", default=None, help="write results to this JSON file")
+    add_output(parser, "--json", default=None, help="write results to this JSON file")
 
 
 def spec_of(opts: dict, world: int, emulate: bool, out_dir: str) -> dict:

@@ -20,6 +20,45 @@ HookFactory = Callable[..., tuple[Any, Callable | None]]
 """``make(ddp_model, options) -> (state, hook | None)``: what :data:`flashsgd.comm.hooks.HOOKS` holds."""
 
 
+def rank_and_world(group: Any = None) -> tuple[int, int] | None:
+    """(rank, world size) in ``group`` (None: the default group); None outside a process group."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def check_owner(state: dict, hook: str, group: Any = None) -> None:
+    """Refuse a per-rank hook state (error-feedback residuals) saved by another rank or world.
+
+    ``state["rank"]`` / ``state["world"]`` are what :func:`rank_and_world` said when it was saved
+    (absent in states of older versions: not checked).
+    """
+    here = rank_and_world(group)
+    saved = (state.get("rank"), state.get("world"))
+    if here is None or None in saved or tuple(saved) == here:
+        return
+    if saved[1] != here[1]:
+        raise ValueError(
+            f"{hook} hook state was saved by rank {saved[0]} of {saved[1]} workers; this is rank "
+            f"{here[0]} of {here[1]}: per-rank state cannot be loaded into another world size "
+            f"(flashsgd train regroups it: SparseHookState.regroup / PowerSGDHookState.regroup)")
+    raise ValueError(
+        f"{hook} hook state was saved by rank {saved[0]} of {saved[1]}; this is rank {here[0]}: "
+        f"the hook state (error-feedback residuals) is per rank, so save one file per rank "
+        f"(f'rank{{rank}}.pt') and load this rank's own")
+
+
+def mean_tensors(dicts: list[dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    """Key-wise mean of ``dicts`` (a key missing from a dict counts as zeros): per-rank
+    error-feedback memories regrouped onto another world size keep their total contribution
+    (the update is sum_r memory_r / W, so each of the W' new ranks gets sum_r memory_r / W)."""
+    out: dict[int, torch.Tensor] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out[k] + v if k in out else v.clone()
+    return {k: v / len(dicts) for k, v in out.items()}
+
+
 def completed_future(value: Any) -> torch.futures.Future:
     """A Future already holding ``value`` (what a synchronous hook returns to DDP)."""
     fut: torch.futures.Future = torch.futures.Future()

@@ -4,7 +4,10 @@ Use::
 
     state = register_hook(ddp_model, "torus2d", grid="2x4")     # on every rank, after DDP(...)
     ...train...
-    ckpt["hook"] = state.state_dict(); state.load_state_dict(ckpt["hook"])
+    torch.save({..., "hook": state.state_dict()}, f"ckpt/rank{rank}.pt")  # per rank (residuals)
+    ...restart: state.load_state_dict(this rank's ["hook"]); rebuild_buckets(ddp_model, loss)
+
+:func:`rebuild_buckets` makes a resumed run exact (DDP's rebuilt buckets before the first step).
 
 Each entry of ``HOOKS`` is a factory ``make(ddp_model, options) -> (state, hook | None)``, one per
 exchange of the catalog (:data:`flashsgd.exchanges.EXCHANGES`, in its order), whose typed options
@@ -31,8 +34,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
 from flashsgd.comm import dense_hooks, powersgd_hooks, sparse_hooks
-from flashsgd.comm.hook_common import HookFactory
+from flashsgd.comm.hook_common import HookFactory, completed_future, ddp_hook
 from flashsgd.exchanges import EXCHANGES
 from flashsgd.registry import Registry
 
@@ -82,5 +87,71 @@ def register_hook(ddp_model: Any, name: str, options: Any = None, *, wrap: Calla
                          f"name, got {type(options).__name__} and {sorted(kwargs)}")
     state, hook = factory(ddp_model, options)
     if hook is not None:
-        ddp_model.register_comm_hook(state, wrap(hook) if wrap else hook)
+        ddp_model.register_comm_hook(state, _gated(ddp_model, wrap(hook) if wrap else hook))
     return state
+
+
+_REBUILDING: set[int] = set()  # id() of the DDP models inside rebuild_buckets' warm-up backward
+
+
+def _gated(ddp_model: Any, hook: Callable) -> Callable:
+    """``hook``, except inside :func:`rebuild_buckets`: then the bucket is returned untouched
+    (no exchange, the hook state unchanged)."""
+    key = id(ddp_model)
+
+    @ddp_hook
+    def gated(state, bucket):
+        if key in _REBUILDING:
+            return completed_future(bucket.buffer())
+        return hook(state, bucket)
+    return gated
+
+
+def rebuild_buckets(ddp_model: Any, loss: Callable[[], torch.Tensor]) -> bool:
+    """Give DDP its final buckets now, with one forward/backward that changes nothing.
+
+    DDP puts every parameter in one bucket for its first iteration and rebuilds the buckets in
+    the order the gradients became ready (``bucket_cap_mb`` each) before the second: a run
+    restarted from a checkpoint would exchange its first step in the first-iteration layout,
+    where the uninterrupted run used the rebuilt one (another summation order with more than two
+    ranks per reduction; other Top-k selections and misplaced residuals for the sparse hooks).
+    Call this on every rank after restoring a checkpoint, before the first step: then every
+    step after a resume sees the buckets the uninterrupted run saw, and the resume is exact.
+
+    1. ``loss()`` (a forward through ``ddp_model``) and its backward; hooks registered with
+       :func:`register_hook` exchange nothing (``native``: DDP's own all-reduce runs on every
+       rank, its result is discarded). DDP records the order in which gradients became ready.
+    2. Restore what the warm-up touched: buffers (BN statistics), torch's RNG states, gradients
+       (back to None); the hook state was never called.
+    3. DDP rebuilds its buckets (a broadcast of rank 0's order: collective).
+
+    Returns True when the buckets were rebuilt (False: DDP had already rebuilt them).
+
+    Example::
+
+        >>> state = register_hook(ddp, "gtopk", density=0.01)
+        >>> state.load_state_dict(torch.load(f"ckpt/rank{rank}.pt")["hook"])   # this rank's file
+        >>> rebuild_buckets(ddp, lambda: loss_fn(ddp(x0), y0))                  # any batch
+    """
+    if getattr(ddp_model, "_has_rebuilt_buckets", False):
+        return False
+    module = getattr(ddp_model, "module", ddp_model)
+    params = list(ddp_model.parameters())
+    # Step 2's saved copies: buffers, RNG streams, gradients
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    grads = [p.grad for p in params]
+    devices = sorted({p.device.index for p in params if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():       # Step 1
+        _REBUILDING.add(id(ddp_model))
+        try:
+            loss().backward()
+        finally:
+            _REBUILDING.discard(id(ddp_model))
+    with torch.no_grad():                                                       # Step 2
+        for b, saved in buffers:
+            b.copy_(saved)
+    for p, g in zip(params, grads):
+        p.grad = g
+    rebuilt = bool(ddp_model.reducer._rebuild_buckets())                       # Step 3
+    ddp_model._has_rebuilt_buckets = ddp_model._has_rebuilt_buckets or rebuilt
+    return rebuilt

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDState, _should_compress,
                                                                       powerSGD_hook)
 
-from flashsgd.comm.hook_common import CommThread, ddp_hook
+from flashsgd.comm.hook_common import CommThread, check_owner, ddp_hook, mean_tensors, rank_and_world
 from flashsgd.exchanges import LowRankOptions
 
 _MEMORIES = ("error_dict", "p_memory_dict", "q_memory_dict")
@@ -111,7 +111,8 @@ class PowerSGDHookState:
         """Iteration, counters, per-bucket memories (cloned) and the RNG state, as plain values."""
         s = self.powersgd
         kind, keys, pos, has_gauss, cached = s.rng.get_state()
-        return {"algorithm": "powersgd",
+        rank, world = rank_and_world(s.process_group) or (None, None)
+        return {"algorithm": "powersgd", "rank": rank, "world": world,  # error_dict is this rank's
                 **{name: getattr(s, name) for name in _COUNTERS},
                 **{name: {k: v.clone() for k, v in getattr(s, name).items()} for name in _MEMORIES},
                 "layouts": {i: [[pos, list(shape)] for pos, shape in lay]
@@ -124,6 +125,7 @@ class PowerSGDHookState:
         """Restore :meth:`state_dict` (same model and bucket layout: torch's memories are per bucket)."""
         if state.get("algorithm") != "powersgd":
             raise ValueError(f"state_dict is for hook {state.get('algorithm')!r}, not 'powersgd'")
+        check_owner(state, "powersgd", self.powersgd.process_group)
         s = self.powersgd
         for name in _COUNTERS:
             setattr(s, name, int(state[name]))
@@ -136,6 +138,20 @@ class PowerSGDHookState:
         r = state["rng"]
         s.rng.set_state((r["kind"], r["keys"].numpy().astype(np.uint32), r["pos"], r["has_gauss"],
                          r["cached_gaussian"]))
+
+    @staticmethod
+    def regroup(states: list[dict], rank: int, world: int) -> dict:
+        """This rank's state on ``world`` ranks from the ``states`` of every rank of another world
+        size (an elastic resume): the error feedback (``error_dict``, per rank) is averaged over
+        the old ranks (its contribution to the update, sum over ranks / world, is kept); P and Q,
+        the counters and the RNG are the same on every rank and are taken from rank 0's."""
+        first = states[0]
+        out = {**first, "rank": rank, "world": world,
+               "error_dict": mean_tensors([st["error_dict"] for st in states])}
+        if first["pending"].get("error_dict"):
+            out["pending"] = {**first["pending"],
+                              "error_dict": mean_tensors([st["pending"].get("error_dict", {}) for st in states])}
+        return out
 
 
 @ddp_hook

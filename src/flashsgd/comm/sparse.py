@@ -92,9 +92,9 @@ def _slots_of_b(ia: torch.Tensor, ib: torch.Tensor, below: torch.Tensor) -> torc
     at_or_below = torch.bincount(below, minlength=nb + 1)[:nb].cumsum(0)   # #{a <= b_j}
     inside = (below < nb).nonzero().squeeze(1)                              # a_i <= b_last
     same = inside[ib[below[inside]] == ia[inside]]                          # a_i == b_{below_i}
-    common = torch.zeros(nb, dtype=torch.int64)
+    common = torch.zeros(nb, dtype=torch.int64, device=ib.device)
     common[below[same]] = 1
-    return torch.arange(nb) + at_or_below - common
+    return torch.arange(nb, device=ib.device) + at_or_below - common
 
 
 def _merge_slots(va: torch.Tensor, ia: torch.Tensor, vb: torch.Tensor, ib: torch.Tensor, k: int):
@@ -103,13 +103,13 @@ def _merge_slots(va: torch.Tensor, ia: torch.Tensor, vb: torch.Tensor, ib: torch
     na, nb = ia.numel(), ib.numel()
     # Step 1
     below = torch.searchsorted(ib, ia)   # #{b < a_i}
-    pa = torch.arange(na) + below
+    pa = torch.arange(na, device=ia.device) + below
     pb = _slots_of_b(ia, ib, below)
     slots = na + nb
-    idx = torch.full((slots,), -1, dtype=torch.int64)
+    idx = torch.full((slots,), -1, dtype=torch.int64, device=ia.device)
     idx[pa] = ia
     idx[pb] = ib
-    val = torch.zeros(slots, dtype=va.dtype)
+    val = torch.zeros(slots, dtype=va.dtype, device=va.device)
     val.index_put_((pa,), va)
     val.index_put_((pb,), vb, accumulate=True)
     filled = idx >= 0
@@ -128,7 +128,7 @@ def _merge_slots(va: torch.Tensor, ia: torch.Tensor, vb: torch.Tensor, ib: torch
 def _carry(mask: torch.Tensor, slots_of_side: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """A mask over one side's pairs, moved onto the merge result (False where the other side's
     pair alone sits): O(k), no search."""
-    out = torch.zeros(keep.numel(), dtype=torch.bool)
+    out = torch.zeros(keep.numel(), dtype=torch.bool, device=keep.device)
     out[slots_of_side] = mask
     return out[keep]
 
@@ -268,17 +268,18 @@ def _timeout(timeout_s: float | None) -> float:
 
 
 def check_sizes(k: int, numel: int, n_pairs: int, group: ProcessGroup | None, what: str,
-                timeout_s: float | None = None) -> None:
+                timeout_s: float | None = None, device: torch.device | None = None) -> None:
     """Raise the same ValueError on every rank unless all ranks pass the same k, numel and #pairs.
 
     One exchange of 3 int64 per rank (:func:`~flashsgd.comm.waits.gather_from_peers`, one alpha):
     mismatched sizes would otherwise make the send/recv of the exchange hang or fail with an
-    opaque transport error. Each wait lasts at most ``timeout_s`` (``None``: the group's default).
+    opaque transport error. Each wait lasts at most ``timeout_s`` (``None``: the group's default);
+    the header is made on ``device`` (the data's: NCCL needs it on the GPU).
     """
     rank, world = _group_info(group)
     if world == 1:
         return
-    header = torch.tensor([k, numel, n_pairs], dtype=torch.int64)
+    header = torch.tensor([k, numel, n_pairs], dtype=torch.int64, device=device)
     rows = gather_from_peers(header, group, _timeout(timeout_s), f"{what}, size check").tolist()
     if any(row != rows[0] for row in rows):
         desc = ", ".join(f"rank {r}: k={a}, numel={b}, pairs={c}" for r, (a, b, c) in enumerate(rows))
@@ -327,14 +328,14 @@ def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
     rank, world = _group_info(group)
     timeout_s = _timeout(timeout_s) if world > 1 else 0.0
     if check:
-        check_sizes(k, numel, k, group, "topk_allgather", timeout_s)
+        check_sizes(k, numel, k, group, "topk_allgather", timeout_s, values.device)
     # Step 1
     msg = _pack(values, indices, numel)
     # Step 2
     gathered = gather_from_peers(msg, group, timeout_s, "topk all-gather") if world > 1 else msg
     # Step 3
     if out is None:
-        out = torch.zeros(numel, dtype=values.dtype)
+        out = torch.zeros(numel, dtype=values.dtype, device=values.device)
     elif out.dim() != 1 or out.numel() != numel:
         raise ValueError(f"out must be a flat tensor of numel={numel}, got shape {tuple(out.shape)}")
     else:
@@ -361,7 +362,7 @@ def _extra_rank(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int,
                 group: ProcessGroup | None, timeout_s: float) -> GTopk:
     """gTop-k on an extra rank r >= P2: Step 1, send my k pairs to ``partner`` = r - P2; Step 3,
     receive the final pairs and the mask of my local indices that survived."""
-    msg = torch.empty(_message_len(k, values.dtype, numel, k), dtype=wire_index_dtype(numel))
+    msg = torch.empty(_message_len(k, values.dtype, numel, k), dtype=wire_index_dtype(numel), device=values.device)
     _swap(_pack(values, indices, numel), msg, partner, group, timeout_s, "gtopk all-reduce, fold-in")
     gv, gi, mask = _unpack(msg, k, values.dtype, k)
     return GTopk(gv.clone(), gi.clone(), indices[mask.bool()])
@@ -373,11 +374,11 @@ def _fold_in(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int, gu
     """gTop-k Step 1 on rank r < E: receive the k pairs of extra rank ``guest`` = r + P2 and merge
     them into mine; returns (the guest's indices, merged values, merged indices, masks over the
     merged pairs: which hold my value, which hold the guest's)."""
-    msg = torch.empty(_message_len(k, values.dtype, numel), dtype=wire_index_dtype(numel))
+    msg = torch.empty(_message_len(k, values.dtype, numel), dtype=wire_index_dtype(numel), device=values.device)
     _swap(None, msg, guest, group, timeout_s, "gtopk all-reduce, fold-in")
     ov, oi = _unpack(msg, k, values.dtype)
     val, idx, pa, pb, keep = _merge_slots(values, indices, ov, oi, k)
-    everything = torch.ones(k, dtype=torch.bool)
+    everything = torch.ones(k, dtype=torch.bool, device=values.device)
     return oi.clone(), val[keep], idx[keep], _carry(everything, pa, keep), _carry(everything, pb, keep)
 
 
@@ -435,14 +436,14 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
     rank, world = _group_info(group)
     timeout_s = _timeout(timeout_s) if world > 1 else 0.0
     if check:
-        check_sizes(k, numel, values.numel(), group, "gtopk_allreduce", timeout_s)
+        check_sizes(k, numel, values.numel(), group, "gtopk_allreduce", timeout_s, values.device)
     if world == 1:
         return GTopk(values, indices, indices)
     p2 = 1 << (world.bit_length() - 1)
     if rank >= p2:  # Steps 1 and 3 as an extra rank
         return _extra_rank(values, indices, k, numel, rank - p2, group, timeout_s)
     # masks over the current pairs: which hold my local value / the folded-in rank's, still counted
-    mine, guest = torch.ones(k, dtype=torch.bool), None
+    mine, guest = torch.ones(k, dtype=torch.bool, device=values.device), None
     if rank + p2 < world:  # Step 1: fold in
         guest_all, values, indices, mine, guest = _fold_in(values, indices, k, numel, rank + p2,
                                                            group, timeout_s)
@@ -463,7 +464,7 @@ def _butterfly(values, indices, mine, guest, k: int, numel: int, p2: int, group,
     ``mine`` / ``guest`` (masks over the current pairs of the values still counted) follow the
     pairs through every merge (:func:`_carry`: a value dropped once stays dropped)."""
     rank = dist.get_rank(group)
-    recv = torch.empty(_message_len(k, values.dtype, numel), dtype=wire_index_dtype(numel))
+    recv = torch.empty(_message_len(k, values.dtype, numel), dtype=wire_index_dtype(numel), device=values.device)
     clock = {"exchange": 0.0, "merge": 0.0}
     for i in range(p2.bit_length() - 1):
         t0 = time.perf_counter()

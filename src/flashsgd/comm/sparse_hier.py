@@ -77,7 +77,7 @@ def _broadcast_msg(res: GTopk, k: int, numel: int) -> torch.Tensor:
     """Message of words of wire_index_dtype(numel): k global indices, k counted indices padded
     with -1, the values' bytes."""
     word = wire_index_dtype(numel)
-    counted = torch.full((k,), -1, dtype=word)
+    counted = torch.full((k,), -1, dtype=word, device=res.indices.device)
     counted[:res.counted.numel()] = res.counted
     return torch.cat([res.indices.to(word), counted,
                       _bytes_as_words(res.values.contiguous().view(torch.uint8), word)])
@@ -146,7 +146,7 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
     if node is not None:
         work = dist.reduce(out, dst=topology.node_ranks[0], group=node, async_op=True)
         wait_collective(work, node, timeout_s, "hgtopk, node reduce")
-    msg = torch.empty(broadcast_len(k, acc.dtype, n), dtype=wire_index_dtype(n))
+    msg = torch.empty(broadcast_len(k, acc.dtype, n), dtype=wire_index_dtype(n), device=acc.device)
     if leader:
         # Step 2: the leader's selection over the node sum
         values, indices = select(out, k)
@@ -182,7 +182,7 @@ def _sparse_in_node(acc: torch.Tensor, k: int, topology: Topology, out: torch.Te
         values, indices, mine = res.values, res.indices, res.counted
     else:
         mine = indices
-    msg = torch.empty(broadcast_len(k, acc.dtype, n), dtype=wire_index_dtype(n))
+    msg = torch.empty(broadcast_len(k, acc.dtype, n), dtype=wire_index_dtype(n), device=acc.device)
     if topology.local_rank == 0:  # Step 3 among the leaders
         res = (gtopk_allreduce(values, indices, k, n, topology.cross_group, check=check,
                                timeout_s=timeout_s, timings=timings)

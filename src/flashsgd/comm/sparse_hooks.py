@@ -165,7 +165,7 @@ def select(state: SparseHookState, x: torch.Tensor, k: int, idx: int, rank: int,
         return topk_threshold(x, k, reuse=state.reuse, key=idx, bmax=bmax)
     if selection == "sampled":
         if state.generator is None:
-            state.generator = torch.Generator().manual_seed(state.options.seed * 65537 + rank)
+            state.generator = torch.Generator(device=x.device).manual_seed(state.options.seed * 65537 + rank)
         return SELECTIONS["sampled"](x, k, generator=state.generator, workspace=state.workspace)
     return SELECTIONS["exact"](x, k)
 
@@ -191,7 +191,8 @@ def prepare_sparse(state: SparseHookState, bucket: dist.GradBucket, buf: torch.T
         if state.options.layer_trust:  # buf is still the (clipped) gradient here
             state.record_layer_norms(layout, idx, buf)
         if idx not in state.checked:  # once per bucket: the same numel on every rank
-            check_sizes(k, n, k, group, f"{state.algorithm} hook, bucket {idx}", state.options.timeout_s)
+            check_sizes(k, n, k, group, f"{state.algorithm} hook, bucket {idx}", state.options.timeout_s,
+                        buf.device)
             state.checked.add(idx)
         # Steps 3 and 5: the exchange, the bucket = sum / world
         counted = exchange.run(state, buf, acc, k, picked, (idx, rank, world), bmax)

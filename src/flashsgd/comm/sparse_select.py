@@ -96,18 +96,17 @@ class SelectionWorkspace:
     __slots__ = ("_mag", "_mask", "_words")
 
     def __init__(self) -> None:
-        self._mag = torch.empty(0)
-        self._mask = torch.empty(0, dtype=torch.bool)
-        self._words = torch.empty(0, dtype=torch.bool)
+        # placeholders; buffers() allocates on the data's device and dtype at first use
+        self._mag = self._mask = self._words = torch.empty(0)
 
     def buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(|x| buffer (n,), mask (n rounded up to 8, tail False), word mask (n8 / 8,))."""
         n = x.numel()
         n8 = -(-n // 8) * 8
-        if self._mag.numel() < n or self._mag.dtype != x.dtype:
-            self._mag = torch.empty(n, dtype=x.dtype)
-            self._mask = torch.empty(n8, dtype=torch.bool)
-            self._words = torch.empty(n8 // 8, dtype=torch.bool)
+        if self._mag.numel() < n or self._mag.dtype != x.dtype or self._mag.device != x.device:
+            self._mag = torch.empty(n, dtype=x.dtype, device=x.device)
+            self._mask = torch.empty(n8, dtype=torch.bool, device=x.device)
+            self._words = torch.empty(n8 // 8, dtype=torch.bool, device=x.device)
         mask = self._mask[:n8]
         mask[n:] = False
         return self._mag[:n], mask, self._words[:n8 // 8]
@@ -121,7 +120,7 @@ def _nonzero_sparse(mask: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """
     torch.ne(mask.view(torch.int64), 0, out=words)
     w = words.nonzero().squeeze(1)                                           # candidate words
-    pos = (w.unsqueeze(1) * 8 + torch.arange(8, dtype=torch.int64)).view(-1)  # (8 w,) ascending
+    pos = (w.unsqueeze(1) * 8 + torch.arange(8, dtype=torch.int64, device=w.device)).view(-1)  # (8 w,) ascending
     return pos[mask[pos]]
 
 
@@ -176,8 +175,8 @@ def topk_sampled(x: torch.Tensor, k: int, *, tolerance: float = 0.25, sample_hit
         return topk_exact(x, k)
     # Step 1: uniform sample of magnitudes.
     if generator is None:
-        generator = torch.Generator().manual_seed(0)
-    sample = x.index_select(0, torch.randint(0, m, (s,), generator=generator)).abs_()
+        generator = torch.Generator(device=x.device).manual_seed(0)
+    sample = x.index_select(0, torch.randint(0, m, (s,), generator=generator, device=x.device)).abs_()
     mag, mask, words = (workspace or SelectionWorkspace()).buffers(x)
     torch.abs(x, out=mag)
     # Step 2: h-th largest sample magnitude; expected count above it = h * m / s.
@@ -191,7 +190,7 @@ def topk_sampled(x: torch.Tensor, k: int, *, tolerance: float = 0.25, sample_hit
         cand = _nonzero_sparse(mask, words)
         if cand.numel() >= k:
             # Step 5: exactly k; a mask over the (ascending) candidates keeps index order, O(c).
-            keep = torch.zeros(cand.numel(), dtype=torch.bool)
+            keep = torch.zeros(cand.numel(), dtype=torch.bool, device=x.device)
             keep[torch.topk(mag[cand], k, sorted=False).indices] = True
             idx = cand[keep]
             return x[idx], idx
@@ -405,7 +404,8 @@ def _kept_candidates(x: torch.Tensor, bmax: torch.Tensor, k: int, block: int,
     if kept is None or reuse.ages.get(key, 0) >= reuse.every:
         return None
     most = (1 + reuse.tolerance) * k
-    pos = _candidates(x, bmax, torch.tensor(kept, dtype=x.dtype), block, reuse.workspace, limit=most)
+    pos = _candidates(x, bmax, torch.tensor(kept, dtype=x.dtype, device=x.device), block, reuse.workspace,
+                      limit=most)
     if pos is None or not k <= pos.numel() <= most:
         return None
     reuse.ages[key] += 1
@@ -415,7 +415,7 @@ def _kept_candidates(x: torch.Tensor, bmax: torch.Tensor, k: int, block: int,
 
 def _topk_ties_low(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of |x| by torch.topk, ties at the k-th magnitude to the lower index."""
-    idx = _trim(x, torch.arange(x.numel()), k)
+    idx = _trim(x, torch.arange(x.numel(), device=x.device), k)
     return x[idx], idx
 
 

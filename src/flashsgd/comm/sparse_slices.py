@@ -76,11 +76,12 @@ def _pack_slice(res: GTopk, offset: int, kmax: int, numel: int) -> torch.Tensor:
     """Message of words of wire_index_dtype(numel): kmax global indices, kmax counted indices
     (both padded with -1), the values' bytes."""
     word = wire_index_dtype(numel)
-    idx = torch.full((kmax,), -1, dtype=word)
-    cnt = torch.full((kmax,), -1, dtype=word)
+    device = res.values.device
+    idx = torch.full((kmax,), -1, dtype=word, device=device)
+    cnt = torch.full((kmax,), -1, dtype=word, device=device)
     idx[:res.indices.numel()] = res.indices + offset
     cnt[:res.counted.numel()] = res.counted + offset
-    vals = torch.zeros(kmax, dtype=res.values.dtype)
+    vals = torch.zeros(kmax, dtype=res.values.dtype, device=device)
     vals[:res.values.numel()] = res.values
     return torch.cat([idx, cnt, _bytes_as_words(vals.view(torch.uint8), word)])
 
@@ -108,7 +109,8 @@ def hgtopk_slices_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, ou
         else:
             res = GTopk(values, indices, indices)
     else:
-        res = GTopk(acc[:0], torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+        none = torch.zeros(0, dtype=torch.int64, device=acc.device)
+        res = GTopk(acc[:0], none, none)
     # Step 4
     kmax = max(ks)
     msg = _pack_slice(res, bounds[local], kmax, n)

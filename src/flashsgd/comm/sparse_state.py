@@ -10,10 +10,18 @@ cover; if the layout ever differs (DDP's rebuild after the first iteration, or a
 another ``bucket_cap_mb``), all residuals (and velocities) are split per parameter and
 re-assembled for the new buckets, so no mass is lost.
 
+The state is per rank (each rank's residuals are its own): :meth:`SparseHookState.state_dict`
+records the rank and world size, :meth:`~SparseHookState.load_state_dict` refuses another rank's
+(the message names both), and :meth:`~SparseHookState.regroup` maps a checkpoint onto another
+world size (elastic resume). After loading, :func:`flashsgd.comm.hooks.rebuild_buckets` gives DDP
+its final buckets before the first step, so that the resume is exact.
+
 Example::
 
     >>> state = SparseHookState("gtopk", SparseOptions(density=0.01)).bind(ddp_model)  # doctest: +SKIP
-    >>> ckpt["hook"] = state.state_dict(); state.load_state_dict(ckpt["hook"])        # doctest: +SKIP
+    >>> torch.save({"hook": state.state_dict()}, f"ckpt/rank{rank}.pt")  # one file per rank  # doctest: +SKIP
+    >>> state.load_state_dict(torch.load(f"ckpt/rank{rank}.pt")["hook"])  # this rank's own  # doctest: +SKIP
+    >>> rebuild_buckets(ddp_model, lambda: loss_fn(ddp_model(x), y))                   # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.hook_common import CommThread
+from flashsgd.comm.hook_common import CommThread, check_owner, mean_tensors, rank_and_world
 from flashsgd.comm.sparse_corrections import layer_norms
 from flashsgd.comm.sparse_select import SelectionWorkspace, ThresholdReuse
 from flashsgd.comm.topology import default_timeout_s, get_topology
@@ -110,9 +118,12 @@ class SparseHookState:
 
     # ---------------------------------------------------------------------- checkpointing ---
     def state_dict(self) -> dict:
-        """Iteration, residuals with their parameter layouts, RNG state and counters (tensors cloned)."""
+        """Iteration, residuals with their parameter layouts, RNG state and counters (tensors cloned),
+        and the rank and world size that own them: the residuals are this rank's (save one file per
+        rank; :meth:`load_state_dict` refuses another rank's)."""
+        rank, world = rank_and_world(self.process_group) or (None, None)
         return {
-            "algorithm": self.algorithm, "iter": self.iter,
+            "algorithm": self.algorithm, "iter": self.iter, "rank": rank, "world": world,
             "residuals": {k: v.clone() for k, v in self.residuals.items()},
             "layouts": dict(self.layouts),
             "pending": {k: v.clone() for k, v in (self.pending or {}).items()},
@@ -126,9 +137,15 @@ class SparseHookState:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`; a different bucket layout is remapped at the next step."""
+        """Restore :meth:`state_dict`; a different bucket layout is remapped at the next step.
+
+        Raises:
+            ValueError: the state is another hook's, or another rank's or world size's (the
+                message names both; :meth:`regroup` maps a checkpoint onto another world size).
+        """
         if state.get("algorithm") != self.algorithm:
             raise ValueError(f"state_dict is for hook {state.get('algorithm')!r}, not {self.algorithm!r}")
+        check_owner(state, self.algorithm, self.process_group)
         self.iter = int(state["iter"])
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
         self.layouts = {int(k): tuple(tuple(x) for x in v) for k, v in state["layouts"].items()}
@@ -145,6 +162,27 @@ class SparseHookState:
         for key, value in state.get("stats", {}).items():
             setattr(self, key, value)
         self.checked = set()
+
+    @staticmethod
+    def regroup(states: list[dict], rank: int, world: int) -> dict:
+        """This rank's state on ``world`` ranks from the ``states`` of every rank of another world
+        size (an elastic resume): the residuals and velocities are averaged over the old ranks
+        (their contribution to the update, sum over ranks / world, is kept; the layouts are the
+        same on every rank), the iteration is kept; the sampled selection's RNG stream is this
+        rank's own when it existed (a new rank seeds its own), the kept thresholds restart
+        (they change the speed, not the entries)."""
+        first = states[0]
+        own = states[rank] if rank < len(states) else None
+        return {
+            "algorithm": first["algorithm"], "iter": first["iter"], "rank": rank, "world": world,
+            "residuals": mean_tensors([st["residuals"] for st in states]),
+            "layouts": dict(first["layouts"]),
+            "pending": mean_tensors([st.get("pending", {}) for st in states]),
+            "velocities": mean_tensors([st.get("velocities", {}) for st in states]),
+            "pending_velocities": mean_tensors([st.get("pending_velocities", {}) for st in states]),
+            "generator": own.get("generator") if own else None,
+            "thresholds": None, "stats": own.get("stats", {}) if own else {},
+        }
 
     def __getstate__(self) -> dict:
         """Everything but the process group, the id-based parameter map and the workspace."""

@@ -162,6 +162,22 @@ def steps_per_epoch(num_samples: int, global_batch: int, drop_last: bool = False
     return len(batch_ends(num_samples, global_batch, drop_last, min_last))
 
 
+def steps_in_epochs(num_samples: int, table: BatchTable, epochs: int, drop_last: bool = False,
+                    min_last: int = 1) -> int:
+    """Optimizer steps of the first ``epochs`` epochs under ``table``, in closed form: each row's
+    epochs times its :func:`steps_per_epoch` (a run of 10^9 epochs is counted at once).
+
+    Example::
+
+        >>> steps_in_epochs(10, BatchTable(((0, 2), (1, 4))), 3)  # 5 + 3 + 3
+        11
+    """
+    epochs = as_int("epochs", epochs, minimum=0)
+    ends = [e for e, _ in table.rows[1:]] + [max(epochs, table.rows[-1][0])]
+    return sum((min(end, epochs) - start) * steps_per_epoch(num_samples, batch, drop_last, min_last)
+               for (start, batch), end in zip(table.rows, ends) if start < epochs)
+
+
 def epoch_at_step(step: int, table: BatchTable, num_samples: int, drop_last: bool = False) -> float:
     """Fractional epoch at the start of global step ``step`` (0-based) under ``table``."""
     step = as_int("step", step, minimum=0)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from flashsgd.comm.topology import parse_grid
 from flashsgd.exchanges import DEFAULT_DENSITY, NODE_SPLITS, WIRE_INDEX_BYTES, option_default
+from flashsgd.outputs import add_output
 from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.engine import SimConfig, SimResult, simulate, sweep
 from flashsgd.sim.cluster_file import load_cluster
@@ -89,10 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sparse bytes per index: 4 (int32, the default: what flashsgd's comm/sparse.py "
                         "sends for buckets under 2**31 elements, and the papers) or 8 (int64, its "
                         "format for larger buckets)")
-    p.add_argument("--json", metavar="PATH", help="write inputs and results as JSON")
-    p.add_argument("--out", metavar="DIR",
+    add_output(p, "--json", metavar="PATH", help="write inputs and results as JSON")
+    add_output(p, "--out", "dir", metavar="DIR",
                    help="with --sweep-gpus: write the scaling-efficiency plot as DIR/sim_sweep.png")
-    p.add_argument("--plot", metavar="PATH",
+    add_output(p, "--plot", metavar="PATH",
                    help="with --sweep-gpus: the plot's path (default: next to --json, same name .png, "
                         "or in --out; none without either)")
 

@@ -23,6 +23,7 @@ import math
 import time
 from pathlib import Path
 
+from flashsgd.outputs import add_output
 from flashsgd.sim.cluster_file import load_cluster
 from flashsgd.sim.network import CLUSTERS
 from flashsgd.sim.planner import CommPlan, make_plan
@@ -45,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
                    help="gradient element type on the wire (flashsgd train: fp32)")
     p.add_argument("--top", type=int, default=6, help="algorithms shown (best setting of each; default 6)")
-    p.add_argument("--json", metavar="PATH", help="write the plan (every candidate, ranked) as JSON")
+    add_output(p, "--json", metavar="PATH", help="write the plan (every candidate, ranked) as JSON")
 
 
 def print_plan(plan: CommPlan, top: int) -> None:

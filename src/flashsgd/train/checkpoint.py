@@ -58,6 +58,14 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or does not match this run."""
 
 
+class WorldSizeChanged(CheckpointError):
+    """The checkpoint was written by another number of workers (``saved_world``)."""
+
+    def __init__(self, message: str, saved_world: int) -> None:
+        super().__init__(message)
+        self.saved_world = saved_world
+
+
 class _Damaged(CheckpointError):
     """A checkpoint file is missing, unreadable or not a flashsgd checkpoint (not a mismatch)."""
 
@@ -272,7 +280,8 @@ def load(target: str | Path, rank: int, world_size: int) -> tuple[dict[str, Any]
 
     Raises:
         CheckpointError: a file is missing or corrupt (the message offers the newest older intact
-            checkpoint of the same directory), or the checkpoint is from another world size.
+            checkpoint of the same directory).
+        WorldSizeChanged: the checkpoint is from another world size (:func:`load_all_ranks`).
     """
     target = Path(target)
     if not target.is_dir():
@@ -281,10 +290,10 @@ def load(target: str | Path, rank: int, world_size: int) -> tuple[dict[str, Any]
     try:
         shared = _load(target / "shared.pt")
         if shared["meta"]["world_size"] != world_size:
-            raise CheckpointError(
+            raise WorldSizeChanged(
                 f"checkpoint {target} was written by {shared['meta']['world_size']} workers, this "
-                f"run has {world_size}; per-worker state (hook residuals, sampler shards) cannot "
-                "be remapped")
+                f"run has {world_size}; its per-worker state must be regrouped "
+                "(load_all_ranks; flashsgd train does it)", shared["meta"]["world_size"])
         local = _load(target / f"rank-{rank:05d}.pt")
         if local["meta"]["step"] != shared["meta"]["step"]:
             raise _Damaged(f"checkpoint {target}: rank {rank}'s file is from step "
@@ -293,6 +302,28 @@ def load(target: str | Path, rank: int, world_size: int) -> tuple[dict[str, Any]
         hint = _intact_hint(target.parent, int(step.group(1))) if step else ""
         raise CheckpointError(f"{exc}{hint}") from None
     return shared, local
+
+
+def load_all_ranks(target: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(shared, [local state of every rank of the world that wrote it]) of ``target``: what a
+    resume on another world size (elastic) regroups.
+
+    Raises:
+        CheckpointError: a file is missing or corrupt, or from another step.
+    """
+    target = Path(target)
+    try:
+        shared = _load(target / "shared.pt")
+        ranks = [_load(target / f"rank-{r:05d}.pt") for r in range(shared["meta"]["world_size"])]
+        for r, local in enumerate(ranks):
+            if local["meta"]["step"] != shared["meta"]["step"]:
+                raise _Damaged(f"checkpoint {target}: rank {r}'s file is from step "
+                               f"{local['meta']['step']}, shared.pt from {shared['meta']['step']}")
+    except _Damaged as exc:
+        step = STEP_DIR.fullmatch(target.name)
+        hint = _intact_hint(target.parent, int(step.group(1))) if step else ""
+        raise CheckpointError(f"{exc}{hint}") from None
+    return shared, ranks
 
 
 def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flashsgd.outputs import add_output
+
 WARMUP_STEPS = 2
 """Steps left out of throughput and communication share (DDP bucket rebuild), as in summary.json."""
 
@@ -223,9 +225,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=float, default=None,
                         help="test accuracy (%%) for the time-to-target column "
                              "(default: the first run's run.target_accuracy)")
-    parser.add_argument("--out", default=None, metavar="FILE.png",
+    add_output(parser, "--out", "file", default=None, metavar="FILE.png",
                         help="the plot (default: next to --json, else compare.png in the runs' parent)")
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON")
+    add_output(parser, "--json", default=None, metavar="FILE", help="also write the table as JSON")
 
 
 def compare(dirs: list[str], labels: str | None = None, target: float | None = None,
@@ -254,6 +256,7 @@ def compare(dirs: list[str], labels: str | None = None, target: float | None = N
     plot_comparison(groups, names, png, target)
     print(format_table(rows, target))
     if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps({"target_accuracy": target, "settings": rows}, indent=2) + "\n")
     print(f"\nplot: {png.resolve()}" + (f"\ntable: {Path(json_path).resolve()}" if json_path else ""))
     return rows

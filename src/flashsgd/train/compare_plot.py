@@ -105,5 +105,6 @@ def plot_comparison(groups: list[list[Any]], labels: list[str], png_path: str | 
     axes[1, 0].set(ylabel="cross-entropy")
     axes[1, 0].set_ylim(bottom=0)
     axes[0, 0].legend(loc="lower right", fontsize=8)
+    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, dpi=100)
     plt.close(fig)

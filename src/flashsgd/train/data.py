@@ -114,11 +114,28 @@ class ShardedSampler:
                 "seed": self.seed, "num_samples": self.num_samples, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("seed", "num_samples", "world_size"):
+        """Continue where ``state`` stopped. From another world size (an elastic resume) the
+        position is carried as the global sample offset: the permutation and the global batches
+        do not depend on the world size (only a too-small last remainder merges differently), so the
+        run continues with the same samples, split over this world's workers."""
+        for key in ("seed", "num_samples"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"sampler state mismatch: checkpoint {key}={state[key]}, "
                                  f"this run {key}={getattr(self, key)}")
-        self.set_epoch(state["epoch"], state["global_batch"], state["position"])
+        position = state["position"]
+        if state["world_size"] != self.world_size and position:
+            old = self.batch_ends(self.num_samples, state["global_batch"], state["world_size"])
+            offset = old[position - 1]  # samples of this epoch already trained on
+            new = self.batch_ends(self.num_samples, state["global_batch"], self.world_size)
+            if offset not in new:
+                raise ValueError(
+                    f"sampler: the checkpoint (world size {state['world_size']}) stopped after "
+                    f"sample {offset} of {self.num_samples} in epoch {state['epoch']}, where no "
+                    f"global batch of world size {self.world_size} ends (the last "
+                    f"{self.num_samples - offset} samples are fewer than its workers); resume with "
+                    f"{state['world_size']} workers")
+            position = new.index(offset) + 1
+        self.set_epoch(state["epoch"], state["global_batch"], position)
 
 
 # ------------------------------------------------------------------------------- datasets -------

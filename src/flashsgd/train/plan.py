@@ -37,8 +37,8 @@ from flashsgd.comm.topology import parse_grid
 from flashsgd.exchanges import EXCHANGES
 from flashsgd.optim.plan import build_batch_table
 from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
-from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at, steps_per_epoch
-from flashsgd.train.config import TrainConfig, to_dict
+from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at, steps_in_epochs, steps_per_epoch
+from flashsgd.train.config import TrainConfig, parse_fail_at, to_dict
 
 # Recipe fields a config key may override (config key -> Recipe field; the same names).
 RECIPE_OVERRIDES = ("lr_per_ref", "ref_batch", "momentum", "nesterov", "weight_decay",
@@ -235,20 +235,52 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) 
     if cfg.comm.algorithm == "auto" and cfg.comm.cluster:
         check_auto_cluster(cfg.comm.cluster, world, rpn)
     table = build_batch_table(recipe, cfg.optim.global_batch)              # Step 3
+    if table.final_batch > num_train:  # a step cannot take more than every sample once
+        raise ValueError(f"config key optim.global_batch={cfg.optim.global_batch} is larger than the "
+                         f"{num_train} training samples (the LR would be scaled for a batch no step "
+                         f"takes); valid: optim.global_batch <= {_largest_batch(recipe, num_train)}")
     small = [b for _, b in table.rows if b < world]
     if small:
         raise ValueError(f"config key optim.global_batch={cfg.optim.global_batch} gives a global batch "
                          f"of {small[0]} for {world} workers: every worker needs >= 1 sample per step; "
                          f"use optim.global_batch >= {world * cfg.optim.global_batch // small[0]}")
     epochs = math.ceil(recipe.epochs)
-    # the one steps-per-epoch rule (a remainder smaller than the world joins the last full batch)
-    total = sum(steps_per_epoch(num_train, batch_at(e, table), min_last=world) for e in range(epochs))
+    # the one steps-per-epoch rule (a remainder smaller than the world joins the last full batch),
+    # in closed form per batch-table row
+    total = steps_in_epochs(num_train, table, epochs, min_last=world)
+    _check_fail_at(cfg, world, total)
     first_epoch_steps = steps_per_epoch(num_train, table.rows[0][1], min_last=world)
     grid, options, recipe, warnings = _derive_comm(cfg, recipe, world, rpn, first_epoch_steps, total)  # Step 4
     return RunPlan(config=cfg, world=world, ranks_per_node=rpn, grid=grid, recipe=recipe,
                    recipe_source=source, num_train=num_train, table=table,
                    schedule=recipe.schedule(), epochs=epochs, total_steps=total,
                    first_epoch_steps=first_epoch_steps, hook_options=options, warnings=tuple(warnings))
+
+
+def _largest_batch(recipe: Recipe, num_train: int) -> int:
+    """The largest ``optim.global_batch`` whose batch table stays within ``num_train`` samples."""
+    largest = int(num_train / max(f for _, f in recipe.batch_fractions))
+    while largest > 1 and build_batch_table(recipe, largest).final_batch > num_train:
+        largest -= 1
+    return largest
+
+
+def _check_fail_at(cfg: TrainConfig, world: int, total_steps: int) -> None:
+    """``run.fail_at`` (or env FLASHSGD_FAIL_AT) must name a rank and a step this run has."""
+    key = "config key run.fail_at" if cfg.run.fail_at else "env FLASHSGD_FAIL_AT"
+    spec = cfg.run.fail_at or os.environ.get("FLASHSGD_FAIL_AT", "")
+    if not spec:
+        return
+    try:
+        rank, step, _ = parse_fail_at(spec)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("config key run.fail_at", key)) from None
+    if rank >= world:
+        raise ValueError(f"{key}={spec!r} names rank {rank}, but the run has {world} ranks; "
+                         f"valid ranks: 0-{world - 1}")
+    if step >= total_steps:
+        raise ValueError(f"{key}={spec!r} names step {step}, but the run has {total_steps} steps; "
+                         f"valid steps: 0-{total_steps - 1}")
 
 
 def _derive_comm(cfg: TrainConfig, recipe: Recipe, world: int, rpn: int | None, first_epoch_steps: int,

@@ -49,10 +49,12 @@ from flashsgd.train.config import TrainConfig, dumps, resolve
 # Config keys that cannot change what a run computes: a resume may change them freely.
 # (eval_every: BN statistics are averaged before each evaluation, and averaging commutes with the
 # per-worker running averages, so the evaluated model is the same; max_steps: where this
-# invocation stops, so that an interrupted run can be continued to the end.)
+# invocation stops, so that an interrupted run can be continued to the end; workers: an elastic
+# resume on another world size, as under torchrun --nnodes MIN:MAX - the global batch and the LR
+# are the run's, the per-worker state is regrouped, Worker.regroup.)
 NEUTRAL_KEYS = frozenset({
     "out", "resume", "progress", "eval_every", "target_accuracy", "threads", "timeout_s",
-    "checkpoint_every", "keep_checkpoints", "max_steps", "fail_at",
+    "checkpoint_every", "keep_checkpoints", "max_steps", "fail_at", "workers",
 })
 # What a run writes: what "moved aside" moves (nothing else in <out> is touched).
 RUN_FILES = ("config.toml", "plan.json", "metrics.jsonl", "tensorboard", "summary.json",

@@ -24,6 +24,7 @@ from flashsgd import launch
 from flashsgd.train.config import TrainConfig
 from flashsgd.train.data import Datasets
 from flashsgd.train.plan import RunPlan, build_plan
+from flashsgd.train.preflight import check_environment
 from flashsgd.train.rank import load_data
 from flashsgd.train.rundir import RunDirError, Start, open_run_dir
 from flashsgd.train.worker import Worker
@@ -71,6 +72,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     On local spawn every check (plan, run directory) happens here, before any process starts;
     a ValueError names the config key. Returns rank 0's summary (this rank's under torchrun).
     """
+    check_environment(cfg)  # this machine can run it (outputs, backend, torchvision): exit 2
     r = cfg.run
     backend = None if r.backend == "auto" else r.backend
     if launch.under_torchrun():

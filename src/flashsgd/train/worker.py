@@ -71,19 +71,69 @@ class Worker:
 
     # ---------------------------------------------------------------- Step 3: checkpoints -------
     def restore(self, target: Path) -> None:
-        """Load model, optimizer, sampler position, hook state, RNG streams and progress."""
-        shared, local = ckpt.load(target, self.rank, self.world)
+        """Load model, optimizer, sampler position, hook state, RNG streams and progress.
+
+        From another world size (elastic: torchrun ``--nnodes MIN:MAX``, or another
+        ``--workers``), :meth:`regroup` maps the per-worker state instead."""
+        try:
+            shared, local = ckpt.load(target, self.rank, self.world)
+        except ckpt.WorldSizeChanged:
+            shared, local = self.regroup(target)
         ckpt.load_model_state(self.model, shared["model"], str(target))
         with torch.no_grad():  # this worker's own BN statistics (shared["model"] has the average)
             for name, b in self.model.named_buffers():
-                if name in local["buffers"]:
+                if name in local.get("buffers", {}):
                     b.copy_(local["buffers"][name])
         self.optimizer.load_state_dict(shared["optimizer"])
         self.sampler.load_state_dict(shared["sampler"])
         self.hook_state.load_state_dict(local["hook"])
-        ckpt.set_rng_state(local["rng"])
-        self.aug.set_state(local["aug"])
+        if "rng" in local:
+            ckpt.set_rng_state(local["rng"])
+            self.aug.set_state(local["aug"])
         self.progress = dict(shared["progress"])
+        if self.progress["step"] > 0:  # the buckets the uninterrupted run had after its first step
+            self.rebuild_buckets()
+
+    def regroup(self, target: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(shared, this rank's local state) of a checkpoint written by another number of workers.
+
+        The model, optimizer, progress and the global batch and LR schedule are the run's, not
+        the world's; the sampler continues at the same global sample
+        (:meth:`ShardedSampler.load_state_dict`); the hook state is regrouped by its class
+        (``regroup``: error-feedback memories averaged over the old workers, their contribution
+        to the update kept; dense hooks have none). Not exact (another number of shards is summed
+        in another order), and reset: BN statistics (every worker starts from their average, in
+        ``shared``), and the RNG streams of ranks the old world did not have (their seeds)."""
+        shared, ranks = ckpt.load_all_ranks(target)
+        old = len(ranks)
+        hooks = [r["hook"] for r in ranks]
+        regroup = getattr(type(self.hook_state), "regroup", None)
+        if regroup is not None:
+            hook = regroup(hooks, self.rank, self.world)
+        elif any(hooks):
+            raise ckpt.CheckpointError(f"checkpoint {target}: the {self.cfg.comm.algorithm} hook's "
+                                       f"per-worker state cannot be regrouped from {old} workers")
+        else:
+            hook = {}
+        local: dict[str, Any] = {"hook": hook}
+        if self.rank < old:  # this rank's own random streams
+            local.update(rng=ranks[self.rank]["rng"], aug=ranks[self.rank]["aug"])
+        else:
+            torch.manual_seed(self.cfg.run.seed * 1_000_003 + self.rank)
+        if self.rank == 0:
+            print(f"[flashsgd] resuming a checkpoint of {old} workers on {self.world}: the sampler "
+                  f"continues at the same sample; {self.cfg.comm.algorithm} hook state "
+                  f"{'regrouped (error feedback averaged over the old workers)' if any(hooks) else 'none'}; "
+                  "BN statistics start from their average", flush=True)
+        return shared, local
+
+    def rebuild_buckets(self) -> None:
+        """DDP's rebuilt buckets before the first step after a resume (:func:`flashsgd.comm.hooks.
+        rebuild_buckets`: a forward/backward on two training samples that changes nothing)."""
+        from flashsgd.comm.hooks import rebuild_buckets
+
+        x, y = self.data.train.batch(torch.arange(min(2, len(self.data.train))), None, train=False)
+        rebuild_buckets(self.ddp, lambda: self.step.forward_loss(x.to(self.device), y.to(self.device)))
 
     def save_checkpoint(self) -> None:
         """Shared: the model with worker-averaged BN statistics (for eval / inference); local: this
