@@ -18,11 +18,12 @@ Writing (:func:`save`), collective over the run's group:
    directory), so ``latest`` never names a deleted directory. A crash at any point leaves
    ``latest`` at a complete checkpoint.
 
-Resuming (:func:`resume_point`): ``latest`` must name a checkpoint directory (an empty or invalid
-``latest`` is an error that says so, and names the newest intact checkpoint). When the checkpoint
-it names is damaged (a file missing, truncated or not a checkpoint), the run falls back to the
-newest older intact checkpoint and says so in a note for the caller to print: every checkpoint
-continues the run exactly, so the only cost is the steps between the two. The decision reads
+Resuming (:func:`resume_point`): one rule, the newest intact checkpoint, whatever ``latest``
+says (at or below the step it names, when it names one). When ``latest`` is missing, empty or
+invalid, or the checkpoint it names is damaged (a file missing, truncated or not a checkpoint), the
+run resumes from that checkpoint and says so in a note for the caller to print: every checkpoint
+continues the run exactly, so the only cost is the steps between the two. Only when ``latest``
+names a checkpoint and none is intact is it an error. The decision reads
 only the files, so every rank (or the launcher, once) reaches the same one. An explicitly named
 damaged checkpoint (:func:`load`) is an error that offers the newest older intact one.
 
@@ -166,35 +167,31 @@ def prune(ckpt_dir: str | Path, step: int, keep: int) -> list[Path]:
     return old
 
 
-def _read_pointer(ckpt_dir: Path) -> Path | None:
-    """The directory ``latest`` names; None when there is no ``latest`` (no checkpoint yet)."""
+def _read_pointer(ckpt_dir: Path) -> tuple[Path | None, int | None, str | None]:
+    """What ``latest`` says: ``(directory, step, None)`` when it names a checkpoint directory, else
+    ``(None, step it names or None, what is wrong)``; ``(None, None, None)`` without ``latest``."""
     pointer = ckpt_dir / "latest"
     if not pointer.is_file():
-        return None
+        return None, None, None
     name = pointer.read_text().strip()
     if not name:
-        raise CheckpointError(f"{pointer} is empty; it should name the newest checkpoint "
-                              f"directory (step-NNNNNNNN){_intact_hint(ckpt_dir, None)}")
+        return None, None, f"{pointer} is empty (it should name the newest checkpoint directory, step-NNNNNNNN)"
+    match = STEP_DIR.fullmatch(name)
     target = ckpt_dir / name
-    if not STEP_DIR.fullmatch(name):
+    if not match:
         problem = "which is not a checkpoint name (step-NNNNNNNN)"
     elif not target.is_dir():
         problem = "which does not exist"
     elif not (target / "shared.pt").is_file():
         problem = "which is not a checkpoint (no shared.pt)"
     else:
-        return target
-    raise CheckpointError(f"{pointer} names {name!r}, {problem}{_intact_hint(ckpt_dir, None)}")
+        return target, int(match.group(1)), None
+    return None, int(match.group(1)) if match else None, f"{pointer} names {name!r}, {problem}"
 
 
 def find_latest(ckpt_dir: str | Path) -> Path | None:
-    """The directory ``latest`` names, or None when there is no checkpoint yet.
-
-    Raises:
-        CheckpointError: ``latest`` is empty, or names something that is not a checkpoint
-            directory; the message names the newest intact checkpoint, if there is one.
-    """
-    return _read_pointer(Path(ckpt_dir))
+    """The checkpoint a resume continues from (:func:`resume_point`), or None when there is none."""
+    return resume_point(ckpt_dir)[0]
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -253,26 +250,40 @@ def _intact_hint(ckpt_dir: Path, below: int | None) -> str:
 def resume_point(ckpt_dir: str | Path) -> tuple[Path | None, str | None]:
     """The checkpoint to resume from and, when it is not the one ``latest`` names, why.
 
-    Returns ``(None, None)`` when there is no checkpoint yet; ``(latest, None)`` when the
-    checkpoint ``latest`` names is intact; ``(older, note)`` when it is damaged and an older one
-    is intact, ``note`` being one line for the caller to print ("... is corrupt ...; resuming from
-    the older intact checkpoint step-00000016 instead").
+    One rule: the newest intact checkpoint, whatever ``latest`` says; when ``latest`` names a step,
+    the newest intact one at or below it (checkpoints above it are not this run's: an older run in
+    the same directory, see :func:`prune`). ``latest`` only says where to look first.
+
+    Returns ``(None, None)`` when there is no checkpoint directory at all; ``(latest, None)`` when
+    the checkpoint ``latest`` names is intact; ``(other, note)`` when ``latest`` is missing, empty,
+    invalid or names a damaged checkpoint and ``other`` is intact, ``note`` being one line for the
+    caller to print ("... is corrupt ...; resuming from the older intact checkpoint step-00000016
+    instead"); ``(None, note)`` when there is no ``latest`` and no step directory is intact (a run
+    killed while writing its first checkpoint).
 
     Raises:
-        CheckpointError: ``latest`` is empty or invalid, or it names a damaged checkpoint and no
-            older one is intact.
+        CheckpointError: ``latest`` names a checkpoint (or is empty or invalid) and no intact one
+            is left to resume from.
     """
     root = Path(ckpt_dir)
-    target = _read_pointer(root)
-    if target is None:
-        return None, None
-    problem = damage(target)
+    target, named_step, problem = _read_pointer(root)
+    if target is not None:
+        problem = damage(target)
+        if problem is None:
+            return target, None
+    below = None if named_step is None else named_step + 1
+    found = _newest_intact(root, below)
+    if found is not None:
+        if problem is None:
+            problem = f"{root / 'latest'} is missing"
+        kind = "older intact" if target is not None else "newest intact"
+        return found, f"{problem}; resuming from the {kind} checkpoint {found.name} instead"
     if problem is None:
-        return target, None
-    older = _newest_intact(root, int(STEP_DIR.fullmatch(target.name).group(1)))
-    if older is None:
-        raise CheckpointError(f"{problem}; no older intact checkpoint in {root}")
-    return older, f"{problem}; resuming from the older intact checkpoint {older.name} instead"
+        damaged = [path.name for _, path in step_dirs(root)]
+        return None, (f"no intact checkpoint (damaged or unfinished: {', '.join(damaged)})"
+                      if damaged else None)
+    where = "older intact checkpoint" if target is not None else "intact checkpoint"
+    raise CheckpointError(f"{problem}; no {where} in {root} to resume from")
 
 
 def load(target: str | Path, rank: int, world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:

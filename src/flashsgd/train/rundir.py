@@ -15,10 +15,14 @@ What a start does (:func:`open_run_dir`), every check before anything is written
    - ``run.resume = never``: the previous run's files are moved aside to ``<out>.prev-<time>/``
      and the run starts fresh (runs never share metrics, summaries or checkpoints);
    - the saved config differs from this one in any key that can change results (all keys but
-     :data:`NEUTRAL_KEYS`): stop with one line per differing key (old -> new) and the ways out;
+     :data:`NEUTRAL_KEYS`): stop with one line per differing key (old -> new) and the ways out,
+     unless that run never completed a step (a failed start holds nothing to protect): its files
+     are moved aside and the run starts fresh;
    - same config, finished (``summary.json`` at the planned step count): "already complete",
      nothing is rewritten;
-   - same config, a checkpoint: resume from it (``run.resume = auto``, or the given directory);
+   - same config, a checkpoint: resume from it (``run.resume = auto``: the newest intact one,
+     whatever ``checkpoints/latest`` says, :func:`flashsgd.train.checkpoint.resume_point`; or the
+     given directory);
    - same config, no checkpoint (a run that died before its first one): moved aside, fresh start.
 3. Write ``config.toml`` and ``plan.json`` (fresh and resumed starts only).
 
@@ -134,6 +138,7 @@ def _move_aside(out: Path) -> Path | None:
     present = [out / n for n in RUN_FILES if (out / n).exists()]
     if not present:
         return None
+    out = out.resolve()  # `--out .` has no name to derive the sibling's from
     aside = out.with_name(f"{out.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
     n = 1
     while aside.exists():
@@ -155,6 +160,24 @@ def _complete_summary(out: Path, target_steps: int) -> dict[str, Any] | None:
     return summary if summary.get("steps", -1) >= target_steps else None
 
 
+def _completed_a_step(out: Path) -> bool:
+    """Whether the run in ``out`` got past an optimizer step: a summary, a checkpoint directory or
+    a step row in ``metrics.jsonl`` (a start that failed before step 1 leaves none of them)."""
+    if (out / "summary.json").exists() or ckpt.step_dirs(out / "checkpoints"):
+        return True
+    try:
+        with open(out / "metrics.jsonl") as f:
+            for line in f:
+                try:
+                    if json.loads(line).get("kind") == "step":
+                        return True
+                except (ValueError, AttributeError):  # a torn last line
+                    continue
+    except FileNotFoundError:
+        pass
+    return False
+
+
 def decide(cfg: TrainConfig, target_steps: int) -> Start:
     """Step 2 (reads only; the caller holds the lock)."""
     out = Path(cfg.run.out)
@@ -165,6 +188,9 @@ def decide(cfg: TrainConfig, target_steps: int) -> Start:
     saved = _saved_config(home)
     if saved is not None:
         changes = config_changes(saved, cfg)
+        if changes and explicit is None and not _completed_a_step(out):
+            # a start that failed before step 1 (a bad flag, a crash at start-up): nothing to keep
+            return Start("fresh", note="the previous attempt, with other settings, never completed a step")
         if changes:
             raise RunDirError(
                 f"{home} holds a run with other settings ({'; '.join(changes)}); to keep it, "
@@ -179,7 +205,7 @@ def decide(cfg: TrainConfig, target_steps: int) -> Start:
         return Start("complete", summary=summary)
     latest, note = ckpt.resume_point(out / "checkpoints")
     if latest is None:
-        return Start("fresh", note="the previous attempt left no checkpoint")
+        return Start("fresh", note=f"the previous attempt left {note or 'no checkpoint'}")
     return Start("resume", checkpoint=latest, note=note or "")
 
 
