@@ -40,6 +40,7 @@ COMM_ERROR_TEXT = re.compile(
 TIMEOUT_TEXT = re.compile(r"timed? ?out|deadline", re.IGNORECASE)
 PEER_TEXT = re.compile(r"peer rank (\d+)")
 SHORT_ERROR_CHARS = 200
+OWN_ERROR_CHARS = 600  # a rank's own error (its advice included), clipped at a word boundary
 
 
 class WorkerError(RuntimeError):
@@ -93,16 +94,51 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
+# torch.futures prefixes an error raised in a ``.then()`` callback with this, once per chained
+# callback (a hook's future, then CommTimer's): "Got ...: RuntimeError: Got ...: PeerTimeout: ...".
+CALLBACK_PREFIX = re.compile(r"(?:Got the following error when running the callback:\s*(?:[A-Z]\w*: )?)+")
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters at a word boundary, ending in " ..." when cut."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 4]
+    space = cut.rfind(" ")
+    if space > limit // 2:  # a word boundary not too far back; else cut inside a very long token
+        cut = cut[:space]
+    return cut.rstrip(" ,;:(") + " ..."
+
+
+def one_line(exc: BaseException | str, limit: int = 300) -> str:
+    """The first line of an error, without torch's repeated "Got the following error when running
+    the callback: " prefixes (the innermost error is the cause), clipped at a word boundary."""
+    text = exc if isinstance(exc, str) else _first_line(exc)
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return clip(CALLBACK_PREFIX.sub("", first).strip(), limit)
+
+
+def comm_failures(exc: BaseException) -> list[BaseException]:
+    """The exceptions of ``exc``'s chain that are failed collectives or store waits (a peer is gone
+    or late): a ``torch.distributed.DistError``, an exception with an integer ``.peer``, or one
+    whose text matches :data:`COMM_ERROR_TEXT`. Empty: ``exc`` is not a communication failure."""
+    import torch.distributed as dist
+
+    return [e for e in _chain(exc) if isinstance(e, dist.DistError) or isinstance(
+        getattr(e, "peer", None), int) or COMM_ERROR_TEXT.search(_first_line(e))]
+
+
 def shorten(message: str) -> str:
     """A communication error without source locations, addresses and advice (groups equal causes).
 
     ``[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:44957. This is
     typically caused by ...`` -> ``Connection closed by peer``.
     """
-    text = re.sub(r"^\[[^\]]*\]\s*", "", message.strip())             # [file.cc:line]
+    text = CALLBACK_PREFIX.sub("", message.strip())                      # torch's callback prefixes
+    text = re.sub(r"\[[^\]\s]*\.\w+:\d+\]\s*", "", text)                  # [file.cc:line]
     text = re.sub(r"\s*\[[0-9a-fA-F.:]+\]:\d+", "", text)               # [addr]:port
     text = re.split(r"\.\s", text, maxsplit=1)[0].rstrip(".")           # first sentence
-    return text[:SHORT_ERROR_CHARS]
+    return one_line(text, SHORT_ERROR_CHARS)
 
 
 def describe_exception(exc: BaseException) -> dict:
@@ -114,18 +150,15 @@ def describe_exception(exc: BaseException) -> dict:
     it waited for, when named; ``error``: ``Type: first line`` of the outermost exception, or the
     shortened innermost communication error when the failure is a communication failure.
     """
-    import torch.distributed as dist
-
     chain = _chain(exc)
-    comm_excs = [e for e in chain if isinstance(e, dist.DistError) or isinstance(
-        getattr(e, "peer", None), int) or COMM_ERROR_TEXT.search(_first_line(e))]
+    comm_excs = comm_failures(exc)
     peer = next((e.peer for e in chain if isinstance(getattr(e, "peer", None), int)), None)
     if peer is None:
         named = [m for e in chain for m in PEER_TEXT.findall(str(e))]
         peer = int(named[0]) if named else None
     timeout = any(isinstance(e, TimeoutError) or TIMEOUT_TEXT.search(_first_line(e))
                   for e in comm_excs)
-    own = f"{type(exc).__name__}: {_first_line(exc)}".rstrip(": ")
+    own = f"{type(exc).__name__}: {one_line(exc, OWN_ERROR_CHARS)}".rstrip(": ")
     return {"error": shorten(_first_line(comm_excs[-1])) if comm_excs else own,
             "traceback": "".join(traceback.format_exception(exc)),
             "comm": bool(comm_excs), "timeout": timeout, "peer": peer}

@@ -71,16 +71,28 @@ class _Damaged(CheckpointError):
     """A checkpoint file is missing, unreadable or not a flashsgd checkpoint (not a mismatch)."""
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
+def _write_atomic(write: Any, path: Path) -> None:
+    """``write(file)`` into ``<path>.tmp<pid>``, then rename it to ``path``. An OSError (a full
+    disk: ENOSPC) names ``path`` and leaves no temp file; torch.save into an open file (not a
+    path) reports the OS error itself instead of "[enforce fail at inline_container.cc] ..."."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    _write_atomic(lambda f: torch.save(obj, f), path)
 
 
 def _atomic_text(text: str, path: Path) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    _write_atomic(lambda f: f.write(text.encode()), path)
 
 
 def rng_state() -> dict[str, Any]:

@@ -108,10 +108,26 @@ def run(args: argparse.Namespace) -> int:
         _report_failure(exc, Path(cfg.run.out))
         return 1
     except launch.Interrupted as exc:  # SIGINT / SIGTERM: the workers were stopped with us
-        print(f"flashsgd train: interrupted ({exc}); the run can be resumed from its last checkpoint",
-              file=sys.stderr)
+        print(f"flashsgd train: interrupted ({exc}); {_resumable(Path(cfg.run.out))}", file=sys.stderr)
         return 128 + exc.signum
     except ValueError as exc:  # plan or run-directory checks, before any worker started
         print(f"flashsgd train: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # before any worker started (the lock, config.toml on a full disk)
+        where = "" if exc.filename else f" (run directory {cfg.run.out})"
+        print(f"flashsgd train: failed before any worker started: {exc}{where}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _resumable(out: Path) -> str:
+    """What a rerun with the same settings does after an interruption, in words."""
+    from flashsgd.train import checkpoint as ckpt
+
+    try:
+        target, _ = ckpt.resume_point(out / "checkpoints")
+    except (ckpt.CheckpointError, OSError):
+        target = None
+    if target is None:
+        return "no checkpoint was written yet: a rerun starts over"
+    return f"the same command resumes from its last checkpoint ({target.name})"

@@ -209,6 +209,9 @@ class RunConfig:
     """Deadline of every collective: a dead or hung worker fails the others within it."""
     nonfinite: Literal["skip", "stop"] = "skip"
     """Non-finite loss or gradient: skip the step and count it, or stop with the step number."""
+    max_skipped: int = 10
+    """Stop (exit 1, naming the first skipped step) after this many consecutive skipped steps
+    (0: no bound); non-finite parameters stop the run at the first skipped step either way."""
     max_steps: int = 0
     """Stop after this many optimizer steps in total (0: train all epochs)."""
     progress: bool = True
@@ -280,7 +283,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                  ("comm", "bucket_mb"), ("run", "workers"), ("run", "keep_checkpoints"),
                  ("run", "eval_every"), ("run", "timeout_s")):
         _positive(cfg, s, k)
-    for s, k in (("run", "checkpoint_every"), ("run", "max_steps"), ("run", "threads")):
+    for s, k in (("run", "checkpoint_every"), ("run", "max_steps"), ("run", "threads"),
+                 ("run", "max_skipped")):
         _positive(cfg, s, k, allow_zero=True)
     if cfg.data.dataset == "mnist1d" and cfg.data.num_samples % 10:
         raise ValueError(f"config key data.num_samples must be a multiple of 10 for mnist1d, "

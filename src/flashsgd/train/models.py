@@ -186,3 +186,31 @@ def build_model(name: str, num_classes: int, channels: int = 32) -> nn.Module:
     else:
         model = MODELS.get(name)(num_classes=num_classes, channels=channels)
     return model
+
+
+@torch.no_grad()
+def check_input(name: str, channels: int, data, dataset: str) -> None:
+    """ValueError (one line naming model, dataset and shapes) unless model ``name`` maps two of
+    ``data``'s training samples to ``(2, data.num_classes)`` logits.
+
+    Run before any process starts, so that a model/dataset mismatch is a bad input (exit 2), not a
+    failure of every rank at step 0. One thread, so that no intra-op pool is alive at the fork.
+    """
+    model = build_model(name, data.num_classes, channels).eval()
+    x, _ = data.train.batch(torch.arange(min(2, len(data.train))), train=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = model(x)
+    except Exception as exc:  # noqa: BLE001 - any failure means the model cannot take this input
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"model {name!r} does not accept dataset {dataset!r}: its samples have shape "
+                         f"{tuple(x.shape[1:])} (batch {tuple(x.shape)}); the model says: {reason}; "
+                         f"choose a model for this input (config keys model.model, data.dataset, "
+                         f"data.image_shape)") from None
+    finally:
+        torch.set_num_threads(threads)
+    if tuple(out.shape) != (len(x), data.num_classes):
+        raise ValueError(f"model {name!r} maps dataset {dataset!r}'s input of shape {tuple(x.shape)} to "
+                         f"output shape {tuple(out.shape)}, expected {(len(x), data.num_classes)} "
+                         f"({data.num_classes} classes); choose another model.model")

@@ -184,7 +184,8 @@ def build_rank(plan: RunPlan, data: Datasets, device: torch.device, *, out: Path
     check_optimizer_momentum(hook_state, optimizer)  # momentum applied once, not twice
     if getattr(getattr(hook_state, "options", None), "layer_trust", False) and isinstance(optimizer, LARS):
         optimizer.grad_norm_source = hook_state.grad_norms  # trust ratios from dense norms
-    step = TrainStep(ddp, optimizer, loss_fn, timer, device, nonfinite=plan.config.run.nonfinite)
+    step = TrainStep(ddp, optimizer, loss_fn, timer, device, nonfinite=plan.config.run.nonfinite,
+                     max_skipped=plan.config.run.max_skipped)
     return RankParts(plan, model, optimizer, loss_fn, tweaks, timer, ddp, hook_state, topology, step, auto)
 
 

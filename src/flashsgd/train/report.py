@@ -36,8 +36,11 @@ class Metrics:
             self._write({"kind": "resume", "step": resumed_from})
 
     def _write(self, row: dict[str, Any]) -> None:
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        except OSError as exc:  # a full disk: name the file
+            raise OSError(exc.errno, exc.strerror or str(exc), str(self.path)) from exc
 
     def step(self, **row: Any) -> None:
         if not self.enabled:

@@ -58,7 +58,7 @@ from flashsgd.train.config import TrainConfig, dumps, resolve
 # are the run's, the per-worker state is regrouped, Worker.regroup.)
 NEUTRAL_KEYS = frozenset({
     "out", "resume", "progress", "eval_every", "target_accuracy", "threads", "timeout_s",
-    "checkpoint_every", "keep_checkpoints", "max_steps", "fail_at", "workers",
+    "checkpoint_every", "keep_checkpoints", "max_steps", "fail_at", "max_skipped", "workers",
 })
 # What a run writes: what "moved aside" moves (nothing else in <out> is touched).
 RUN_FILES = ("config.toml", "plan.json", "metrics.jsonl", "tensorboard", "summary.json",
@@ -115,9 +115,12 @@ def lock(out: Path) -> Iterator[None]:
             holder = path.read_text().strip() or "another process"
             raise RunDirError(f"run directory {out} is in use by {holder}; wait for it to finish or "
                               "choose another --out") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
+                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        except OSError as exc:  # a full disk: name the file (os.write does not)
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
         yield
     finally:
         os.close(fd)  # releases the lock (forked workers that inherited it close theirs on exit)

@@ -18,7 +18,12 @@ Used by :class:`flashsgd.train.worker.Worker` (``flashsgd train``), ``bench scal
    its loss or gradient.
 5. Non-finite policy: ``"skip"`` zeroes the gradients and leaves the parameters and the optimizer
    state alone (the result says ``skipped``; the caller counts), ``"stop"`` raises
-   FloatingPointError naming the step; otherwise the optimizer steps.
+   FloatingPointError naming the step; otherwise the optimizer steps. A skipped step also checks
+   the parameters (one tiny all-reduce, on skipped steps only): skipping cannot recover from
+   non-finite parameters (every later loss is NaN), so the run has diverged and the step raises
+   FloatingPointError naming the first skipped step of the streak and what to try; so it does
+   after ``max_skipped`` consecutive skipped steps (:meth:`check_parameters` is the same check
+   for callers about to evaluate or checkpoint).
 
 Each phase is timed with :func:`flashsgd.timing.clock` (on CUDA, after a synchronize). Cost: one
 all-reduce of 3 float64 values per step beyond the gradient exchange. Mixed precision and gradient
@@ -44,6 +49,14 @@ import torch.distributed as dist
 from flashsgd.timing import clock
 
 Batch = Callable[[], "tuple[torch.Tensor, torch.Tensor]"]
+
+TRY = ("try a lower learning rate (optim.lr_per_ref), a longer warmup (optim.warmup_epochs), or "
+       "run.nonfinite = 'stop' to stop at the first non-finite step")
+"""What a diverged run's error suggests."""
+
+
+def _where(step: int, epoch: int | None) -> str:
+    return f"step {step}" + (f" (epoch {epoch})" if epoch is not None else "")
 
 
 @dataclass(frozen=True)
@@ -84,13 +97,16 @@ class TrainStep:
             ``comm_s`` is 0).
         device: where the batch goes (and whose clock is synchronized).
         nonfinite: ``"skip"`` or ``"stop"`` (``run.nonfinite``).
+        max_skipped: stop after this many consecutive skipped steps (``run.max_skipped``; 0: no
+            bound; non-finite parameters stop the run at once either way).
     """
 
-    __slots__ = ("ddp", "optimizer", "loss_fn", "timer", "device", "nonfinite", "world")
+    __slots__ = ("ddp", "optimizer", "loss_fn", "timer", "device", "nonfinite", "max_skipped", "world",
+                 "skipped_in_row", "first_skipped")
 
     def __init__(self, ddp: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
                  timer=None, device: torch.device | None = None,
-                 nonfinite: Literal["skip", "stop"] = "skip") -> None:
+                 nonfinite: Literal["skip", "stop"] = "skip", max_skipped: int = 0) -> None:
         if getattr(loss_fn, "reduction", "sum") != "sum":
             raise ValueError(f"loss_fn must sum over the batch (reduction='sum'), got "
                              f"reduction={loss_fn.reduction!r}: the step divides by the global batch")
@@ -98,8 +114,10 @@ class TrainStep:
             raise ValueError(f"nonfinite must be 'skip' or 'stop', got {nonfinite!r}")
         self.ddp, self.optimizer, self.loss_fn, self.timer = ddp, optimizer, loss_fn, timer
         self.device = device if device is not None else torch.device("cpu")
-        self.nonfinite = nonfinite
+        self.nonfinite, self.max_skipped = nonfinite, max_skipped
         self.world = dist.get_world_size()
+        self.skipped_in_row = 0                    # consecutive skipped steps (Step 5)
+        self.first_skipped: tuple[int, int | None] | None = None  # (step, epoch) starting the streak
 
     # ------------------------------------------------------------------ the phases -------------
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -126,13 +144,44 @@ class TrainStep:
     def apply(self, skipped: bool, step: int, epoch: int | None) -> None:
         """Step 5: the optimizer step, or the non-finite policy."""
         if skipped and self.nonfinite == "stop":
-            where = f"step {step}" + (f" (epoch {epoch})" if epoch is not None else "")
-            raise FloatingPointError(f"non-finite loss or gradient at {where}; "
+            raise FloatingPointError(f"non-finite loss or gradient at {_where(step, epoch)}; "
                                      "set run.nonfinite = 'skip' to skip such steps instead")
-        if skipped:
-            self.optimizer.zero_grad(set_to_none=False)
-        else:
+        if not skipped:
+            self.skipped_in_row, self.first_skipped = 0, None
             self.optimizer.step()
+            return
+        self.optimizer.zero_grad(set_to_none=False)
+        self.skipped_in_row += 1
+        if self.first_skipped is None:
+            self.first_skipped = (step, epoch)
+        self.check_parameters(f"at {_where(step, epoch)}")
+        if self.max_skipped and self.skipped_in_row >= self.max_skipped:
+            raise FloatingPointError(
+                f"training diverged: {self.skipped_in_row} steps in a row were skipped for a non-finite "
+                f"loss or gradient (run.max_skipped = {self.max_skipped}), the first at "
+                f"{_where(*self.first_skipped)}; {TRY}")
+
+    def check_parameters(self, where: str, buffers: bool = False) -> None:
+        """FloatingPointError when any rank holds a non-finite parameter, or with ``buffers`` a
+        non-finite floating buffer (BN running statistics, which a skipped step's forward has
+        updated); collective: one all-reduce of two values, on every rank. ``where``: "at step 7
+        (epoch 0)", "after step 119"."""
+        model = self.ddp.module if hasattr(self.ddp, "module") else self.ddp
+
+        def bad(tensors):
+            tensors = [t.detach() for t in tensors]
+            return torch.stack([(~torch.isfinite(t)).any() for t in tensors]).any().double() if tensors \
+                else torch.zeros((), dtype=torch.float64)
+
+        flags = torch.stack([bad(model.parameters()).cpu(), bad(
+            [b for b in model.buffers() if b.is_floating_point()] if buffers else []).cpu()]).to(self.device)
+        dist.all_reduce(flags)
+        if flags.sum().item() > 0:
+            what = "parameters" if flags[0].item() > 0 else "BatchNorm running statistics (buffers)"
+            first = (f"; the first non-finite loss or gradient was at {_where(*self.first_skipped)}, "
+                     f"then {self.skipped_in_row} step(s) in a row were skipped") if self.first_skipped else ""
+            raise FloatingPointError(f"training diverged: the model's {what} are non-finite {where}{first}; "
+                                     f"skipping steps cannot recover; {TRY}")
 
     # ------------------------------------------------------------------ one step ---------------
     def __call__(self, batch: Batch, global_batch: int, *, lr: float | None = None, step: int = 0,

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from flashsgd import launch
 from flashsgd.train.config import TrainConfig
 from flashsgd.train.data import Datasets
+from flashsgd.train.models import check_input
 from flashsgd.train.plan import RunPlan, build_plan
 from flashsgd.train.preflight import check_environment
 from flashsgd.train.rank import load_data
@@ -47,6 +48,7 @@ def _torchrun_worker(cfg: TrainConfig) -> dict[str, Any]:
     data = load_data(cfg)
     if local_rank == 0:
         dist.barrier()
+    check_input(cfg.model.model, cfg.model.channels, data, cfg.data.dataset)
     plan = build_plan(cfg, dist.get_world_size(), len(data.train), local_spawn=False)
     if dist.get_rank() != 0:
         box: list[Any] = [None]
@@ -79,6 +81,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         return launch.run(_torchrun_worker, (cfg,), world_size=int(os.environ["WORLD_SIZE"]),
                           backend=backend, timeout_s=r.timeout_s)
     data = load_data(cfg)
+    check_input(cfg.model.model, cfg.model.channels, data, cfg.data.dataset)  # exit 2, not 4 failed ranks
     plan = build_plan(cfg, r.workers, len(data.train), local_spawn=True)
     with open_run_dir(plan) as start:
         if start.kind == "complete":

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flashsgd.launch_failures import comm_failures, one_line
 from flashsgd.train import checkpoint as ckpt
 from flashsgd.train.data import Datasets, ShardedSampler
 from flashsgd.train.plan import RunPlan
@@ -36,6 +37,11 @@ from flashsgd.train.report import Metrics, summarize
 from flashsgd.train.rank import (average_buffers, build_rank, evaluate, inject_fault,
                                  setup_process)
 from flashsgd.train.rundir import Start, write_plan
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk); the message names the step, the path, the
+    OS error and the checkpoint a rerun resumes from."""
 
 
 class Worker:
@@ -137,7 +143,10 @@ class Worker:
 
     def save_checkpoint(self) -> None:
         """Shared: the model with worker-averaged BN statistics (for eval / inference); local: this
-        worker's own statistics, so that a resumed run continues exactly as an uninterrupted one."""
+        worker's own statistics, so that a resumed run continues exactly as an uninterrupted one.
+        Never a diverged model (FloatingPointError instead); a failed write (a full disk) is an
+        OSError naming the step, the path and the OS error, and ``latest`` stays where it was."""
+        self.step.check_parameters(f"after step {self.progress['step'] - 1}", buffers=True)
         avg = average_buffers(self.model, inplace=False)
         local = {"hook": self.hook_state.state_dict(), "rng": ckpt.rng_state(), "aug": self.aug.get_state(),
                  "buffers": {n: b.clone() for n, b in self.model.named_buffers() if n in avg}}
@@ -145,8 +154,21 @@ class Worker:
         if self.rank == 0:
             shared = {"model": {**self.model.state_dict(), **avg}, "optimizer": self.optimizer.state_dict(),
                       "sampler": self.sampler.state_dict(), "progress": self.progress}
-        ckpt.save(self.out / "checkpoints", self.progress["step"], shared, local,
-                  keep=self.cfg.run.keep_checkpoints)
+        try:
+            ckpt.save(self.out / "checkpoints", self.progress["step"], shared, local,
+                      keep=self.cfg.run.keep_checkpoints)
+        except OSError as exc:
+            raise CheckpointWriteError(f"cannot write the checkpoint of step {self.progress['step']}: "
+                                       f"{exc}; {self._resume_point()}") from exc
+
+    def _resume_point(self) -> str:
+        """Where a rerun would resume, in words (after a failed checkpoint write)."""
+        try:
+            target, _ = ckpt.resume_point(self.out / "checkpoints")
+        except (ckpt.CheckpointError, OSError):
+            target = None
+        return (f"the resume point stays {target.name}" if target is not None
+                else "no checkpoint was written yet")
 
     # ---------------------------------------------------------------- Step 4: one step ----------
     def train_step(self, epoch: int, i: int, idx: torch.Tensor, sizes: list[int]) -> None:
@@ -189,7 +211,9 @@ class Worker:
         return False
 
     def evaluate_now(self, epoch: float, at_stop: bool = False) -> None:
-        """Step 5: worker-averaged BN statistics, test accuracy and loss, time to accuracy."""
+        """Step 5: worker-averaged BN statistics, test accuracy and loss, time to accuracy (never of
+        a diverged model: FloatingPointError instead)."""
+        self.step.check_parameters(f"after step {self.progress['step'] - 1}", buffers=True)
         average_buffers(self.model)
         acc, test_loss = evaluate(self.model, self.data.test, self.rank, self.world, self.device)
         p = self.progress
@@ -242,10 +266,15 @@ class Worker:
         try:
             self.train_loop()
         except RuntimeError as exc:  # a peer died or hung: say so, with the step
+            if not comm_failures(exc):  # this rank's own error (a bad input, a bug): as it is
+                raise
             raise RuntimeError(
                 f"rank {self.rank}: failed at step {self.progress['step']} - a collective failed, so a "
-                f"worker died or hung longer than run.timeout_s={r.timeout_s:g} s "
-                f"({str(exc).splitlines()[0][:300]})") from exc
+                f"worker died or hung longer than run.timeout_s={r.timeout_s:g} s ({one_line(exc)})") from exc
+        except OSError as exc:  # a full disk: the path and the OS error, never "a collective failed"
+            if isinstance(exc, CheckpointWriteError):
+                raise
+            raise OSError(f"failed at step {self.progress['step']}: {exc}") from exc
         if self.bar is not None:
             self.bar.close()
         result = {}
