@@ -235,3 +235,44 @@ def test_elastic_resume_grows_and_shrinks_the_world(tmp_path, capfd):
     # (step 5's loss differs already: BN normalizes over each worker's shard, now half as large)
     assert abs(el[-1]["loss"] - ref[-1]["loss"]) < 0.1 * ref[-1]["loss"]
     assert summary["steps"] == 14
+
+
+@pytest.mark.slow
+def test_torchrun_elastic_range_resumes_on_another_world(tmp_path):
+    """Under torchrun with an elastic node range (--nnodes 1:2): the run checkpointed by one agent
+    (2 workers) resumes when two agents join (4 workers), then on one again (2 workers). The
+    membership changes here happen between launches (each launch ends at --max-steps); a live
+    join/leave restarts the workers through the same resume path."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(repo / "src"), "OMP_NUM_THREADS": "1"}
+
+    def launch(agents: int, *extra: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
+               "--rdzv-conf", "last_call_timeout=3", "-m", "flashsgd", "train", "--num-samples", "2000",
+               "--epochs", "2", "--global-batch", "256", "--no-progress", "--comm", "gtopk",
+               "--density", "0.05", "--out", str(tmp_path), *extra]
+        procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for _ in range(agents)]
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0] * agents, "\n".join(logs)[-4000:]
+
+    launch(1, "--max-steps", "5")
+    launch(2, "--max-steps", "10")   # grows: 2 -> 4 workers
+    launch(1)                        # shrinks: 4 -> 2 workers, to the end
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("kind") == "step"]
+    assert [r["step"] for r in steps] == list(range(14))
+    assert [r["local_batch"] for r in steps[5:10]] == [r["global_batch"] // 4 for r in steps[5:10]]
+    assert [r["local_batch"] for r in steps[10:]] == [r["global_batch"] // 2 for r in steps[10:]]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 14
