@@ -55,6 +55,7 @@ def run_config(spec: dict, comm: str, world: int) -> dict:
             "selection": spec["selection"], "bucket_mb": spec["bucket_mb"], "workers": world,
             "timeout_s": spec["timeout_s"], "threads": spec["threads"], "progress": False,
             "out": spec["out_dir"], "seed": 0, **({"grid": spec["grid"]} if spec.get("grid") else {}),
+            **({"precision": spec["precision"]} if spec.get("precision") else {}),
             # auto: a benchmark measures speed, so every candidate may be chosen (as measured here)
             **({"accuracy_risk": "any"} if comm == "auto" else {})}
 

@@ -19,11 +19,16 @@ agreement all-reduce); its times are now comparable with ``flashsgd train``'s an
    ratio to DDP's ``native`` hook measured in the same run, and the ratio to ``noop`` (no
    communication at all: the ceiling a perfect all-reduce would approach). A hook that cannot run
    at this world or layout is a row with the reason.
+4. The baseline (``--plain-loop``, on by default): a hand-written DDP loop of the same model,
+   optimizer, batches and ``--precision`` (:class:`flashsgd.bench.plain_loop.PlainLoop`), timed
+   interleaved with the hooks; each row's ``vs plain`` is its images/s over the loop's (``native``
+   vs plain: the cost of the shared step itself).
 
 Example::
 
     flashsgd bench train --workers 4 --model resnet20 --batch 32 --iters 10
     flashsgd bench train --model resnet50 --image-shape imagenet --batch 8 --comm native,noop,torus2d
+    flashsgd bench train --workers 2 --precision bf16 --comm native   # vs the plain autocast loop
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from flashsgd.cli_flags import add_comm_flag, add_option_flag, comm_list
 from flashsgd.exchanges import BUCKET_MB, names as exchange_names
 from flashsgd.outputs import add_output
 from flashsgd.timing import time_ops
+
+PLAIN = "plain"
+"""The baseline row's name: a hand-written DDP loop (:mod:`flashsgd.bench.plain_loop`)."""
 
 HELP = "images/s of the training step per DDP hook over W ranks, vs native and the no-op ceiling"
 
@@ -57,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mb", type=float, default=BUCKET_MB,
                         help=f"DDP bucket cap in MiB (default {BUCKET_MB:g})")
     parser.add_argument("--recipe", default="fujitsu", help="a name in flashsgd.optim.recipes.RECIPES")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                        help="autocast dtype of the step and of the plain loop (run.precision)")
+    parser.add_argument("--plain-loop", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time a hand-written DDP loop of the same model, batch and precision")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per hook")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per hook")
     add_output(parser, "--json", default=None, help="write results to this JSON file")
@@ -73,7 +85,8 @@ def spec_of(opts: dict, world: int, emulate: bool, out_dir: str) -> dict:
             "model": opts["model"], "channels": TrainConfig().model.channels, "recipe": opts["recipe"],
             "ranks_per_node": rpn, "density": opts["density"], "selection": opts["selection"],
             "bucket_mb": opts["bucket_mb"], "grid": opts["grid"], "timeout_s": 300.0, "threads": 0,
-            "batch": opts["batch"], "warmup": opts["warmup"], "iters": opts["iters"], "out_dir": out_dir}
+            "batch": opts["batch"], "warmup": opts["warmup"], "iters": opts["iters"], "out_dir": out_dir,
+            "precision": opts.get("precision", "fp32")}
 
 
 def _bench(opts: dict, emulate: bool) -> dict:
@@ -90,26 +103,35 @@ def _bench(opts: dict, emulate: bool) -> dict:
     data = load_data(resolve(cli=run_config(spec, "noop", world)))
     built = {n: build(spec, n, data) for n in names}
     trainers = {n: t for n, t in built.items() if isinstance(t, Trainer)}
+    first = next(iter(trainers.values()), None)
+    steps = {n: t.step for n, t in trainers.items()}
+    if opts.get("plain_loop") and first is not None:  # Step 4: the tutorial's loop, same everything
+        from flashsgd.bench.plain_loop import PlainLoop
+
+        steps[PLAIN] = PlainLoop(first.plan, data, first.device).step
     # Steps 1-2
-    timings = dict(zip(trainers, time_ops([t.step for t in trainers.values()], iters=opts["iters"],
-                                          warmup=opts["warmup"])))
+    timings = dict(zip(steps, time_ops(list(steps.values()), iters=opts["iters"], warmup=opts["warmup"])))
+    plain = timings.pop(PLAIN, None)
     # Step 3
     gb = opts["batch"] * world
     rows = [{"hook": n, "step_ms": t.median_s * 1e3, "min_ms": t.min_s * 1e3, "max_ms": t.max_s * 1e3,
              "images_per_s": gb / t.median_s} if (t := timings.get(n)) else
             {"hook": n, "skipped": built[n]["skipped"]} for n in names]
     by = {r["hook"]: r["images_per_s"] for r in rows if "images_per_s" in r}
+    plain_row = None if plain is None else {
+        "loop": PLAIN, "step_ms": plain.median_s * 1e3, "min_ms": plain.min_s * 1e3,
+        "max_ms": plain.max_s * 1e3, "images_per_s": gb / plain.median_s}
     for r in rows:
         if "images_per_s" in r:
             r["ratio_to_native"] = r["images_per_s"] / by["native"] if "native" in by else None
             r["ratio_to_noop"] = r["images_per_s"] / by["noop"] if "noop" in by else None
-    first = next(iter(trainers.values()), None)
+            r["ratio_to_plain"] = r["images_per_s"] / plain_row["images_per_s"] if plain_row else None
     params = sum(p.numel() for p in first.model.parameters()) if first else 0
     topo = get_topology(ranks_per_node=first.plan.ranks_per_node if first else spec["ranks_per_node"],
                         grid=opts["grid"])
     recipe = f"{first.plan.recipe.name} ({type(first.optimizer).__name__})" if first else opts["recipe"]
     return {"rows": rows, "world": world, "topology": topo.describe(), "params": params,
-            "global_batch": gb, "recipe": recipe}
+            "global_batch": gb, "recipe": recipe, "plain": plain_row}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--batch, --iters and --workers must be >= 1 and --warmup >= 0")
     opts = {k: getattr(args, k) for k in ("model", "image_shape", "batch", "grid", "ranks_per_node",
                                            "density", "selection", "bucket_mb", "iters", "warmup",
-                                           "recipe")}
+                                           "recipe", "precision", "plain_loop")}
     opts["comm"] = comm_list(args.comm, exchange_names())  # HOOKS has one hook per exchange
     if launch.under_torchrun():
         res = launch.run(_bench, (opts, False), world_size=args.workers)
@@ -129,17 +151,23 @@ def run(args: argparse.Namespace) -> int:
                         topology=res["topology"], params=res["params"], global_batch=res["global_batch"])
     print(f"# bench train: {args.model} ({res['params']:,} parameters), {res['topology']}, "
           f"per-worker batch {args.batch} (global {res['global_batch']}), {args.image_shape} input, "
-          f"recipe {res['recipe']}")
+          f"recipe {res['recipe']}, precision {args.precision}")
     print(f"# torch {meta['torch']}, {meta['cpu_count']} CPUs, load avg {meta['loadavg_1m']:.1f}; "
           f"median of {args.iters} interleaved steps after {args.warmup} warm-up")
-    print(f"{'hook':>13} {'step ms':>9} {'min..max ms':>17} {'images/s':>10} {'vs native':>10} {'vs noop':>8}")
+    print(f"{'hook':>13} {'step ms':>9} {'min..max ms':>17} {'images/s':>10} {'vs native':>10} {'vs noop':>8}"
+          f" {'vs plain':>9}")
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for r in res["rows"]:
-        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         if "skipped" in r:
             print(f"{r['hook']:>13} skipped: {r['skipped']}")
             continue
         print(f"{r['hook']:>13} {r['step_ms']:9.1f} {r['min_ms']:8.1f}..{r['max_ms']:<8.1f} "
-              f"{r['images_per_s']:10.1f} {fmt(r['ratio_to_native']):>10} {fmt(r['ratio_to_noop']):>8}")
+              f"{r['images_per_s']:10.1f} {fmt(r['ratio_to_native']):>10} {fmt(r['ratio_to_noop']):>8} "
+              f"{fmt(r['ratio_to_plain']):>9}")
+    p = res["plain"]
+    if p is not None:
+        print(f"{PLAIN:>13} {p['step_ms']:9.1f} {p['min_ms']:8.1f}..{p['max_ms']:<8.1f} {p['images_per_s']:10.1f}"
+              f"   (hand-written DDP loop, DDP's built-in all-reduce, same model/batch/precision)")
     if args.json:
-        write_json(args.json, meta, res["rows"])
+        write_json(args.json, meta, res["rows"] + ([p] if p is not None else []))
     return 0

@@ -125,6 +125,10 @@ class OptimConfig:
     proxy_tuning: bool = True
     """Use the recipe's dataset-tuned variant when one is registered (fujitsu on mnist1d:
     fujitsu-mnist1d); false: the recipe's published numbers."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (gradient accumulation): each worker's shard of the global
+    batch is split into N, DDP exchanges only after the last (no_sync on the others); the update is
+    the whole global batch's. Every worker's smallest shard must hold >= N samples."""
 
 
 @dataclass
@@ -185,7 +189,8 @@ class CommConfig:
 
 @dataclass
 class RunConfig:
-    """``[run]``: processes, outputs, checkpoints and failure handling."""
+    """``[run]``: processes, how the step executes (precision, memory format, compile), outputs,
+    checkpoints and failure handling."""
 
     workers: int = 4
     """Local worker processes when not under torchrun (torchrun's WORLD_SIZE wins)."""
@@ -220,6 +225,15 @@ class RunConfig:
     """torch.use_deterministic_algorithms(True) (resume equivalence tests)."""
     threads: int = 0
     """torch intra-op threads per worker (0: cores / local workers)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Forward and loss under torch.autocast in this dtype (bf16 also on CPU; fp16 with a loss
+    scaler, torch.amp.GradScaler); parameters, gradients and their exchange stay fp32."""
+    channels_last: bool = False
+    """Model and 4-D inputs in torch.channels_last memory format (ignored, with a note, for inputs
+    that are not 4-D images, e.g. mnist1d)."""
+    compile: bool = False
+    """torch.compile the DDP model (falls back to eager with a one-line message if compilation fails;
+    the first steps are slow while it compiles)."""
     fail_at: str = ""
     """Debug fault injection RANK:STEP:MODE (MODE exit|hang|nan); also env FLASHSGD_FAIL_AT."""
 
@@ -281,7 +295,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for s, k in (("data", "num_samples"), ("data", "image_size"), ("model", "channels"),
                  ("optim", "global_batch"), ("optim", "epochs"), ("comm", "density"),
                  ("comm", "bucket_mb"), ("run", "workers"), ("run", "keep_checkpoints"),
-                 ("run", "eval_every"), ("run", "timeout_s")):
+                 ("run", "eval_every"), ("run", "timeout_s"), ("optim", "grad_accum")):
         _positive(cfg, s, k)
     for s, k in (("run", "checkpoint_every"), ("run", "max_steps"), ("run", "threads"),
                  ("run", "max_skipped")):

@@ -10,7 +10,10 @@ process before training), and is the only place that derives:
    rescaled to ``optim.epochs``, with the user's overrides;
 2. the world layout: world size, ranks per node (emulated 2 per node on local spawn), torus grid;
 3. the batch table and the steps it gives (every worker needs >= 1 sample per step);
-4. the communication hook's options (density warm-up in steps, deadline, grid, seed).
+4. the communication hook's options (density warm-up in steps, deadline, grid, seed);
+5. how the step executes (:func:`execution`): autocast precision and loss scaler, micro-batches per
+   step (``optim.grad_accum``, each worker's shard split, the global batch unchanged),
+   channels_last (only for 4-D image inputs) and ``torch.compile``.
 
 The plan is printed at start-up (:meth:`RunPlan.describe`) and written to ``<out>/plan.json``;
 workers read nothing else from the config that the plan resolves.
@@ -99,6 +102,8 @@ class RunPlan:
     """Options of the communication hook ``config.comm.algorithm``."""
     warnings: tuple[str, ...] = ()
     """Settings that will cost accuracy (the sparse step-count bound), printed at start-up."""
+    execution: dict[str, Any] = field(default_factory=dict)
+    """Step 5: how :class:`~flashsgd.train.step.TrainStep` runs (:func:`execution`)."""
 
     def batch_at(self, epoch: int) -> int:
         """Global batch of ``epoch`` (batch-size control; the last row past the end)."""
@@ -134,6 +139,7 @@ class RunPlan:
             f"  lr          effective peak {self.peak_lr():.4g} (lr_per_ref {r.lr_per_ref:g} x "
             f"batch/{r.ref_batch}), warmup {r.warmup_epochs:g} epochs, decay {r.decay}",
             f"  recipe      {self.recipe_source}",
+            f"  step        {describe_execution(self.execution)}",
             f"  run dir     {cfg.run.out}",
             *(f"  WARNING     {w}" for w in self.warnings),
         ])
@@ -157,6 +163,7 @@ class RunPlan:
                 "total_steps": self.total_steps, "peak_lr": self.peak_lr(),
                 "algorithm": self.config.comm.algorithm, "hook_options": self.hook_options,
                 "recipe_source": self.recipe_source, "warnings": list(self.warnings),
+                "execution": self.execution,
                 "recipe": {k: v for k, v in dataclasses.asdict(self.recipe).items()},
                 "config": to_dict(self.config)}
 
@@ -254,7 +261,50 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) 
     return RunPlan(config=cfg, world=world, ranks_per_node=rpn, grid=grid, recipe=recipe,
                    recipe_source=source, num_train=num_train, table=table,
                    schedule=recipe.schedule(), epochs=epochs, total_steps=total,
-                   first_epoch_steps=first_epoch_steps, hook_options=options, warnings=tuple(warnings))
+                   first_epoch_steps=first_epoch_steps, hook_options=options, warnings=tuple(warnings),
+                   execution=execution(cfg, table, world))                   # Step 5
+
+
+# datasets whose inputs are 4-D (N, C, H, W) images: where channels_last means something
+IMAGE_DATASETS = ("synthetic", "imagefolder")
+
+
+def execution(cfg: TrainConfig, table: BatchTable, world: int) -> dict[str, Any]:
+    """Step 5: precision, autocast dtype, loss scaler, micro-batches (``optim.grad_accum``: each
+    worker's shard of the unchanged global batch split into N; ValueError when the smallest shard
+    has fewer than N samples), channels_last (effective only for 4-D image inputs; a note
+    otherwise) and compile, as every rank's TrainStep runs them."""
+    r, n = cfg.run, cfg.optim.grad_accum
+    smallest = min(b for _, b in table.rows) // world  # the smallest shard of any step
+    if smallest < n:
+        raise ValueError(f"config key optim.grad_accum={n}: the smallest per-worker shard is {smallest} "
+                         f"sample(s) (global batch {min(b for _, b in table.rows)} on {world} workers), "
+                         f"and every micro-batch needs >= 1; valid: optim.grad_accum <= {smallest}")
+    notes = []
+    channels_last = r.channels_last and cfg.data.dataset in IMAGE_DATASETS
+    if r.channels_last and not channels_last:
+        notes.append(f"channels_last ignored: {cfg.data.dataset} inputs are not 4-D images")
+    return {"precision": r.precision, "autocast": {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}[r.precision],
+            "loss_scaler": r.precision == "fp16", "grad_accum": n,
+            "micro_batch_per_worker": [-(-b // world // n) for _, b in table.rows],
+            "channels_last": channels_last, "compile": r.compile, "notes": notes}
+
+
+def describe_execution(e: dict[str, Any]) -> str:
+    """The banner's ``step`` line of :func:`execution`'s record."""
+    if not e:
+        return "fp32"
+    parts = [e["precision"] + (" autocast + loss scaler" if e["loss_scaler"] else
+                               " autocast" if e["autocast"] else "")]
+    if e["grad_accum"] > 1:
+        parts.append(f"grad accum {e['grad_accum']} (micro-batch <= "
+                     f"{'/'.join(map(str, e['micro_batch_per_worker']))} per worker; no exchange on the "
+                     f"first {e['grad_accum'] - 1})")
+    if e["channels_last"]:
+        parts.append("channels_last")
+    if e["compile"]:
+        parts.append("torch.compile")
+    return ", ".join(parts) + "".join(f"; {note}" for note in e["notes"])
 
 
 def _largest_batch(recipe: Recipe, num_train: int) -> int:

@@ -4,7 +4,9 @@
 (:mod:`flashsgd.bench.scaling_rank`) and ``bench train`` build a rank from these, in this order:
 :func:`setup_process` (threads, determinism, device), :func:`load_data`, the model and the recipe's
 optimizer, :func:`build_ddp` (DDP with per-worker BN buffers + the hook, timed by a
-:class:`CommTimer`), then :class:`flashsgd.train.step.TrainStep`. Between epochs:
+:class:`CommTimer`), :func:`compile_model` (``run.compile``), then
+:class:`flashsgd.train.step.TrainStep` (precision, micro-batches, channels_last of the plan's
+``execution``). Between epochs:
 :func:`average_buffers` (Goyal et al. 2017: BN statistics are per worker while training) and
 :func:`evaluate`. :func:`inject_fault` is the tests' fault injection.
 """
@@ -137,6 +139,44 @@ def build_ddp(plan: RunPlan, model: torch.nn.Module, device: torch.device, timer
     return ddp, state, topo
 
 
+class _CompiledOrEager:
+    """``torch.compile(ddp)`` whose first call falls back to ``ddp`` itself (one line on rank 0) when
+    compiling raises; later calls are not guarded (a model error surfaces as itself)."""
+
+    def __init__(self, compiled, eager) -> None:
+        self.fn, self.eager, self.checked = compiled, eager, False
+
+    def __call__(self, x):
+        if self.checked:
+            return self.fn(x)
+        try:
+            out = self.fn(x)
+        except Exception as exc:  # noqa: BLE001 - any backend failure means: run eagerly
+            _compile_fallback(exc)
+            self.fn = self.eager
+            out = self.fn(x)
+        self.checked = True
+        return out
+
+
+def _compile_fallback(exc: BaseException) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        reason = (str(exc).strip().splitlines() or [""])[0][:160]
+        print(f"[flashsgd] torch.compile failed ({type(exc).__name__}: {reason}); "
+              "training the model eagerly (run.compile = false)", flush=True)
+
+
+def compile_model(ddp: torch.nn.Module):
+    """``run.compile``: what the step calls on its input, ``torch.compile(ddp)`` (DDP wrapped, so
+    its buckets and the hook stay; TorchDynamo splits the graph at bucket boundaries), or ``ddp``
+    itself with one line on rank 0 when compiling fails, at the call or at the first forward."""
+    try:
+        return _CompiledOrEager(torch.compile(ddp), ddp)
+    except Exception as exc:  # noqa: BLE001
+        _compile_fallback(exc)
+        return ddp
+
+
 @dataclass
 class RankParts:
     """What one rank trains with (:func:`build_rank`)."""
@@ -171,6 +211,9 @@ def build_rank(plan: RunPlan, data: Datasets, device: torch.device, *, out: Path
     cfg = plan.config
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model.model, data.num_classes, cfg.model.channels).to(device)
+    execution = plan.execution
+    if execution.get("channels_last"):  # 4-D image inputs only (the plan's note otherwise)
+        model = model.to(memory_format=torch.channels_last)
     tweaks = apply_model_tweaks(plan.recipe, model)
     optimizer = build_optimizer(plan.recipe, model, cfg.optim.global_batch)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing, reduction="sum")
@@ -185,7 +228,10 @@ def build_rank(plan: RunPlan, data: Datasets, device: torch.device, *, out: Path
     if getattr(getattr(hook_state, "options", None), "layer_trust", False) and isinstance(optimizer, LARS):
         optimizer.grad_norm_source = hook_state.grad_norms  # trust ratios from dense norms
     step = TrainStep(ddp, optimizer, loss_fn, timer, device, nonfinite=plan.config.run.nonfinite,
-                     max_skipped=plan.config.run.max_skipped)
+                     max_skipped=plan.config.run.max_skipped,
+                     precision=execution.get("precision", "fp32"), grad_accum=execution.get("grad_accum", 1),
+                     channels_last=bool(execution.get("channels_last")),
+                     forward=compile_model(ddp) if execution.get("compile") else None)
     return RankParts(plan, model, optimizer, loss_fn, tweaks, timer, ddp, hook_state, topology, step, auto)
 
 

@@ -98,6 +98,8 @@ def summarize(plan, progress: dict, topo, metrics, timer_total: float) -> dict[s
         "train_time_s": progress["elapsed_s"],
         "steps": progress["step"], "total_steps": plan.total_steps, "epochs": progress["epoch"],
         "skipped_steps": progress["skipped"],
+        **({"overflow_skipped_steps": progress["overflow_skipped"]}  # fp16: the loss scaler's, of those
+           if "overflow_skipped" in progress else {}),
         "images_per_s": ips,
         "scaling": {
             "world_size": world, "nodes": topo.num_nodes, "ranks_per_node": topo.ranks_per_node,

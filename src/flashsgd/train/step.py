@@ -9,13 +9,20 @@ Used by :class:`flashsgd.train.worker.Worker` (``flashsgd train``), ``bench scal
 ``bench sparse --hook`` (:mod:`flashsgd.bench.sparse_hook`). Algorithm (:meth:`TrainStep.__call__`):
 
 1. Data: set the learning rate, call the caller's ``batch()`` (sampling and augmentation), move the
-   batch to the device.
-2. Forward and loss: ``loss_fn`` sums over the local shard (``reduction="sum"``).
-3. ``zero_grad``, then backward of ``loss_sum * W / B`` through DDP: the hook exchanges the
-   gradients (timed by the :class:`~flashsgd.train.rank.CommTimer` DDP's hook is wrapped in).
-4. Agreement: one all-reduce of ``[loss sum, samples, non-finite flag]`` (float64, made on the
+   batch to the device; ``zero_grad``. With ``grad_accum`` N the shard is split into N micro-batches
+   (``torch.tensor_split``: sizes differ by at most 1); Steps 2-3 run once per micro-batch.
+2. Forward and loss (:meth:`forward_loss`): 4-D inputs in ``channels_last`` when asked, the model
+   (or its ``torch.compile``), ``loss_fn`` summing over the (micro-)batch (``reduction="sum"``),
+   under ``torch.autocast(device type, dtype)`` for bf16 / fp16; the loss sum is fp32.
+3. Backward of ``loss_sum * W / B`` (B: the step's global batch, so the N micro-batches' gradients
+   add up to the whole global batch's) through DDP: the hook exchanges the gradients (timed by the
+   :class:`~flashsgd.train.rank.CommTimer` DDP's hook is wrapped in); the first N-1 micro-batches
+   under DDP's ``no_sync()`` (gradients accumulate locally, no exchange). fp16: the loss is first
+   multiplied by the loss scaler's scale (``torch.amp.GradScaler``), so the hook exchanges scaled
+   gradients, which are unscaled after the exchange (``scaler.unscale_``).
+4. Agreement: one all-reduce of ``[loss sum, samples, non-finite flags]`` (float64, made on the
    loss's device): every rank learns the global mean loss and whether any rank saw a NaN / Inf in
-   its loss or gradient.
+   its loss (counted in units of :data:`LOSS_FLAG`) or its gradient (units of 1).
 5. Non-finite policy: ``"skip"`` zeroes the gradients and leaves the parameters and the optimizer
    state alone (the result says ``skipped``; the caller counts), ``"stop"`` raises
    FloatingPointError naming the step; otherwise the optimizer steps. A skipped step also checks
@@ -23,11 +30,17 @@ Used by :class:`flashsgd.train.worker.Worker` (``flashsgd train``), ``bench scal
    non-finite parameters (every later loss is NaN), so the run has diverged and the step raises
    FloatingPointError naming the first skipped step of the streak and what to try; so it does
    after ``max_skipped`` consecutive skipped steps (:meth:`check_parameters` is the same check
-   for callers about to evaluate or checkpoint).
+   for callers about to evaluate or checkpoint). fp16: the scaler is told the agreed flag (not its
+   own rank's inf check), so every rank skips the same steps and keeps the same scale; a step
+   whose loss is finite on every rank but whose gradients overflow is the scaler's *overflow*
+   skip (``StepResult.overflow``): counted and reported as skipped, the scale halved, but neither
+   stopped by ``"stop"`` nor counted in the ``max_skipped`` streak while the scale is above 1
+   (from GradScaler's 2^16 the early back-off is up to 16 skips in a row; a gradient that still
+   overflows at a scale <= 1 is non-finite without any scaling, and counts).
 
-Each phase is timed with :func:`flashsgd.timing.clock` (on CUDA, after a synchronize). Cost: one
-all-reduce of 3 float64 values per step beyond the gradient exchange. Mixed precision and gradient
-accumulation belong in Steps 2-3 and 5 (:meth:`forward_loss`, :meth:`backward`, :meth:`apply`).
+Each phase is timed with :func:`flashsgd.timing.clock` (on CUDA, after a synchronize); with N
+micro-batches forward and backward are the sums over them. Cost: one all-reduce of 3 float64
+values per step beyond the gradient exchange; fp16 adds one pass over the gradients (unscale).
 
 Example::
 
@@ -40,6 +53,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -47,6 +61,13 @@ import torch
 import torch.distributed as dist
 
 from flashsgd.timing import clock
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``run.precision`` -> the autocast dtype (None: no autocast)."""
+
+LOSS_FLAG = 2.0 ** 20
+"""Step 4: a rank's non-finite loss counts this much in the agreed flag, a non-finite gradient 1
+(so the flag tells the two apart for up to 2^20 ranks, in the same 3 values)."""
 
 Batch = Callable[[], "tuple[torch.Tensor, torch.Tensor]"]
 
@@ -75,6 +96,10 @@ class StepResult:
     """The hook's own seconds (CommTimer; overlaps backward when the hook is asynchronous)."""
     sync_s: float
     optimizer_s: float
+    overflow: bool = False
+    """fp16: skipped for the loss scaler's gradient overflow (the loss was finite everywhere)."""
+    loss_scale: float | None = None
+    """fp16: the loss scaler's scale after this step (None without a scaler)."""
 
     @property
     def total_s(self) -> float:
@@ -99,41 +124,86 @@ class TrainStep:
         nonfinite: ``"skip"`` or ``"stop"`` (``run.nonfinite``).
         max_skipped: stop after this many consecutive skipped steps (``run.max_skipped``; 0: no
             bound; non-finite parameters stop the run at once either way).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (``run.precision``): autocast dtype of
+            Step 2; fp16 also makes a ``torch.amp.GradScaler`` on ``device`` (:attr:`scaler`).
+        grad_accum: micro-batches per optimizer step (``optim.grad_accum``).
+        channels_last: 4-D inputs in ``torch.channels_last`` (the caller converts the model).
+        forward: what Step 2 calls on the input (default ``ddp``; ``run.compile``: the compiled
+            ``ddp``, :func:`flashsgd.train.rank.compile_model`).
     """
 
     __slots__ = ("ddp", "optimizer", "loss_fn", "timer", "device", "nonfinite", "max_skipped", "world",
-                 "skipped_in_row", "first_skipped")
+                 "skipped_in_row", "first_skipped", "autocast", "scaler", "grad_accum", "channels_last",
+                 "forward")
 
     def __init__(self, ddp: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
                  timer=None, device: torch.device | None = None,
-                 nonfinite: Literal["skip", "stop"] = "skip", max_skipped: int = 0) -> None:
+                 nonfinite: Literal["skip", "stop"] = "skip", max_skipped: int = 0, *,
+                 precision: Literal["fp32", "bf16", "fp16"] = "fp32", grad_accum: int = 1,
+                 channels_last: bool = False, forward: Callable | None = None) -> None:
         if getattr(loss_fn, "reduction", "sum") != "sum":
             raise ValueError(f"loss_fn must sum over the batch (reduction='sum'), got "
                              f"reduction={loss_fn.reduction!r}: the step divides by the global batch")
         if nonfinite not in ("skip", "stop"):
             raise ValueError(f"nonfinite must be 'skip' or 'stop', got {nonfinite!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
         self.ddp, self.optimizer, self.loss_fn, self.timer = ddp, optimizer, loss_fn, timer
         self.device = device if device is not None else torch.device("cpu")
         self.nonfinite, self.max_skipped = nonfinite, max_skipped
         self.world = dist.get_world_size()
+        self.autocast = PRECISIONS[precision]       # Step 2's dtype (None: fp32, no autocast)
+        # Step 3/5: fp16's loss scaler, on the data's device (torch's CPU GradScaler too)
+        self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
+        self.grad_accum, self.channels_last = grad_accum, channels_last
+        self.forward = forward if forward is not None else ddp
         self.skipped_in_row = 0                    # consecutive skipped steps (Step 5)
         self.first_skipped: tuple[int, int | None] | None = None  # (step, epoch) starting the streak
 
     # ------------------------------------------------------------------ the phases -------------
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Step 2: the loss summed over the local shard."""
-        return self.loss_fn(self.ddp(x), y)
+        """Step 2: the loss summed over the (micro-)batch ``x`` (fp32, also under autocast)."""
+        if self.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        if self.autocast is None:
+            return self.loss_fn(self.forward(x), y)
+        with torch.autocast(self.device.type, dtype=self.autocast):
+            return self.loss_fn(self.forward(x), y).float()  # a sum over many samples: fp32
 
     def backward(self, loss_sum: torch.Tensor, global_batch: int) -> None:
-        """Step 3: gradients of ``loss_sum * W / B`` (DDP averages them over the W ranks)."""
-        self.optimizer.zero_grad(set_to_none=False)
-        (loss_sum * (self.world / global_batch)).backward()
+        """Step 3: gradients of ``loss_sum * W / B`` (DDP averages them over the W ranks), added to
+        ``.grad``; fp16: of the loss times the scaler's scale."""
+        loss = loss_sum * (self.world / global_batch)
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+
+    def exchange(self, sync: bool):
+        """Steps 2-3 of an inner micro-batch (``sync=False``) run under DDP's ``no_sync()``: no
+        exchange, the gradients accumulate locally (DDP decides in the forward, so the forward is
+        inside it too)."""
+        return contextlib.nullcontext() if sync or not hasattr(self.ddp, "no_sync") else self.ddp.no_sync()
+
+    def micro_batches(self, x: torch.Tensor, y: torch.Tensor,
+                      global_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Step 1: the shard as ``grad_accum`` micro-batches (sizes differ by at most one);
+        ValueError, on every rank alike, when the smallest shard of ``global_batch`` (B // W: the
+        sampler's shards differ by at most one) cannot give each one a sample."""
+        if self.grad_accum == 1:
+            return [(x, y)]
+        if min(len(y), global_batch // self.world) < self.grad_accum:
+            raise ValueError(f"a shard of {min(len(y), global_batch // self.world)} samples cannot be "
+                             f"split into grad_accum = {self.grad_accum} micro-batches of >= 1 sample "
+                             f"(optim.grad_accum)")
+        return list(zip(torch.tensor_split(x, self.grad_accum), torch.tensor_split(y, self.grad_accum)))
 
     def agree(self, loss_sum: torch.Tensor, samples: int) -> torch.Tensor:
         """Step 4: ``[global loss sum, global samples, ranks with a non-finite value]`` (float64)."""
         loss = loss_sum.detach()
         grads = [p.grad for p in self.ddp.parameters() if p.grad is not None]
-        bad = (~torch.isfinite(loss)).float()
+        bad = (~torch.isfinite(loss)).float() * LOSS_FLAG
         if grads:
             bad = (~torch.isfinite(torch.stack([g.sum() for g in grads]).sum())).float().to(loss.device) + bad
         stats = torch.stack([loss.double(), torch.tensor(float(samples), dtype=torch.float64, device=loss.device),
@@ -141,15 +211,33 @@ class TrainStep:
         dist.all_reduce(stats)
         return stats
 
-    def apply(self, skipped: bool, step: int, epoch: int | None) -> None:
-        """Step 5: the optimizer step, or the non-finite policy."""
+    def apply(self, skipped: bool, step: int, epoch: int | None, overflow: bool = False) -> bool:
+        """Step 5: the optimizer step, or the non-finite policy; fp16: the scaler's update from the
+        agreed flag. ``overflow``: only gradients were non-finite (the loss was finite on every
+        rank). Returns whether the skip was the loss scaler's overflow skip (see the module
+        docstring)."""
+        if self.scaler is not None:
+            # a gradient that overflows at a scale <= 1 is non-finite without any scaling
+            overflow = skipped and overflow and self.scaler.get_scale() > 1.0
+            self._agree_scaler(skipped)
+        else:
+            overflow = False
+        if overflow:  # the scaler's normal back-off: the scale halves, the streak is not advanced
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=False)
+            self.check_parameters(f"at {_where(step, epoch)}")
+            return True
         if skipped and self.nonfinite == "stop":
             raise FloatingPointError(f"non-finite loss or gradient at {_where(step, epoch)}; "
                                      "set run.nonfinite = 'skip' to skip such steps instead")
         if not skipped:
             self.skipped_in_row, self.first_skipped = 0, None
-            self.optimizer.step()
-            return
+            self.optimizer.step()  # fp16: on the unscaled gradients (Step 3)
+            if self.scaler is not None:
+                self.scaler.update()
+            return False
+        if self.scaler is not None:
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=False)
         self.skipped_in_row += 1
         if self.first_skipped is None:
@@ -160,6 +248,17 @@ class TrainStep:
                 f"training diverged: {self.skipped_in_row} steps in a row were skipped for a non-finite "
                 f"loss or gradient (run.max_skipped = {self.max_skipped}), the first at "
                 f"{_where(*self.first_skipped)}; {TRY}")
+        return False
+
+    def _agree_scaler(self, skipped: bool) -> None:
+        """fp16: the scaler's inf check for this step := the agreed flag (Step 4), on every rank, so
+        that ``scaler.update()`` backs off (or grows) the same scale everywhere even where a hook
+        left the non-finite values on one rank only (sparse exchanges). GradScaler keeps the checks
+        of ``unscale_`` per optimizer and device (``_per_optimizer_states``, torch 2.x); there is no
+        public setter."""
+        state = self.scaler._per_optimizer_states[id(self.optimizer)]
+        for found in state["found_inf_per_device"].values():
+            found.fill_(1.0 if skipped else 0.0)
 
     def check_parameters(self, where: str, buffers: bool = False) -> None:
         """FloatingPointError when any rank holds a non-finite parameter, or with ``buffers`` a
@@ -195,20 +294,34 @@ class TrainStep:
                 group["lr"] = lr
         x, y = batch()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        micro = self.micro_batches(x, y, global_batch)
+        self.optimizer.zero_grad(set_to_none=False)
         comm0 = self.timer.seconds if self.timer is not None else 0.0
         t1 = clock(self.device)
-        loss_sum = self.forward_loss(x, y)                                             # Step 2
-        if poison:
-            loss_sum = loss_sum * float("nan")
-        t2 = clock(self.device)
-        self.backward(loss_sum, global_batch)                                          # Step 3
+        forward_s = 0.0
+        loss_total = None
+        for i, (xm, ym) in enumerate(micro):
+            with self.exchange(sync=i == len(micro) - 1):
+                ta = clock(self.device) if i else t1
+                loss_sum = self.forward_loss(xm, ym)                                   # Step 2
+                if poison:
+                    loss_sum = loss_sum * float("nan")
+                tb = clock(self.device)
+                self.backward(loss_sum, global_batch)                                  # Step 3
+            forward_s += tb - ta
+            loss_total = loss_sum if loss_total is None else loss_total + loss_sum.detach()
+        if self.scaler is not None:  # the hook exchanged scaled gradients: unscale before Step 4
+            self.scaler.unscale_(self.optimizer)
         t3 = clock(self.device)
-        stats = self.agree(loss_sum, len(y))                                           # Step 4
+        stats = self.agree(loss_total, len(y))                                         # Step 4
         t4 = clock(self.device)
-        skipped = stats[2].item() > 0
-        self.apply(skipped, step, epoch)                                               # Step 5
+        flags = stats[2].item()
+        skipped = flags > 0
+        overflow = self.apply(skipped, step, epoch, overflow=0 < flags < LOSS_FLAG)   # Step 5
         t5 = clock(self.device)
         comm = (self.timer.seconds - comm0) if self.timer is not None else 0.0
         return StepResult(loss=stats[0].item() / stats[1].item(), samples=int(stats[1].item()),
-                          skipped=bool(skipped), data_s=t1 - t0, forward_s=t2 - t1, backward_s=t3 - t2,
-                          comm_s=comm, sync_s=t4 - t3, optimizer_s=t5 - t4)
+                          skipped=bool(skipped), data_s=t1 - t0, forward_s=forward_s,
+                          backward_s=t3 - t1 - forward_s,  # with fp16's unscale
+                          comm_s=comm, sync_s=t4 - t3, optimizer_s=t5 - t4, overflow=overflow,
+                          loss_scale=self.scaler.get_scale() if self.scaler is not None else None)

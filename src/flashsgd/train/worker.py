@@ -93,6 +93,8 @@ class Worker:
         self.optimizer.load_state_dict(shared["optimizer"])
         self.sampler.load_state_dict(shared["sampler"])
         self.hook_state.load_state_dict(local["hook"])
+        if self.step.scaler is not None and "scaler" in shared:  # fp16: the same scale on every rank
+            self.step.scaler.load_state_dict(shared["scaler"])
         if "rng" in local:
             ckpt.set_rng_state(local["rng"])
             self.aug.set_state(local["aug"])
@@ -154,6 +156,8 @@ class Worker:
         if self.rank == 0:
             shared = {"model": {**self.model.state_dict(), **avg}, "optimizer": self.optimizer.state_dict(),
                       "sampler": self.sampler.state_dict(), "progress": self.progress}
+            if self.step.scaler is not None:  # fp16's loss scale and growth tracker (agreed: shared)
+                shared["scaler"] = self.step.scaler.state_dict()
         try:
             ckpt.save(self.out / "checkpoints", self.progress["step"], shared, local,
                       keep=self.cfg.run.keep_checkpoints)
@@ -181,6 +185,8 @@ class Worker:
                         step=step, epoch=epoch, poison=poison)
         if res.skipped:
             self.progress["skipped"] += 1
+            if res.overflow:  # fp16: the loss scaler's back-off (also counted in "skipped")
+                self.progress["overflow_skipped"] = self.progress.get("overflow_skipped", 0) + 1
         self.progress["step"] = step + 1
         self.progress["elapsed_s"] = time.perf_counter() - self.t_start
         local = len(idx)
@@ -189,7 +195,9 @@ class Worker:
                           local_batch=local, images_per_s=sizes[i] / res.total_s, t_step_s=res.total_s,
                           t_data_s=res.data_s, t_forward_s=res.forward_s, t_backward_s=res.backward_s,
                           t_comm_s=res.comm_s, t_sync_s=res.sync_s, t_optimizer_s=res.optimizer_s,
-                          skipped=res.skipped)
+                          skipped=res.skipped,
+                          **({"loss_scale": res.loss_scale, "overflow": res.overflow}
+                             if res.loss_scale is not None else {}))
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(epoch=epoch, loss=f"{res.loss:.3f}", lr=f"{lr:.3g}", refresh=False)
