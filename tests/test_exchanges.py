@@ -68,7 +68,6 @@ def test_unknown_and_bad_options_name_what_is_valid():
             gtopk.make_options(**bad)
     with pytest.raises(ValueError, match="node_split must be one of leader, slices, sparse"):
         X.EXCHANGES["hgtopk"].make_options(node_split="ring")
-    assert X.EXCHANGES["torus2d"].changed(X.DenseOptions(grid="2x2")) == {"grid": "2x2"}
 
 
 def test_coverage_and_wire_rules():

@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.sparse import (DensitySchedule, SelectionWorkspace, _message_len, _pack, _unpack,
+from flashsgd.comm.sparse import (SelectionWorkspace, _message_len, _pack, _unpack,
                                   density_at, gtopk_allreduce, gtopk_bytes_sent, gtopk_reference,
                                   k_from_density, merge_topk, message_bytes, topk_allgather,
                                   topk_exact, topk_sampled, validate_density, wire_index_dtype)
+from flashsgd.exchanges import SparseOptions
 
 # ------------------------------------------------------------------------- single process -------
 
@@ -31,18 +32,18 @@ def test_density_validation_and_k():
 
 
 def test_density_schedule_golden():
-    s = DensitySchedule(0.001, density_warmup=0.25, density_warmup_steps=4)
-    got = [s(t) for t in range(6)]
+    s = SparseOptions(density=0.001, density_warmup=0.25, density_warmup_steps=4)
+    got = [s.density_at(t) for t in range(6)]
     want = [0.25, 0.25 * 0.004 ** 0.25, 0.25 * 0.004 ** 0.5, 0.25 * 0.004 ** 0.75, 0.001, 0.001]
     assert got == pytest.approx(want, rel=1e-12)
     assert density_at(1, 0.01, 0.21, 2, density_warmup_mode="linear") == pytest.approx(0.11)
-    assert DensitySchedule(0.01)(0) == 0.01
+    assert SparseOptions(density=0.01).density_at(0) == 0.01
     with pytest.raises(ValueError, match="density_warmup"):
-        DensitySchedule(0.01, density_warmup=2.0)
+        SparseOptions(density=0.01, density_warmup=2.0)
     with pytest.raises(ValueError, match="density_warmup_steps"):
-        DensitySchedule(0.01, density_warmup=0.2, density_warmup_steps=-1)
+        SparseOptions(density=0.01, density_warmup=0.2, density_warmup_steps=-1)
     with pytest.raises(ValueError, match="density_warmup_mode must be one of exponential, linear, got 'cosine'"):
-        DensitySchedule(0.01, density_warmup_mode="cosine")
+        SparseOptions(density=0.01, density_warmup_mode="cosine")
 
 
 def test_selection_bad_inputs():

@@ -313,11 +313,6 @@ class Exchange:
         as the trainer, that hold one set of settings for every exchange)."""
         return self.options(**{k: v for k, v in offered.items() if k in self.option_names()})
 
-    def changed(self, options: Any) -> dict[str, Any]:
-        """The options that differ from their defaults (what a banner or a record needs)."""
-        base = self.defaults()
-        return {k: v for k, v in dataclasses.asdict(options).items() if base[k] != v}
-
 
 EXCHANGES: Registry[Exchange] = Registry("exchange")
 for _e in (

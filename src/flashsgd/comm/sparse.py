@@ -57,7 +57,7 @@ from flashsgd.comm.waits import gather_from_peers, global_rank, wait_peer
 
 # selection and density live in sparse_select; re-exported here (one import site for callers)
 from flashsgd.comm.sparse_select import (DEFAULT_DENSITY, SELECTIONS,  # noqa: F401
-                                         DensitySchedule, SelectionWorkspace, density_at,
+                                         SelectionWorkspace, density_at,
                                          k_from_density, topk_exact, topk_sampled,
                                          validate_density)
 

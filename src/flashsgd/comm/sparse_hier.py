@@ -49,10 +49,6 @@ from flashsgd.comm.waits import wait_collective
 from flashsgd.exchanges import NODE_SPLITS
 
 Select = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-SPLITS = NODE_SPLITS
-"""How a node combines its ranks' gradients before the cross-node gTop-k: a dense reduce to one
-leader, a dense reduce-scatter into R slices, or a sparse gTop-k merge inside the node (the
-catalog's :data:`flashsgd.exchanges.NODE_SPLITS`)."""
 
 
 def check_node_layout(ranks_per_node: int, world_size: int) -> int:
@@ -131,8 +127,8 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
                          f"and {tuple(out.shape)}")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
         raise ValueError(f"k must be an integer in [1, numel={n}], got {k!r}")
-    if split not in SPLITS:
-        raise ValueError(f"hgtopk: split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if split not in NODE_SPLITS:
+        raise ValueError(f"hgtopk: split must be one of {', '.join(NODE_SPLITS)}, got {split!r}")
     timeout_s = topology.timeout_s if timeout_s is None else check_timeout_s(timeout_s)
     if split == "slices":
         return hgtopk_slices_allreduce(acc, k, topology, out=out, select=select, check=check,

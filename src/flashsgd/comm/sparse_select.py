@@ -10,7 +10,8 @@ largest |entries| of its error-fed gradient, with a denser warm-up in the first 
 - :func:`topk_threshold`: the exact top-k (ties to the lower index) from block maxima (one
   read-only pass over x) and a threshold kept across iterations (:class:`ThresholdReuse`, after
   Ok-Topk, Li & Hoefler PPoPP'22).
-- :func:`density_at` / :class:`DensitySchedule`: fixed density, or warm-up from a denser start.
+- :func:`density_at` (the catalog's, :mod:`flashsgd.exchanges`): fixed density, or warm-up from a
+  denser start.
 
 Example::
 
@@ -24,7 +25,6 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -41,28 +41,6 @@ def k_from_density(numel: int, density: float) -> int:
     # ceil of a product that is an integer up to rounding (0.001 * 25_557_032 = 25557.032): round
     # to 9 digits first so 0.01 * 1000 gives 10, not 11.
     return max(1, min(numel, math.ceil(round(validate_density(density) * numel, 9))))
-
-
-@dataclass(frozen=True)
-class DensitySchedule:
-    """A fixed density, optionally after a denser warm-up (see :func:`density_at`); a callable
-    ``schedule(step) -> density`` for code that holds no :class:`~flashsgd.exchanges.SparseOptions`."""
-
-    density: float = DEFAULT_DENSITY
-    density_warmup: float | None = None
-    density_warmup_steps: int = 0
-    density_warmup_mode: str = "exponential"
-
-    def __post_init__(self) -> None:
-        from flashsgd.exchanges import SparseOptions
-
-        SparseOptions(density=self.density, density_warmup=self.density_warmup,
-                      density_warmup_steps=self.density_warmup_steps,
-                      density_warmup_mode=self.density_warmup_mode)  # one set of checks
-
-    def __call__(self, step: int) -> float:
-        return density_at(step, self.density, self.density_warmup, self.density_warmup_steps,
-                          self.density_warmup_mode)
 
 
 # --------------------------------------------------------------------------- selection ----------

@@ -36,9 +36,8 @@ from flashsgd.comm.hook_common import CommThread, check_owner, mean_tensors, ran
 from flashsgd.comm.sparse_corrections import layer_norms
 from flashsgd.comm.sparse_select import SelectionWorkspace, ThresholdReuse
 from flashsgd.comm.topology import default_timeout_s, get_topology
-from flashsgd.exchanges import SparseOptions
+from flashsgd.exchanges import HierSparseOptions, SparseOptions
 
-_NO_NODES = object()
 
 
 class SparseHookState:
@@ -205,9 +204,8 @@ class SparseHookState:
         module = getattr(ddp_model, "module", ddp_model)
         self.param_positions = {id(p): i for i, p in enumerate(module.parameters())}
         self.process_group = getattr(ddp_model, "process_group", None)
-        ranks_per_node = getattr(self.options, "ranks_per_node", _NO_NODES)
-        if ranks_per_node is not _NO_NODES:
-            self.topology = get_topology(ranks_per_node, timeout_s=self.options.timeout_s)
+        if isinstance(self.options, HierSparseOptions):
+            self.topology = get_topology(self.options.ranks_per_node, timeout_s=self.options.timeout_s)
         return self
 
     def residual(self, bucket: dist.GradBucket) -> torch.Tensor:

@@ -169,9 +169,10 @@ class RunPlan:
 
 
 def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
-                  steps_per_epoch: int) -> tuple[dict[str, Any], Recipe]:
-    """Step 4: the options of ``cfg.comm`` that exchange ``cfg.comm.algorithm`` takes (checked by
-    its options class, :mod:`flashsgd.exchanges`), and the recipe the optimizer runs (without
+                  steps_per_epoch: int) -> tuple[dict[str, Any], Any, Recipe]:
+    """Step 4: the options of ``cfg.comm`` that exchange ``cfg.comm.algorithm`` takes, as shown
+    (the switches only when not at their default) and as its checked options object
+    (:mod:`flashsgd.exchanges`; None for ``auto``), and the recipe the optimizer runs (without
     momentum when the hook applies it: DGC's momentum correction moves the momentum into the
     compressor, Lin et al. 2018)."""
     c = cfg.comm
@@ -179,7 +180,7 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
         if c.momentum_correction:
             raise ValueError("config key comm.momentum_correction: --comm auto chooses the algorithm "
                              "itself; name a sparse algorithm (topk, gtopk, hgtopk) to use it")
-        return {}, recipe
+        return {}, None, recipe
     exchange = EXCHANGES[c.algorithm]
     offered: dict[str, Any] = {"ranks_per_node": ranks_per_node, "grid": c.grid, "density": c.density,
                                "selection": c.selection, "seed": cfg.run.seed,
@@ -198,13 +199,13 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
         offered.update(momentum_correction=recipe.momentum, nesterov=recipe.nesterov)
         recipe = dataclasses.replace(recipe, momentum=0.0, nesterov=False)
     try:
-        exchange.options_from(**offered)  # every value checked by the exchange's options class
+        options = exchange.options_from(**offered)  # every value checked by the options class
     except ValueError as exc:
         raise ValueError(f"config section [comm] for {c.algorithm!r}: {exc}") from None
     defaults = exchange.defaults()
     # the switches are left out where they equal the hook's own default: the banner stays short
     return {k: v for k, v in offered.items()
-            if k in defaults and (k not in SWITCHES or defaults[k] != v)}, recipe
+            if k in defaults and (k not in SWITCHES or defaults[k] != v)}, options, recipe
 
 
 def check_auto_cluster(spec: str, world: int, ranks_per_node: int | None) -> None:
@@ -342,11 +343,10 @@ def _derive_comm(cfg: TrainConfig, recipe: Recipe, world: int, rpn: int | None, 
             grid = parse_grid(cfg.comm.grid, world, default_x=rpn)
         except ValueError as exc:
             raise ValueError(f"config key comm.grid: {exc}") from None
-    options, recipe = _hook_options(cfg, recipe, rpn, first_epoch_steps)
+    options, checked, recipe = _hook_options(cfg, recipe, rpn, first_epoch_steps)
     try:
-        warnings = [] if cfg.comm.algorithm == "auto" else check_sparse_run(
-            cfg.comm.algorithm, EXCHANGES[cfg.comm.algorithm].make_options(**options), total_steps,
-            recipe.momentum)
+        warnings = [] if checked is None else check_sparse_run(cfg.comm.algorithm, checked, total_steps,
+                                                               recipe.momentum)
     except ValueError as exc:
         raise ValueError(f"config keys comm.density_warmup_epochs / comm.momentum_correction: {exc}") from None
     return grid, options, recipe, warnings
