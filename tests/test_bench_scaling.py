@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -230,3 +231,16 @@ def test_auto_verdict_compares_the_choice_with_the_best_measured_hook():
             {"comm": "topk", "nodes": 4, "ranks_per_node": 2, "skipped": "no"}]
     (v,) = auto_verdicts(rows)
     assert v["best_comm"] == "gtopk" and v["ratio"] == pytest.approx(1.05) and v["chosen"] == chosen["label"]
+
+
+def test_calibrate_on_every_shape_says_no_validation_rows_not_nan(tmp_path, capsys):
+    """Every multi-rank shape calibrates: the validation error is of no rows, said in words."""
+    from flashsgd.sim.scaling_cli import run_calibration
+
+    path = tmp_path / "scaling.json"
+    path.write_text(json.dumps({"meta": {"density": 0.001, "matrices": MATRICES}, "rows": _rows_from_model(TRUE)}))
+    report = run_calibration([str(path)], "2x1,4x1,8x1,4x2", None)
+    out = capsys.readouterr().out
+    assert math.isnan(report["max_error"]["validation"])
+    assert "validation rows none (no modelled row outside the calibration shapes)" in out
+    assert "nan" not in out

@@ -136,7 +136,7 @@ def test_run_checks_conflicts_and_step_count_bound():
         pytest.approx(0.01 ** 0.5 + 0.01 ** 0.75 + 8 * 0.01)  # steps 2, 3 of the warm-up, then 8 at 0.01
     (warning,) = check_sparse_run("gtopk", SparseOptions(density=0.001), 1002)
     # coverage = (steps - start_iter) x density >= 20 needs 20000 sparse steps after the 2 dense ones
-    assert "at most 1.0 times" in warning and f">= {int(MIN_COVERAGE / 0.001) + 2} steps" in warning
+    assert "at most 1 time (" in warning and f">= {int(MIN_COVERAGE / 0.001) + 2} steps" in warning
     assert check_sparse_run("topk", SparseOptions(density=0.001), 1002) == [warning.replace("gtopk", "topk")]
     assert check_sparse_run("gtopk", SparseOptions(density=0.1), 1002) == []
     # a hook that owns the momentum refuses an optimizer with momentum

@@ -88,6 +88,35 @@ def test_annotation_of_sparse_rows():
     assert names == ["dense", "gtopk@0.001"]  # a sparse exchange (density < 1) is named with its density
 
 
+def test_table_sizes_are_binary():
+    """``bench allreduce --sizes 1M,10M`` sends 2**20 and 10 * 2**20 bytes: the table says 1 and 10 MiB
+    (not 1.05 and 10.49 MB)."""
+    doc = {"meta": {"world": 4}, "results": [
+        {"algorithm": "ring", "size_bytes": 2 ** 20, "time_us": 1e4},
+        {"algorithm": "ring", "size_bytes": 10 * 2 ** 20, "time_us": 1e5}]}
+    lines = format_table(annotate(doc, nodes=2, rate_bps=1e9)).splitlines()
+    assert lines[0].split()[1] == "size_MiB"
+    assert [line.split()[1] for line in lines[1:]] == ["1", "10"]
+
+
+def test_probe_sizes_are_mib():
+    from flashsgd.emulate import probe
+
+    assert probe.sizes_bytes("1,10") == [2 ** 20, 10 * 2 ** 20]
+    assert "MiB" in probe.build_parser().format_help()
+    assert "MiB" in _emulate_help()
+
+
+def _emulate_help() -> str:
+    import argparse
+
+    from flashsgd.bench import emulate
+
+    parser = argparse.ArgumentParser()
+    emulate.add_arguments(parser)
+    return parser.format_help()
+
+
 def test_unavailable_is_reported(monkeypatch, capsys):
     from flashsgd.bench import emulate
 
@@ -141,7 +170,7 @@ def test_emulated_2x2_allreduce_rate_and_teardown(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["meta"]["world"] == 4 and doc["meta"]["emulated"]["nodes"] == 2
     rows = doc["results"]
-    assert [r["size_bytes"] for r in rows] == [10**6, 4 * 10**6]
+    assert [r["size_bytes"] for r in rows] == [2**20, 4 * 2**20]  # --sizes-mb is MiB
     assert all(r["correct"] for r in rows)  # every rank held W(W+1)/2 = 10 after each all-reduce
     big = rows[-1]
     # both nodes' links carried traffic, and no more than the cap allows (tbf burst: 128 KiB slack)

@@ -55,13 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--subnet", default="10.213.0.0/24", help="private /24 for the namespaces")
     add_output(parser, "--json", default=None, help="write the annotated results here")
     parser.add_argument("--probe-mb", type=float, default=8.0,
-                        help="message size (MB) of the link-byte probe; 0 disables the probe")
+                        help="message size (MiB, 2**20 bytes) of the link-byte probe; 0 disables the probe")
     parser.add_argument("--probe-comm", default=None, metavar="NAME[,NAME...]",
                         help=f"all-reduce algorithms of the probe, comma-separated, from "
                              f"{', '.join(ALLREDUCE.names())} (default: those in the results, or "
                              "'native' without a benchmark)")
     parser.add_argument("--sizes-mb", default="1,10",
-                        help="sizes of the built-in probe benchmark when no benchmark is given")
+                        help="sizes (MiB, comma-separated) of the built-in probe benchmark when no "
+                             "benchmark is given")
     parser.add_argument("--timeout-s", type=float, default=900.0,
                         help="deadline per launch, seconds (default 900)")
     parser.add_argument("--logs", default=None,

@@ -28,6 +28,7 @@ import torch
 
 from flashsgd.comm.sparse_corrections import check_momentum_owner
 from flashsgd.exchanges import EXCHANGES, MIN_COVERAGE, SparseOptions, coverage, steps_for_coverage
+from flashsgd.fmt import plural
 
 
 def check_sparse_run(algorithm: str, options: Any, total_steps: int,
@@ -44,16 +45,17 @@ def check_sparse_run(algorithm: str, options: Any, total_steps: int,
     assert isinstance(options, SparseOptions)
     warm = options.density_warmup_steps
     if options.density_warmup is not None and warm > total_steps:
-        raise ValueError(f"the density warm-up lasts {warm} steps, longer than the run ({total_steps} "
-                         f"steps): shorten comm.density_warmup_epochs or train longer")
+        raise ValueError(f"the density warm-up lasts {plural(warm, 'step')}, longer than the run "
+                         f"({plural(total_steps, 'step')}): shorten comm.density_warmup_epochs or train longer")
     check_momentum_owner(options.momentum_correction, optimizer_momentum)
     cover = coverage(total_steps, options)
     if cover >= MIN_COVERAGE:
         return []
-    return [f"{algorithm} at density {options.density:g} over {total_steps} steps can send each gradient "
-            f"entry at most {cover:.1f} times (density x steps; step-count bound): expect a loss of "
-            f"accuracy against dense (docs/sparse_accuracy.md); for >= {MIN_COVERAGE:g} use "
-            f">= {steps_for_coverage(options)} steps, a higher density or a denser warm-up"]
+    return [f"{algorithm} at density {options.density:g} over {plural(total_steps, 'step')} can send each "
+            f"gradient entry at most {plural(cover, 'time', than=MIN_COVERAGE)} (density x steps; "
+            f"step-count bound): expect a loss of accuracy against dense (docs/sparse_accuracy.md); "
+            f"for >= {MIN_COVERAGE:g} use >= {plural(steps_for_coverage(options), 'step')}, a higher "
+            f"density or a denser warm-up"]
 
 
 def check_optimizer_momentum(hook_state: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The probe's options (``--comm`` as in every ``flashsgd bench``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_comm_flag(p, "native", "all-reduce algorithms to probe", known=ALLREDUCE.names())
-    p.add_argument("--sizes-mb", default="8", help="comma-separated message sizes in MB (1e6 bytes)")
+    p.add_argument("--sizes-mb", default="8",
+                   help="comma-separated message sizes in MiB (2**20 bytes, DDP's bucket_cap_mb unit)")
     p.add_argument("--ifname", default=os.environ.get("GLOO_SOCKET_IFNAME", "veth0"))
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=1)
@@ -133,10 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def sizes_bytes(sizes_mib: str) -> list[int]:
+    """``--sizes-mb`` (MiB, comma-separated) in bytes: ``"1,10"`` -> [1048576, 10485760]."""
+    return [int(float(s) * 2 ** 20) for s in sizes_mib.split(",") if s.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     algorithms = comm_list(args.comm, ALLREDUCE.names())
-    sizes = [int(float(s) * 1e6) for s in args.sizes_mb.split(",") if s.strip()]
+    sizes = sizes_bytes(args.sizes_mb)
     init_from_env("gloo")
     try:
         doc = probe(algorithms, sizes, args.ifname, args.warmup, args.reps)

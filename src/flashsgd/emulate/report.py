@@ -32,6 +32,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from flashsgd.fmt import mib, number
+
 def bound_s(size_bytes: float, nodes: int, rate_bps: float) -> float:
     """Minimum all-reduce time over ``nodes`` nodes with ``rate_bps`` links: 2(N-1)/N * S / B."""
     if nodes < 1 or rate_bps <= 0:
@@ -110,8 +112,9 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def format_table(doc: dict) -> str:
-    """nccl-tests-like columns plus the bound, the fraction of it, and link usage."""
-    head = (f"{'algorithm':>12} {'size_MB':>9} {'time_ms':>10} {'algbw_GB/s':>10} {'busbw_GB/s':>10} "
+    """nccl-tests-like columns plus the bound, the fraction of it, and link usage (sizes in MiB,
+    2**20 bytes, as ``bench allreduce --sizes 1M``; rates in GB/s and Gbit/s, 1e9, as nccl-tests)."""
+    head = (f"{'algorithm':>12} {'size_MiB':>9} {'time_ms':>10} {'algbw_GB/s':>10} {'busbw_GB/s':>10} "
             f"{'bound_ms':>9} {'of_bound':>8} {'link_B/B':>8} {'node_Gb/s':>9} {'link_Gb/s':>9} {'util':>5}")
     lines = [head]
     for row in doc.get("results", []):
@@ -122,7 +125,7 @@ def format_table(doc: dict) -> str:
         sparse = row.get("density", 1.0) < 1.0  # a sparse exchange is named with its density
         name = row["algorithm"] + (f"@{row['density']:g}" if sparse else "")
         lines.append(
-            f"{name:>12} {size / 1e6:9.2f} {t * 1e3:10.2f} "
+            f"{name:>12} {number(mib(size)):>9} {t * 1e3:10.2f} "
             f"{_fmt(row.get('algbw_gbps'), '10.4f')} {_fmt(row.get('busbw_gbps'), '10.4f')} "
             f"{row['emu_bound_us'] / 1e3:9.2f} "
             f"{_fmt(row['emu_frac_of_bound'], '8.3f')} {_fmt(per_byte, '8.3f')} "

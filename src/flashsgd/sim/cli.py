@@ -21,7 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from flashsgd.comm.topology import parse_grid
-from flashsgd.exchanges import DEFAULT_DENSITY, NODE_SPLITS, WIRE_INDEX_BYTES, option_default
+from flashsgd.exchanges import DEFAULT_DENSITY, INT32_NUMEL, NODE_SPLITS, WIRE_INDEX_BYTES, option_default
+from flashsgd.fmt import percent, size
 from flashsgd.outputs import add_output
 from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.engine import SimConfig, SimResult, simulate, sweep
@@ -87,9 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matrix-approximation-rank", type=int, default=option_default("matrix_approximation_rank"),
                    help="powersgd's rank (default %(default)s)")
     p.add_argument("--index-bytes", type=int, choices=(4, 8), default=WIRE_INDEX_BYTES,
-                   help="sparse bytes per index: 4 (int32, the default: what flashsgd's comm/sparse.py "
-                        "sends for buckets under 2**31 elements, and the papers) or 8 (int64, its "
-                        "format for larger buckets)")
+                   help=f"sparse bytes per index on the wire (default {WIRE_INDEX_BYTES}: what flashsgd's "
+                        f"comm/sparse.py sends for buckets under {INT32_NUMEL:,} elements); 4: int32, as "
+                        f"in the papers; 8: int64, comm/sparse.py's format for larger buckets")
     add_output(p, "--json", metavar="PATH", help="write inputs and results as JSON")
     add_output(p, "--out", "dir", metavar="DIR",
                    help="with --sweep-gpus: write the scaling-efficiency plot as DIR/sim_sweep.png")
@@ -159,8 +160,8 @@ def _validate(bench, mode: str) -> dict:
     v = validate(bench, mode)
     print(f"validation ({mode} fit on sizes {[int(s) for s in v.fit_sizes]}; predicting the others):")
     _print_errors(v.rows)
-    print(f"max |error| for messages >= 1 MiB: {v.max_error(1 << 20):.1%} (target 25%); "
-          f"all sizes: {v.max_error():.1%}")
+    print(f"max |error| for messages >= 1 MiB: {percent(v.max_error(1 << 20), than=0.25, missing='none')} "
+          f"(target 25%); all sizes: {percent(v.max_error(), missing='none')}")
     return {"mode": mode, "fit_sizes": v.fit_sizes, "rows": v.rows,
             "max_error_ge_1MB": v.max_error(1 << 20), "max_error": v.max_error()}
 
@@ -181,14 +182,15 @@ def _predict_file(path: str, params: dict, statistic: str, calib) -> dict:
     _print_errors(rows)
     big = [abs(r["rel_error"]) for r in rows if r["size_bytes"] >= 1 << 20]
     worst = max(big) if big else float("nan")
-    print(f"max |error| for messages >= 1 MiB: {worst:.1%} (target 25%)")
+    print(f"max |error| for messages >= 1 MiB: {percent(worst, than=0.25, missing='none (no message that large)')} "
+          f"(target 25%)")
     return {"path": path, "rows": rows, "max_error_ge_1MB": worst}
 
 
 def _print_breakdown(r: SimResult) -> None:
     ms = 1e3
     print(f"algorithm {r.algorithm}, {r.gpus} GPUs, {r.buckets} buckets "
-          f"(largest {r.bucket_bytes_max / 2 ** 20:.1f} MiB)")
+          f"(largest {size(r.bucket_bytes_max)})")
     print(f"  iteration        {r.iteration_s * ms:9.2f} ms")
     print(f"  compute          {r.compute_s * ms:9.2f} ms  (forward + backward + update, one GPU)")
     print(f"  communication    {r.comm_s * ms:9.2f} ms  (latency {r.latency_s * ms:.2f}, bandwidth "
@@ -288,9 +290,9 @@ def run(args: argparse.Namespace) -> int:
                      grid=_grid(args.grid, args.sweep_gpus or [args.gpus]), density=args.density,
                      index_bytes=args.index_bytes, node_split=args.node_split,
                      matrix_approximation_rank=args.matrix_approximation_rank)
-    grad_mib = workload.num_params * (2 if args.precision == "fp16" else 4) / 2 ** 20
+    grad_bytes = workload.num_params * (2 if args.precision == "fp16" else 4)
     print(f"{cluster.describe()}\nworkload {workload.name}: {workload.num_tensors} tensors, "
-          f"{workload.num_params:,} params, {grad_mib:.1f} MiB of {args.precision} gradients; "
+          f"{workload.num_params:,} params, {size(grad_bytes)} of {args.precision} gradients; "
           f"{ips:g} images/s/GPU at batch {args.batch_per_gpu}")
     report["inputs"] = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     report["workload"] = {"name": workload.name, "tensors": workload.num_tensors,

@@ -52,6 +52,7 @@ from typing import Literal
 
 from flashsgd.exchanges import (DEFAULT_DENSITY, DENSE_ITERATIONS, EXCHANGES, MIN_COVERAGE, NODE_SPLITS,
                                 WIRE_INDEX_BYTES, SparseOptions, coverage, names)
+from flashsgd.fmt import plural
 from flashsgd.sim.engine import SimConfig, SimResult, simulate
 from flashsgd.sim.network import ClusterModel
 from flashsgd.sim.workload import Workload
@@ -240,7 +241,8 @@ def coverage_note(c: Candidate, steps: int | None) -> str:
     if c.algorithm in LOWRANK:
         return (f"rank {c.matrix_approximation_rank} >= {POWERSGD_MIN_RANK} over {steps} >= "
                 f"{POWERSGD_MIN_STEPS} steps")
-    return (f"each entry can be sent {coverage_without_warmup(steps, c.density):.0f} times over {steps} steps even "
+    cover = plural(coverage_without_warmup(steps, c.density), "time", than=MIN_COVERAGE)
+    return (f"each entry can be sent {cover} over {plural(steps, 'step')} even "
             f"without a warm-up (>= {MIN_COVERAGE:g}), run {warmup_note()}")
 
 
@@ -257,8 +259,8 @@ def accuracy_rule(c: Candidate, steps: int | None, risk: Risk) -> str | None:
         return None
     cover = coverage_without_warmup(steps, c.density)
     if cover < MIN_COVERAGE:
-        return (f"each entry could be sent only {cover:.2f} times over {steps} steps (< "
-                f"{MIN_COVERAGE:g}: step-count bound)")
+        return (f"each entry could be sent only {plural(cover, 'time', than=MIN_COVERAGE)} over "
+                f"{plural(steps, 'step')} (< {MIN_COVERAGE:g}: step-count bound)")
     return None
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flashsgd.fmt import percent, plural
 from flashsgd.sim import scaling as sim
 
 
@@ -53,13 +54,14 @@ def run_calibration(files: list[str], shapes_text: str | None, json_path: str | 
     shapes = parse_shapes(shapes_text) or sim.default_calibration_shapes(docs[0].rows)  # Step 2
     f = sim.fit(rows, shapes, density)                                               # Step 3
     preds = sim.predict(f, rows)
-    print(f"calibrated on {len(f.calibration)} rows at shapes "
+    print(f"calibrated on {plural(len(f.calibration), 'row')} at shapes "
           f"{', '.join(f'{n}x{r}' for n, r in shapes)} of {', '.join(files)}; parameters:")
     print(f.describe())
     print_predictions(preds)
     worst = {role: sim.max_error(preds, role) for role in ("calibration", "validation")}
-    print(f"max |step error|: calibration rows {worst['calibration']:.1%}, validation rows "
-          f"{worst['validation']:.1%} (target 25%)")
+    none = "none (no modelled row outside the calibration shapes)"
+    print(f"max |step error|: calibration rows {percent(worst['calibration'], missing='none')}, "
+          f"validation rows {percent(worst['validation'], than=0.25, missing=none)} (target 25%)")
     report = {"files": files, "calibration_shapes": [list(s) for s in shapes], "params": f.params,
               "predictions": preds, "max_error": worst}
     if json_path:
