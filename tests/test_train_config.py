@@ -11,7 +11,8 @@ from flashsgd.cli import build_parser
 from flashsgd.train import checkpoint as ckpt
 from flashsgd.train import config as C
 from flashsgd.train.cli import parse_config
-from flashsgd.train.data import ShardedSampler, build_datasets, center_crop, random_resized_crop
+from flashsgd.train.data import ShardedSampler, build_datasets
+from flashsgd.train.images import center_crop, random_resized_crop
 from flashsgd.train.models import MODELS, build_model
 
 
@@ -161,7 +162,7 @@ def test_synthetic_and_imagefolder(tmp_path):
     d = build_datasets("imagefolder", data_dir=str(tmp_path), image_size=24)
     assert d.num_classes == 2 and len(d.train) + len(d.test) == 6
     g = torch.Generator().manual_seed(0)
-    x, y = d.train.batch(torch.arange(len(d.train)), g, train=True)
+    x, y = d.train.batch(torch.arange(len(d.train)), train=True, key=3)
     assert x.shape == (len(d.train), 3, 24, 24) and x.abs().max() < 3.0
     img = torch.arange(3 * 30 * 40, dtype=torch.float32).view(3, 30, 40)
     assert random_resized_crop(img, 16, g).shape == (3, 16, 16)

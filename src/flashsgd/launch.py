@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from flashsgd.launch_failures import RankOutcome, WorkerError, attribute, describe_exception
 
-__all__ = ["Interrupted", "WorkerError", "default_backend", "init_from_env", "run", "shutdown",
+__all__ = ["Interrupted", "WorkerError", "default_backend", "init_from_env", "local_ranks", "run", "shutdown",
            "spawn", "under_torchrun"]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -86,6 +86,39 @@ def under_torchrun() -> bool:
 def default_backend() -> str:
     """NCCL when CUDA is available, Gloo otherwise (the engine is torch.distributed)."""
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+CPU_WORKERS = 4
+"""Local ranks of a CPU run when ``run.workers`` is unset (emulated 2x2: two nodes of two ranks)."""
+
+
+def local_ranks(workers: int | None, backend: str = "auto",
+                gpus: int | None = None) -> tuple[int, str, str]:
+    """(ranks, backend, note) of a run spawned on this machine.
+
+    ``backend="auto"``: with CUDA (and a torch built with NCCL) one rank per visible GPU over NCCL
+    (``workers`` unset), or ``workers`` ranks when they fit on the GPUs (NCCL cannot put two ranks
+    on one GPU); more workers than GPUs run over Gloo on the CPU, with a note saying so. Without
+    CUDA: Gloo, ``workers`` or :data:`CPU_WORKERS` ranks. ``"nccl"``: ``workers`` (default: every
+    GPU) must not exceed the GPUs (ValueError otherwise); ``"gloo"``: CPU ranks. ``gpus``: the
+    visible GPUs (default: ``torch.cuda.device_count()`` when NCCL is usable, else 0).
+    """
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() and dist.is_nccl_available() else 0
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be auto, gloo or nccl, got {backend!r}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if backend == "gloo" or (backend == "auto" and not gpus):
+        return workers or CPU_WORKERS, "gloo", ""
+    if workers is None or workers <= gpus:
+        return workers or gpus, "nccl", ""
+    if backend == "nccl":
+        raise ValueError(f"config key run.workers={workers} with run.backend='nccl' needs one GPU per "
+                         f"rank and this machine has {gpus}; valid: run.workers <= {gpus}, or "
+                         "run.backend = gloo (CPU ranks)")
+    return workers, "gloo", (f"{workers} workers on {gpus} GPU(s): NCCL needs one GPU per rank, so the "
+                             f"ranks train on the CPU over Gloo (--workers {gpus} trains on the GPUs)")
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> str:
@@ -362,7 +395,9 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
         start_method = "fork" if fork_ok else "spawn"
     ctx = mp.get_context(start_method)
     results, ports = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_worker, daemon=True,
+    # Not daemonic: a rank starts processes of its own (DataLoader workers); the launcher joins or
+    # kills every rank itself (_reap below), and a rank dies with the launcher (_exit_with_parent).
+    procs = [ctx.Process(target=_worker, daemon=False,
                          args=(r, world_size, ports, backend, fn, tuple(args), dict(env or {}),
                                results, timeout_s, os.getpid()))
              for r in range(world_size)]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from flashsgd.train.loader import augmentation_key
 from flashsgd.train.step import PRECISIONS
 
 
@@ -45,7 +46,6 @@ class PlainLoop:
         self.sampler = ShardedSampler(plan.num_train, rank, world, cfg.run.seed)
         self.sampler.set_epoch(0, plan.batch_at(0))
         self.batches, self.n = iter(self.sampler), len(self.sampler.global_sizes())
-        self.aug = torch.Generator().manual_seed(cfg.run.seed * 7919 + rank)
         self.i = 0
 
     def step(self) -> None:
@@ -53,7 +53,7 @@ class PlainLoop:
         for group in self.optimizer.param_groups:
             group["lr"] = self.plan.lr_at((self.i % self.n) / self.n)
         idx = next(self.batches)
-        x, y = self.data.train.batch(idx, self.aug, train=True)
+        x, y = self.data.train.batch(idx, True, augmentation_key(self.plan.config.run.seed, 0))
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
             loss = self.loss_fn(self.ddp(x), y)

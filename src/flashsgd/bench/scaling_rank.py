@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from flashsgd import launch
 from flashsgd.comm.sparse_hooks import ALGORITHMS as SPARSE_HOOKS
+from flashsgd.train.loader import augmentation_key
 
 
 def run_config(spec: dict, comm: str, world: int) -> dict:
@@ -78,7 +79,6 @@ class Trainer:
         self.sampler.set_epoch(0, plan.batch_at(0))
         self.batches = iter(self.sampler)
         self.sizes = self.sampler.global_sizes()
-        self.aug = torch.Generator().manual_seed(cfg.run.seed * 7919 + self.rank)
         self.step_no = 0
         self.splits: list[dict[str, float]] = []
 
@@ -87,7 +87,8 @@ class Trainer:
         seconds and the loss."""
         i = self.step_no % len(self.sizes)
         idx = next(self.batches)
-        res = self.train_step(lambda: self.data.train.batch(idx, self.aug, train=True), self.sizes[i],
+        key = augmentation_key(self.plan.config.run.seed, 0)
+        res = self.train_step(lambda: self.data.train.batch(idx, True, key), self.sizes[i],
                               lr=self.plan.lr_at(i / len(self.sizes)), step=self.step_no)
         self.step_no += 1
         t = res.times()

@@ -252,7 +252,7 @@ def _write_record(out: Path, record: dict) -> None:
 def probe_batch(plan, data, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """One local batch of the first epoch, from its own augmentation stream (the run's is untouched)."""
     local = max(1, plan.batch_at(0) // plan.world)
-    x, y = data.train.batch(torch.arange(local), torch.Generator().manual_seed(0), train=True)
+    x, y = data.train.batch(torch.arange(local), True, key=-1)
     return x.to(device), y.to(device)
 
 

@@ -1,6 +1,7 @@
 """`flashsgd train`: large-batch data-parallel training, from one laptop to a cluster.
 
-With no arguments: 4 local Gloo workers (no torchrun needed) train the small 1D CNN on MNIST-1D
+With no arguments: 4 local Gloo workers on the CPU (one NCCL rank per GPU where CUDA is available;
+no torchrun needed) train the small 1D CNN on MNIST-1D
 (generated locally) with the fujitsu recipe (LARS, warmup, poly decay; its MNIST-1D-tuned variant)
 at global batch 4096, exchanging gradients with the 2D-Torus all-reduce on a 2x2 grid (2 ranks per
 emulated node). Under torchrun the same command joins the environment's rendezvous (NCCL with CUDA,

@@ -20,8 +20,8 @@ back with ``--config`` to repeat the run.
 Example::
 
     >>> cfg = resolve(toml_text='[optim]\\nglobal_batch = 8192', cli={"algorithm": "ring"})
-    >>> cfg.optim.global_batch, cfg.comm.algorithm, cfg.run.workers
-    (8192, 'ring', 4)
+    >>> cfg.optim.global_batch, cfg.comm.algorithm, cfg.run.backend
+    (8192, 'ring', 'auto')
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
-from flashsgd.exchanges import BUCKET_MB, NODE_SPLITS, SELECTIONS, option_default
+from flashsgd.exchanges import BUCKET_MB, DENSITY_WARMUP_START, NODE_SPLITS, SELECTIONS, option_default
 from flashsgd.train.config_values import choices_of, coerce
 
 __all__ = ["TrainConfig", "DataConfig", "ModelConfig", "OptimConfig", "CommConfig", "RunConfig",
@@ -81,6 +81,10 @@ class DataConfig:
     """imagefolder: side of the random-resized crop (train) and center crop (eval), pixels."""
     data_seed: int = 42
     """mnist1d: generator seed of the dataset itself (not of the training run)."""
+    data_workers: Optional[int] = None
+    """imagefolder: DataLoader worker processes per rank decoding and augmenting beside training
+    (0: in the training process); unset: this node's cores / its ranks, 1 to 8. In-memory datasets
+    never use workers."""
 
 
 @dataclass
@@ -152,11 +156,15 @@ class CommConfig:
     """Ranks per node; unset: torchrun's LOCAL_WORLD_SIZE, or 2 emulated per node on local spawn."""
     density: float = option_default("density")
     """topk/gtopk/hgtopk: fraction of gradient entries sent per step, in (0, 1] (0.001: Shi et al.)."""
-    density_warmup: Optional[float] = None
-    """topk/gtopk: density at the first sparse step, decaying to `density` (Shi et al.: denser
-    first epoch, e.g. 0.25); unset: no warm-up."""
-    density_warmup_epochs: float = 1.0
-    """topk/gtopk: length of the density warm-up, in epochs of the first epoch's batch size."""
+    density_warmup: Optional[float] = DENSITY_WARMUP_START
+    """topk/gtopk/hgtopk: density at the first step, decaying exponentially to `density` over
+    density_warmup_epochs (DGC's 0.25, Lin et al. 2018: on by default, without it gTop-k at 0.001
+    lost 13-19 points on 1000-1250-step runs); 0 or none: no warm-up. A start at or below
+    `density` is no warm-up."""
+    density_warmup_epochs: Optional[float] = None
+    """topk/gtopk/hgtopk: length of the density warm-up, in epochs of the first epoch's batch size;
+    unset: min(4 epochs, half the run's steps), DGC's 4 epochs scaled to the run
+    (flashsgd.exchanges.DensityWarmup, shown in the plan); 0: no warm-up."""
     momentum_correction: bool = False
     """topk/gtopk/hgtopk: DGC momentum correction (Lin et al. 2018): the recipe's momentum is applied
     in the hook and the velocity accumulated in the residual; the optimizer runs with momentum 0.
@@ -192,10 +200,12 @@ class RunConfig:
     """``[run]``: processes, how the step executes (precision, memory format, compile), outputs,
     checkpoints and failure handling."""
 
-    workers: int = 4
-    """Local worker processes when not under torchrun (torchrun's WORLD_SIZE wins)."""
+    workers: Optional[int] = None
+    """Local worker processes when not under torchrun (torchrun's WORLD_SIZE wins); unset: one per
+    visible GPU with CUDA, else 4 CPU processes."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """auto: NCCL when CUDA is available, Gloo otherwise."""
+    """auto: NCCL with one rank per GPU when CUDA is available (Gloo on the CPU when more workers than
+    GPUs are asked for), Gloo otherwise."""
     out: str = "runs/train"
     """Run directory: config.toml, metrics.jsonl, TensorBoard events, summary, report, checkpoints."""
     seed: int = 0
@@ -294,7 +304,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
     for s, k in (("data", "num_samples"), ("data", "image_size"), ("model", "channels"),
                  ("optim", "global_batch"), ("optim", "epochs"), ("comm", "density"),
-                 ("comm", "bucket_mb"), ("run", "workers"), ("run", "keep_checkpoints"),
+                 ("comm", "bucket_mb"), ("run", "keep_checkpoints"),
                  ("run", "eval_every"), ("run", "timeout_s"), ("optim", "grad_accum")):
         _positive(cfg, s, k)
     for s, k in (("run", "checkpoint_every"), ("run", "max_steps"), ("run", "threads"),
@@ -303,16 +313,26 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.data.dataset == "mnist1d" and cfg.data.num_samples % 10:
         raise ValueError(f"config key data.num_samples must be a multiple of 10 for mnist1d, "
                          f"got {cfg.data.num_samples}")
+    if cfg.run.workers is not None and cfg.run.workers < 1:
+        raise ValueError(f"config key run.workers must be >= 1 (or unset: one per GPU, else 4), "
+                         f"got {cfg.run.workers}")
+    if cfg.data.data_workers is not None and cfg.data.data_workers < 0:
+        raise ValueError(f"config key data.data_workers must be >= 0 (0: decode in the training "
+                         f"process) or unset (automatic), got {cfg.data.data_workers}")
     if cfg.data.dataset == "imagefolder" and not cfg.data.data_dir:
         raise ValueError("config key data.data_dir is required for dataset 'imagefolder' "
                          "(a folder with train/<class>/ images)")
     if not 0 < cfg.comm.density <= 1:
         raise ValueError(f"config key comm.density must be in (0, 1], got {cfg.comm.density}")
+    if cfg.comm.density_warmup is None:  # `none` was given (unset is DENSITY_WARMUP_START): off,
+        cfg.comm.density_warmup = 0.0    # written as 0 so that config.toml repeats it (no null)
     warm = cfg.comm.density_warmup
-    if warm is not None and not cfg.comm.density <= warm <= 1:
-        raise ValueError(f"config key comm.density_warmup must be in [comm.density, 1] = "
-                         f"[{cfg.comm.density}, 1], got {warm}")
-    _positive(cfg, "comm", "density_warmup_epochs", allow_zero=True)
+    # the default start under a density above it is no warm-up; a start set below it is an error
+    if not (warm == 0 or cfg.comm.density <= warm <= 1 or warm == DENSITY_WARMUP_START):
+        raise ValueError(f"config key comm.density_warmup must be 0 (no warm-up) or in [comm.density, 1] "
+                         f"= [{cfg.comm.density:g}, 1], got {warm:g}")
+    if cfg.comm.density_warmup_epochs is not None:  # unset: the default rule
+        _positive(cfg, "comm", "density_warmup_epochs", allow_zero=True)
     _positive(cfg, "comm", "matrix_approximation_rank")
     _positive(cfg, "comm", "threshold_tolerance", allow_zero=True)
     _positive(cfg, "comm", "threshold_every")

@@ -1,16 +1,19 @@
 """Datasets of `flashsgd train` and the sharded sampler that splits each global batch over workers.
 
-Datasets (:func:`build_datasets`), each a pair of splits with ``len()`` and
-``batch(indices, generator, train) -> (x, y)``:
+Datasets (:func:`build_datasets`), each a pair of splits:
 
 * ``mnist1d`` - MNIST-1D generated locally (Greydanus 2020; :func:`flashsgd.train.mnist1d.load_mnist1d`).
 * ``synthetic`` - random ImageNet-shaped (3x224x224, 1000 classes) or CIFAR-shaped (3x32x32, 10
   classes) images from a small fixed pool: for throughput, not accuracy.
 * ``imagefolder`` - ``root/train/<class>/<image>`` (and ``root/val/<class>/...``; without ``val/``
-  every 10th image is held out), decoded with Pillow. Training augmentation is the
-  standard Inception-style random-resized crop (area 8-100%, aspect 3/4-4/3), horizontal flip and
-  ImageNet mean/std normalization; eval resizes the short side to size*256/224 and center-crops.
-  All done with torch ops (torchvision does not import on these CPU builds).
+  every 10th image is held out): decoding and the Inception-style augmentation of
+  :mod:`flashsgd.train.images`, one sample at a time in DataLoader workers
+  (:mod:`flashsgd.train.loader`).
+
+Splits have ``len()`` and ``batch(indices, train=True, key=0) -> (x, y)`` (``key``: the epoch's
+augmentation stream; in-memory splits ignore it); in-memory splits also ``to(device)``: on a CUDA
+rank MNIST-1D and the synthetic images are resident on the GPU (a pure throughput run copies
+nothing per step).
 
 Sharding (:class:`ShardedSampler`, Goyal et al. 2017 sec. 3: "one random shuffle per epoch, split
 across all workers"):
@@ -38,20 +41,14 @@ Example::
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from flashsgd.optim.schedules import batch_ends
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp")
+from flashsgd.train.images import ImageFolderSplit, scan_folder
 
 
 class ShardedSampler:
@@ -101,13 +98,16 @@ class ShardedSampler:
         assert self._perm is not None, "call set_epoch first"
         return self._perm[lo:hi]
 
-    def __iter__(self):
+    def remaining(self) -> list[torch.Tensor]:
+        """This worker's shards of the epoch's batches from ``position`` on (the position stays)."""
         ends = self.steps()
         starts = [0] + ends[:-1]
-        while self.position < len(ends):
-            i = self.position
+        return [self.shard(starts[i], ends[i]) for i in range(self.position, len(ends))]
+
+    def __iter__(self):
+        for idx in self.remaining():
             self.position += 1  # advance first: a checkpoint taken after this batch resumes after it
-            yield self.shard(starts[i], ends[i])
+            yield idx
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "global_batch": self.global_batch, "position": self.position,
@@ -149,8 +149,12 @@ class TensorSplit:
     def __len__(self) -> int:
         return len(self.y)
 
-    def batch(self, idx: torch.Tensor, generator: torch.Generator | None = None, train: bool = True):
+    def batch(self, idx: torch.Tensor, train: bool = True, key: int = 0):
+        idx = idx.to(self.y.device)
         return self.x[idx], self.y[idx]
+
+    def to(self, device: torch.device) -> "TensorSplit":
+        return TensorSplit(self.x.to(device), self.y.to(device))
 
 
 class SyntheticSplit:
@@ -165,90 +169,14 @@ class SyntheticSplit:
     def __len__(self) -> int:
         return self.n
 
-    def batch(self, idx: torch.Tensor, generator: torch.Generator | None = None, train: bool = True):
+    def batch(self, idx: torch.Tensor, train: bool = True, key: int = 0):
+        idx = idx.to(self.labels.device)
         return self.pool[idx % len(self.pool)], self.labels[idx]
 
-
-def _load_image(path: Path) -> torch.Tensor:
-    from PIL import Image
-
-    with Image.open(path) as img:
-        arr = np.asarray(img.convert("RGB"), dtype=np.uint8)
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1)  # (3, H, W) uint8
-
-
-def _resize(img: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    return F.interpolate(img[None].float(), size=size, mode="bilinear", align_corners=False,
-                         antialias=True)[0]
-
-
-def random_resized_crop(img: torch.Tensor, size: int, g: torch.Generator,
-                        scale: tuple[float, float] = (0.08, 1.0),
-                        ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> torch.Tensor:
-    """Crop a random area fraction in ``scale`` with aspect in ``ratio``, resize to size x size."""
-    _, h, w = img.shape
-    for _ in range(10):
-        u = torch.rand(2, generator=g).tolist()
-        area = h * w * (scale[0] + (scale[1] - scale[0]) * u[0])
-        aspect = math.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * u[1])
-        cw, ch = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
-        if 0 < cw <= w and 0 < ch <= h:
-            i = int(torch.randint(0, h - ch + 1, (1,), generator=g))
-            j = int(torch.randint(0, w - cw + 1, (1,), generator=g))
-            return _resize(img[:, i:i + ch, j:j + cw], (size, size))
-    return center_crop(img, size, resize_to=size)  # fallback: whole image, center
-
-
-def center_crop(img: torch.Tensor, size: int, resize_to: int | None = None) -> torch.Tensor:
-    """Resize the short side to ``resize_to`` (default size*256/224), then take the central square."""
-    _, h, w = img.shape
-    short = resize_to or round(size * 256 / 224)
-    nh, nw = (short, max(short, round(w * short / h))) if h <= w else (max(short, round(h * short / w)), short)
-    img = _resize(img, (nh, nw))
-    top, left = (nh - size) // 2, (nw - size) // 2
-    return img[:, top:top + size, left:left + size]
-
-
-class ImageFolderSplit:
-    """Class subfolders of images; decode with Pillow, augment with torch ops (module docstring)."""
-
-    def __init__(self, files: list[Path], labels: list[int], size: int) -> None:
-        self.files, self.labels, self.size = files, torch.tensor(labels, dtype=torch.int64), size
-        self.mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1) * 255
-        self.std = torch.tensor(IMAGENET_STD).view(3, 1, 1) * 255
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def batch(self, idx: torch.Tensor, generator: torch.Generator | None = None, train: bool = True):
-        g = generator or torch.Generator().manual_seed(0)
-        out = []
-        for i in idx.tolist():
-            img = _load_image(self.files[i])
-            if train:
-                img = random_resized_crop(img, self.size, g)
-                if float(torch.rand(1, generator=g)) < 0.5:
-                    img = img.flip(-1)
-            else:
-                img = center_crop(img, self.size)
-            out.append((img - self.mean) / self.std)
-        return torch.stack(out), self.labels[idx]
-
-
-def scan_folder(root: Path, classes: list[str] | None = None) -> tuple[list[Path], list[int], list[str]]:
-    """Files and labels of ``root/<class>/*`` (classes sorted by name)."""
-    classes = classes or sorted(d.name for d in root.iterdir() if d.is_dir())
-    if not classes:
-        raise ValueError(f"data_dir {str(root)!r} has no class subfolders")
-    files, labels = [], []
-    for k, c in enumerate(classes):
-        for f in sorted((root / c).iterdir()) if (root / c).is_dir() else []:
-            if f.suffix.lower() in IMAGE_EXTENSIONS:
-                files.append(f)
-                labels.append(k)
-    if not files:
-        raise ValueError(f"data_dir {str(root)!r}: no images ({', '.join(IMAGE_EXTENSIONS)}) found")
-    return files, labels, classes
+    def to(self, device: torch.device) -> "SyntheticSplit":
+        moved = object.__new__(SyntheticSplit)
+        moved.n, moved.pool, moved.labels = self.n, self.pool.to(device), self.labels.to(device)
+        return moved
 
 
 @dataclass
@@ -257,6 +185,11 @@ class Datasets:
     test: Any
     num_classes: int
     description: str
+
+    def to(self, device: torch.device) -> "Datasets":
+        """The in-memory splits resident on ``device`` (image folders stay on disk)."""
+        move = lambda split: split.to(device) if callable(getattr(split, "to", None)) else split  # noqa: E731
+        return replace(self, train=move(self.train), test=move(self.test))
 
 
 def build_datasets(dataset: str, num_samples: int = 40000, data_dir: str = "",

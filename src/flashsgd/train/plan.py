@@ -10,7 +10,9 @@ process before training), and is the only place that derives:
    rescaled to ``optim.epochs``, with the user's overrides;
 2. the world layout: world size, ranks per node (emulated 2 per node on local spawn), torus grid;
 3. the batch table and the steps it gives (every worker needs >= 1 sample per step);
-4. the communication hook's options (density warm-up in steps, deadline, grid, seed);
+4. the communication hook's options (deadline, grid, seed) and, for a sparse exchange, its density
+   warm-up in steps: the user's, else the default rule :class:`flashsgd.exchanges.DensityWarmup`
+   (DGC's 0.25 -> density over min(4 epochs, half the run); shown in the banner and plan.json);
 5. how the step executes (:func:`execution`): autocast precision and loss scaler, micro-batches per
    step (``optim.grad_accum``, each worker's shard split, the global batch unchanged),
    channels_last (only for 4-D image inputs) and ``torch.compile``.
@@ -37,7 +39,7 @@ from typing import Any
 
 from flashsgd.comm.sparse_checks import check_sparse_run
 from flashsgd.comm.topology import parse_grid
-from flashsgd.exchanges import EXCHANGES
+from flashsgd.exchanges import EXCHANGES, MIN_COVERAGE, DensityWarmup, coverage
 from flashsgd.optim.plan import build_batch_table
 from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
 from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at, steps_in_epochs, steps_per_epoch
@@ -102,6 +104,9 @@ class RunPlan:
     """Options of the communication hook ``config.comm.algorithm``."""
     warnings: tuple[str, ...] = ()
     """Settings that will cost accuracy (the sparse step-count bound), printed at start-up."""
+    density_warmup: dict[str, Any] = field(default_factory=dict)
+    """A sparse exchange's density warm-up: its steps, the rule they come from and the run's
+    coverage (:func:`density_warmup_record`); empty for the other exchanges."""
     execution: dict[str, Any] = field(default_factory=dict)
     """Step 5: how :class:`~flashsgd.train.step.TrainStep` runs (:func:`execution`)."""
 
@@ -134,6 +139,7 @@ class RunPlan:
         return "\n".join([
             f"flashsgd train | world {self.world} ({layout}) | backend {cfg.run.backend}",
             f"  algorithm   {cfg.comm.algorithm} {self.hook_options or ''} bucket {cfg.comm.bucket_mb:g} MiB",
+            *([f"  warm-up     {self.density_warmup['text']}"] if self.density_warmup else []),
             f"  batch       global {' -> '.join(map(str, batches))} (table {list(self.table.rows)}), "
             f"per worker {per_worker}; {self.total_steps} steps in {self.epochs} epochs",
             f"  lr          effective peak {self.peak_lr():.4g} (lr_per_ref {r.lr_per_ref:g} x "
@@ -150,10 +156,11 @@ class RunPlan:
         layout, the batch table and the run length stay this plan's."""
         cfg = dataclasses.replace(self.config, comm=dataclasses.replace(self.config.comm, **changes))
         rpn = self.ranks_per_node if cfg.comm.ranks_per_node is None else cfg.comm.ranks_per_node
-        grid, options, recipe, warnings = _derive_comm(cfg, self.recipe, self.world, rpn,
-                                                       self.first_epoch_steps, self.total_steps)
+        grid, options, recipe, warnings, warm = _derive_comm(cfg, self.recipe, self.world, rpn,
+                                                             self.first_epoch_steps, self.total_steps)
         return dataclasses.replace(self, config=cfg, ranks_per_node=rpn, grid=grid, recipe=recipe,
-                                   schedule=recipe.schedule(), hook_options=options, warnings=tuple(warnings))
+                                   schedule=recipe.schedule(), hook_options=options, warnings=tuple(warnings),
+                                   density_warmup=warm)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (``<out>/plan.json``)."""
@@ -163,18 +170,45 @@ class RunPlan:
                 "total_steps": self.total_steps, "peak_lr": self.peak_lr(),
                 "algorithm": self.config.comm.algorithm, "hook_options": self.hook_options,
                 "recipe_source": self.recipe_source, "warnings": list(self.warnings),
+                "density_warmup": self.density_warmup,
                 "execution": self.execution,
                 "recipe": {k: v for k, v in dataclasses.asdict(self.recipe).items()},
                 "config": to_dict(self.config)}
 
 
+def density_warmup_of(cfg: TrainConfig) -> DensityWarmup:
+    """The run's density warm-up rule from ``[comm]``: ``density_warmup`` the start (0, or None
+    from ``--comm auto``'s choice: off), ``density_warmup_epochs`` the length (unset: the default
+    rule of :class:`~flashsgd.exchanges.DensityWarmup`)."""
+    return DensityWarmup(start=cfg.comm.density_warmup or 0.0, epochs=cfg.comm.density_warmup_epochs)
+
+
+def density_warmup_record(cfg: TrainConfig, options: Any, total_steps: int) -> dict[str, Any]:
+    """What plan.json and the banner say about a sparse exchange's warm-up: start, steps, the rule
+    (set or default, :meth:`DensityWarmup.rule`) and the coverage it gives the run."""
+    warm = density_warmup_of(cfg)
+    steps = options.density_warmup_steps if options.density_warmup is not None else 0
+    cover = coverage(total_steps, options)
+    if steps:
+        text = (f"density {options.density_warmup:g} -> {options.density:g} over {steps} of {total_steps} "
+                f"steps, {warm.rule()}")
+    else:
+        text = ("none (comm.density_warmup = 0)" if warm.start == 0 or warm.epochs == 0 else
+                f"none (start {warm.start:g} <= density {options.density:g})")
+    text += f"; coverage {cover:.1f} (step-count bound, >= {MIN_COVERAGE:g} kept accuracy)"
+    return {"start": options.density_warmup if steps else None, "steps": steps,
+            "mode": options.density_warmup_mode, "default_rule": warm.is_default and bool(steps),
+            "rule": warm.rule(), "coverage": round(cover, 3), "text": text}
+
+
 def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
-                  steps_per_epoch: int) -> tuple[dict[str, Any], Any, Recipe]:
+                  steps_per_epoch: int, total_steps: int) -> tuple[dict[str, Any], Any, Recipe]:
     """Step 4: the options of ``cfg.comm`` that exchange ``cfg.comm.algorithm`` takes, as shown
     (the switches only when not at their default) and as its checked options object
     (:mod:`flashsgd.exchanges`; None for ``auto``), and the recipe the optimizer runs (without
     momentum when the hook applies it: DGC's momentum correction moves the momentum into the
-    compressor, Lin et al. 2018)."""
+    compressor, Lin et al. 2018). A sparse exchange gets its density warm-up in steps
+    (:func:`density_warmup_of`: the user's, else the default rule scaled to ``total_steps``)."""
     c = cfg.comm
     if c.algorithm == "auto":  # chosen at start-up (flashsgd.train.auto), then derived again
         if c.momentum_correction:
@@ -189,9 +223,8 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
                                "matrix_approximation_rank": c.matrix_approximation_rank,
                                "threshold_tolerance": c.threshold_tolerance,
                                "threshold_every": c.threshold_every, "node_split": c.node_split}
-    if c.density_warmup is not None and c.density_warmup > c.density:
-        offered["density_warmup"] = c.density_warmup
-        offered["density_warmup_steps"] = max(1, round(c.density_warmup_epochs * steps_per_epoch))
+    if exchange.family == "sparse":
+        offered.update(density_warmup_of(cfg).options(c.density, total_steps, steps_per_epoch))
     if c.momentum_correction:
         if "momentum_correction" not in exchange.option_names():
             raise ValueError(f"config key comm.momentum_correction: hook {c.algorithm!r} has no momentum "
@@ -258,23 +291,27 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) 
     total = steps_in_epochs(num_train, table, epochs, min_last=world)
     _check_fail_at(cfg, world, total)
     first_epoch_steps = steps_per_epoch(num_train, table.rows[0][1], min_last=world)
-    grid, options, recipe, warnings = _derive_comm(cfg, recipe, world, rpn, first_epoch_steps, total)  # Step 4
+    grid, options, recipe, warnings, warm = _derive_comm(cfg, recipe, world, rpn, first_epoch_steps,
+                                                         total)  # Step 4
     return RunPlan(config=cfg, world=world, ranks_per_node=rpn, grid=grid, recipe=recipe,
                    recipe_source=source, num_train=num_train, table=table,
                    schedule=recipe.schedule(), epochs=epochs, total_steps=total,
                    first_epoch_steps=first_epoch_steps, hook_options=options, warnings=tuple(warnings),
-                   execution=execution(cfg, table, world))                   # Step 5
+                   density_warmup=warm,
+                   execution=execution(cfg, table, world,
+                                       world if local_spawn else int(os.environ.get("LOCAL_WORLD_SIZE", world))))
 
 
 # datasets whose inputs are 4-D (N, C, H, W) images: where channels_last means something
 IMAGE_DATASETS = ("synthetic", "imagefolder")
 
 
-def execution(cfg: TrainConfig, table: BatchTable, world: int) -> dict[str, Any]:
+def execution(cfg: TrainConfig, table: BatchTable, world: int, local_ranks: int = 1) -> dict[str, Any]:
     """Step 5: precision, autocast dtype, loss scaler, micro-batches (``optim.grad_accum``: each
     worker's shard of the unchanged global batch split into N; ValueError when the smallest shard
     has fewer than N samples), channels_last (effective only for 4-D image inputs; a note
-    otherwise) and compile, as every rank's TrainStep runs them."""
+    otherwise), compile, as every rank's TrainStep runs them, and the input pipeline's worker
+    processes per rank (``data.data_workers``; image folders only, :mod:`flashsgd.train.loader`)."""
     r, n = cfg.run, cfg.optim.grad_accum
     smallest = min(b for _, b in table.rows) // world  # the smallest shard of any step
     if smallest < n:
@@ -282,13 +319,22 @@ def execution(cfg: TrainConfig, table: BatchTable, world: int) -> dict[str, Any]
                          f"sample(s) (global batch {min(b for _, b in table.rows)} on {world} workers), "
                          f"and every micro-batch needs >= 1; valid: optim.grad_accum <= {smallest}")
     notes = []
+    data_workers = 0  # in-memory datasets are indexed in the training process
+    if cfg.data.dataset == "imagefolder":
+        from flashsgd.train.loader import default_data_workers
+
+        data_workers = (cfg.data.data_workers if cfg.data.data_workers is not None
+                        else default_data_workers(local_ranks))
+    elif cfg.data.data_workers:
+        notes.append(f"data_workers ignored: {cfg.data.dataset} is in memory")
     channels_last = r.channels_last and cfg.data.dataset in IMAGE_DATASETS
     if r.channels_last and not channels_last:
         notes.append(f"channels_last ignored: {cfg.data.dataset} inputs are not 4-D images")
     return {"precision": r.precision, "autocast": {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}[r.precision],
             "loss_scaler": r.precision == "fp16", "grad_accum": n,
             "micro_batch_per_worker": [-(-b // world // n) for _, b in table.rows],
-            "channels_last": channels_last, "compile": r.compile, "notes": notes}
+            "channels_last": channels_last, "compile": r.compile, "data_workers": data_workers,
+            "notes": notes}
 
 
 def describe_execution(e: dict[str, Any]) -> str:
@@ -305,6 +351,8 @@ def describe_execution(e: dict[str, Any]) -> str:
         parts.append("channels_last")
     if e["compile"]:
         parts.append("torch.compile")
+    if e.get("data_workers"):
+        parts.append(f"{e['data_workers']} data worker(s) per rank")
     return ", ".join(parts) + "".join(f"; {note}" for note in e["notes"])
 
 

@@ -55,10 +55,12 @@ from flashsgd.train.config import TrainConfig, dumps, resolve
 # per-worker running averages, so the evaluated model is the same; max_steps: where this
 # invocation stops, so that an interrupted run can be continued to the end; workers: an elastic
 # resume on another world size, as under torchrun --nnodes MIN:MAX - the global batch and the LR
-# are the run's, the per-worker state is regrouped, Worker.regroup.)
+# are the run's, the per-worker state is regrouped, Worker.regroup; data_workers: each sample's
+# augmentation has its own generator, the same in any process, flashsgd.train.images.)
 NEUTRAL_KEYS = frozenset({
     "out", "resume", "progress", "eval_every", "target_accuracy", "threads", "timeout_s",
     "checkpoint_every", "keep_checkpoints", "max_steps", "fail_at", "max_skipped", "workers",
+    "data_workers",
 })
 # What a run writes: what "moved aside" moves (nothing else in <out> is touched).
 RUN_FILES = ("config.toml", "plan.json", "metrics.jsonl", "tensorboard", "summary.json",

@@ -47,7 +47,7 @@ Example::
     timer = CommTimer()
     ddp, _, _ = build_ddp(plan, model, device, timer)
     step = TrainStep(ddp, optimizer, torch.nn.CrossEntropyLoss(reduction="sum"), timer, device)
-    result = step(lambda: data.train.batch(idx, aug, train=True), global_batch=1024, lr=0.4, step=0)
+    result = step(lambda: data.train.batch(idx, True, key), global_batch=1024, lr=0.4, step=0)
     print(result.loss, result.skipped, result.times())
 """
 

@@ -8,9 +8,10 @@ flashsgd.comm.
 :func:`train` builds the :class:`~flashsgd.train.plan.RunPlan` once (before any worker starts),
 opens the run directory (:mod:`flashsgd.train.rundir`: lock, resume checks, config and plan
 written), then runs :class:`~flashsgd.train.worker.Worker` on every rank through
-:func:`flashsgd.launch.run` (torchrun's group when present, NCCL with CUDA, else W local Gloo
-processes). What one rank does (Steps 1-6) is in :mod:`flashsgd.train.worker`, its building blocks
-in :mod:`flashsgd.train.rank`, the training step in :mod:`flashsgd.train.step`.
+:func:`flashsgd.launch.run` (torchrun's group when present, else one local rank per GPU over NCCL,
+each bound to its GPU before the group exists, or W local Gloo processes on the CPU). What one
+rank does (Steps 1-6) is in :mod:`flashsgd.train.worker`, its building blocks in
+:mod:`flashsgd.train.rank`, the training step in :mod:`flashsgd.train.step`.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ def _torchrun_worker(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run ``cfg``: under torchrun's group if there is one, else on ``run.workers`` local ranks.
+    """Run ``cfg``: under torchrun's group if there is one, else on local ranks
+    (:func:`flashsgd.launch.local_ranks`: one per visible GPU over NCCL, or ``run.workers`` CPU
+    ranks over Gloo).
 
     On local spawn every check (plan, run directory) happens here, before any process starts;
     a ValueError names the config key. Returns rank 0's summary (this rank's under torchrun).
@@ -80,12 +83,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if launch.under_torchrun():
         return launch.run(_torchrun_worker, (cfg,), world_size=int(os.environ["WORLD_SIZE"]),
                           backend=backend, timeout_s=r.timeout_s)
+    workers, backend, note = launch.local_ranks(r.workers, r.backend)  # one rank per GPU, or CPU ranks
+    if note:
+        print(f"[flashsgd] {note}", flush=True)
     data = load_data(cfg)
     check_input(cfg.model.model, cfg.model.channels, data, cfg.data.dataset)  # exit 2, not 4 failed ranks
-    plan = build_plan(cfg, r.workers, len(data.train), local_spawn=True)
+    plan = build_plan(cfg, workers, len(data.train), local_spawn=True)
     with open_run_dir(plan) as start:
         if start.kind == "complete":
             print(f"flashsgd train: {start.describe()}", flush=True)
             return start.summary or {}
-        return launch.run(worker, (plan, data, start), world_size=r.workers,
-                          backend=backend or "gloo", timeout_s=r.timeout_s)
+        return launch.run(worker, (plan, data, start), world_size=workers, backend=backend,
+                          timeout_s=r.timeout_s)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from flashsgd.launch_failures import comm_failures, one_line
 from flashsgd.train import checkpoint as ckpt
 from flashsgd.train.data import Datasets, ShardedSampler
+from flashsgd.train.loader import BatchStream, augmentation_key
 from flashsgd.train.plan import RunPlan
 from flashsgd.train.report import Metrics, summarize
 from flashsgd.train.rank import (average_buffers, build_rank, evaluate, inject_fault,
@@ -48,9 +49,10 @@ class Worker:
     """One rank of a run: Steps 1-6 of the module docstring (:meth:`run`)."""
 
     def __init__(self, plan: RunPlan, data: Datasets, start: Start) -> None:
-        self.plan, self.data, self.cfg = plan, data, plan.config
+        self.plan, self.cfg = plan, plan.config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = setup_process(plan)                                              # Step 1
+        self.data = data = data.to(self.device)  # in-memory splits resident on the rank's device
         parts = build_rank(plan, data, self.device, out=Path(self.cfg.run.out),        # Step 2
                            resume_from=start.checkpoint)
         self.model, self.optimizer, self.model_tweaks = parts.model, parts.optimizer, parts.model_tweaks
@@ -62,7 +64,8 @@ class Worker:
             if self.rank == 0:
                 write_plan(self.out, self.plan, chosen_by="auto (auto.json)")
         self.sampler = ShardedSampler(plan.num_train, self.rank, self.world, self.cfg.run.seed)
-        self.aug = torch.Generator().manual_seed(self.cfg.run.seed * 7919 + self.rank)  # per-rank augmentation
+        self.data_workers = self.plan.execution.get("data_workers", 0)
+        self.stream = BatchStream(data.train, self.data_workers, pin_memory=self.device.type == "cuda")
         self.progress: dict[str, Any] = {"step": 0, "epoch": 0, "elapsed_s": 0.0, "skipped": 0,
                                          "tta_s": None, "evals": []}
         self.start = start
@@ -95,9 +98,8 @@ class Worker:
         self.hook_state.load_state_dict(local["hook"])
         if self.step.scaler is not None and "scaler" in shared:  # fp16: the same scale on every rank
             self.step.scaler.load_state_dict(shared["scaler"])
-        if "rng" in local:
+        if "rng" in local:  # (augmentation has no stream to restore: per sample, flashsgd.train.images)
             ckpt.set_rng_state(local["rng"])
-            self.aug.set_state(local["aug"])
         self.progress = dict(shared["progress"])
         if self.progress["step"] > 0:  # the buckets the uninterrupted run had after its first step
             self.rebuild_buckets()
@@ -125,7 +127,7 @@ class Worker:
             hook = {}
         local: dict[str, Any] = {"hook": hook}
         if self.rank < old:  # this rank's own random streams
-            local.update(rng=ranks[self.rank]["rng"], aug=ranks[self.rank]["aug"])
+            local.update(rng=ranks[self.rank]["rng"])
         else:
             torch.manual_seed(self.cfg.run.seed * 1_000_003 + self.rank)
         if self.rank == 0:
@@ -140,7 +142,7 @@ class Worker:
         rebuild_buckets`: a forward/backward on two training samples that changes nothing)."""
         from flashsgd.comm.hooks import rebuild_buckets
 
-        x, y = self.data.train.batch(torch.arange(min(2, len(self.data.train))), None, train=False)
+        x, y = self.data.train.batch(torch.arange(min(2, len(self.data.train))), train=False)
         rebuild_buckets(self.ddp, lambda: self.step.forward_loss(x.to(self.device), y.to(self.device)))
 
     def save_checkpoint(self) -> None:
@@ -150,7 +152,7 @@ class Worker:
         OSError naming the step, the path and the OS error, and ``latest`` stays where it was."""
         self.step.check_parameters(f"after step {self.progress['step'] - 1}", buffers=True)
         avg = average_buffers(self.model, inplace=False)
-        local = {"hook": self.hook_state.state_dict(), "rng": ckpt.rng_state(), "aug": self.aug.get_state(),
+        local = {"hook": self.hook_state.state_dict(), "rng": ckpt.rng_state(),
                  "buffers": {n: b.clone() for n, b in self.model.named_buffers() if n in avg}}
         shared = None
         if self.rank == 0:
@@ -175,21 +177,21 @@ class Worker:
                 else "no checkpoint was written yet")
 
     # ---------------------------------------------------------------- Step 4: one step ----------
-    def train_step(self, epoch: int, i: int, idx: torch.Tensor, sizes: list[int]) -> None:
+    def train_step(self, epoch: int, i: int, batches, sizes: list[int]) -> None:
         """Step 4: the LR at the fractional epoch, :class:`~flashsgd.train.step.TrainStep` on the
-        sampler's batch ``idx`` (step ``i`` of ``sizes``), the count of skipped steps, metrics."""
+        next of ``batches`` (step ``i`` of ``sizes``; the wait for it is the step's data time), the
+        count of skipped steps, metrics."""
         step = self.progress["step"]
         poison = inject_fault(self.fault, self.rank, step)
         lr = self.plan.lr_at(epoch + i / len(sizes))
-        res = self.step(lambda: self.data.train.batch(idx, self.aug, train=True), sizes[i], lr=lr,
-                        step=step, epoch=epoch, poison=poison)
+        res = self.step(lambda: next(batches), sizes[i], lr=lr, step=step, epoch=epoch, poison=poison)
         if res.skipped:
             self.progress["skipped"] += 1
             if res.overflow:  # fp16: the loss scaler's back-off (also counted in "skipped")
                 self.progress["overflow_skipped"] = self.progress.get("overflow_skipped", 0) + 1
         self.progress["step"] = step + 1
         self.progress["elapsed_s"] = time.perf_counter() - self.t_start
-        local = len(idx)
+        local = self.stream.last_size
         self.metrics.step(step=step, epoch=epoch + (i + 1) / len(sizes), loss=res.loss, lr=lr,
                           global_batch=sizes[i], scheduled_batch=self.sampler.global_batch,
                           local_batch=local, images_per_s=sizes[i] / res.total_s, t_step_s=res.total_s,
@@ -209,8 +211,9 @@ class Worker:
         if self.sampler.global_batch != self.plan.batch_at(epoch) or self.sampler.epoch != epoch:
             self.sampler.set_epoch(epoch, self.plan.batch_at(epoch))
         sizes = self.sampler.global_sizes()
-        for idx in self.sampler:
-            self.train_step(epoch, self.sampler.position - 1, idx, sizes)
+        batches = self.stream.epoch(self.sampler, augmentation_key(r.seed, epoch))
+        while self.sampler.position < len(sizes):
+            self.train_step(epoch, self.sampler.position, batches, sizes)
             if r.checkpoint_every and self.progress["step"] % r.checkpoint_every == 0 \
                     and self.sampler.position < len(sizes):
                 self.save_checkpoint()
@@ -223,7 +226,8 @@ class Worker:
         a diverged model: FloatingPointError instead)."""
         self.step.check_parameters(f"after step {self.progress['step'] - 1}", buffers=True)
         average_buffers(self.model)
-        acc, test_loss = evaluate(self.model, self.data.test, self.rank, self.world, self.device)
+        acc, test_loss = evaluate(self.model, self.data.test, self.rank, self.world, self.device,
+                                  workers=self.data_workers)
         p = self.progress
         p["elapsed_s"] = time.perf_counter() - self.t_start
         if p["tta_s"] is None and acc >= self.cfg.run.target_accuracy:
