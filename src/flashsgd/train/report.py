@@ -18,6 +18,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from flashsgd.fmt import percent, plural
+
 
 class Metrics:
     """metrics.jsonl + TensorBoard writer (no-ops on ranks other than 0)."""
@@ -109,27 +111,33 @@ def summarize(plan, progress: dict, topo, metrics, timer_total: float) -> dict[s
             "hook_fraction_of_step": t_comm / t_step if t_step else float("nan"),
             "median_forward_s": med("t_forward_s"), "median_backward_s": med("t_backward_s"),
         },
-        "algorithm": cfg.comm.algorithm, "recipe": cfg.optim.recipe,
+        "algorithm": cfg.comm.algorithm, "recipe": plan.recipe.name,  # resolved: fujitsu-mnist1d
         "global_batch": plan.table.final_batch, "model": cfg.model.model, "dataset": cfg.data.dataset,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     make_report(out / "metrics.jsonl", out / "report.png", title=(
-        f"{cfg.model.model} on {cfg.data.dataset}: {cfg.optim.recipe} recipe, {cfg.comm.algorithm}, "
-        f"{world} workers, global batch {plan.table.final_batch}"))
+        f"{cfg.model.model} on {cfg.data.dataset}: {plan.recipe.name} recipe, {cfg.comm.algorithm}, "
+        f"{plural(world, 'worker')}, global batch {plan.table.final_batch}"),
+        label_smoothing=plan.recipe.label_smoothing)
     tta = f"{progress['tta_s']:.1f} s" if progress["tta_s"] is not None else "not reached"
     accuracy = (f"test accuracy {final:.2f}% (best {summary['best_test_accuracy']:.2f}%)"
                 if final is not None else "not evaluated")
-    print(f"\nflashsgd train: done in {progress['elapsed_s']:.1f} s, {progress['step']} steps "
+    print(f"\nflashsgd train: done in {progress['elapsed_s']:.1f} s, {plural(progress['step'], 'step')} "
           f"({progress['skipped']} skipped) | {accuracy} | time to {cfg.run.target_accuracy:g}%: {tta} | "
           f"{ips:,.0f} images/s ({ips / world:,.0f} per worker), gradient exchange "
-          f"{100 * summary['scaling']['hook_fraction_of_step']:.0f}% of a step (in flight, hooks only)\n"
+          f"{percent(summary['scaling']['hook_fraction_of_step'], 0, missing='not timed')} of a step "
+          f"(in flight, hooks only)\n"
           f"  outputs: {out}/{{config.toml, plan.json, metrics.jsonl, tensorboard/, summary.json, "
           f"report.png, checkpoints/}}", flush=True)
     return summary
 
 
-def make_report(metrics_path: str | Path, png_path: str | Path, title: str = "") -> None:
-    """report.png: loss, test accuracy, LR and global batch against the optimizer step."""
+def make_report(metrics_path: str | Path, png_path: str | Path, title: str = "",
+                label_smoothing: float = 0.0) -> None:
+    """report.png: loss, test accuracy, LR and global batch against the optimizer step.
+
+    ``label_smoothing``: the run's (the resolved recipe's); the train loss is labelled with it only
+    when it is > 0 (the loss is then the smoothed cross-entropy, not comparable with the test loss)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -139,7 +147,7 @@ def make_report(metrics_path: str | Path, png_path: str | Path, title: str = "")
     x = [s["step"] for s in steps]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
     ax = axes[0, 0]
-    ax.plot(x, [s["loss"] for s in steps], lw=1.2, label="train loss (with label smoothing)")
+    ax.plot(x, [s["loss"] for s in steps], lw=1.2, label=train_loss_label(label_smoothing))
     if evals:
         ax.plot([e["step"] for e in evals], [e["test_loss"] for e in evals], "o-", ms=4,
                 label="test loss")
@@ -174,3 +182,8 @@ def make_report(metrics_path: str | Path, png_path: str | Path, title: str = "")
         fig.suptitle(title)
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
+
+
+def train_loss_label(label_smoothing: float) -> str:
+    """The legend of the train loss: ``train loss`` or ``train loss (label smoothing 0.1)``."""
+    return f"train loss (label smoothing {label_smoothing:g})" if label_smoothing > 0 else "train loss"
