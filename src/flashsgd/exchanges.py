@@ -416,3 +416,131 @@ def steps_for_coverage(options: SparseOptions, target: float = MIN_COVERAGE) -> 
     """Run length (steps) at which :func:`coverage` reaches ``target`` at the final density
     (warm-up not counted: the bound that needs no warm-up)."""
     return options.start_iter + math.ceil(round(target / options.density, 9))
+
+
+# ------------------------------------------------------------- the default density warm-up -----
+
+DENSITY_WARMUP_START = 0.25
+"""Density of the first step of a density warm-up: DGC's 75% sparsity in the first epoch (Lin et
+al. 2018, sec. 3.3: 75%, 93.75%, 98.4375%, 99.6%, 99.9% over epochs 0-4)."""
+DENSITY_WARMUP_EPOCHS = 4.0
+"""Length of DGC's warm-up in epochs (the first 4 of its runs of 90 epochs and more)."""
+DENSITY_WARMUP_MAX_FRACTION = 0.5
+"""The default warm-up lasts at most this fraction of the run's steps (:class:`DensityWarmup`)."""
+
+
+@dataclass(frozen=True)
+class DensityWarmup:
+    """A run's density warm-up, derived from its length: ``flashsgd train`` runs every sparse
+    exchange with one unless told otherwise (``comm.density_warmup`` = ``start``,
+    ``comm.density_warmup_epochs`` = ``epochs``; either 0: off).
+
+    The default, DGC's warm-up (Lin et al. 2018, sec. 3.3; Shi et al. 2019 also send more in the
+    first epoch) scaled to the run::
+
+        start = DENSITY_WARMUP_START                                    # 0.25
+        steps = min(round(DENSITY_WARMUP_EPOCHS x steps per epoch),     # DGC's 4 epochs
+                    floor(DENSITY_WARMUP_MAX_FRACTION x total steps))   # at most half the run
+        density(s) = start x (density / start) ** (s / steps), s < steps  # exponential, then flat
+
+    Derivation: DGC warms up over 4 epochs of runs of 90 epochs and more, a few percent of the run.
+    What a warm-up buys a short run is coverage (:func:`coverage`, the step-count bound): an
+    exponential decay from s0 to d over W steps sends on average (s0 - d) / ln(s0 / d) of the
+    gradient per step, so it adds W (s0 - d) / ln(s0 / d) sends of every entry: 0.045 W at
+    d = 0.001, 0.075 W at d = 0.01. On MNIST-1D (docs/sparse_accuracy.md) gTop-k at 0.001 with the
+    warm-up over 4 of 10 epochs (500 of 1250 steps, coverage 22.9) was 0.47 points from dense, and
+    12.9 points away without it (coverage 1.2). On a run of fewer than 8 epochs DGC's 4 epochs would
+    be more than half of it: the cap keeps at least half of every run at the requested density (the
+    traffic the user asked for) and still gives a 1000-step run of 8 epochs 500 warm-up steps
+    (coverage 22.7 at 0.001 >= :data:`MIN_COVERAGE`). On long runs the rule is DGC's own. Where even this leaves the
+    coverage under :data:`MIN_COVERAGE`, :func:`density_for_coverage` and
+    :func:`steps_to_coverage` say what would reach it.
+
+    Example::
+
+        >>> DensityWarmup().options(0.001, total_steps=1000, steps_per_epoch=125)
+        {'density_warmup': 0.25, 'density_warmup_steps': 500}
+        >>> DensityWarmup().steps(total_steps=120, steps_per_epoch=8)      # 4 epochs < half
+        32
+        >>> DensityWarmup(start=0).options(0.001, 1000, 125), DensityWarmup(epochs=1).steps(1000, 125)
+        ({}, 125)
+    """
+
+    start: float = DENSITY_WARMUP_START
+    """Density of the first step, in (0, 1]; 0: no warm-up. A start at or below the run's density
+    is no warm-up either."""
+    epochs: Optional[float] = None
+    """Length in epochs (of the first epoch's batch); None: the default rule above; 0: none."""
+
+    def __post_init__(self) -> None:
+        if self.start != 0:
+            check_density(self.start, "density warm-up start (0: off)")
+        if self.epochs is not None and (isinstance(self.epochs, bool) or not self.epochs >= 0):
+            raise ValueError(f"density warm-up epochs must be >= 0 (0: off) or None (the default "
+                             f"rule), got {self.epochs!r}")
+
+    @property
+    def is_default(self) -> bool:
+        """Whether the length is the default rule's (not set by the user)."""
+        return self.epochs is None
+
+    def steps(self, total_steps: int, steps_per_epoch: float) -> int:
+        """Warm-up steps of a run of ``total_steps`` with ``steps_per_epoch`` in its first epoch."""
+        if self.start == 0 or self.epochs == 0:
+            return 0
+        if self.epochs is not None:
+            return max(1, round(self.epochs * steps_per_epoch))
+        return min(round(DENSITY_WARMUP_EPOCHS * steps_per_epoch),
+                   math.floor(DENSITY_WARMUP_MAX_FRACTION * total_steps))
+
+    def options(self, density: float, total_steps: int, steps_per_epoch: float) -> dict[str, Any]:
+        """The :class:`SparseOptions` fields of this warm-up on a run at ``density``: ``{}`` when
+        there is none (off, or a start at or below ``density``)."""
+        steps = self.steps(total_steps, steps_per_epoch)
+        if steps < 1 or not self.start > density:
+            return {}
+        return {"density_warmup": self.start, "density_warmup_steps": steps}
+
+    def rule(self) -> str:
+        """Where the length comes from, in words (the plan's banner and plan.json)."""
+        if self.start == 0 or self.epochs == 0:
+            return "off (comm.density_warmup or comm.density_warmup_epochs set to 0)"
+        if self.epochs is not None:
+            return f"{self.epochs:g} epoch(s), as set (comm.density_warmup_epochs)"
+        return (f"min({DENSITY_WARMUP_EPOCHS:g} epochs, {DENSITY_WARMUP_MAX_FRACTION:g} x the run's "
+                f"steps), the default: DGC's warm-up scaled to the run (Lin et al. 2018; "
+                f"flashsgd.exchanges.DensityWarmup)")
+
+
+def density_for_coverage(total_steps: int, options_at: Any, target: float = MIN_COVERAGE) -> float | None:
+    """Smallest density, rounded up to 2 significant digits, whose options ``options_at(density)``
+    (a :class:`SparseOptions`, e.g. with the run's warm-up rule) reach ``target`` coverage over
+    ``total_steps``; None when not even density 1 does (fewer than ``target`` sparse steps).
+    Coverage grows with the density (every step's density does), so a bisection finds it."""
+    if coverage(total_steps, options_at(1.0)) < target:
+        return None
+    lo, hi = 1e-9, 1.0  # coverage(lo) < target <= coverage(hi)
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if coverage(total_steps, options_at(mid)) >= target else (mid, hi)
+    unit = 10.0 ** (math.floor(math.log10(hi)) - 1)
+    found = min(1.0, math.ceil(round(hi / unit, 6)) * unit)  # 2 significant digits, up
+    while found < 1.0 and coverage(total_steps, options_at(found)) < target:
+        found = min(1.0, found + unit)
+    return float(f"{found:.2g}") if found < 1.0 else 1.0
+
+
+def steps_to_coverage(options_at: Any, total_steps: int, target: float = MIN_COVERAGE) -> int:
+    """Smallest run length >= ``total_steps`` whose options ``options_at(steps)`` (e.g. with the
+    warm-up rule scaled to that length) reach ``target`` coverage. Coverage grows with the run
+    (a default warm-up only lengthens with it), and a run of :func:`steps_for_coverage` steps
+    reaches it even without a warm-up, so a bisection between the two finds it."""
+    if coverage(total_steps, options_at(total_steps)) >= target:
+        return total_steps
+    lo, hi = total_steps, max(total_steps + 1, steps_for_coverage(options_at(total_steps), target))
+    while coverage(hi, options_at(hi)) < target:  # a warm-up never lowers coverage; guard anyway
+        hi *= 2
+    while hi - lo > 1:  # coverage(lo) < target <= coverage(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if coverage(mid, options_at(mid)) >= target else (mid, hi)
+    return hi

@@ -22,23 +22,30 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import torch
 
 from flashsgd.comm.sparse_corrections import check_momentum_owner
-from flashsgd.exchanges import EXCHANGES, MIN_COVERAGE, SparseOptions, coverage, steps_for_coverage
+from flashsgd.exchanges import (EXCHANGES, MIN_COVERAGE, DensityWarmup, SparseOptions, coverage,
+                                density_for_coverage, steps_to_coverage)
 from flashsgd.fmt import plural
 
 
 def check_sparse_run(algorithm: str, options: Any, total_steps: int,
-                     optimizer_momentum: float = 0.0) -> list[str]:
+                     optimizer_momentum: float = 0.0, warmup: DensityWarmup | None = None,
+                     steps_per_epoch: float | None = None, epochs: float | None = None) -> list[str]:
     """Errors and warnings for the hook ``algorithm`` with ``options`` (its options object) on a run
     of ``total_steps``.
 
     Raises ValueError: a density warm-up longer than the run; momentum correction together with
-    an optimizer momentum > 0. Returns the warnings (the step-count bound), one line each; none
-    for an exchange that is not sparse.
+    an optimizer momentum > 0. Returns the warnings (the step-count bound, with the density and the
+    run length that would reach :data:`MIN_COVERAGE`: :func:`remedy`), one line each; none for an
+    exchange that is not sparse. ``warmup`` (the run's warm-up rule), ``steps_per_epoch`` (of its
+    first epoch) and ``epochs`` (its length) let the remedy rescale the warm-up as the run would
+    and name ``--epochs``; without them the warm-up of ``options`` is kept and steps are named.
     """
     if EXCHANGES[algorithm].family != "sparse":
         return []
@@ -53,9 +60,51 @@ def check_sparse_run(algorithm: str, options: Any, total_steps: int,
         return []
     return [f"{algorithm} at density {options.density:g} over {plural(total_steps, 'step')} can send each "
             f"gradient entry at most {plural(cover, 'time', than=MIN_COVERAGE)} (density x steps; "
-            f"step-count bound): expect a loss of accuracy against dense (docs/sparse_accuracy.md); "
-            f"for >= {MIN_COVERAGE:g} use >= {plural(steps_for_coverage(options), 'step')}, a higher "
-            f"density or a denser warm-up"]
+            f"step-count bound{_with_warmup(options)}): expect a loss of accuracy against dense "
+            f"(docs/sparse_accuracy.md); for >= {MIN_COVERAGE:g}: "
+            f"{remedy(options, total_steps, warmup, steps_per_epoch, epochs)}"]
+
+
+def _with_warmup(options: SparseOptions) -> str:
+    if options.density_warmup is None or options.density_warmup_steps < 1:
+        return "; no density warm-up"
+    return (f"; density warm-up {options.density_warmup:g} -> {options.density:g} over "
+            f"{plural(options.density_warmup_steps, 'step')}")
+
+
+def remedy(options: SparseOptions, total_steps: int, warmup: DensityWarmup | None = None,
+           steps_per_epoch: float | None = None, epochs: float | None = None) -> str:
+    """What would reach :data:`MIN_COVERAGE`: the smallest density at this length and the shortest
+    run at this density (:func:`~flashsgd.exchanges.density_for_coverage`,
+    :func:`~flashsgd.exchanges.steps_to_coverage`), each with ``warmup`` rescaled as the run
+    would rescale it (else the warm-up of ``options`` as it is)."""
+    if warmup is not None and steps_per_epoch:
+        bare = dataclasses.replace(options, density_warmup=None, density_warmup_steps=0)
+
+        def at_density(d: float) -> SparseOptions:
+            return dataclasses.replace(bare, density=d, **warmup.options(d, total_steps, steps_per_epoch))
+
+        def at_steps(n: int) -> SparseOptions:
+            return dataclasses.replace(bare, **warmup.options(options.density, n, steps_per_epoch))
+        same = ", each with this warm-up rule" if options.density_warmup else ""
+    else:
+        def at_density(d: float) -> SparseOptions:
+            return dataclasses.replace(options, density=d)
+
+        def at_steps(n: int) -> SparseOptions:
+            return options
+        same = ""
+    density = density_for_coverage(total_steps, at_density)
+    steps = steps_to_coverage(at_steps, total_steps)
+    if epochs and warmup is not None:  # name the flags; epochs at this run's steps per epoch
+        need = math.ceil(round(steps * epochs / total_steps, 6))
+        by_density = (f"--density >= {density:g}" if density is not None else
+                      f"no density is enough in {plural(total_steps, 'step')}")
+        return (f"{by_density}, or --epochs >= {need} at density {options.density:g} (about "
+                f"{plural(steps, 'step')}){same}")
+    by_density = (f"a density >= {density:g}" if density is not None else
+                  f"(no density is enough in {plural(total_steps, 'step')})")
+    return f"use >= {plural(steps, 'step')} or {by_density}{same}"
 
 
 def check_optimizer_momentum(hook_state: Any, optimizer: torch.optim.Optimizer) -> None:

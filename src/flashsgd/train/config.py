@@ -329,8 +329,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     warm = cfg.comm.density_warmup
     # the default start under a density above it is no warm-up; a start set below it is an error
     if not (warm == 0 or cfg.comm.density <= warm <= 1 or warm == DENSITY_WARMUP_START):
-        raise ValueError(f"config key comm.density_warmup must be 0 (no warm-up) or in [comm.density, 1] "
-                         f"= [{cfg.comm.density:g}, 1], got {warm:g}")
+        raise ValueError(f"config key comm.density_warmup must be in [comm.density, 1] = "
+                         f"[{cfg.comm.density:g}, 1] or 0 (no warm-up), got {warm:g}")
     if cfg.comm.density_warmup_epochs is not None:  # unset: the default rule
         _positive(cfg, "comm", "density_warmup_epochs", allow_zero=True)
     _positive(cfg, "comm", "matrix_approximation_rank")

@@ -40,6 +40,7 @@ from typing import Any
 from flashsgd.comm.sparse_checks import check_sparse_run
 from flashsgd.comm.topology import parse_grid
 from flashsgd.exchanges import EXCHANGES, MIN_COVERAGE, DensityWarmup, coverage
+from flashsgd.fmt import number
 from flashsgd.optim.plan import build_batch_table
 from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
 from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at, steps_in_epochs, steps_per_epoch
@@ -190,12 +191,13 @@ def density_warmup_record(cfg: TrainConfig, options: Any, total_steps: int) -> d
     steps = options.density_warmup_steps if options.density_warmup is not None else 0
     cover = coverage(total_steps, options)
     if steps:
-        text = (f"density {options.density_warmup:g} -> {options.density:g} over {steps} of {total_steps} "
-                f"steps, {warm.rule()}")
+        text = (f"density {options.density_warmup:g} -> {options.density:g} ({options.density_warmup_mode}) "
+                f"over {steps} of {total_steps} steps = {warm.rule()}")
+    elif warm.start == 0 or warm.epochs == 0:
+        text = f"none: {warm.rule()}"
     else:
-        text = ("none (comm.density_warmup = 0)" if warm.start == 0 or warm.epochs == 0 else
-                f"none (start {warm.start:g} <= density {options.density:g})")
-    text += f"; coverage {cover:.1f} (step-count bound, >= {MIN_COVERAGE:g} kept accuracy)"
+        text = f"none (its start {warm.start:g} is not above the density {options.density:g})"
+    text += f"; coverage {number(cover, than=MIN_COVERAGE)} (step-count bound; >= {MIN_COVERAGE:g} kept accuracy)"
     return {"start": options.density_warmup if steps else None, "steps": steps,
             "mode": options.density_warmup_mode, "default_rule": warm.is_default and bool(steps),
             "rule": warm.rule(), "coverage": round(cover, 3), "text": text}
@@ -383,18 +385,23 @@ def _check_fail_at(cfg: TrainConfig, world: int, total_steps: int) -> None:
 
 
 def _derive_comm(cfg: TrainConfig, recipe: Recipe, world: int, rpn: int | None, first_epoch_steps: int,
-                 total_steps: int) -> tuple[tuple[int, int] | None, dict[str, Any], Recipe, list[str]]:
-    """Step 4: the torus grid, the hook's options, the recipe the optimizer runs and the warnings."""
+                 total_steps: int) -> tuple[tuple[int, int] | None, dict[str, Any], Recipe, list[str],
+                                            dict[str, Any]]:
+    """Step 4: the torus grid, the hook's options, the recipe the optimizer runs, the warnings and
+    the density warm-up's record (sparse exchanges; :func:`density_warmup_record`)."""
     grid = None
     if rpn is not None or cfg.comm.grid is not None:
         try:
             grid = parse_grid(cfg.comm.grid, world, default_x=rpn)
         except ValueError as exc:
             raise ValueError(f"config key comm.grid: {exc}") from None
-    options, checked, recipe = _hook_options(cfg, recipe, rpn, first_epoch_steps)
+    options, checked, recipe = _hook_options(cfg, recipe, rpn, first_epoch_steps, total_steps)
+    sparse = checked is not None and EXCHANGES[cfg.comm.algorithm].family == "sparse"
     try:
-        warnings = [] if checked is None else check_sparse_run(cfg.comm.algorithm, checked, total_steps,
-                                                               recipe.momentum)
+        warnings = [] if checked is None else check_sparse_run(
+            cfg.comm.algorithm, checked, total_steps, recipe.momentum, warmup=density_warmup_of(cfg),
+            steps_per_epoch=first_epoch_steps, epochs=cfg.optim.epochs)
     except ValueError as exc:
         raise ValueError(f"config keys comm.density_warmup_epochs / comm.momentum_correction: {exc}") from None
-    return grid, options, recipe, warnings
+    warm = density_warmup_record(cfg, checked, total_steps) if sparse else {}
+    return grid, options, recipe, warnings, warm
