@@ -54,6 +54,7 @@ def run_config(spec: dict, comm: str, world: int) -> dict:
             "recipe": spec["recipe"], "proxy_tuning": False, "global_batch": batch,
             "algorithm": comm, "ranks_per_node": spec["ranks_per_node"], "density": spec["density"],
             "selection": spec["selection"], "bucket_mb": spec["bucket_mb"], "workers": world,
+            "density_warmup": 0,  # a speed measurement: the density asked for from the first step
             "timeout_s": spec["timeout_s"], "threads": spec["threads"], "progress": False,
             "out": spec["out_dir"], "seed": 0, **({"grid": spec["grid"]} if spec.get("grid") else {}),
             **({"precision": spec["precision"]} if spec.get("precision") else {}),

@@ -199,7 +199,7 @@ def density_warmup_record(cfg: TrainConfig, options: Any, total_steps: int) -> d
         text = f"none (its start {warm.start:g} is not above the density {options.density:g})"
     text += f"; coverage {number(cover, than=MIN_COVERAGE)} (step-count bound; >= {MIN_COVERAGE:g} kept accuracy)"
     return {"start": options.density_warmup if steps else None, "steps": steps,
-            "mode": options.density_warmup_mode, "default_rule": warm.is_default and bool(steps),
+            "mode": options.density_warmup_mode, "default_length": warm.is_default and bool(steps),
             "rule": warm.rule(), "coverage": round(cover, 3), "text": text}
 
 
