@@ -15,16 +15,17 @@ What a start does (:func:`open_run_dir`), every check before anything is written
    - ``run.resume = never``: the previous run's files are moved aside to ``<out>.prev-<time>/``
      and the run starts fresh (runs never share metrics, summaries or checkpoints);
    - the saved config differs from this one in any key that can change results (all keys but
-     :data:`NEUTRAL_KEYS`): stop with one line per differing key (old -> new) and the ways out,
-     unless that run never completed a step (a failed start holds nothing to protect): its files
-     are moved aside and the run starts fresh;
+     :data:`NEUTRAL_KEYS` and those neither run reads): stop with one line per differing key
+     (old -> new) and the ways out, unless that run never completed a step (a failed start holds
+     nothing to protect): its files are moved aside and the run starts fresh;
    - same config, finished (``summary.json`` at the planned step count): "already complete",
      nothing is rewritten;
    - same config, a checkpoint: resume from it (``run.resume = auto``: the newest intact one,
      whatever ``checkpoints/latest`` says, :func:`flashsgd.train.checkpoint.resume_point`; or the
      given directory);
    - same config, no checkpoint (a run that died before its first one): moved aside, fresh start.
-3. Write ``config.toml`` and ``plan.json`` (fresh and resumed starts only).
+3. Write ``config.toml`` (the keys this run reads, :func:`flashsgd.train.config_file.dumps_run_config`)
+   and ``plan.json`` (fresh and resumed starts only).
 
 Example::
 
@@ -48,7 +49,8 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from flashsgd.train import checkpoint as ckpt
-from flashsgd.train.config import TrainConfig, dumps, resolve
+from flashsgd.train.config import TrainConfig, resolve
+from flashsgd.train.config_file import dumps_run_config, reads
 
 # Config keys that cannot change what a run computes: a resume may change them freely.
 # (eval_every: BN statistics are averaged before each evaluation, and averaging commutes with the
@@ -98,10 +100,12 @@ def _flat(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def config_changes(old: TrainConfig, new: TrainConfig) -> list[str]:
-    """``"section.key: old -> new"`` for every key that differs and can change results."""
+    """``"section.key: old -> new"`` for every key that differs and can change results: not a
+    neutral key, and read by one of the two runs (:func:`flashsgd.train.config_file.applies`: the
+    image size of an MNIST-1D run, left out of its config.toml, changes nothing)."""
     a, b = _flat(old), _flat(new)
     return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in sorted(a) if a[k] != b[k]
-            and k.split(".", 1)[1] not in NEUTRAL_KEYS]
+            and k.split(".", 1)[1] not in NEUTRAL_KEYS and (reads(old, k) or reads(new, k))]
 
 
 @contextlib.contextmanager
@@ -229,6 +233,6 @@ def open_run_dir(plan: Any) -> Iterator[Start]:
         if start.kind == "fresh":
             start = dataclasses.replace(start, moved_aside=_move_aside(out))
         if start.kind != "complete":
-            (out / "config.toml").write_text(dumps(cfg))
+            (out / "config.toml").write_text(dumps_run_config(cfg))
             write_plan(out, plan)
         yield start

@@ -1,0 +1,111 @@
+"""The run directory's ``config.toml``: the resolved config, with only the keys that apply to the run.
+
+A key applies when the run reads it (:func:`applies`):
+
+* ``[data]``: the keys each dataset reads (:data:`DATASET_KEYS`, from
+  :func:`flashsgd.train.data.build_datasets` and :func:`flashsgd.train.plan.execution`);
+* ``[model]``: ``channels`` only for a model whose builder takes it (``mnist1d_cnn``);
+* ``[comm]``: ``algorithm``, ``ranks_per_node`` and ``bucket_mb`` always; under ``auto`` every key
+  (the planner may choose any exchange); otherwise a key applies when the exchange's options
+  class (:mod:`flashsgd.exchanges`) has the option it sets (``density_warmup_epochs`` sets
+  ``density_warmup_steps``), so ``torus2d`` reads no sparse key and ``gtopk`` no ``grid``;
+* ``[run]``: ``channels_last`` only for 4-D image inputs (:data:`flashsgd.train.plan.IMAGE_DATASETS`);
+  every other key applies.
+
+:func:`dumps_run_config` leaves out a key that does not apply and holds its default; one that does
+not apply but was set is kept under a comment saying so. So the file still loads back to the same
+config (``resolve(toml_text=dumps_run_config(cfg)) == cfg``), which is what a resume compares
+(:func:`flashsgd.train.rundir.config_changes`, which also ignores keys that apply to neither run).
+
+Example::
+
+    >>> from flashsgd.train.config import resolve
+    >>> cfg = resolve(cli={"algorithm": "torus2d"})
+    >>> applies(cfg, "data", "image_shape"), applies(cfg, "comm", "density"), applies(cfg, "comm", "grid")
+    (False, False, True)
+    >>> resolve(toml_text=dumps_run_config(cfg)) == cfg
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from flashsgd.exchanges import EXCHANGES
+from flashsgd.train.config import SECTIONS, TrainConfig, to_dict
+
+DATASET_KEYS: dict[str, tuple[str, ...]] = {
+    "num_samples": ("mnist1d", "synthetic"),
+    "data_dir": ("mnist1d", "imagefolder"),     # mnist1d: its cache folder
+    "image_shape": ("synthetic",),
+    "image_size": ("imagefolder",),
+    "data_seed": ("mnist1d", "synthetic"),
+    "data_workers": ("imagefolder",),           # in-memory datasets are indexed in the training process
+}
+"""``[data]`` keys read by some datasets only -> the datasets that read them (others: every dataset)."""
+
+COMM_ALWAYS = ("algorithm", "ranks_per_node", "bucket_mb")
+"""``[comm]`` keys every exchange's run reads (the hook, the topology, DDP's bucket cap)."""
+COMM_OPTION = {"density_warmup_epochs": "density_warmup_steps"}
+"""``[comm]`` keys whose option in :mod:`flashsgd.exchanges` has another name."""
+
+
+def _model_takes_channels(name: str) -> bool:
+    from flashsgd.train.models import MODELS  # noqa: PLC0415 - torch, only when asked
+
+    if name not in MODELS:  # torchvision:NAME
+        return False
+    return "channels" in inspect.signature(MODELS.get(name)).parameters
+
+
+def applies(cfg: TrainConfig, section: str, key: str) -> bool:
+    """Whether the run of ``cfg`` reads ``section.key`` (module docstring)."""
+    if section == "data" and key in DATASET_KEYS:
+        return cfg.data.dataset in DATASET_KEYS[key]
+    if section == "model" and key == "channels":
+        return _model_takes_channels(cfg.model.model)
+    if section == "run" and key == "channels_last":
+        from flashsgd.train.plan import IMAGE_DATASETS  # noqa: PLC0415 - torch-free, but heavy
+
+        return cfg.data.dataset in IMAGE_DATASETS
+    if section == "comm" and key not in COMM_ALWAYS and cfg.comm.algorithm != "auto":
+        return COMM_OPTION.get(key, key) in EXCHANGES[cfg.comm.algorithm].option_names()
+    return True
+
+
+def _why_not(cfg: TrainConfig, section: str) -> str:
+    return {"data": f"dataset {cfg.data.dataset}", "model": f"model {cfg.model.model}",
+            "comm": f"exchange {cfg.comm.algorithm}", "run": f"dataset {cfg.data.dataset}"}[section]
+
+
+def dumps_run_config(cfg: TrainConfig) -> str:
+    """``config.toml`` text of ``cfg``: the keys that apply; one that does not is left out at its
+    default, and kept under a comment when it was set (so the file loads back to ``cfg``)."""
+    import tomli_w  # noqa: PLC0415
+
+    defaults = to_dict(TrainConfig())
+    lines = ["# flashsgd train: resolved configuration (unset optional keys take the recipe's value;",
+             "# keys this run does not read are left out at their defaults)"]
+    for section, values in to_dict(cfg).items():
+        used = {k: v for k, v in values.items() if applies(cfg, section, k)}
+        unused = {k: v for k, v in values.items() if k not in used and
+                  (k not in defaults[section] or defaults[section][k] != v)}
+        lines += ["", f"[{section}]"]
+        lines += tomli_w.dumps(used).splitlines()
+        if unused:
+            lines.append(f"# set, but not read by {_why_not(cfg, section)}:")
+            lines += tomli_w.dumps(unused).splitlines()
+    return "\n".join(lines) + "\n"
+
+
+def unread_keys(cfg: TrainConfig) -> list[str]:
+    """``section.key`` of every key the run of ``cfg`` does not read."""
+    return [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(getattr(cfg, s))
+            if not applies(cfg, s, f.name)]
+
+
+def reads(cfg: TrainConfig, flat_key: str) -> bool:
+    """:func:`applies` of a ``section.key`` name."""
+    section, key = flat_key.split(".", 1)
+    return applies(cfg, section, key)
