@@ -60,7 +60,7 @@ def test_bandwidth_convention_matches_nccl_tests():
     (["--iters", "0"], "--iters must be >= 1"),
     (["--workers", "0"], "--workers must be an integer >= 1"),
     (["--timeout-s", "0"], "--timeout-s must be a finite number of seconds > 0"),
-    (["--workers", "8", "--sizes", "4K,100G"], "--sizes 100G: 8 rank(s) x 2 buffer(s) of 100.00 GiB = 1,600.00 GiB, "
+    (["--workers", "8", "--sizes", "4K,100G"], "--sizes 100G: 8 ranks x 2 buffers of 100 GiB = 1600 GiB, "
                                              "more than the "),
 ])
 def test_bad_options_are_clear_errors(argv, message, capsys):
@@ -122,7 +122,7 @@ def test_runs_under_an_env_rendezvous(tmp_path, monkeypatch, capfd):
 def test_memory_check_counts_every_rank_on_the_host(monkeypatch):
     check_memory(2**30, 4, 2, 8 * 2**30, "test memory")  # exactly fits
     with pytest.raises(ValueError, match=re.escape(
-            "--sizes 1G: 4 rank(s) x 2 buffer(s) of 1.00 GiB = 8.00 GiB, more than the 7.00 GiB of "
+            "--sizes 1G: 4 ranks x 2 buffers of 1 GiB = 8 GiB, more than the 7 GiB of "
             "test memory; the largest size that fits is about 896 MiB")):
         check_memory(2**30, 4, 2, 7 * 2**30, "test memory")
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FLASHSGD_EMULATED"):

@@ -138,6 +138,7 @@ def test_a_link_too_slow_for_the_timeout_skips_with_the_reason(monkeypatch, tmp_
     assert "step_s" in by["noop"]
     for c in ("ring", "topk"):
         assert "over the collective timeout --timeout-s 120 s" in by[c]["skipped"]
+        assert "a dense all-reduce of 95.4 MiB at 1 Mbit/s" in by[c]["skipped"]  # 100e6 B, binary units
     assert progress.skipped == 2 * (_spec()["warmup"] + _spec()["iters"])
 
 
@@ -244,3 +245,27 @@ def test_calibrate_on_every_shape_says_no_validation_rows_not_nan(tmp_path, caps
     assert math.isnan(report["max_error"]["validation"])
     assert "validation rows none (no modelled row outside the calibration shapes)" in out
     assert "nan" not in out
+
+
+def test_table_header_and_verdicts_never_contradict_their_numbers():
+    """Gradient size in MiB, a ratio just over auto's target is not printed as the target, a
+    validation error of no rows is 'none', one iteration is '1 step'."""
+    from flashsgd.bench.scaling_report import AUTO_TARGET, format_table, summarize
+
+    meta = {"model": "resnet20", "params": 272_474, "grad_bytes": 2 ** 20, "batch": 32, "recipe": "goyal",
+            "link_bps": 2e7, "comm_compute": 0, "cpus": 2, "loadavg_start": [1.0], "loadavg_end": [1.0],
+            "iters": 1, "warmup": 1, "elapsed_s": 10.0}
+
+    def row(comm, step, **extra):
+        return {"comm": comm, "nodes": 2, "ranks_per_node": 1, "world": 2, "step_s": [step],
+                "link_bps": 2e7, "loadavg": [1.0], **extra}
+
+    chosen = {"label": "ring, 25 MiB buckets", "explain": "why"}
+    rows = summarize([row("noop", 0.1), row("gtopk", 0.2),
+                      row("auto", 0.2 * (AUTO_TARGET + 0.0004), chosen=chosen)], 32)
+    sim = {"params": {}, "calibration_shapes": [[2, 1]], "max_error_calibration": 0.01,
+           "max_error_validation": math.nan, "describe": "(model)"}
+    text = format_table({"meta": meta, "rows": rows, "simulator": sim})
+    assert "1 MiB gradient" in text and "median of 1 step after" in text
+    assert f"= 1.1004x (target <= {AUTO_TARGET:.2f})" in text
+    assert "validation none (no other shape)" in text and "nan" not in text

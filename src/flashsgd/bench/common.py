@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import torch
 
 from flashsgd.exchanges import check_timeout_s
+from flashsgd.fmt import plural, size
 from flashsgd.launch import under_torchrun
 from flashsgd.outputs import add_output
 
@@ -205,10 +206,9 @@ def check_memory(size_bytes: int, ranks: int, copies: float, available_bytes: in
         return
     fits = int(available_bytes / (ranks * copies))
     raise ValueError(
-        f"--sizes {human_size(size_bytes)}: {ranks} rank(s) x {copies:g} buffer(s) of "
-        f"{size_bytes / 2**30:,.2f} GiB = {need / 2**30:,.2f} GiB, more than the "
-        f"{available_bytes / 2**30:,.2f} GiB of {where}; the largest size that fits is about "
-        f"{fits / 2**20:,.0f} MiB")
+        f"--sizes {human_size(size_bytes)}: {plural(ranks, 'rank')} x {plural(copies, 'buffer')} of "
+        f"{size(size_bytes)} = {size(need)}, more than the {size(available_bytes)} of {where}; the "
+        f"largest size that fits is about {size(fits)}")
 
 
 def run_metadata(**extra: Any) -> dict:

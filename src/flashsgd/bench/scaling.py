@@ -55,6 +55,7 @@ from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_ava
                                     emulated_cluster, parse_rate)
 from flashsgd.emulate.ranks import MASTER_PORT, RankError, run_ranks
 from flashsgd.exchanges import BUCKET_MB
+from flashsgd.fmt import size
 from flashsgd.outputs import add_output
 
 HELP = "training steps per hook on an emulated cluster of 1..N nodes: efficiency vs nodes, with the simulator"
@@ -210,7 +211,7 @@ def run_node_count(spec: dict, nodes: int, rate_bps: int, comms: list[str], work
     if est > spec["timeout_s"]:
         slow = [c for c in comms if c != "noop"]
         for c in slow:
-            rows.append({"comm": c, "skipped": f"a dense all-reduce of {grad_bytes / 1e6:.2f} MB at "
+            rows.append({"comm": c, "skipped": f"a dense all-reduce of {size(grad_bytes)} at "
                          f"{rate_bps / 1e6:g} Mbit/s takes ~{est:.0f} s, over the collective timeout "
                          f"--timeout-s {spec['timeout_s']:g} s: raise --timeout-s or the link rate"})
             progress.skip(spec["warmup"] + spec["iters"])
@@ -296,7 +297,7 @@ def _say_rate(spec: dict, nodes: int, grad_bytes: float, noop_s: float, rate: in
     world = nodes * spec["ranks_per_node"]
     ring_s = ring_link_bytes(grad_bytes, world) * 8 / rate
     tqdm_write(f"{why}: noop step {noop_s * 1e3:.1f} ms at {nodes}x{spec['ranks_per_node']}, gradient "
-               f"{grad_bytes / 1e6:.2f} MB, dense ring {ring_link_bytes(grad_bytes, world) / 1e6:.2f} MB per link "
+               f"{size(grad_bytes)}, dense ring {size(ring_link_bytes(grad_bytes, world))} per link "
                f"-> link {rate / 1e6:.3f} Mbit/s (ring {ring_s * 1e3:.0f} ms = {ring_s / noop_s:.2f} x compute)")
 
 

@@ -21,6 +21,11 @@ import sys
 import time
 from pathlib import Path
 
+from flashsgd.fmt import number, percent, plural, size
+
+AUTO_TARGET = 1.10
+"""``train --comm auto``'s target: its measured step <= this x the best measured hook's."""
+
 
 def summarize(rows: list[dict], batch: int) -> list[dict]:
     """Add the derived columns to every measured row (in place); returns ``rows``."""
@@ -46,7 +51,7 @@ def summarize(rows: list[dict], batch: int) -> list[dict]:
 
 def auto_verdicts(rows: list[dict]) -> list[dict]:
     """Per shape with an ``auto`` row: its choice, its measured step, the best measured hook's step
-    (noop and auto excluded) and their ratio (``train --comm auto``'s target: <= 1.10)."""
+    (noop and auto excluded) and their ratio (``train --comm auto``'s target: <= :data:`AUTO_TARGET`)."""
     out = []
     for a in rows:
         if a["comm"] != "auto" or "step_s" not in a:
@@ -115,11 +120,11 @@ def _fmt(v, spec: str, scale: float = 1.0) -> str:
 def format_table(doc: dict) -> str:
     """The table printed at the end of a run (one line per row, skipped/failed rows with why)."""
     m = doc["meta"]
-    lines = [f"# bench scaling: {m['model']} ({m['params'] or 0:,} parameters, {(m['grad_bytes'] or 0) / 1e6:.2f} MB "
+    lines = [f"# bench scaling: {m['model']} ({m['params'] or 0:,} parameters, {size(m['grad_bytes'] or 0)} "
              f"gradient), batch {m['batch']}/rank, recipe {m['recipe']}, link {m['link_bps'] / 1e6:.3f} Mbit/s"
              + (f" (--comm-compute {m['comm_compute']:g})" if m["comm_compute"] else ""),
              f"# {m['cpus']} CPUs, load avg {m['loadavg_start'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} "
-             f"at end; median of {m['iters']} steps after {m['warmup']} warm-up; {m['elapsed_s']:.0f} s",
+             f"at end; median of {plural(m['iters'], 'step')} after {m['warmup']} warm-up; {m['elapsed_s']:.0f} s",
              f"{'shape':>5} {'comm':>12} {'step ms':>8} {'min..max':>15} {'samples/s':>9} {'compute':>8} "
              f"{'exposed':>8} {'compr.':>7} {'eff':>6} {'eff/1n':>6} {'sim ms':>8} {'err':>7} {'Mbit/s':>7} {'load':>5}"]
     for r in doc["rows"]:
@@ -137,13 +142,14 @@ def format_table(doc: dict) -> str:
             f"{_fmt(r.get('prediction_error'), '+7.1%')} {r['link_bps'] / 1e6:7.2f} {r['loadavg'][0]:5.2f}")
     for v in auto_verdicts(doc["rows"]):
         lines.append(f"# auto at {v['nodes']}x{v['ranks_per_node']} chose {v['chosen']}: {v['auto_ms']:.1f} ms "
-                     f"vs the best measured hook {v['best_comm']} {v['best_ms']:.1f} ms = {v['ratio']:.2f}x "
-                     f"(target <= 1.10)\n#   why: {v['explain']}")
+                     f"vs the best measured hook {v['best_comm']} {v['best_ms']:.1f} ms = "
+                     f"{number(v['ratio'], than=AUTO_TARGET)}x (target <= {AUTO_TARGET:.2f})\n#   why: {v['explain']}")
     sim = doc.get("simulator") or {}
     if "params" in sim:
         lines.append(f"# simulator fitted on shapes {sim['calibration_shapes']} (the other shapes validate): "
-                     f"max |error| calibration {sim['max_error_calibration']:.1%}, validation "
-                     f"{sim['max_error_validation']:.1%}\n{sim['describe']}")
+                     f"max |error| calibration {percent(sim['max_error_calibration'], missing='none')}, "
+                     f"validation {percent(sim['max_error_validation'], than=0.25, missing='none (no other shape)')}"
+                     f"\n{sim['describe']}")
     elif sim:
         lines.append(f"# simulator: {sim['error']}")
     return "\n".join(lines)
