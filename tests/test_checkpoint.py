@@ -144,3 +144,53 @@ def test_save_never_leaves_latest_dangling_over_an_older_run(tmp_path, run_ranks
         ["rank-00000.pt", "rank-00001.pt", "shared.pt"]
     assert [s for s, _ in ckpt.step_dirs(tmp_path)] == [12, 16, 24]
     assert ckpt.resume_point(tmp_path)[0].name == "step-00000016"
+
+
+# ------------------------------------------------------------------------------ RNG states -------
+def _draws():
+    import random
+
+    import numpy as np
+    return torch.rand(3), np.random.rand(3), random.random()
+
+
+def test_rng_state_round_trip_and_a_cuda_state_is_ignored_without_cuda():
+    """CPU, numpy and Python streams continue exactly; a checkpoint written with CUDA (a "cuda"
+    entry) restores on a machine without CUDA, its CUDA part ignored (set_rng_state's docstring)."""
+    state = ckpt.rng_state()
+    assert ("cuda" in state) == torch.cuda.is_initialized()
+    first = _draws()
+    with_cuda = {**state, "cuda": torch.zeros(16, dtype=torch.uint8)}  # a CUDA generator's 16 bytes
+    for saved in (state, with_cuda) if not torch.cuda.is_available() else (state,):
+        ckpt.set_rng_state(saved)
+        again = _draws()
+        assert torch.equal(first[0], again[0]) and (first[1] == again[1]).all() and first[2] == again[2]
+
+
+def test_rng_state_saves_and_restores_the_current_cuda_generator(monkeypatch):
+    """The CUDA branch, on any machine: saved once CUDA is initialised, restored where it is
+    available (torch.cuda stood in for by recorders; the real generator is tested below)."""
+    restored = []
+    fake = torch.arange(16, dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": fake.clone())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.append(s))
+    state = ckpt.rng_state()
+    assert torch.equal(state["cuda"], fake)
+    ckpt.set_rng_state(state)
+    assert len(restored) == 1 and torch.equal(restored[0], fake)
+    del state["cuda"]  # a CPU run's checkpoint resumed with CUDA: CUDA's generator left as seeded
+    ckpt.set_rng_state(state)
+    assert len(restored) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rng_state_round_trip(tmp_path):
+    torch.rand(1, device="cuda")  # initialise CUDA
+    state = ckpt.rng_state()
+    torch.save(state, tmp_path / "rng.pt")
+    first = torch.rand(5, device="cuda")
+    torch.rand(7, device="cuda")
+    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert torch.equal(first, torch.rand(5, device="cuda"))

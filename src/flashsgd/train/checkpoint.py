@@ -30,6 +30,11 @@ damaged checkpoint (:func:`load`) is an error that offers the newest older intac
 The replicated state (model, optimizer) is written once, by rank 0; the per-rank state is small.
 Multi-node runs need ``out`` on storage every node sees (or at least each node's ranks' files).
 
+A checkpoint of the built-in ResNets' earlier parameter names (``last_bn``, ``shortcut``, before they
+took torchvision's) loads with its keys renamed and one printed note (:func:`legacy_key_map`); the
+parameter order is the same, so optimizer and hook state (by parameter position) are unaffected.
+The RNG states include the current CUDA device's generator (:func:`rng_state`).
+
 Example::
 
     >>> save(ckpt_dir, step, shared={"model": ...}, local={"rng": rng_state()}, keep=2)  # doctest: +SKIP
@@ -45,7 +50,7 @@ import re
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -96,20 +101,44 @@ def _atomic_text(text: str, path: Path) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """torch, numpy and Python RNG states as tensors / plain values (loadable with weights_only)."""
+    """torch (CPU, and CUDA's current device once CUDA is initialised), numpy and Python RNG states
+    as tensors / plain values (loadable with weights_only).
+
+    The CUDA generator is saved only when CUDA is initialised (``torch.cuda.is_initialized()``):
+    before that nothing has drawn from it, and reading it would create a CUDA context on device 0
+    in every rank of a CPU run on a GPU machine. It is the generator of the current device, the one
+    a rank bound to its GPU draws from (``torch.cuda.get_rng_state``: a CPU uint8 tensor).
+    """
     np_state = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(
-                lambda v: v.item() if hasattr(v, "item") else v, np_state[2:])],
-            "python": random.getstate()}
+    state = {"torch": torch.get_rng_state(),
+             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(
+                 lambda v: v.item() if hasattr(v, "item") else v, np_state[2:])],
+             "python": random.getstate()}
+    if torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state` (the CUDA part into the current device's generator).
+
+    Across devices it never fails:
+
+    - written with CUDA, restored where CUDA is not available: the CUDA state is ignored (there is
+      no CUDA generator); CPU, numpy and Python streams are restored.
+    - written without a CUDA state (a CPU run, or CUDA not yet initialised), restored where CUDA is
+      available: the CUDA generator keeps what this process's seeding gave it
+      (``torch.manual_seed`` seeds every CUDA device), so CUDA random draws after the resume are not
+      the uninterrupted run's. CPU, numpy and Python streams are restored.
+    - both with CUDA: restored exactly, also before CUDA is initialised (torch queues the call).
+    """
     torch.set_rng_state(state["torch"])
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _check_keep(keep: int) -> None:
@@ -324,6 +353,7 @@ def load(target: str | Path, rank: int, world_size: int) -> tuple[dict[str, Any]
     except _Damaged as exc:
         hint = _intact_hint(target.parent, int(step.group(1))) if step else ""
         raise CheckpointError(f"{exc}{hint}") from None
+    _upgrade_names(str(target), shared, [local])
     return shared, local
 
 
@@ -346,12 +376,79 @@ def load_all_ranks(target: str | Path) -> tuple[dict[str, Any], list[dict[str, A
         step = STEP_DIR.fullmatch(target.name)
         hint = _intact_hint(target.parent, int(step.group(1))) if step else ""
         raise CheckpointError(f"{exc}{hint}") from None
+    _upgrade_names(str(target), shared, ranks)
     return shared, ranks
 
 
+def legacy_key_map(keys: Iterable[str]) -> dict[str, str]:
+    """``{old: new}`` for state_dict keys in flashsgd's earlier ResNet names, renamed to
+    torchvision's (``torchvision/models/resnet.py``, which the built-in ResNets now follow).
+
+    1. A block's ``last_bn`` becomes ``bn3`` when the block has a ``conv3`` (Bottleneck), else
+       ``bn2`` (BasicBlock, the CIFAR block).
+    2. ``shortcut.0`` / ``shortcut.1`` (the projection's conv and BN) become ``downsample.0`` /
+       ``downsample.1``.
+
+    Only keys of a state with a ``last_bn`` key are renamed (every earlier built-in ResNet had one;
+    torchvision's models and other names never do), so any other state gives ``{}``.
+
+    Example::
+
+        >>> legacy_key_map(["layer1.0.conv3.weight", "layer1.0.last_bn.bias", "layer1.0.shortcut.1.bias"])
+        {'layer1.0.last_bn.bias': 'layer1.0.bn3.bias', 'layer1.0.shortcut.1.bias': 'layer1.0.downsample.1.bias'}
+    """
+    keys = list(keys)
+    if not any("last_bn" in key.split(".") for key in keys):
+        return {}
+    present, mapping = set(keys), {}
+    for key in keys:
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            if part == "last_bn":  # Step 1
+                parts[i] = "bn3" if ".".join(parts[:i] + ["conv3", "weight"]) in present else "bn2"
+            elif part == "shortcut" and parts[i + 1:i + 2] in (["0"], ["1"]):  # Step 2
+                parts[i] = "downsample"
+        if parts != key.split("."):
+            mapping[key] = ".".join(parts)
+    return mapping
+
+
+def _renamed(state: dict[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
+    return {mapping.get(k, k): v for k, v in state.items()}
+
+
+def _note_legacy(source: str, count: int) -> None:
+    """The one line saying that a checkpoint's names were renamed (rank 0, or a single process)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[flashsgd] checkpoint {source} has flashsgd's earlier ResNet names: {count} keys "
+              "renamed to torchvision's (last_bn -> bn2/bn3, shortcut -> downsample)", flush=True)
+
+
+def _upgrade_names(source: str, shared: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
+    """In place: the model of ``shared`` and the BN statistics (``buffers``) of each rank's state in
+    torchvision's names (:func:`legacy_key_map`), with one printed note when anything was renamed."""
+    mapping = legacy_key_map(shared.get("model", {}))
+    if mapping:
+        shared["model"] = _renamed(shared["model"], mapping)
+        for local in ranks:
+            if isinstance(local.get("buffers"), dict):
+                local["buffers"] = _renamed(local["buffers"], mapping)
+        _note_legacy(source, len(mapping))
+
+
 def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """``load_state_dict`` with a message naming the checkpoint and the mismatched keys/shapes."""
+    """``load_state_dict`` with a message naming the checkpoint and the mismatched keys/shapes.
+
+    A state in flashsgd's earlier ResNet names (``last_bn``, ``shortcut``) is renamed to the
+    model's torchvision names (:func:`legacy_key_map`) with one printed note, unless the model
+    itself has those names. (:func:`load` and :func:`load_all_ranks` rename already, the rank
+    files' BN statistics included.)
+    """
     own = model.state_dict()
+    mapping = {old: new for old, new in legacy_key_map(state).items() if old not in own}
+    if mapping:
+        state = _renamed(state, mapping)
+        _note_legacy(source, len(mapping))
     missing = sorted(set(own) - set(state))
     extra = sorted(set(state) - set(own))
     shapes = [k for k in own.keys() & state.keys() if own[k].shape != state[k].shape]

@@ -7,9 +7,18 @@ the torchvision/"v1.5" layout used by Goyal et al. and MLPerf) and the CIFAR Res
 parameter tensors and 25,557,032 parameters (as torchvision's resnet50 and the gTop-k paper's
 25.6 M-gradient figure), checked in the tests.
 
-Every residual block names its last BatchNorm ``last_bn``, so that
+Parameter names, shapes and order are torchvision's (``torchvision/models/resnet.py``, pytorch/vision:
+``conv1 bn1 maxpool layer1..layer4 fc``; blocks ``conv1 bn1 conv2 bn2 [conv3 bn3] downsample``, the
+projection shortcut ``downsample = Sequential(1x1 conv, BN)``; every conv without bias, 3x3 convs with
+padding 1, the 7x7 stem with padding 3), so a torchvision ResNet-18/50 state_dict loads into the
+same-named flashsgd model with ``strict=True`` and back. The CIFAR ResNet-20 (not in torchvision)
+names its blocks the same way. Checkpoints of the earlier names (``last_bn``, ``shortcut``) are
+renamed on load (:func:`flashsgd.train.checkpoint.rename_legacy_keys`).
+
+Every residual block exposes its last BatchNorm as the read-only property ``last_bn`` (``bn2`` or
+``bn3``; a property, so no second module name is registered), which
 :func:`flashsgd.optim.plan.apply_model_tweaks` (Goyal et al.: gamma = 0 for the last BN of each
-residual block) finds it. BatchNorm is plain ``nn.BatchNorm2d``: statistics per worker, never
+residual block) reads. BatchNorm is plain ``nn.BatchNorm2d``: statistics per worker, never
 SyncBatchNorm (Goyal et al. sec. 5.1).
 
 Example::
@@ -41,26 +50,31 @@ def _conv_bn(cin: int, cout: int, k: int, stride: int = 1) -> tuple[nn.Conv2d, n
 
 
 class BasicBlock(nn.Module):
-    """Two 3x3 convs; projection (1x1 conv + BN) shortcut when the shape changes (ImageNet)."""
+    """Two 3x3 convs; projection (1x1 conv + BN) ``downsample`` when the shape changes (ImageNet)."""
 
     expansion = 1
 
     def __init__(self, cin: int, width: int, stride: int = 1) -> None:
         super().__init__()
         self.conv1, self.bn1 = _conv_bn(cin, width, 3, stride)
-        self.conv2, self.last_bn = _conv_bn(width, width, 3)
-        self.shortcut = None
+        self.conv2, self.bn2 = _conv_bn(width, width, 3)
+        self.downsample = None
         if stride != 1 or cin != width:
-            self.shortcut = nn.Sequential(*_conv_bn(cin, width, 1, stride))
+            self.downsample = nn.Sequential(*_conv_bn(cin, width, 1, stride))
+
+    @property
+    def last_bn(self) -> nn.BatchNorm2d:
+        """The block's last BN (zero-gamma init, Goyal et al. sec. 5.1)."""
+        return self.bn2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
-        out = self.last_bn(self.conv2(out))
-        return F.relu(out + (x if self.shortcut is None else self.shortcut(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
 
 
 class Bottleneck(nn.Module):
-    """1x1 reduce, 3x3 (carries the stride), 1x1 expand (x4); projection shortcut on shape change."""
+    """1x1 reduce, 3x3 (carries the stride), 1x1 expand (x4); projection ``downsample`` on shape change."""
 
     expansion = 4
 
@@ -69,16 +83,21 @@ class Bottleneck(nn.Module):
         cout = width * self.expansion
         self.conv1, self.bn1 = _conv_bn(cin, width, 1)
         self.conv2, self.bn2 = _conv_bn(width, width, 3, stride)
-        self.conv3, self.last_bn = _conv_bn(width, cout, 1)
-        self.shortcut = None
+        self.conv3, self.bn3 = _conv_bn(width, cout, 1)
+        self.downsample = None
         if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(*_conv_bn(cin, cout, 1, stride))
+            self.downsample = nn.Sequential(*_conv_bn(cin, cout, 1, stride))
+
+    @property
+    def last_bn(self) -> nn.BatchNorm2d:
+        """The block's last BN (zero-gamma init, Goyal et al. sec. 5.1)."""
+        return self.bn3
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
         out = F.relu(self.bn2(self.conv2(out)))
-        out = self.last_bn(self.conv3(out))
-        return F.relu(out + (x if self.shortcut is None else self.shortcut(x)))
+        out = self.bn3(self.conv3(out))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
 
 
 class ImageNetResNet(nn.Module):
@@ -113,11 +132,16 @@ class CifarBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
         self.conv1, self.bn1 = _conv_bn(cin, cout, 3, stride)
-        self.conv2, self.last_bn = _conv_bn(cout, cout, 3)
+        self.conv2, self.bn2 = _conv_bn(cout, cout, 3)
         self.stride, self.pad = stride, cout - cin
 
+    @property
+    def last_bn(self) -> nn.BatchNorm2d:
+        """The block's last BN (zero-gamma init, Goyal et al. sec. 5.1)."""
+        return self.bn2
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.last_bn(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
         short = x[:, :, ::self.stride, ::self.stride] if self.stride > 1 else x
         if self.pad:
             short = F.pad(short, (0, 0, 0, 0, self.pad // 2, self.pad - self.pad // 2))
