@@ -112,3 +112,44 @@ def test_simulate_help_reads_the_wire_format_from_the_catalog():
     text = " ".join(parser.format_help().split())
     assert f"(default {WIRE_INDEX_BYTES}:" in text and f"{INT32_NUMEL:,} elements" in text
     assert "4: int32" in text and "8: int64" in text and "int64, the default" not in text
+
+
+def test_simulate_and_plan_say_one_bucket_one_gpu(capsys):
+    from flashsgd.cli import main
+
+    assert main(["simulate", "--cluster", "abci", "--gpus", "8", "--model", "resnet50", "--batch-per-gpu", "32",
+                 "--bucket-mb", "1000", "--comm", "ring"]) == 0
+    out = capsys.readouterr().out
+    assert "algorithm ring, 8 GPUs, 1 bucket (largest 97.5 MiB)" in out  # 25,557,032 fp32 = 97.49 MiB
+    assert "97.5 MiB of fp32 gradients" in out and "4 GPUs/node" in out
+    assert main(["plan", "--cluster", "1gbe", "--gpus", "1", "--model", "resnet50", "--steps", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "cluster 1gbe: 1 GPU/node" in out and "; 1 GPU x 32 samples;" in out
+
+
+def _skip_once(max_skipped: int, grad_accum: int):
+    """One poisoned step on rank 1 with run.max_skipped = 1, or a shard of 1 sample split in two."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddp_helpers import tiny_net
+    from flashsgd.train.step import TrainStep
+
+    ddp = DDP(tiny_net())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    step = TrainStep(ddp, opt, torch.nn.CrossEntropyLoss(reduction="sum"), max_skipped=max_skipped,
+                     grad_accum=grad_accum)
+    x, y = torch.randn(1, 20), torch.randint(0, 5, (1,))
+    try:
+        step(lambda: (x, y), 2, step=0, epoch=0, poison=dist.get_rank() == 1)
+    except (FloatingPointError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def test_train_step_messages_count_one_step_and_one_sample(run_ranks):
+    for error in run_ranks(_skip_once, 2, 1, 1):
+        assert "training diverged: 1 step in a row was skipped" in error, error
+    for error in run_ranks(_skip_once, 2, 0, 2):
+        assert "a shard of 1 sample cannot be split into grad_accum = 2" in error, error

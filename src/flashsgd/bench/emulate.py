@@ -44,6 +44,7 @@ from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_ava
                                     emulated_cluster, parse_rate, parse_shape)
 from flashsgd.emulate.ranks import RankError, run_ranks
 from flashsgd.emulate.report import annotate, format_table
+from flashsgd.fmt import plural
 from flashsgd.outputs import add_output
 
 HELP = "run a benchmark on an emulated cluster (network namespaces, tbf-capped links; needs root)"
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="flashsgd-emulate-"))
     log_dir = Path(args.logs) if args.logs else work / "logs"
-    print(f"emulated cluster: {nodes} nodes x {rpn} ranks, links {spec.rate_bps / 1e9:g} Gbit/s "
+    print(f"emulated cluster: {plural(nodes, 'node')} x {plural(rpn, 'rank')}, links {spec.rate_bps / 1e9:g} Gbit/s "
           f"(tbf burst {spec.burst_bytes} B)", flush=True)
     started = time.time()
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from flashsgd.comm.topology import parse_grid
 from flashsgd.exchanges import DEFAULT_DENSITY, INT32_NUMEL, NODE_SPLITS, WIRE_INDEX_BYTES, option_default
-from flashsgd.fmt import percent, size
+from flashsgd.fmt import percent, plural, size
 from flashsgd.outputs import add_output
 from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.engine import SimConfig, SimResult, simulate, sweep
@@ -189,7 +189,7 @@ def _predict_file(path: str, params: dict, statistic: str, calib) -> dict:
 
 def _print_breakdown(r: SimResult) -> None:
     ms = 1e3
-    print(f"algorithm {r.algorithm}, {r.gpus} GPUs, {r.buckets} buckets "
+    print(f"algorithm {r.algorithm}, {plural(r.gpus, 'GPU')}, {plural(r.buckets, 'bucket')} "
           f"(largest {size(r.bucket_bytes_max)})")
     print(f"  iteration        {r.iteration_s * ms:9.2f} ms")
     print(f"  compute          {r.compute_s * ms:9.2f} ms  (forward + backward + update, one GPU)")

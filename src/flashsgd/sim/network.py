@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from flashsgd.fmt import plural
 from flashsgd.registry import Registry
 
 GB = 1e9  # nccl-tests convention: GB/s = 1e9 bytes per second
@@ -111,8 +112,8 @@ class ClusterModel:
     def describe(self) -> str:
         """Human-readable summary of the cluster's parameters."""
         return (
-            f"cluster {self.name}: {f'{self.nodes} nodes x ' if self.nodes else ''}"
-            f"{self.ranks_per_node} GPUs/node; "
+            f"cluster {self.name}: {plural(self.nodes, 'node') + ' x ' if self.nodes else ''}"
+            f"{plural(self.ranks_per_node, 'GPU')}/node; "
             f"intra alpha={self.intra.alpha_s * 1e6:.2f} us, {self.intra.bandwidth_gbps:.3g} GB/s; "
             f"inter alpha={self.inter.alpha_s * 1e6:.2f} us, {self.inter.bandwidth_gbps:.3g} GB/s/node; "
             f"gamma={self.gamma_s_per_byte * 1e12:.3g} ps/B; call overhead "

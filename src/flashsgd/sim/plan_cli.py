@@ -23,6 +23,7 @@ import math
 import time
 from pathlib import Path
 
+from flashsgd.fmt import plural
 from flashsgd.outputs import add_output
 from flashsgd.sim.cluster_file import load_cluster
 from flashsgd.sim.network import CLUSTERS
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
                      steps=args.steps, accuracy_risk=args.accuracy_risk, precision=args.precision)
     elapsed = time.perf_counter() - t0
     print(f"{cluster.describe()}\nworkload {workload.name}: {workload.num_params:,} parameters in "
-          f"{workload.num_tensors} tensors; {args.gpus} GPUs x {args.batch_per_gpu} samples; "
+          f"{workload.num_tensors} tensors; {plural(args.gpus, 'GPU')} x {plural(args.batch_per_gpu, 'sample')}; "
           f"{len(plan.ranked)} candidates ranked in {elapsed:.2f} s")
     print_plan(plan, args.top)
     if args.json:

@@ -60,6 +60,7 @@ from typing import Callable, Literal
 import torch
 import torch.distributed as dist
 
+from flashsgd.fmt import plural
 from flashsgd.timing import clock
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -194,7 +195,7 @@ class TrainStep:
         if self.grad_accum == 1:
             return [(x, y)]
         if min(len(y), global_batch // self.world) < self.grad_accum:
-            raise ValueError(f"a shard of {min(len(y), global_batch // self.world)} samples cannot be "
+            raise ValueError(f"a shard of {plural(min(len(y), global_batch // self.world), 'sample')} cannot be "
                              f"split into grad_accum = {self.grad_accum} micro-batches of >= 1 sample "
                              f"(optim.grad_accum)")
         return list(zip(torch.tensor_split(x, self.grad_accum), torch.tensor_split(y, self.grad_accum)))
@@ -245,7 +246,8 @@ class TrainStep:
         self.check_parameters(f"at {_where(step, epoch)}")
         if self.max_skipped and self.skipped_in_row >= self.max_skipped:
             raise FloatingPointError(
-                f"training diverged: {self.skipped_in_row} steps in a row were skipped for a non-finite "
+                f"training diverged: {plural(self.skipped_in_row, 'step')} in a row "
+                f"{'was' if self.skipped_in_row == 1 else 'were'} skipped for a non-finite "
                 f"loss or gradient (run.max_skipped = {self.max_skipped}), the first at "
                 f"{_where(*self.first_skipped)}; {TRY}")
         return False
@@ -278,7 +280,8 @@ class TrainStep:
         if flags.sum().item() > 0:
             what = "parameters" if flags[0].item() > 0 else "BatchNorm running statistics (buffers)"
             first = (f"; the first non-finite loss or gradient was at {_where(*self.first_skipped)}, "
-                     f"then {self.skipped_in_row} step(s) in a row were skipped") if self.first_skipped else ""
+                     f"then {plural(self.skipped_in_row, 'step')} in a row "
+                     f"{'was' if self.skipped_in_row == 1 else 'were'} skipped") if self.first_skipped else ""
             raise FloatingPointError(f"training diverged: the model's {what} are non-finite {where}{first}; "
                                      f"skipping steps cannot recover; {TRY}")
 
