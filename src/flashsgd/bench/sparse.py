@@ -349,7 +349,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hook-width", type=int, default=1024, help="--hook: width of the MLP")
     parser.add_argument("--bucket-mb", type=float, default=8.0,
                         help=f"--hook: DDP bucket cap in MiB (default 8, not the trainer's "
-                             f"{BUCKET_MB:g}: 4-5 buckets of the 34 MB MLP)")
+                             f"{BUCKET_MB:g}: 4-5 buckets of the 32 MiB MLP)")
     parser.add_argument("--batch", type=int, default=16, help="--hook: samples per rank and step")
     parser.add_argument("--threads", type=int, default=0,
                         help="--selection-speed: torch intra-op threads (default 0: torch's default)")
