@@ -115,3 +115,11 @@ def test_resume_ignores_keys_neither_run_reads_and_compares_the_rest(tmp_path):
         rundir.decide(resolve(cli={"out": str(tmp_path), "num_samples": 2000}), target_steps=10)
     with pytest.raises(rundir.RunDirError, match="comm.algorithm: 'torus2d' -> 'gtopk'; comm.density"):
         rundir.decide(resolve(cli={"out": str(tmp_path), "algorithm": "gtopk", "density": 0.5}), 10)
+
+
+def test_doctest():
+    import doctest
+
+    from flashsgd.train import config_file
+
+    assert doctest.testmod(config_file).failed == 0
