@@ -114,6 +114,14 @@ def test_unknown_options_list_valid_ones(name, options, message):
         register_hook(object(), name, **options)
 
 
+@pytest.mark.parametrize("name", list(HOOKS))
+def test_a_model_not_wrapped_in_ddp_is_a_type_error_saying_what_it_needs(name):
+    # on a bare module every hook used to fail deep inside with an AttributeError
+    with pytest.raises(TypeError, match=r"register_hook needs a torch.nn.parallel.DistributedDataParallel "
+                                        r"model, got torch.nn.modules.container.Sequential; wrap it: DDP\(model\)"):
+        register_hook(_net(), name)
+
+
 def test_stateless_state_dict_round_trip():
     state = StatelessHookState("noop")
     assert state.state_dict() == {}

@@ -3,13 +3,15 @@ a tiny recipe bench run."""
 
 import argparse
 import dataclasses
+import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from flashsgd.bench import recipe as bench_recipe
-from flashsgd.optim import LARS, RECIPES, Recipe, prepare, tuned_variant
+from flashsgd.optim import LARS, RECIPES, Recipe, RecipeWarning, lambda_lr, prepare, tuned_variant
 from flashsgd.optim.plan import apply_model_tweaks, build_batch_table, build_loss, build_optimizer
 from flashsgd.optim.schedules import epoch_at_step, lr_at
 from flashsgd.train.mnist1d import MNIST1DCNN, load_mnist1d
@@ -228,3 +230,139 @@ def test_tiny_recipe_bench_run(tmp_path, monkeypatch, capsys):
     assert "| 128 | baseline |" in table
     base_acc = float(table.split("| 128 | baseline | ")[1].split(" |")[0])
     assert base_acc > 30.0
+
+
+# ---------------------------------------------------------------- the traps of a user's own loop ------
+# (issue 24, "the library"): each is an error or one RecipeWarning, and the right use is silent.
+
+def _silent(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return fn(*args, **kwargs)
+
+
+def _steps(plan, model, n, set_lr=False):
+    x, y = torch.randn(16, 1, 8, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 10
+    for step in range(n):
+        if set_lr:
+            plan.set_lr(step)
+        plan.optimizer.zero_grad()
+        plan.loss_fn(model(x), y).backward()
+        plan.optimizer.step()
+
+
+MINE = Recipe(name="mine", optimizer="lars", warmup_epochs=2.0, decay="step", milestones=(10.0, 15.0))
+
+
+def test_a_custom_recipe_rescaled_by_epochs_says_so():
+    with pytest.warns(RecipeWarning, match=r"recipe 'mine' is written for 90 epochs \(Recipe.epochs\); "
+                                           r"prepare\(\.\.\., epochs=20\) rescales it by 20/90: warm-up 2 -> "
+                                           r"0.4444 epochs; milestones \(10, 15\) -> \(2.222, 3.333\).*"
+                                           r"Recipe\(\.\.\., epochs=20\).*recipe.for_epochs\(20\)"):
+        plan = prepare(MINE, _model(), 512, 1000, epochs=20)
+    assert plan.recipe.milestones == pytest.approx((20 / 9, 30 / 9))  # still rescaled: only said
+    # the right ways are silent: lengths written for the run, an explicit rescale, a preset's lengths
+    mine20 = dataclasses.replace(MINE, epochs=20.0)
+    assert _silent(prepare, mine20, _model(), 512, 1000, epochs=20).recipe.milestones == (10.0, 15.0)
+    _silent(prepare, MINE.for_epochs(20), _model(), 512, 1000, epochs=20)
+    _silent(prepare, dataclasses.replace(RECIPES["goyal"], lr_per_ref=0.2, name="g2"), _model(), 512, 1000, epochs=20)
+    # nothing but the length to rescale (no warm-up, poly decay, one batch row): nothing to say
+    _silent(prepare, Recipe(name="plain", decay="poly"), _model(), 512, 1000, epochs=20)
+    with pytest.warns(RecipeWarning, match=r"batch rows from epochs \(0, 30\) -> \(0, 7\)"):
+        prepare(dataclasses.replace(RECIPES["sony"], warmup_epochs=0.0, batch_fractions=((0, 0.5), (30, 1.0)),
+                                    power=1.0, name="s"), _model(), 512, 1000, epochs=20)
+
+
+@pytest.mark.parametrize("name", ["goyal", "sony", "fujitsu", "fujitsu-mnist1d"])
+def test_forgetting_set_lr_warns_at_the_second_step(name):
+    model = _model()
+    plan = prepare(RECIPES[name], model, 512, 5120, epochs=9, model_tweaks=False)
+    lr0 = plan.optimizer.param_groups[0]["lr"]
+    with pytest.warns(RecipeWarning, match=rf"optimizer step 1 runs at LR {lr0:.4g}, the value prepare\(\) "
+                                           r"wrote for step 0.*schedule is at .* for step 1: call "
+                                           r"plan.set_lr\(step\) before every optimizer step"):
+        _steps(plan, model, 2)
+    assert (lr0 == 0) == (name != "goyal")  # three of the four presets start at LR 0
+    _silent(_steps, plan, model, 9)  # once per plan
+
+
+def test_an_lr_driven_by_the_loop_is_silent():
+    for drive in ("set_lr", "lambda_lr", "own"):
+        model = _model()
+        plan = prepare(RECIPES["sony"], model, 512, 5120, epochs=9)
+        if drive == "set_lr":
+            _silent(_steps, plan, model, 9, set_lr=True)
+            continue
+        if drive == "lambda_lr":
+            sched = lambda_lr(plan.optimizer, plan.schedule, plan.table, 5120)
+        else:
+            for g in plan.optimizer.param_groups:
+                g["lr"] = 0.05
+        for _ in range(9):
+            _silent(_steps, plan, model, 1)
+            if drive == "lambda_lr":
+                sched.step()
+
+
+def test_a_decay_never_applied_is_caught_too():
+    # no warm-up: the LR written for step 0 is the peak, right until the first milestone (epoch 1 of 3)
+    recipe = Recipe(name="flat", epochs=3.0, decay="step", milestones=(1.0,))
+    model = _model()
+    plan = prepare(recipe, model, 512, 5120, epochs=3)  # 10 steps per epoch
+    _silent(_steps, plan, model, 9)
+    with pytest.warns(RecipeWarning, match="optimizer step 16 runs at LR 0.2.*at 0.02 for step 16"):
+        _steps(plan, model, 8)
+
+
+def test_the_dataset_size_can_come_after_the_optimizer():
+    model = _model()
+    plan = prepare(RECIPES["fujitsu-mnist1d"], model, 512, epochs=3)  # before the dataset exists
+    assert isinstance(plan.optimizer, LARS) and plan.num_samples is None
+    with pytest.raises(RuntimeError, match=r"does not know the dataset size yet: call "
+                                           r"plan.set_num_samples\(len\(train_set\)\)"):
+        plan.set_lr(0)
+    with pytest.raises(RuntimeError, match="dataset size"):
+        plan.total_steps()
+    assert plan.set_num_samples(5120) is plan
+    ref = prepare(RECIPES["fujitsu-mnist1d"], _model(), 512, 5120, epochs=3)
+    assert [plan.set_lr(s) for s in range(30)] == [ref.set_lr(s) for s in range(30)]
+    assert plan.total_steps() == ref.total_steps() == 30
+    plan.set_num_samples(np.int64(5120))  # the same size again: fine
+    with pytest.raises(ValueError, match="num_samples is already 5120.*got 4000"):
+        plan.set_num_samples(4000)
+    # forgetting both the size and set_lr: the LR-0 steps are still caught
+    model = _model()
+    plan = prepare(RECIPES["sony"], model, 512, epochs=3)
+    with pytest.warns(RecipeWarning, match=r"nothing is learned at LR 0.*plan.set_num_samples\(N\)"):
+        _steps(plan, model, 2)
+
+
+def test_describe_says_global_batch_is_the_final_batch():
+    plan = prepare(RECIPES["sony"], _model(), 512, 5120, epochs=90)
+    assert ("global_batch=512 (the final batch; batch-size control: 256 for epochs 0-29 (33% of the "
+            "epochs), 512 from epoch 30)") in plan.describe()
+    assert "global_batch=512 lr_per_ref" in prepare(RECIPES["goyal"], _model(), 512, 5120, epochs=9).describe()
+    assert "global_batch=64 (the final batch; batch-size control: 32 for epoch 0 (33% of the epochs), 64 from " \
+           "epoch 1)" in prepare(RECIPES["sony"], _model(), 64, 5120, epochs=3).describe()
+
+
+def test_replaced_optimizer_settings_are_listed_and_it_cannot_step():
+    model = _model()
+    mine = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)  # --lr --momentum --wd
+    with pytest.warns(RecipeWarning, match=r"plan.optimizer \(recipe 'fujitsu'\) replaces your SGD, whose "
+                                           r"settings no longer apply: SGD -> LARS; lr=0.1 -> the schedule's "
+                                           r"\(0 at step 0, peak .*\); momentum=0.9 -> 0.96; weight_decay=0.0001 "
+                                           r"-> 5e-05 \(0 on biases and normalization parameters\)\. Step "
+                                           r"plan.optimizer"):
+        plan = prepare(RECIPES["fujitsu"], model, 512, 5120, epochs=9, replaces=mine)
+    with pytest.raises(RuntimeError, match=r"this SGD was replaced by plan.optimizer.*step plan.optimizer instead"):
+        mine.step()
+    _silent(_steps, plan, model, 2, set_lr=True)  # the plan's optimizer steps as usual
+    # goyal's momentum and Nesterov are not listed (the same); its weight decay spares biases and BN
+    mine = torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    with pytest.warns(RecipeWarning, match=r"no longer apply: lr=0.1 -> the schedule's \(0.1 at step 0, peak "
+                                           r"0.2; plan.set_lr\); weight_decay=0.0001 -> 0.0001 \(0 on biases "
+                                           r"and normalization parameters\)\. Step"):
+        prepare(RECIPES["goyal"], _model(), 512, 5120, epochs=9, replaces=mine)
+    with pytest.raises(TypeError, match="replaces must be the torch.optim.Optimizer .* got dict"):
+        prepare(RECIPES["goyal"], _model(), 512, 5120, epochs=9, replaces={"lr": 0.1})

@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from flashsgd.comm import dense_hooks, powersgd_hooks, sparse_hooks
 from flashsgd.comm.hook_common import HookFactory, completed_future, ddp_hook
@@ -68,7 +69,8 @@ def register_hook(ddp_model: Any, name: str, options: Any = None, *, wrap: Calla
     built-in all-reduce in place.
 
     Args:
-        ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` module.
+        ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` module (anything else is a
+            TypeError saying to wrap it, after the name and options are checked).
         name: a name in :data:`HOOKS` (unknown names raise ValueError listing the known ones).
         options: the hook's options object (:attr:`flashsgd.exchanges.Exchange.options`), or None
             to build it from ``kwargs``.
@@ -85,6 +87,9 @@ def register_hook(ddp_model: Any, name: str, options: Any = None, *, wrap: Calla
     elif kwargs or not isinstance(options, exchange.options):
         raise ValueError(f"hook {name!r}: pass either an {exchange.options.__name__} or options by "
                          f"name, got {type(options).__name__} and {sorted(kwargs)}")
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"register_hook needs a torch.nn.parallel.DistributedDataParallel model, got "
+                        f"{type(ddp_model).__module__}.{type(ddp_model).__qualname__}; wrap it: DDP(model)")
     state, hook = factory(ddp_model, options)
     if hook is not None:
         ddp_model.register_comm_hook(state, _gated(ddp_model, wrap(hook) if wrap else hook))
