@@ -164,9 +164,8 @@ def select(state: SparseHookState, x: torch.Tensor, k: int, idx: int, rank: int,
     if selection == "threshold":
         return topk_threshold(x, k, reuse=state.reuse, key=idx, bmax=bmax)
     if selection == "sampled":
-        if state.generator is None:
-            state.generator = torch.Generator(device=x.device).manual_seed(state.options.seed * 65537 + rank)
-        return SELECTIONS["sampled"](x, k, generator=state.generator, workspace=state.workspace)
+        return SELECTIONS["sampled"](x, k, generator=state.sampling_generator(x.device, rank),
+                                     workspace=state.workspace)
     return SELECTIONS["exact"](x, k)
 
 

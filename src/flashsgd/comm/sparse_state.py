@@ -58,7 +58,7 @@ class SparseHookState:
         "algorithm", "options", "process_group",
         # internal state
         "iter", "residuals", "velocities", "layer_norms", "layouts", "pending", "pending_velocities",
-        "param_positions", "generator", "workspace", "checked", "reuse", "topology", "comm",
+        "param_positions", "generator", "saved_generator", "workspace", "checked", "reuse", "topology", "comm",
         "pending_job",
         # stats
         "bytes_sent", "sparse_buckets", "dense_buckets", "last_density", "residual_remaps",
@@ -81,7 +81,8 @@ class SparseHookState:
         self.layouts: dict[int, tuple] = {}            # bucket index -> parameter positions
         self.pending: dict[int, torch.Tensor] | None = None  # per-parameter residuals to re-assemble
         self.pending_velocities: dict[int, torch.Tensor] | None = None  # the same, for velocities
-        self.generator: torch.Generator | None = None
+        self.generator: torch.Generator | None = None  # sampled selection's RNG: sampling_generator()
+        self.saved_generator: tuple[torch.Tensor, str | None] | None = None  # (state, device type) to continue
         self.workspace = SelectionWorkspace()
         self.checked: set[int] = set()
         self.bytes_sent = 0       # bytes handed to the backend by this rank (sparse + dense phase)
@@ -115,6 +116,45 @@ class SparseHookState:
         """The hook's momentum factor (0: the optimizer owns the momentum)."""
         return self.options.momentum_correction
 
+    # ------------------------------------------------------------ sampled selection's RNG ---
+    def sampling_generator(self, device: torch.device, rank: int) -> torch.Generator:
+        """The sampled selection's RNG, on ``device`` (the device of the bucket it serves); the one
+        place that creates it.
+
+        Made at its first use: seeded ``options.seed * 65537 + rank`` (every rank its own stream), or,
+        after :meth:`load_state_dict`, set to the saved stream, so the resumed run draws the
+        uninterrupted run's samples. A stream saved by a generator of another device type (a CPU
+        run's checkpoint resumed on CUDA buckets, or the reverse: the two generators' states have
+        different formats) cannot be continued: it restarts from its seed, with a warning.
+        """
+        if self.generator is not None:
+            return self.generator
+        generator = torch.Generator(device=device)
+        saved, self.saved_generator = self.saved_generator, None
+        if saved is not None:
+            state, saved_type = saved
+            if saved_type in (None, generator.device.type):  # None: a checkpoint that did not record it
+                try:
+                    generator.set_state(state)
+                    self.generator = generator
+                    return generator
+                except RuntimeError:  # another generator's state format
+                    pass
+            warnings.warn(f"{self.algorithm} hook (rank {rank}): the checkpoint's sampled-selection RNG "
+                          f"stream was saved by a {saved_type or 'other'} generator and cannot continue on "
+                          f"{generator.device.type}; it restarts from its seed (the selections differ "
+                          "from an uninterrupted run's)", stacklevel=2)
+        self.generator = generator.manual_seed(self.options.seed * 65537 + rank)
+        return self.generator
+
+    def _generator_state(self) -> dict:
+        """The sampled selection's stream for :meth:`state_dict`: the live generator's, or the saved
+        one that has not been used since :meth:`load_state_dict`; with its device type."""
+        if self.generator is not None:
+            return {"generator": self.generator.get_state(), "generator_device": self.generator.device.type}
+        state, device = self.saved_generator or (None, None)
+        return {"generator": None if state is None else state.clone(), "generator_device": device}
+
     # ---------------------------------------------------------------------- checkpointing ---
     def state_dict(self) -> dict:
         """Iteration, residuals with their parameter layouts, RNG state and counters (tensors cloned),
@@ -128,7 +168,7 @@ class SparseHookState:
             "pending": {k: v.clone() for k, v in (self.pending or {}).items()},
             "velocities": {k: v.clone() for k, v in self.velocities.items()},
             "pending_velocities": {k: v.clone() for k, v in (self.pending_velocities or {}).items()},
-            "generator": None if self.generator is None else self.generator.get_state(),
+            **self._generator_state(),
             "thresholds": self.reuse.state_dict(),
             "stats": {"bytes_sent": self.bytes_sent, "sparse_buckets": self.sparse_buckets,
                       "dense_buckets": self.dense_buckets, "residual_remaps": self.residual_remaps,
@@ -152,10 +192,10 @@ class SparseHookState:
         self.velocities = {int(k): v.clone() for k, v in state.get("velocities", {}).items()}
         self.pending_velocities = {int(k): v.clone()
                                    for k, v in state.get("pending_velocities", {}).items()} or None
-        self.generator = None
+        self.generator = None  # re-created on the bucket's device at its next use (sampling_generator)
+        self.saved_generator = None
         if state.get("generator") is not None:
-            self.generator = torch.Generator()
-            self.generator.set_state(state["generator"])
+            self.saved_generator = (state["generator"].clone(), state.get("generator_device"))
         if state.get("thresholds") is not None:
             self.reuse.load_state_dict(state["thresholds"])
         for key, value in state.get("stats", {}).items():
@@ -180,6 +220,7 @@ class SparseHookState:
             "velocities": mean_tensors([st.get("velocities", {}) for st in states]),
             "pending_velocities": mean_tensors([st.get("pending_velocities", {}) for st in states]),
             "generator": own.get("generator") if own else None,
+            "generator_device": own.get("generator_device") if own else None,
             "thresholds": None, "stats": own.get("stats", {}) if own else {},
         }
 
