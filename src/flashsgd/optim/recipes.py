@@ -54,7 +54,9 @@ class Recipe:
     exclude_bias_and_norm: bool = True
     """No weight decay (and no LARS adaptation) on biases and normalization parameters."""
     epochs: float = PRESET_EPOCHS
-    """Training length the lengths below refer to (see :meth:`for_epochs`)."""
+    """Training length the lengths below refer to (see :meth:`for_epochs`). A recipe of one's own
+    sets it to the length its values are for: ``prepare(..., epochs=N)`` rescales the lengths by
+    ``N / epochs`` (with a RecipeWarning for lengths that are not a preset's)."""
     warmup_epochs: float = 0.0
     """Linear warmup length."""
     warmup_start_factor: float | None = 0.0
@@ -70,7 +72,9 @@ class Recipe:
     final_factor: float = 0.0
     """Poly/cosine end LR as a fraction of the peak."""
     batch_fractions: tuple[tuple[float, float], ...] = ((0.0, 1.0),)
-    """Batch-size control: (start epoch, fraction of the final global batch) rows."""
+    """Batch-size control: (start epoch, fraction of the final global batch) rows. The fractions are
+    of the ``global_batch`` given to ``prepare``, so that is the batch the run ends at (``sony``:
+    0.5 of it until epoch 30 of 90)."""
     label_smoothing: float = 0.0
     """CrossEntropyLoss label smoothing."""
     zero_init_last_bn: bool = False
