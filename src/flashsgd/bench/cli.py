@@ -18,6 +18,7 @@ BENCHMARKS = {
     "train": "flashsgd.bench.train",
     "emulate": "flashsgd.bench.emulate",
     "scaling": "flashsgd.bench.scaling",
+    "gpu": "flashsgd.bench.gpu",
 }
 
 
