@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from flashsgd.bench.common import run_metadata, write_json
 from flashsgd.bench.gpu_common import RATIO_TARGET, GpuSettings, cuda_missing, first_line, run_job
+from flashsgd.bench.gpu_hooks import HOOK_WORLDS
 from flashsgd.outputs import add_output
 
 HELP = "check flashsgd on a GPU: every hook on CUDA, top-k selection, LARS, ResNet-50 images/s vs a plain loop"
@@ -66,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a shorter run: hooks at 2 ranks (and NCCL at 1), training with channels_last "
                              "on and compile off only (unless --hook-ranks / --channels-last / --compile say)")
-    parser.add_argument("--hook-ranks", default=None, help="Gloo ranks on one GPU for the hooks check (default 2,4)")
+    parser.add_argument("--hook-ranks", default=None, help="Gloo ranks on one GPU for the hooks check "
+                        f"(default {','.join(map(str, HOOK_WORLDS))}; --quick: {HOOK_WORLDS[0]})")
     parser.add_argument("--precisions", default=",".join(PRECISIONS),
                         help=f"training precisions (default {','.join(PRECISIONS)})")
     parser.add_argument("--channels-last", choices=list(SWITCH), default=None, help="training: default both")
@@ -113,7 +115,8 @@ def settings_from(args: argparse.Namespace, torchvision: bool) -> tuple[GpuSetti
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     quick = args.quick
-    worlds = _numbers(args.hook_ranks or ("2" if quick else "2,4"), int, "--hook-ranks",
+    default_worlds = HOOK_WORLDS[:1] if quick else HOOK_WORLDS
+    worlds = _numbers(args.hook_ranks or ",".join(map(str, default_worlds)), int, "--hook-ranks",
                       lambda w: w >= 1, "rank counts >= 1, e.g. 2,4")
     densities = None if args.densities is None else _numbers(
         args.densities, float, "--densities", lambda d: check_density(d, "--densities") > 0, "numbers in (0, 1]")

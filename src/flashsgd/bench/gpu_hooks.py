@@ -58,6 +58,11 @@ MASS_DENSITY = 0.05
 BUCKET_MB = 2 / 1024
 """DDP bucket cap of the check's net, MiB (2 KiB: the 5,418 parameters fill several buckets)."""
 
+PEER_TIMEOUT_S = 30.0
+"""The hooks' ``timeout_s``: a wait on a peer longer than this raises (seconds; every case's
+exchange of a 5,418-parameter net takes milliseconds), so a hook stuck on one rank costs its case
+half a minute, not the job's collective timeout."""
+
 HOOK_WORLDS = (2, 4)
 """Gloo ranks sharing one GPU (NCCL cannot put two ranks on one device)."""
 
@@ -89,7 +94,7 @@ def hook_cases(world: int) -> list[HookCase]:
     cases = []
     for name, exchange in EXCHANGES.items():
         names = exchange.option_names()
-        base = {"timeout_s": COLLECTIVE_TIMEOUT_S}
+        base = {"timeout_s": PEER_TIMEOUT_S}
         if "ranks_per_node" in names:
             base["ranks_per_node"] = rpn
         variants = [{"node_split": s} for s in NODE_SPLITS] if "node_split" in names else [{}]

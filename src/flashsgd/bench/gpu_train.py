@@ -66,7 +66,9 @@ class ResidentBatch:
 class PlainStep:
     """Step 3: the tutorial's training iteration over one model.
 
-    DDP with its defaults (built-in all-reduce, the plan's bucket size), the recipe's optimizer at
+    DDP with its defaults (built-in all-reduce, the plan's bucket size; BN buffers broadcast from
+    rank 0 before each forward, where flashsgd's DDP keeps them per worker as Goyal et al. do: at
+    one rank a broadcast to itself), the recipe's optimizer at
     a fixed LR, a mean cross-entropy with the recipe's label smoothing, ``torch.autocast`` around
     forward and loss (bf16 / fp16), ``torch.amp.GradScaler`` for fp16, the model and each step's
     input in ``torch.channels_last`` when asked, ``torch.compile`` of the DDP model when asked.
