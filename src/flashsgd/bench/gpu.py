@@ -144,7 +144,8 @@ def _device_lines(settings: GpuSettings) -> list[str]:
         return [f"# flashsgd bench gpu --device cpu: the CUDA check's code paths at tiny sizes on the CPU "
                 f"({platform.machine()}, {os.cpu_count()} CPUs); no figure here describes a GPU"]
     props = torch.cuda.get_device_properties(0)
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "not built"
+    nccl = torch.cuda.nccl.version() if dist.is_nccl_available() else "not built"  # (major, minor, patch)
+    nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     return [f"# flashsgd bench gpu: {torch.cuda.get_device_name(0)} (cuda:0, compute capability "
             f"{props.major}.{props.minor}, {props.total_memory / 2**30:.1f} GiB), "
             f"{torch.cuda.device_count()} GPU(s) visible",
