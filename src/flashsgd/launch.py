@@ -88,6 +88,22 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch work of the launching process before it forks its ranks, on one intra-op thread.
+
+    GNU OpenMP (torch's intra-op pool on Linux) does not survive a fork: a child whose parent has
+    run a parallel region hangs in its own first one (seen: a 1-rank run whose parent had decoded
+    a batch stopped forever in DDP's first broadcast; ranks of larger worlds run one thread each
+    and escaped). Work done here never starts the pool, so the ranks forked afterwards are safe."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 CPU_WORKERS = 4
 """Local ranks of a CPU run when ``run.workers`` is unset (emulated 2x2: two nodes of two ranks)."""
 
@@ -381,7 +397,9 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
             or hung rank fails its peers' collectives after at most this long.
         deadline_s: deadline of the whole run, or None (default) for none.
         start_method: ``"fork"`` (default for Gloo on Linux: workers inherit imported torch, ~0.2 s
-            to start 4 ranks instead of ~5 s) or ``"spawn"`` (default for NCCL: CUDA needs it).
+            to start 4 ranks instead of ~5 s; torch work of this process before the call belongs in
+            :func:`one_thread`, or a rank may hang in OpenMP) or ``"spawn"`` (default for NCCL:
+            CUDA needs it).
         env: extra environment variables for the workers.
 
     Raises:

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "emulate": "flashsgd.bench.emulate",
     "scaling": "flashsgd.bench.scaling",
     "gpu": "flashsgd.bench.gpu",
+    "data": "flashsgd.bench.data",
 }
 
 

@@ -11,6 +11,10 @@
   torchvision's ``RandomResizedCrop`` draws the same parameters). Eval: resize the short side to
   size * 256/224, center crop. Resizing is ``F.interpolate(bilinear, antialias=True)``, the op
   torchvision's tensor ``resize`` runs, on every machine.
+* Hand-over: a sample leaves :meth:`ImageFolderSplit.sample` as the uint8 crop (3, size, size),
+  rounded as torchvision's PIL pipeline rounds; the batch is normalized to float32 where it is
+  used (:meth:`ImageFolderSplit.normalize`: on the rank's device, after the copy), so a worker
+  process hands over a quarter of the bytes and the host-to-GPU copy moves a quarter too.
 * Randomness: sample ``i`` of the augmentation stream ``key`` draws from its own generator, seeded
   ``key * 1_000_003 + i`` (:func:`sample_generator`). Its crop and flip depend only on (run seed,
   epoch, sample), not on which process decodes it, in which order, or how many workers the run has:
@@ -26,7 +30,7 @@ Example::
     >>> x, y = split.batch(torch.tensor([0, 4]), train=True, key=7)
     >>> tuple(x.shape), y.tolist()
     ((2, 3, 24, 24), [0, 1])
-    >>> torch.equal(x[1], split.sample(4, train=True, key=7)[0])   # one sample, one generator
+    >>> torch.equal(x[1], split.normalize(split.sample(4, train=True, key=7)[0][None])[0])
     True
 """
 
@@ -111,8 +115,8 @@ def center_crop(img: torch.Tensor, size: int, resize_to: int | None = None) -> t
 class ImageFolderSplit:
     """Files with class labels; :meth:`sample` decodes and augments one (module docstring).
 
-    ``sample`` is what a DataLoader worker runs (:mod:`flashsgd.train.loader`); :meth:`batch` is
-    the same, in this process, for a batch of indices."""
+    ``sample`` is what a DataLoader worker runs (:mod:`flashsgd.train.loader`), ``normalize``
+    what the rank runs on the batch; :meth:`batch` is both, in this process."""
 
     def __init__(self, files: list[Path], labels: list[int], size: int, how: str | None = None) -> None:
         self.files, self.labels, self.size = files, torch.tensor(labels, dtype=torch.int64), size
@@ -124,7 +128,7 @@ class ImageFolderSplit:
         return len(self.files)
 
     def sample(self, i: int, train: bool = True, key: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(float32 (3, size, size) normalized image, label) of sample ``i``."""
+        """(uint8 (3, size, size) image, label) of sample ``i`` (one generator per sample)."""
         img = load_image(self.files[i], self.decoder)
         if train:
             g = sample_generator(key, i)
@@ -133,11 +137,16 @@ class ImageFolderSplit:
                 img = img.flip(-1)
         else:
             img = center_crop(img, self.size)
-        return (img - self.mean) / self.std, self.labels[i]
+        return img.round_().clamp_(0, 255).to(torch.uint8), self.labels[i]
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 (N, 3, H, W) -> float32 with ImageNet mean/std, on ``x``'s device."""
+        return (x.float() - self.mean.to(x.device)) / self.std.to(x.device)
 
     def batch(self, idx: torch.Tensor, train: bool = True, key: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalized float32 (N, 3, size, size) and labels of ``idx``, in this process."""
         samples = [self.sample(i, train, key) for i in idx.tolist()]
-        return torch.stack([x for x, _ in samples]), self.labels[idx]
+        return self.normalize(torch.stack([x for x, _ in samples])), self.labels[idx]
 
 
 def scan_folder(root: Path, classes: list[str] | None = None) -> tuple[list[Path], list[int], list[str]]:

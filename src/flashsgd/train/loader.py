@@ -6,7 +6,9 @@ splits (those with a per-sample ``sample(i, train, key)``, :class:`flashsgd.trai
 ImageFolderSplit`) go through ``torch.utils.data.DataLoader`` - as PyTorch's ImageNet example does -
 with ``data.data_workers`` worker processes, ``prefetch_factor`` batches each in flight, pinned
 memory when the rank trains on CUDA (what makes the step's ``non_blocking`` copy asynchronous), and
-persistent workers (started once per run, not per epoch). In-memory splits (MNIST-1D, synthetic,
+persistent workers (started once per run, not per epoch). Workers hand over uint8 crops; the
+rank normalizes them on its device after the copy (:meth:`flashsgd.train.images.ImageFolderSplit.
+normalize`: a quarter of the bytes through shared memory and over PCIe). In-memory splits (MNIST-1D, synthetic,
 tensors) are indexed in the training process: a worker would only add a copy.
 
 Order and resume: the batches are the :class:`~flashsgd.train.data.ShardedSampler`'s, in its order
@@ -18,11 +20,11 @@ last batch trained on.
 
 Cost: with W workers decoding in parallel the rank waits only for the part of decoding that W
 processes cannot hide behind its step (the step's ``t_data_s`` in metrics.jsonl); each worker holds
-``prefetch_factor`` batches of float32 images (B/W x 3 x 224 x 224 x 4 bytes: 19 MB at 32 images).
+``prefetch_factor`` batches of uint8 images (B/W x 3 x 224 x 224 bytes: 4.8 MB at 32 images).
 
 Example::
 
-    stream = BatchStream(split, workers=2, pin_memory=False)
+    stream = BatchStream(split, workers=2, device=torch.device("cuda", 0))
     for x, y in stream.epoch(sampler, key=augmentation_key(seed, epoch)):
         ...   # sampler.position is the number of batches taken
 """
@@ -102,16 +104,24 @@ class BatchStream:
     """One rank's training batches (module docstring): ``workers`` DataLoader processes for
     per-sample splits, the training process itself otherwise (or with ``workers=0``)."""
 
-    def __init__(self, split: Any, workers: int, pin_memory: bool = False) -> None:
+    def __init__(self, split: Any, workers: int, device: torch.device | None = None) -> None:
         if workers < 0:
             raise ValueError(f"data workers must be >= 0 (0: decode in the training process), got {workers}")
         self.split = split
         self.workers = workers if streams(split) else 0
         self._batches = _Batches()
-        self._loader = (_loader(split, True, self._batches, self.workers, pin_memory, persistent=True)
-                        if self.workers else None)
+        self.device = device or torch.device("cpu")
+        self._loader = (_loader(split, True, self._batches, self.workers, self.device.type == "cuda",
+                                persistent=True) if self.workers else None)
         self.last_size = 0
         """Samples in the batch taken last (this rank's shard)."""
+
+    def close(self) -> None:
+        """Stop the worker processes now (before this process forks: a fork must not copy the
+        loader's queue threads). Idempotent; the stream cannot be read afterwards."""
+        if self._loader is not None and self._loader._iterator is not None:
+            self._loader._iterator._shutdown_workers()
+        self._loader = None
 
     def epoch(self, sampler, key: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(x, y) for each remaining shard of ``sampler``'s epoch, advancing its position per batch
@@ -121,7 +131,8 @@ class BatchStream:
             parts = (self.split.batch(idx, True, key) for idx in shards)
         else:
             self._batches.batches = [[(key, i) for i in idx.tolist()] for idx in shards]
-            parts = iter(self._loader)
+            parts = ((self.split.normalize(x.to(self.device, non_blocking=True)),
+                      y.to(self.device, non_blocking=True)) for x, y in self._loader)
         for idx, (x, y) in zip(shards, parts):
             sampler.position += 1  # taken: a checkpoint from here on resumes after this batch
             self.last_size = len(idx)
@@ -138,4 +149,5 @@ def eval_batches(split: Any, lo: int, hi: int, chunk: int, workers: int,
             yield split.batch(torch.arange(i, min(i + chunk, hi)), False)
         return
     batches = [[(0, j) for j in range(i, min(i + chunk, hi))] for i in starts]
-    yield from _loader(split, False, batches, min(workers, len(batches)), pin_memory, persistent=False)
+    for x, y in _loader(split, False, batches, min(workers, len(batches)), pin_memory, persistent=False):
+        yield split.normalize(x), y

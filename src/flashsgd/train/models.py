@@ -218,12 +218,11 @@ def check_input(name: str, channels: int, data, dataset: str) -> None:
     ``data``'s training samples to ``(2, data.num_classes)`` logits.
 
     Run before any process starts, so that a model/dataset mismatch is a bad input (exit 2), not a
-    failure of every rank at step 0. One thread, so that no intra-op pool is alive at the fork.
+    failure of every rank at step 0 (the trainer runs it inside :func:`flashsgd.launch.one_thread`:
+    no intra-op pool is alive at the fork).
     """
     model = build_model(name, data.num_classes, channels).eval()
     x, _ = data.train.batch(torch.arange(min(2, len(data.train))), train=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
         out = model(x)
     except Exception as exc:  # noqa: BLE001 - any failure means the model cannot take this input
@@ -232,8 +231,6 @@ def check_input(name: str, channels: int, data, dataset: str) -> None:
                          f"{tuple(x.shape[1:])} (batch {tuple(x.shape)}); the model says: {reason}; "
                          f"choose a model for this input (config keys model.model, data.dataset, "
                          f"data.image_shape)") from None
-    finally:
-        torch.set_num_threads(threads)
     if tuple(out.shape) != (len(x), data.num_classes):
         raise ValueError(f"model {name!r} maps dataset {dataset!r}'s input of shape {tuple(x.shape)} to "
                          f"output shape {tuple(out.shape)}, expected {(len(x), data.num_classes)} "

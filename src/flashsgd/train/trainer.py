@@ -86,8 +86,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     workers, backend, note = launch.local_ranks(r.workers, r.backend)  # one rank per GPU, or CPU ranks
     if note:
         print(f"[flashsgd] {note}", flush=True)
-    data = load_data(cfg)
-    check_input(cfg.model.model, cfg.model.channels, data, cfg.data.dataset)  # exit 2, not 4 failed ranks
+    with launch.one_thread():  # before the fork: no OpenMP pool in this process
+        data = load_data(cfg)
+        check_input(cfg.model.model, cfg.model.channels, data, cfg.data.dataset)  # exit 2, not 4 failed ranks
     plan = build_plan(cfg, workers, len(data.train), local_spawn=True)
     with open_run_dir(plan) as start:
         if start.kind == "complete":
