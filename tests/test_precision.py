@@ -105,7 +105,7 @@ def test_fp16_overflow_on_one_rank_is_skipped_everywhere_with_one_scale(run_rank
 def test_fp16_overflow_at_scale_one_counts_as_a_nonfinite_step(run_ranks):
     # at a scale <= 1 the gradient is non-finite without any scaling: the divergence guard applies
     for message in run_ranks(_overflow_on_one_rank, 2, 1.0, 1):
-        assert "1 steps in a row were skipped" in message and "step 0" in message
+        assert "1 step in a row was skipped" in message and "step 0" in message
 
 
 def _accumulated(n: int):
@@ -147,7 +147,7 @@ def test_the_plan_records_precision_accumulation_memory_format_and_compile():
     plan = build_plan(cfg, 4, 32000, local_spawn=True)
     e = plan.to_dict()["execution"]
     assert e == {"precision": "bf16", "autocast": "bfloat16", "loss_scaler": False, "grad_accum": 2,
-                 "micro_batch_per_worker": [512], "channels_last": False, "compile": True,
+                 "micro_batch_per_worker": [512], "channels_last": False, "compile": True, "data_workers": 0,
                  "notes": ["channels_last ignored: mnist1d inputs are not 4-D images"]}
     line = next(x for x in plan.describe().splitlines() if x.lstrip().startswith("step"))
     assert "bf16 autocast" in line and "grad accum 2" in line and "torch.compile" in line \

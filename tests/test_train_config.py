@@ -11,6 +11,7 @@ from flashsgd.cli import build_parser
 from flashsgd.train import checkpoint as ckpt
 from flashsgd.train import config as C
 from flashsgd.train.cli import parse_config
+from flashsgd import launch
 from flashsgd.train.data import ShardedSampler, build_datasets
 from flashsgd.train.images import center_crop, random_resized_crop
 from flashsgd.train.models import MODELS, build_model
@@ -20,7 +21,8 @@ from flashsgd.train.models import MODELS, build_model
 
 def test_defaults_are_the_main_job():
     cfg = C.resolve()
-    assert (cfg.run.workers, cfg.data.dataset, cfg.model.model) == (4, "mnist1d", "mnist1d_cnn")
+    assert (cfg.run.workers, cfg.data.dataset, cfg.model.model) == (None, "mnist1d", "mnist1d_cnn")
+    assert launch.local_ranks(cfg.run.workers, cfg.run.backend, gpus=0) == (4, "gloo", "")  # CPU: 4 ranks
     assert (cfg.optim.recipe, cfg.optim.global_batch, cfg.comm.algorithm) == ("fujitsu", 4096, "torus2d")
 
 
@@ -33,7 +35,7 @@ def test_precedence_defaults_toml_cli(tmp_path):
     assert cfg.optim.global_batch == 8192 and cfg.optim.epochs == 3.0  # TOML over defaults
     assert cfg.comm.algorithm == "gtopk" and cfg.comm.density == 0.05  # CLI over TOML (--comm alias)
     assert cfg.optim.nesterov is False and cfg.run.seed == 5
-    assert cfg.run.workers == 4                                         # untouched default
+    assert cfg.run.workers is None                                      # untouched default
 
 
 def test_resolved_config_round_trips():

@@ -91,7 +91,7 @@ def _folder(args: argparse.Namespace, tmp: str) -> Path:
 def time_pipelines(root: Path, counts: list[int], image_size: int, batch: int, reps: int) -> list[dict]:
     """Steps 2-3: rows of images/s per worker count (median, min, max, ratio to in-process). The
     in-process pipeline runs with a one-rank run's intra-op threads (all cores), each DataLoader
-    worker with one."""
+    worker with one, and the receiving process with one."""
     import os
 
     import torch
@@ -109,12 +109,14 @@ def time_pipelines(root: Path, counts: list[int], image_size: int, batch: int, r
 
     def epoch(w: int, key: int) -> float:
         sampler.set_epoch(key, min(batch, n))
+        # in-process: a one-rank run's intra-op threads; with workers this process only receives
+        # and normalizes (on a GPU rank: on the device), one thread, no OpenMP spinning beside them
+        torch.set_num_threads(threads if w == 0 else 1)
         t0 = time.perf_counter()
         for x, _ in streams[w].epoch(sampler, key):
             assert x.shape[-1] == image_size
         return n / (time.perf_counter() - t0)
 
-    torch.set_num_threads(threads)  # the in-process pipeline: a one-rank run's intra-op threads
     for w in counts:  # Step 2: warm-up
         epoch(w, 0)
     rates: dict[int, list[float]] = {w: [] for w in counts}

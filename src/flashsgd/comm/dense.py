@@ -120,7 +120,7 @@ def check_consistent(flat: torch.Tensor, op: str, algorithm: str,
     mine = torch.tensor([flat.numel(), list(DTYPES).index(flat.dtype), OPS.index(op),
                          names.index(algorithm) if algorithm in names else -1],
                         dtype=torch.int64, device=flat.device)
-    if flat.is_cuda:  # NCCL: its collective, bounded by the group's timeout
+    if native_stages(flat):  # NCCL: its collective, bounded by the group's timeout
         every = torch.empty(world * 4, dtype=torch.int64, device=flat.device)
         _all_gather_single(every, mine)
     else:
@@ -170,8 +170,10 @@ def chunk_bounds(n: int, parts: int) -> list[int]:
     return [min(i * c, n) for i in range(parts + 1)]
 
 
-def _native_stages(flat: torch.Tensor, group: ProcessGroup | None) -> bool:
-    """True for CUDA tensors on an NCCL group (also "cpu:gloo,cuda:nccl"): use NCCL's collectives."""
+def native_stages(flat: torch.Tensor, group: ProcessGroup | None = None) -> bool:
+    """True for CUDA tensors on an NCCL group (also "cpu:gloo,cuda:nccl"): use NCCL's collectives
+    (asynchronous on the stream, futures for every collective). Gloo carrying CUDA tensors (several
+    ranks on one GPU) takes the Gloo path: its send/recv rings and the communication thread."""
     return flat.is_cuda and "nccl" in str(dist.get_backend(group))
 
 
@@ -296,7 +298,7 @@ def reduce_scatter(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup
     b = chunk_bounds(n, P)
     if n == 0:
         return 0, 0
-    if _native_stages(flat, group):  # native sub-collective on an input padded to P * c
+    if native_stages(flat, group):  # native sub-collective on an input padded to P * c
         c = b[1]
         padded = flat.new_zeros(P * c)
         padded[:n].copy_(flat)
@@ -336,7 +338,7 @@ def all_gather(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | N
     p = ranks.index(dist.get_rank())
     # Step 1
     b = chunk_bounds(n, P)
-    if _native_stages(flat, group):
+    if native_stages(flat, group):
         c = b[1]
         shard = flat.new_zeros(c)
         shard[:b[p + 1] - b[p]].copy_(flat[b[p]:b[p + 1]])
@@ -364,7 +366,7 @@ def ring_allreduce(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup
     """
     if len(ranks) == 1 or group is None or flat.numel() == 0:
         return
-    if _native_stages(flat, group):
+    if native_stages(flat, group):
         dist.all_reduce(flat, group=group)
         return
     reduce_scatter(flat, ranks, group, duplex, timeout_s=timeout_s, where=where)

@@ -67,7 +67,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.dense import ALLREDUCE, DTYPES, duplex_groups
+from flashsgd.comm.dense import ALLREDUCE, DTYPES, duplex_groups, native_stages
 from flashsgd.comm.hook_common import (CommThread, HookFactory, StatelessHookState,
                                        completed_future, ddp_hook)
 from flashsgd.comm.topology import Topology, get_topology
@@ -137,7 +137,7 @@ def dense_hook(state: DenseHookState, bucket: dist.GradBucket) -> torch.futures.
     state.buckets += 1
     state.elements += buf.numel()
     # Step 2
-    if state.comm is not None and not buf.is_cuda:  # NCCL enqueues asynchronously anyway
+    if state.comm is not None and not native_stages(buf):  # NCCL enqueues asynchronously anyway
         # Step 3 (pending Future, completed by the thread)
         return state.comm.submit(lambda: fn(buf, topo, op="avg", check=False))
     fn(buf, topo, op="avg", check=False)

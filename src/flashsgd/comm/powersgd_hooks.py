@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDState, _should_compress,
                                                                       powerSGD_hook)
 
+from flashsgd.comm.dense import native_stages
 from flashsgd.comm.hook_common import CommThread, check_owner, ddp_hook, mean_tensors, rank_and_world
 from flashsgd.exchanges import LowRankOptions
 
@@ -159,7 +160,7 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     """Step 3: torch's ``powerSGD_hook`` on the inner ``PowerSGDState`` (memories re-ordered first
     when DDP changed the bucket's parameters)."""
     state.follow_layout(bucket)
-    if bucket.buffer().is_cuda:  # NCCL: the chain is enqueued on the stream in order
+    if native_stages(bucket.buffer()):  # NCCL: the chain is enqueued on the stream in order
         return powerSGD_hook(state.powersgd, bucket)
     # Gloo: torch's hook issues the Q all-reduce (and the decompression) in Future callbacks, on
     # Gloo's threads, while the backward thread goes on to the next bucket's P all-reduce: with
