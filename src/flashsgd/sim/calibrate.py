@@ -230,7 +230,7 @@ class Validation:
 
     def max_error(self, min_bytes: float = 0.0) -> float:
         errs = [abs(r["rel_error"]) for r in self.rows if r["size_bytes"] >= min_bytes]
-        return max(errs) if errs else float("nan")
+        return float(max(errs)) if errs else float("nan")  # a Python float: fmt.percent compares it
 
 
 def validate(bench: BenchFile, mode: Literal["joint", "per-algorithm"] = "joint") -> Validation:

@@ -180,7 +180,7 @@ def _predict_file(path: str, params: dict, statistic: str, calib) -> dict:
                  predicted_us=p * 1e6, rel_error=(p - m.time_s) / m.time_s) for m, p in zip(ms, pred)]
     print(f"prediction of {path} ({len(rows)} points):")
     _print_errors(rows)
-    big = [abs(r["rel_error"]) for r in rows if r["size_bytes"] >= 1 << 20]
+    big = [float(abs(r["rel_error"])) for r in rows if r["size_bytes"] >= 1 << 20]  # Python floats for fmt
     worst = max(big) if big else float("nan")
     print(f"max |error| for messages >= 1 MiB: {percent(worst, than=0.25, missing='none (no message that large)')} "
           f"(target 25%)")
