@@ -98,3 +98,47 @@ def cli_help(flag: str) -> str:
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
     return next(a.help for a in p._actions if flag in a.option_strings)
+
+
+SIX = """name = "six"
+ranks_per_node = 6
+[intra]
+bandwidth_gbit = 1200.0
+latency_us = 3.4
+[inter]
+bandwidth_gbit = 192.0
+latency_us = 14.0
+"""
+
+
+def test_simulate_prints_the_torus_grid_and_warns_when_the_automatic_one_straddles_nodes(tmp_path, capsys):
+    from flashsgd.sim.cluster_file import load_cluster
+    from flashsgd.sim.engine import SimConfig, simulate, straddling_alternative
+    from flashsgd.sim.workload import resnet50
+
+    path = tmp_path / "six.toml"
+    path.write_text(SIX)
+    argv = ("--cluster", str(path), "--gpus", "192", "--comm", "torus2d", "--precision", "fp16",
+            "--images-per-s", "1200", "--bucket-mb", "100")
+    assert run_cli(*argv, "--json", str(tmp_path / "r.json")) == 0
+    out = capsys.readouterr().out
+    cluster, cfg = load_cluster(str(path)), SimConfig("torus2d", 192, 1200.0, precision="fp16", bucket_mb=100)
+    auto = simulate(resnet50(), cluster, cfg)  # 32 nodes x 6: automatic 12x16, rows of 2 nodes
+    aligned = simulate(resnet50(), cluster, SimConfig("torus2d", 192, 1200.0, precision="fp16",
+                                                      bucket_mb=100, grid=(6, 32)))
+    assert auto.grid == (12, 16) and aligned.iteration_s < auto.iteration_s
+    assert straddling_alternative(resnet50(), cluster, cfg, auto) == aligned
+    assert "grid 12x16 (automatic: near-square, X a multiple of 6 GPUs/node; rows span 2 nodes)" in out
+    assert (f"the node-aligned grid 6x32 is faster: {aligned.iteration_s * 1e3:.2f} ms "
+            f"({aligned.efficiency:.1%}) vs {auto.iteration_s * 1e3:.2f} ms ({auto.efficiency:.1%}); "
+            "pass --grid 6x32") in out
+    assert json.loads((tmp_path / "r.json").read_text())["results"][0]["grid"] == [12, 16]
+    # a grid given on the command line is what runs, and is not second-guessed
+    assert run_cli(*argv, "--grid", "12x16") == 0
+    out = capsys.readouterr().out
+    assert "grid 12x16 (given by --grid; rows span 2 nodes)" in out and "warning" not in out
+    # ABCI, 1024 GPUs: the automatic 32x32 beats the node-aligned 4x256 (latency): no warning
+    assert run_cli("--cluster", "abci", "--sweep-gpus", "8,1024", "--comm", "torus2d,ring") == 0
+    out = capsys.readouterr().out
+    assert "torus2d on 8 GPUs: grid 4x2 (automatic: near-square, X a multiple of 4 GPUs/node; a row is a node)" in out
+    assert "torus2d on 1024 GPUs: grid 32x32" in out and "warning" not in out

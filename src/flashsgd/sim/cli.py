@@ -25,7 +25,7 @@ from flashsgd.exchanges import DEFAULT_DENSITY, INT32_NUMEL, NODE_SPLITS, WIRE_I
 from flashsgd.fmt import percent, plural, size
 from flashsgd.outputs import add_output
 from flashsgd.sim.algorithms import ALGORITHMS
-from flashsgd.sim.engine import SimConfig, SimResult, simulate, sweep
+from flashsgd.sim.engine import SimConfig, SimResult, simulate, straddling_alternative, sweep
 from flashsgd.sim.cluster_file import load_cluster
 from flashsgd.sim.network import CLUSTERS, get_cluster
 from flashsgd.sim.workload import MODEL_HELP, get_workload
@@ -187,6 +187,43 @@ def _predict_file(path: str, params: dict, statistic: str, calib) -> dict:
     return {"path": path, "rows": rows, "max_error_ge_1MB": worst}
 
 
+def grid_text(r: SimResult, cluster, given: bool) -> str:
+    """``12x16 (automatic: ...; rows span 2 nodes)``: the torus grid ``r`` ran on and where it
+    came from."""
+    x, y = r.grid
+    per_node = min(r.gpus, cluster.ranks_per_node)
+    how = ("given by --grid" if given else
+           f"automatic: near-square, X a multiple of {plural(per_node, 'GPU')}/node")
+    if r.gpus > per_node:
+        how += (f"; rows span {plural(x // per_node, 'node')}" if x > per_node else
+                "; a row is a node" if x == per_node else f"; {plural(per_node // x, 'row')} per node")
+    return f"{x}x{y} ({how})"
+
+
+def grid_warning(r: SimResult, aligned: SimResult) -> str:
+    """The automatic grid straddles nodes and the node-aligned one predicts a faster step."""
+    return (f"warning: the automatic torus2d grid {r.grid[0]}x{r.grid[1]} on {plural(r.gpus, 'GPU')} "
+            f"straddles nodes; the node-aligned grid {aligned.grid[0]}x{aligned.grid[1]} is faster: "
+            f"{aligned.iteration_s * 1e3:.2f} ms ({aligned.efficiency:.1%}) vs {r.iteration_s * 1e3:.2f} "
+            f"ms ({r.efficiency:.1%}); pass --grid {aligned.grid[0]}x{aligned.grid[1]} to use it")
+
+
+def _grid_lines(results: list[SimResult], workload, cluster, base: SimConfig) -> list[str]:
+    """The grid of every torus2d result and, where the automatic one straddles nodes and the
+    node-aligned grid is faster, a warning with both predictions (:func:`straddling_alternative`)."""
+    lines = []
+    for r in results:
+        if r.grid is None:
+            continue
+        cfg = replace(base, algorithm=r.algorithm, gpus=r.gpus,
+                      grid=base.grid if base.grid and base.grid[0] * base.grid[1] == r.gpus else None)
+        lines.append(f"torus2d on {plural(r.gpus, 'GPU')}: grid {grid_text(r, cluster, cfg.grid is not None)}")
+        aligned = straddling_alternative(workload, cluster, cfg, r)
+        if aligned is not None:
+            lines.append(grid_warning(r, aligned))
+    return lines
+
+
 def _print_breakdown(r: SimResult) -> None:
     ms = 1e3
     print(f"algorithm {r.algorithm}, {plural(r.gpus, 'GPU')}, {plural(r.buckets, 'bucket')} "
@@ -303,6 +340,9 @@ def run(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - t0
         _print_table(results, algos, args.sweep_gpus)
         print(f"simulated {len(results)} configurations in {elapsed:.3f} s")
+        report["grids"] = _grid_lines(results, workload, cluster, base)
+        for line in report["grids"]:
+            print(line)
         png = plot_path(args.plot, args.out, args.json)
         if png is not None:
             plot_efficiency(results, png, f"{workload.name}, {args.precision}, batch "
@@ -313,8 +353,12 @@ def run(args: argparse.Namespace) -> int:
         report["sweep_seconds"] = elapsed
     else:
         results = [simulate(workload, cluster, replace(base, algorithm=a)) for a in algos]
+        report["grids"] = []
         for r in results:
             _print_breakdown(r)
+            for line in _grid_lines([r], workload, cluster, base):
+                print(f"  {line}")
+                report["grids"].append(line)
     report["results"] = [r.to_dict() for r in results]
     _write_json(args.json, report)
     return 0

@@ -116,6 +116,9 @@ class SimResult:
     bandwidth_s: float
     comm_compute_s: float
     overhead_s: float
+    grid: tuple[int, int] | None = None
+    """torus2d: the grid X x Y it ran on (given, or :func:`flashsgd.sim.costs.auto_grid`'s); None
+    for the other algorithms."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,7 +187,35 @@ def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimRe
         buckets=int(ends.size), bucket_bytes_max=float(nbytes.max()),
         latency_s=float(cost.latency_s.sum()), bandwidth_s=float(cost.bandwidth_s.sum()),
         comm_compute_s=float(cost.compute_s.sum()), overhead_s=float(cost.overhead_s.sum()),
+        grid=setup.torus_grid if cfg.algorithm == "torus2d" else None,
     )
+
+
+def node_aligned_grid(cluster: ClusterModel, gpus: int) -> tuple[int, int] | None:
+    """The torus grid whose rows are the nodes, X = GPUs per node (Mikami et al. 2018's layout:
+    horizontal rings inside a node, vertical rings across nodes); None on one node or with one GPU
+    per node (X = 1 would be the flat ring)."""
+    per_node = min(gpus, cluster.ranks_per_node)
+    if per_node < 2 or gpus <= per_node:
+        return None
+    return per_node, gpus // per_node
+
+
+def straddling_alternative(workload: Workload, cluster: ClusterModel, cfg: SimConfig,
+                           result: SimResult) -> SimResult | None:
+    """The node-aligned torus's prediction when ``result`` ran torus2d on the automatic grid, whose
+    rows span several nodes (X > GPUs per node), and the node-aligned grid is faster; else None.
+
+    The automatic grid (:func:`flashsgd.sim.costs.auto_grid`) minimises message steps; rows that
+    straddle nodes send their horizontal ring across the NICs, which the node-aligned grid keeps
+    inside the node (32 nodes x 6 GPUs: automatic 12x16, node-aligned 6x32).
+    """
+    aligned = node_aligned_grid(cluster, cfg.gpus)
+    if cfg.algorithm != "torus2d" or cfg.grid is not None or aligned is None or result.grid is None \
+            or result.grid[0] <= aligned[0]:
+        return None
+    other = simulate(workload, cluster, replace(cfg, grid=aligned))
+    return other if other.iteration_s < result.iteration_s else None
 
 
 def sweep(workload: Workload, cluster: ClusterModel, base: SimConfig, algorithms: list[str],
