@@ -75,7 +75,7 @@ def test_an_auto_resume_without_its_record_stops_naming_it(tmp_path, capfd):
     (["--cluster", "missing.toml"], "config key comm.cluster: cluster file 'missing.toml' does not exist"),
     (["--momentum-correction"], "--comm auto chooses the algorithm itself"),
     (["--accuracy-risk", "high"], "accuracy_risk"),
-    (["--cluster", "1gbe"], "config key comm.cluster='1gbe': '1gbe' has 1 ranks per node, this run 2"),
+    (["--cluster", "1gbe"], "config key comm.cluster='1gbe': '1gbe' has 1 rank per node, this run 2"),
 ])
 def test_auto_bad_input_is_one_line_before_any_process(tmp_path, capfd, extra, message):
     assert _train(tmp_path / "run", *extra) == 2

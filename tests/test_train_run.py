@@ -32,7 +32,7 @@ def tiny(out, **cli):
 def test_default_command_end_to_end(tmp_path, capfd):
     assert main(["train", *TINY, "--out", str(tmp_path)]) == 0
     printed = capfd.readouterr().out
-    assert "world 4 (world 4 = 2 node(s) x 2 rank(s)/node, grid 2x2" in printed
+    assert "world 4 (world 4 = 2 nodes x 2 ranks/node, grid 2x2" in printed
     assert "per worker 64" in printed and "torus2d" in printed and "effective peak" in printed
     for name in ("config.toml", "metrics.jsonl", "summary.json", "report.png", "checkpoints/latest"):
         assert (tmp_path / name).exists(), name

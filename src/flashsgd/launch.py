@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from flashsgd.fmt import plural
 from flashsgd.launch_failures import RankOutcome, WorkerError, attribute, describe_exception
 
 __all__ = ["Interrupted", "WorkerError", "default_backend", "init_from_env", "local_ranks", "run", "shutdown",
@@ -133,8 +134,8 @@ def local_ranks(workers: int | None, backend: str = "auto",
         raise ValueError(f"config key run.workers={workers} with run.backend='nccl' needs one GPU per "
                          f"rank and this machine has {gpus}; valid: run.workers <= {gpus}, or "
                          "run.backend = gloo (CPU ranks)")
-    return workers, "gloo", (f"{workers} workers on {gpus} GPU(s): NCCL needs one GPU per rank, so the "
-                             f"ranks train on the CPU over Gloo (--workers {gpus} trains on the GPUs)")
+    return workers, "gloo", (f"{plural(workers, 'worker')} on {plural(gpus, 'GPU')}: NCCL needs one GPU per "
+                             f"rank, so the ranks train on the CPU over Gloo (--workers {gpus} trains on the GPUs)")
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from flashsgd.fmt import plural
 from flashsgd.optim import RECIPES, Recipe, prepare
 from flashsgd.outputs import add_output
 from flashsgd.train.mnist1d import MNIST1DCNN, load_mnist1d
@@ -214,7 +215,7 @@ def _run(args: argparse.Namespace) -> int:
             rows.append(r)
             print(f"{variant:>11} batch {batch:>5} seed {seed}: test acc {r['test_acc']:6.2f}% "
                   f"(BN recalibrated {r['test_acc_precise_bn']:6.2f}%)  "
-                  f"({r['steps']} steps, {r['seconds']:.1f} s)  {r['plan']}", flush=True)
+                  f"({plural(r['steps'], 'step')}, {r['seconds']:.1f} s)  {r['plan']}", flush=True)
         results[(variant, batch)] = rows
     base = _summary(results[("baseline", BASE_BATCH)])["mean"]
     base_pbn = _summary(results[("baseline", BASE_BATCH)])["precise_bn"]
@@ -229,7 +230,7 @@ def _run(args: argparse.Namespace) -> int:
     table = "\n".join(lines)
     print(table)
     (out / "recipe.md").write_text(
-        f"MNIST-1D, {len(data[0])} train / {len(data[2])} test, {args.epochs} epochs, "
+        f"MNIST-1D, {len(data[0])} train / {len(data[2])} test, {plural(args.epochs, 'epoch')}, "
         f"seeds {args.seeds}, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
         + table + "\n")
     _plot(results, out / "recipe.png")

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flashsgd.exchanges import check_timeout_s  # noqa: F401 (one check, the catalog's)
+from flashsgd.fmt import plural
 
 if TYPE_CHECKING:  # torch is imported inside the functions that need it: parse_grid stays torch-free
     from torch.distributed import ProcessGroup
@@ -89,8 +90,8 @@ class Topology:
 
     def describe(self) -> str:
         x, y = self.grid
-        return (f"world {self.world_size} = {self.num_nodes} node(s) x {self.ranks_per_node} "
-                f"rank(s)/node, grid {x}x{y}, timeout {self.timeout_s:g} s")
+        return (f"world {self.world_size} = {plural(self.num_nodes, 'node')} x "
+                f"{plural(self.ranks_per_node, 'rank')}/node, grid {x}x{y}, timeout {self.timeout_s:g} s")
 
 
 def divisors(n: int) -> list[int]:

@@ -52,6 +52,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from flashsgd.fmt import plural
 from flashsgd.optim.lars import LARS, param_groups
 from flashsgd.optim.plan_checks import LRWatch, RecipeWarning, forbid_steps, replaced_settings, rescale_note
 from flashsgd.optim.recipes import PRESET_EPOCHS, Recipe
@@ -226,10 +227,11 @@ class RecipeSetup:
         if not self._warned_past_end and step >= self.total_steps():
             self._warned_past_end = True
             warnings.warn(
-                f"step {step} is past the plan's end ({self.total_steps()} steps: {self.epochs} epochs "
-                f"of {self.num_samples} samples, drop_last={self.drop_last}); the LR stays at its "
-                f"final value {lr:.4g}. Does the loader keep the last partial batch while the plan "
-                f"drops it, or does the loop run more than plan.epochs?", RecipeWarning, stacklevel=2)
+                f"step {step} is past the plan's end ({plural(self.total_steps(), 'step')}: "
+                f"{plural(self.epochs, 'epoch')} of {plural(self.num_samples, 'sample')}, "
+                f"drop_last={self.drop_last}); the LR stays at its final value {lr:.4g}. Does the loader "
+                f"keep the last partial batch while the plan drops it, or does the loop run more than "
+                f"plan.epochs?", RecipeWarning, stacklevel=2)
         return lr
 
     def set_lr(self, step: int) -> float:
@@ -257,8 +259,8 @@ class RecipeSetup:
         expected = self.steps_in_epoch(epoch)
         if n != expected:
             raise ValueError(
-                f"the loader gives {n} batches in epoch {epoch}, the plan expects {expected} "
-                f"({self.num_samples} samples at global batch {self.batch_at(epoch)}, "
+                f"the loader gives {plural(n, 'batch', 'batches')} in epoch {epoch}, the plan expects {expected} "
+                f"({plural(self.num_samples, 'sample')} at global batch {self.batch_at(epoch)}, "
                 f"drop_last={self.drop_last}); build the loader with drop_last={self.drop_last}, "
                 f"or the plan with prepare(..., drop_last={not self.drop_last}) if that is the "
                 f"loader's setting")

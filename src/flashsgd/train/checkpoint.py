@@ -56,6 +56,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from flashsgd.fmt import plural
+
 FORMAT = 1
 STEP_DIR = re.compile(r"step-(\d{8,})")  # f"step-{step:08d}"
 
@@ -343,7 +345,7 @@ def load(target: str | Path, rank: int, world_size: int) -> tuple[dict[str, Any]
         shared = _load(target / "shared.pt")
         if shared["meta"]["world_size"] != world_size:
             raise WorldSizeChanged(
-                f"checkpoint {target} was written by {shared['meta']['world_size']} workers, this "
+                f"checkpoint {target} was written by {plural(shared['meta']['world_size'], 'worker')}, this "
                 f"run has {world_size}; its per-worker state must be regrouped "
                 "(load_all_ranks; flashsgd train does it)", shared["meta"]["world_size"])
         local = _load(target / f"rank-{rank:05d}.pt")

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from flashsgd.fmt import plural
 from flashsgd.optim.schedules import batch_ends
 from flashsgd.train.images import ImageFolderSplit, scan_folder
 
@@ -132,8 +133,8 @@ class ShardedSampler:
                     f"sampler: the checkpoint (world size {state['world_size']}) stopped after "
                     f"sample {offset} of {self.num_samples} in epoch {state['epoch']}, where no "
                     f"global batch of world size {self.world_size} ends (the last "
-                    f"{self.num_samples - offset} samples are fewer than its workers); resume with "
-                    f"{state['world_size']} workers")
+                    f"{plural(self.num_samples - offset, 'sample')} are fewer than its workers); resume with "
+                    f"{plural(state['world_size'], 'worker')}")
             position = new.index(offset) + 1
         self.set_epoch(state["epoch"], state["global_batch"], position)
 
@@ -223,5 +224,6 @@ def build_datasets(dataset: str, num_samples: int = 40000, data_dir: str = "",
             labels = [c for c, k in zip(labels, keep) if k]
         return Datasets(ImageFolderSplit(files, labels, image_size),
                         ImageFolderSplit(vfiles, vlabels, image_size), len(classes),
-                        f"imagefolder {len(files)} train / {len(vfiles)} val, {len(classes)} classes")
+                        f"imagefolder {len(files)} train / {len(vfiles)} val, "
+                        f"{plural(len(classes), 'class', 'classes')}")
     raise ValueError(f"unknown dataset {dataset!r}; valid choices: mnist1d, synthetic, imagefolder")

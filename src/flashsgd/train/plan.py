@@ -40,7 +40,7 @@ from typing import Any
 from flashsgd.comm.sparse_checks import check_sparse_run
 from flashsgd.comm.topology import parse_grid
 from flashsgd.exchanges import EXCHANGES, MIN_COVERAGE, DensityWarmup, coverage
-from flashsgd.fmt import number
+from flashsgd.fmt import number, plural
 from flashsgd.optim.plan import build_batch_table
 from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
 from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at, steps_in_epochs, steps_per_epoch
@@ -135,16 +135,16 @@ class RunPlan:
         cfg, r = self.config, self.recipe
         batches = [b for _, b in self.table.rows]
         per_worker = "/".join(f"{b // self.world}" + ("+" if b % self.world else "") for b in batches)
-        layout = topology or (f"{self.ranks_per_node} rank(s)/node, grid {self.grid[0]}x{self.grid[1]}"
+        layout = topology or (f"{plural(self.ranks_per_node, 'rank')}/node, grid {self.grid[0]}x{self.grid[1]}"
                               if self.grid else "ranks per node detected at start-up")
         return "\n".join([
             f"flashsgd train | world {self.world} ({layout}) | backend {cfg.run.backend}",
             f"  algorithm   {cfg.comm.algorithm} {self.hook_options or ''} bucket {cfg.comm.bucket_mb:g} MiB",
             *([f"  warm-up     {self.density_warmup['text']}"] if self.density_warmup else []),
             f"  batch       global {' -> '.join(map(str, batches))} (table {list(self.table.rows)}), "
-            f"per worker {per_worker}; {self.total_steps} steps in {self.epochs} epochs",
+            f"per worker {per_worker}; {plural(self.total_steps, 'step')} in {plural(self.epochs, 'epoch')}",
             f"  lr          effective peak {self.peak_lr():.4g} (lr_per_ref {r.lr_per_ref:g} x "
-            f"batch/{r.ref_batch}), warmup {r.warmup_epochs:g} epochs, decay {r.decay}",
+            f"batch/{r.ref_batch}), warmup {plural(r.warmup_epochs, 'epoch')}, decay {r.decay}",
             f"  recipe      {self.recipe_source}",
             f"  step        {describe_execution(self.execution)}",
             f"  run dir     {cfg.run.out}",
@@ -192,7 +192,7 @@ def density_warmup_record(cfg: TrainConfig, options: Any, total_steps: int) -> d
     cover = coverage(total_steps, options)
     if steps:
         text = (f"density {options.density_warmup:g} -> {options.density:g} ({options.density_warmup_mode}) "
-                f"over {steps} of {total_steps} steps = {warm.rule()}")
+                f"over {steps} of {plural(total_steps, 'step')} = {warm.rule()}")
     elif warm.start == 0 or warm.epochs == 0:
         text = f"none: {warm.rule()}"
     else:
@@ -250,7 +250,7 @@ def check_auto_cluster(spec: str, world: int, ranks_per_node: int | None) -> Non
     try:
         cluster = load_cluster(spec)
         if ranks_per_node is not None and cluster.ranks_per_node != ranks_per_node:
-            raise ValueError(f"{cluster.name!r} has {cluster.ranks_per_node} ranks per node, this run "
+            raise ValueError(f"{cluster.name!r} has {plural(cluster.ranks_per_node, 'rank')} per node, this run "
                              f"{ranks_per_node}: describe the cluster the run is on")
         cluster.check_gpus(world)
     except ValueError as exc:
@@ -285,7 +285,7 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) 
     small = [b for _, b in table.rows if b < world]
     if small:
         raise ValueError(f"config key optim.global_batch={cfg.optim.global_batch} gives a global batch "
-                         f"of {small[0]} for {world} workers: every worker needs >= 1 sample per step; "
+                         f"of {small[0]} for {plural(world, 'worker')}: every worker needs >= 1 sample per step; "
                          f"use optim.global_batch >= {world * cfg.optim.global_batch // small[0]}")
     epochs = math.ceil(recipe.epochs)
     # the one steps-per-epoch rule (a remainder smaller than the world joins the last full batch),
@@ -317,8 +317,9 @@ def execution(cfg: TrainConfig, table: BatchTable, world: int, local_ranks: int 
     r, n = cfg.run, cfg.optim.grad_accum
     smallest = min(b for _, b in table.rows) // world  # the smallest shard of any step
     if smallest < n:
-        raise ValueError(f"config key optim.grad_accum={n}: the smallest per-worker shard is {smallest} "
-                         f"sample(s) (global batch {min(b for _, b in table.rows)} on {world} workers), "
+        raise ValueError(f"config key optim.grad_accum={n}: the smallest per-worker shard is "
+                         f"{plural(smallest, 'sample')} "
+                         f"(global batch {min(b for _, b in table.rows)} on {plural(world, 'worker')}), "
                          f"and every micro-batch needs >= 1; valid: optim.grad_accum <= {smallest}")
     notes = []
     data_workers = 0  # in-memory datasets are indexed in the training process
@@ -354,7 +355,7 @@ def describe_execution(e: dict[str, Any]) -> str:
     if e["compile"]:
         parts.append("torch.compile")
     if e.get("data_workers"):
-        parts.append(f"{e['data_workers']} data worker(s) per rank")
+        parts.append(f"{plural(e['data_workers'], 'data worker')} per rank")
     return ", ".join(parts) + "".join(f"; {note}" for note in e["notes"])
 
 
@@ -377,10 +378,10 @@ def _check_fail_at(cfg: TrainConfig, world: int, total_steps: int) -> None:
     except ValueError as exc:
         raise ValueError(str(exc).replace("config key run.fail_at", key)) from None
     if rank >= world:
-        raise ValueError(f"{key}={spec!r} names rank {rank}, but the run has {world} ranks; "
+        raise ValueError(f"{key}={spec!r} names rank {rank}, but the run has {plural(world, 'rank')}; "
                          f"valid ranks: 0-{world - 1}")
     if step >= total_steps:
-        raise ValueError(f"{key}={spec!r} names step {step}, but the run has {total_steps} steps; "
+        raise ValueError(f"{key}={spec!r} names step {step}, but the run has {plural(total_steps, 'step')}; "
                          f"valid steps: 0-{total_steps - 1}")
 
 

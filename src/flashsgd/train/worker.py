@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flashsgd.fmt import plural
 from flashsgd.launch_failures import comm_failures, one_line
 from flashsgd.train import checkpoint as ckpt
 from flashsgd.train.data import Datasets, ShardedSampler
@@ -122,7 +123,7 @@ class Worker:
             hook = regroup(hooks, self.rank, self.world)
         elif any(hooks):
             raise ckpt.CheckpointError(f"checkpoint {target}: the {self.cfg.comm.algorithm} hook's "
-                                       f"per-worker state cannot be regrouped from {old} workers")
+                                       f"per-worker state cannot be regrouped from {plural(old, 'worker')}")
         else:
             hook = {}
         local: dict[str, Any] = {"hook": hook}
@@ -131,7 +132,7 @@ class Worker:
         else:
             torch.manual_seed(self.cfg.run.seed * 1_000_003 + self.rank)
         if self.rank == 0:
-            print(f"[flashsgd] resuming a checkpoint of {old} workers on {self.world}: the sampler "
+            print(f"[flashsgd] resuming a checkpoint of {plural(old, 'worker')} on {self.world}: the sampler "
                   f"continues at the same sample; {self.cfg.comm.algorithm} hook state "
                   f"{'regrouped (error feedback averaged over the old workers)' if any(hooks) else 'none'}; "
                   "BN statistics start from their average", flush=True)
