@@ -29,6 +29,37 @@ def test_vgg16_workload_matches_known_parameter_count():
     assert (vgg16().num_tensors, vgg16().num_params) == (32, 138_357_544)
 
 
+def _gtopk_paper_vgg16():
+    """The CIFAR-10 VGG-16 of Shi et al.'s code (hclhkbu/gtopkssgd, models/vgg.py), rebuilt here."""
+    layers, cin = [], 3
+    for v in (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"):
+        if v == "M":
+            layers.append(torch.nn.MaxPool2d(2, 2))
+        else:
+            layers += [torch.nn.Conv2d(cin, v, 3, padding=1), torch.nn.BatchNorm2d(v), torch.nn.ReLU()]
+            cin = v
+    net = torch.nn.Module()
+    net.features, net.fc = torch.nn.Sequential(*layers), torch.nn.Linear(512, 10)
+    return net
+
+
+def test_cifar10_workloads_of_the_gtopk_paper_match_their_models():
+    vgg, res = get_workload("vgg16-cifar10"), get_workload("resnet20")
+    assert (vgg.num_tensors, vgg.num_params) == (54, 14_728_266)
+    assert (res.num_tensors, res.num_params) == (59, 269_722)
+    ref = from_module(_gtopk_paper_vgg16())
+    assert ref.tensor_names == vgg.tensor_names and ref.numels.tolist() == vgg.numels.tolist()
+    assert ref.matrices.tolist() == vgg.matrices.tolist()
+    from flashsgd.train.models import resnet20 as train_resnet20
+    ref = from_module(train_resnet20())
+    assert ref.tensor_names == res.tensor_names and ref.numels.tolist() == res.numels.tolist()
+    # FLOP shares: a 3x3 conv of the last stage (64 ch at 8x8) costs as much as one of the first
+    # (16 ch at 32x32): 2 x 64 x 64 x 9 x 64 = 2 x 16 x 16 x 9 x 1024
+    share = dict(zip(res.tensor_names, res.backward_share))
+    assert share["blocks.8.conv2.weight"] == pytest.approx(share["blocks.0.conv2.weight"])
+    assert share["fc.bias"] == 0.0
+
+
 def test_from_module_walks_parameters_in_reverse_registration_order():
     m = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2, bias=False))
     m[0].bias.requires_grad_(False)

@@ -8,7 +8,13 @@ need neither torchvision nor flashsgd's own model zoo:
 * ``resnet50``: ImageNet ResNet-50 v1.5 (bottlenecks [3, 4, 6, 3], stride on the 3x3 conv), 161
   tensors, 25,557,032 parameters; backward share of a tensor = forward FLOPs of its layer at
   224x224 (a conv's backward is ~2x its forward, a constant factor that cancels);
-* ``vgg16``: ImageNet VGG-16 (13 conv + 3 fc, with biases), 32 tensors, 138,357,544 parameters.
+* ``vgg16``: ImageNet VGG-16 (13 conv + 3 fc, with biases), 32 tensors, 138,357,544 parameters;
+* ``vgg16-cifar10``: the CIFAR-10 VGG-16 that Shi et al. 2019 (gTop-k) trained (their
+  ``models/vgg.py``: 13 conv 3x3 with bias, each followed by batch norm, then one 512 -> 10 linear
+  layer), 54 tensors, 14,728,266 parameters, shares at 32x32;
+* ``resnet20``: the CIFAR-10 ResNet-20 of He et al. 2016 (stem 3x3/16, 3 stages of 3 basic blocks
+  at 16/32/64 channels, parameter-free option-A shortcuts, 64 -> 10 linear), the gTop-k paper's
+  and ``flashsgd.train.models.resnet20``: 59 tensors, 269,722 parameters, shares at 32x32.
 
 Any ``torch.nn.Module`` works through :func:`from_module` (shares proportional to parameter count,
 a fallback stated in the output), named as ``package.module:factory`` (flashsgd's training models:
@@ -138,6 +144,43 @@ def vgg16_rows(num_classes: int = 1000, image: int = 224) -> list[tuple[str, int
     return rows
 
 
+def vgg16_cifar10_rows(num_classes: int = 10, image: int = 32) -> list[tuple[str, int, float, int]]:
+    """(name, numel, forward FLOPs, shape[0]) per tensor of the CIFAR-10 VGG-16 of Shi et al. 2019
+    (gTop-k; ``models/vgg.py`` of their code: VGG('VGG16')), registration order: per conv layer
+    its weight and bias, then its batch norm's weight and bias (``features.{i}``, conv, BN and
+    ReLU each one module, pooling one), then ``fc`` 512 -> classes. 13 convs: 14,714,688; BN:
+    2 x 4,224; fc: 5,130; total 14,728,266."""
+    cfg = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+    rows, cin, h, idx = [], 3, image, 0
+    for v in cfg:
+        if v == "M":
+            h //= 2
+            idx += 1
+        else:
+            rows += _conv(f"features.{idx}", cin, v, 3, h, bias=True) + _bn(f"features.{idx + 1}", v, h)
+            cin, idx = v, idx + 3  # conv, BN, ReLU
+    return rows + [("fc.weight", num_classes * cin, 2.0 * num_classes * cin, num_classes),
+                   ("fc.bias", num_classes, 0.0, num_classes)]
+
+
+def resnet20_rows(num_classes: int = 10, image: int = 32) -> list[tuple[str, int, float, int]]:
+    """(name, numel, forward FLOPs, shape[0]) per tensor of the CIFAR ResNet-20 (He et al. 2016,
+    sec. 4.2: n = 3 blocks per stage, option-A shortcuts without parameters), registration order
+    and names as ``flashsgd.train.models.resnet20``. Stem 432 + 32, stages 14,016 + 51,072 +
+    203,520, fc 650: 269,722."""
+    rows = _conv("conv1", 3, 16, 3, image) + _bn("bn1", 16, image)
+    cin, h, b = 16, image, 0
+    for stage, width in enumerate((16, 32, 64)):
+        for j in range(3):
+            h = h // 2 if (j == 0 and stage > 0) else h  # the first block of stages 2-3 strides by 2
+            p = f"blocks.{b}"
+            rows += _conv(f"{p}.conv1", cin, width, 3, h) + _bn(f"{p}.bn1", width, h)
+            rows += _conv(f"{p}.conv2", width, width, 3, h) + _bn(f"{p}.bn2", width, h)
+            cin, b = width, b + 1
+    return rows + [("fc.weight", num_classes * cin, 2.0 * num_classes * cin, num_classes),
+                   ("fc.bias", num_classes, 0.0, num_classes)]
+
+
 def _from_rows(name: str, rows: list, note: str) -> Workload:
     rows = rows[::-1]  # backward order: last registered parameter's gradient is ready first
     return Workload(
@@ -163,6 +206,21 @@ def vgg16() -> Workload:
     return _from_rows("vgg16", vgg16_rows(), "backward share per tensor = forward FLOPs at 224x224")
 
 
+@WORKLOADS.register("vgg16-cifar10")
+def vgg16_cifar10() -> Workload:
+    """Built-in CIFAR-10 VGG-16 with batch norm (Shi et al. 2019's): 54 tensors, 14,728,266
+    parameters, FLOP-weighted backward at 32x32."""
+    return _from_rows("vgg16-cifar10", vgg16_cifar10_rows(),
+                      "backward share per tensor = forward FLOPs of its layer at 32x32 (BN: 8/elem)")
+
+
+@WORKLOADS.register("resnet20")
+def resnet20() -> Workload:
+    """Built-in CIFAR-10 ResNet-20: 59 tensors, 269,722 parameters, FLOP-weighted backward at 32x32."""
+    return _from_rows("resnet20", resnet20_rows(),
+                      "backward share per tensor = forward FLOPs of its layer at 32x32 (BN: 8/elem)")
+
+
 def from_module(module, name: str | None = None) -> Workload:
     """Workload of any ``torch.nn.Module``: trainable parameters in reverse registration order.
 
@@ -178,7 +236,7 @@ def from_module(module, name: str | None = None) -> Workload:
                     tuple(n for n, _ in params), "backward share per tensor = parameter count", matrices)
 
 
-MODEL_HELP = ("built-in workload (resnet50, vgg16), a profile .json ({\"numels\": [...], optional "
+MODEL_HELP = ("built-in workload (resnet50, vgg16: ImageNet; vgg16-cifar10, resnet20: CIFAR-10), a profile .json ({\"numels\": [...], optional "
               "\"backward_share\", \"matrices\"}), or package.module:factory returning a torch model "
               "(flashsgd's own: flashsgd.train.models:resnet20, :resnet18, :mnist1d_cnn)")
 """``--model`` of ``flashsgd simulate`` and ``flashsgd plan`` (:func:`get_workload`)."""
@@ -213,8 +271,8 @@ def load_profile(path: str) -> Workload:
 
 
 def get_workload(spec: str) -> Workload:
-    """``--model``: a profile ``.json`` (:func:`load_profile`), a built-in name (``resnet50``,
-    ``vgg16``) or ``package.module:factory`` returning an nn.Module (:func:`from_module`)."""
+    """``--model``: a profile ``.json`` (:func:`load_profile`), a built-in name (:data:`WORKLOADS`:
+    ``resnet50``, ``vgg16``, ``vgg16-cifar10``, ``resnet20``) or ``package.module:factory`` returning an nn.Module (:func:`from_module`)."""
     if spec.endswith(".json"):
         return load_profile(spec)
     if ":" in spec:
