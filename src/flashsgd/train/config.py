@@ -230,7 +230,7 @@ class RunConfig:
     max_steps: int = 0
     """Stop after this many optimizer steps in total (0: train all epochs)."""
     progress: bool = True
-    """tqdm progress bar on rank 0."""
+    """Progress on rank 0: a tqdm bar when stderr is a terminal, else a line every few seconds."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) (resume equivalence tests)."""
     threads: int = 0

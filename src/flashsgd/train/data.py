@@ -227,3 +227,19 @@ def build_datasets(dataset: str, num_samples: int = 40000, data_dir: str = "",
                         f"imagefolder {len(files)} train / {len(vfiles)} val, "
                         f"{plural(len(classes), 'class', 'classes')}")
     raise ValueError(f"unknown dataset {dataset!r}; valid choices: mnist1d, synthetic, imagefolder")
+
+
+def describe_loading(dataset: str, num_samples: int = 40000, data_dir: str = "",
+                     image_shape: str = "imagenet", data_seed: int = 42) -> str:
+    """What :func:`build_datasets` (same arguments) is about to do, in words: `flashsgd train`
+    says it before the seconds that generating MNIST-1D the first time takes."""
+    if dataset == "mnist1d":
+        from flashsgd.train.mnist1d import cache_file
+
+        path = cache_file(num_samples, data_seed, data_dir or None)
+        if path.exists():
+            return f"loading MNIST-1D ({num_samples:,} samples) from {path}"
+        return f"generating MNIST-1D ({num_samples:,} samples; cached in {path.parent} for the next run)"
+    if dataset == "synthetic":
+        return f"synthetic {image_shape}-shaped images ({num_samples:,} samples)"
+    return f"scanning the image folder {data_dir}"

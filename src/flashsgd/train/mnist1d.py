@@ -32,6 +32,11 @@ def cache_dir(path: str | os.PathLike | None = None) -> Path:
     return Path(path)
 
 
+def cache_file(num_samples: int, seed: int, cache_dir_: str | os.PathLike | None = None) -> Path:
+    """The file :func:`load_mnist1d` caches ``num_samples`` samples of ``seed`` in."""
+    return cache_dir(cache_dir_) / f"mnist1d_{num_samples}_{seed}.npz"
+
+
 def load_mnist1d(num_samples: int = 40000, seed: int = 42,
                  cache_dir_: str | os.PathLike | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,7 +54,7 @@ def load_mnist1d(num_samples: int = 40000, seed: int = 42,
     """
     if not (isinstance(num_samples, int) and num_samples >= 10 and num_samples % 10 == 0):
         raise ValueError(f"num_samples must be a positive multiple of 10, got {num_samples!r}")
-    path = cache_dir(cache_dir_) / f"mnist1d_{num_samples}_{seed}.npz"
+    path = cache_file(num_samples, seed, cache_dir_)
     if path.exists():
         with np.load(path) as z:
             arrays = [z[k] for k in ("x", "y", "x_test", "y_test")]

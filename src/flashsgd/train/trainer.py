@@ -23,13 +23,22 @@ import torch.distributed as dist
 
 from flashsgd import launch
 from flashsgd.train.config import TrainConfig
-from flashsgd.train.data import Datasets
+from flashsgd.fmt import plural
+from flashsgd.train.data import Datasets, describe_loading
 from flashsgd.train.models import check_input
 from flashsgd.train.plan import RunPlan, build_plan
 from flashsgd.train.preflight import check_environment
 from flashsgd.train.rank import load_data
 from flashsgd.train.rundir import RunDirError, Start, open_run_dir
 from flashsgd.train.worker import Worker
+
+
+def say_starting(cfg: TrainConfig, workers: int, backend: str) -> None:
+    """The first line of a run, printed before the data are made (generating MNIST-1D the first
+    time takes seconds): ``flashsgd train: starting 4 workers (gloo); generating MNIST-1D ...``."""
+    d = cfg.data
+    loading = describe_loading(d.dataset, d.num_samples, d.data_dir, d.image_shape, d.data_seed)
+    print(f"flashsgd train: starting {plural(workers, 'worker')} ({backend}); {loading} ...", flush=True)
 
 
 def worker(plan: RunPlan, data: Datasets, start: Start) -> dict[str, Any]:
@@ -44,6 +53,8 @@ def _torchrun_worker(cfg: TrainConfig) -> dict[str, Any]:
     opens the run directory and tells every rank how to start (or why not).
     """
     local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    if dist.get_rank() == 0:
+        say_starting(cfg, dist.get_world_size(), dist.get_backend())
     if local_rank != 0:
         dist.barrier()
     data = load_data(cfg)
@@ -86,6 +97,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     workers, backend, note = launch.local_ranks(r.workers, r.backend)  # one rank per GPU, or CPU ranks
     if note:
         print(f"[flashsgd] {note}", flush=True)
+    say_starting(cfg, workers, backend)
     with launch.one_thread():  # before the fork: no OpenMP pool in this process
         data = load_data(cfg)
         check_input(cfg.model.model, cfg.model.channels, data, cfg.data.dataset)  # exit 2, not 4 failed ranks

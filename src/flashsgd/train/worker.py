@@ -35,6 +35,7 @@ from flashsgd.train import checkpoint as ckpt
 from flashsgd.train.data import Datasets, ShardedSampler
 from flashsgd.train.loader import BatchStream, augmentation_key
 from flashsgd.train.plan import RunPlan
+from flashsgd.train.progress import progress_bar
 from flashsgd.train.report import Metrics, summarize
 from flashsgd.train.rank import (average_buffers, build_rank, evaluate, inject_fault,
                                  setup_process)
@@ -271,10 +272,8 @@ class Worker:
                   + (f"\n  auto        {self.auto['measured']}\n  auto        chose {self.auto['explain']}"
                      if self.auto else "")
                   + f"\n  start       {self.start.describe()}", flush=True)
-            if r.progress:
-                from tqdm import tqdm
-                self.bar = tqdm(total=self.plan.target_steps, initial=self.progress["step"], unit="step",
-                                dynamic_ncols=True)
+            if r.progress:  # tqdm on a terminal, else a plain line every few seconds
+                self.bar = progress_bar(self.plan.target_steps, initial=self.progress["step"])
         self.t_start = time.perf_counter() - self.progress["elapsed_s"]
         try:
             self.train_loop()
