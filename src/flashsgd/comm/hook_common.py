@@ -9,6 +9,7 @@ build on this module, and :mod:`flashsgd.comm.hooks` registers them by name.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from typing import Any, Callable
@@ -66,16 +67,72 @@ def completed_future(value: Any) -> torch.futures.Future:
     return fut
 
 
+def stages_on_host(buf: torch.Tensor) -> bool:
+    """True for a CUDA bucket on a group that is not NCCL: Gloo carrying CUDA tensors (several
+    ranks on one GPU, as ``flashsgd bench gpu`` runs them), whose send/recv take CPU tensors only."""
+    return buf.is_cuda and "nccl" not in str(dist.get_backend())
+
+
+class HostBucket:
+    """A CUDA gradient bucket seen from the host: ``buffer()`` is a CPU copy; the rest is the
+    bucket's. What a hook makes for it (residuals, generators) lives on the host too."""
+
+    __slots__ = ("bucket", "host")
+
+    def __init__(self, bucket: dist.GradBucket) -> None:
+        self.bucket, self.host = bucket, bucket.buffer().to("cpu", copy=True)
+
+    def buffer(self) -> torch.Tensor:
+        return self.host
+
+    def index(self) -> int:
+        return self.bucket.index()
+
+    def is_last(self) -> bool:
+        return self.bucket.is_last()
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.bucket.parameters()
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Views of the host copy laid out as the bucket's gradients (DDP's bucket is their
+        concatenation, in order): a hook that writes through them writes the copy."""
+        grads, views, offset = self.bucket.gradients(), [], 0
+        for g in grads:
+            views.append(self.host[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return views
+
+
 def ddp_hook(fn: Callable) -> Callable:
-    """Give a hook the real annotations DDP's ``register_comm_hook`` checks.
+    """Give a hook the real annotations DDP's ``register_comm_hook`` checks, and run it on a host
+    copy of a CUDA bucket when the group is Gloo (:func:`stages_on_host`).
 
     With ``from __future__ import annotations`` annotations are strings, and DDP refuses a hook
     whose ``bucket`` annotation is not ``dist.GradBucket`` (or whose return is not
     ``torch.futures.Future[torch.Tensor]``). Decorate every hook function with this.
+
+    Gloo with CUDA buckets: the one host round trip of the design, and only there (NCCL groups and
+    CPU buckets go straight to ``fn``): copy the bucket to the host (:class:`HostBucket`), run the
+    exchange there, wait for it, copy the result back, and return a Future on the bucket's device.
+    Cost: two copies of the bucket over PCIe per exchange, and no overlap with backward (Gloo
+    itself stages CUDA all-reduces through the host the same way).
     """
     fn.__annotations__["bucket"] = dist.GradBucket
     fn.__annotations__["return"] = torch.futures.Future[torch.Tensor]
-    return fn
+
+    @functools.wraps(fn)
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+        buf = bucket.buffer() if hasattr(bucket, "buffer") else None
+        if buf is None or not stages_on_host(buf):  # (no bucket: the hook names its own error)
+            return fn(state, bucket)
+        result = fn(state, HostBucket(bucket)).wait()
+        buf.copy_(result)
+        fut: torch.futures.Future = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
+        fut.set_result(buf)
+        return fut
+
+    return hook
 
 
 class CommThread:
