@@ -254,3 +254,18 @@ def test_sparse_runs_below_the_step_count_bound_are_warned():
     assert len(plan.warnings) == 1 and "step-count bound" in plan.warnings[0]
     assert "WARNING" in plan.describe()
     assert build_plan(C.resolve(), world=4, num_train=32000, local_spawn=True).warnings == ()
+
+
+def test_the_imagenet_preset_sits_between_the_defaults_and_the_users_values(tmp_path):
+    cfg = C.resolve(cli={"data_dir": str(tmp_path)}, preset="imagenet-goyal")
+    assert (cfg.model.model, cfg.optim.recipe, cfg.data.dataset, cfg.run.precision) == \
+        ("resnet50", "goyal", "imagefolder", "bf16")
+    assert cfg.run.channels_last and cfg.comm.algorithm == "native" and cfg.optim.global_batch == 256
+    toml = tmp_path / "c.toml"
+    toml.write_text('[optim]\nglobal_batch = 8192\n[run]\nprecision = "fp16"\n')
+    cfg = C.resolve(toml, {"data_dir": str(tmp_path), "precision": "fp32"}, preset="imagenet-goyal")
+    assert cfg.optim.global_batch == 8192 and cfg.run.precision == "fp32"  # TOML > preset, flag > TOML
+    with pytest.raises(ValueError, match="--preset 'imagenet' is unknown; valid: imagenet-goyal"):
+        C.resolve(preset="imagenet")
+    with pytest.raises(ValueError, match="data.data_dir is required"):  # the one value it needs
+        C.resolve(preset="imagenet-goyal")

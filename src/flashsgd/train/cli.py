@@ -7,7 +7,7 @@ at global batch 4096, exchanging gradients with the 2D-Torus all-reduce on a 2x2
 emulated node). Under torchrun the same command joins the environment's rendezvous (NCCL with CUDA,
 else Gloo) and runs one worker per process.
 
-Configuration: defaults < TOML file (--config) < flags. Every config key is a flag (dashes for
+Configuration: defaults < preset (--preset) < TOML file (--config) < flags. Every config key is a flag (dashes for
 underscores; the exchange, TOML key comm.algorithm, is --comm); booleans are --x / --no-x;
 see docs/training.md for the reference.
 
@@ -58,6 +58,11 @@ def _metavar(f: dataclasses.Field, hint) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, metavar="TOML",
                         help="TOML file with [data] [model] [optim] [comm] [run] sections")
+    from flashsgd.train.presets import PRESETS
+
+    parser.add_argument("--preset", default=None, choices=PRESETS.names(),
+                        help="start from a named set of values (defaults < preset < --config < flags): "
+                        + "; ".join(f"{n}: {PRESETS.get(n).summary}" for n in PRESETS.names()))
     docs = {}
     for cls in C.section_types().values():
         docs.update(C.field_docs(cls))
@@ -77,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_config(args: argparse.Namespace) -> C.TrainConfig:
     cli = {k: v for k, v in vars(args).items() if k in C.field_index()}
-    return C.resolve(args.config, cli)
+    return C.resolve(args.config, cli, preset=getattr(args, "preset", None))
 
 
 def _report_failure(err: Exception, out: Path) -> None:

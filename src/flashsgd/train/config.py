@@ -413,9 +413,18 @@ def apply(cfg: TrainConfig, section: str, values: dict[str, Any], source: str) -
 
 
 def resolve(toml_path: str | Path | None = None, cli: dict[str, Any] | None = None,
-            toml_text: str | None = None) -> TrainConfig:
-    """Steps 1-4: defaults < TOML (file or text) < CLI values (flat field names) -> validated config."""
+            toml_text: str | None = None, preset: str | None = None) -> TrainConfig:
+    """Steps 1-4: defaults < preset (:mod:`flashsgd.train.presets`) < TOML (file or text) < CLI
+    values (flat field names) -> validated config."""
     cfg = TrainConfig()  # Step 1
+    index = field_index()
+    if preset is not None:
+        from flashsgd.train.presets import PRESETS
+
+        if preset not in PRESETS.names():
+            raise ValueError(f"--preset {preset!r} is unknown; valid: {', '.join(PRESETS.names())}")
+        for key, value in PRESETS.get(preset).values.items():
+            apply(cfg, index[key][0], {key: value}, f"preset {preset}")
     if toml_path is not None:
         path = Path(toml_path)
         if not path.is_file():
@@ -430,7 +439,6 @@ def resolve(toml_path: str | Path | None = None, cli: dict[str, Any] | None = No
             raise ValueError(f"{source}: invalid TOML: {exc}") from None
         for section, values in data.items():
             apply(cfg, section, values, source)
-    index = field_index()
     for key, value in (cli or {}).items():  # Step 3
         if key not in index:
             raise ValueError(f"unknown option {key!r}; valid: {', '.join(index)}")
