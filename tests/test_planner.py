@@ -45,6 +45,25 @@ def test_a_cluster_file_gives_the_links_in_si_units_and_round_trips(tmp_path):
     assert back.flop_s == pytest.approx(c.flop_s) and back.nodes == 4
 
 
+def test_fixed_costs_in_a_cluster_file_their_former_name_and_the_round_trip(tmp_path):
+    c = load_cluster_text(LAB + "[costs]\nexchange_fixed_us = 1500.0\nround_fixed_us = 120.0\n", "lab")
+    assert c.exchange_fixed_s == pytest.approx(1.5e-3) and c.round_fixed_s == pytest.approx(120e-6)
+    back = load_cluster_text(to_toml(c), "back")
+    assert (back.exchange_fixed_s, back.round_fixed_s) == pytest.approx((c.exchange_fixed_s, c.round_fixed_s),
+                                                                        rel=1e-12)
+    assert "exchange_fixed_us = 1500.0" in to_toml(c) and "sparse_overhead_us" not in to_toml(c)
+    # the defaults: the presets' assumption, no cost per round
+    plain = load_cluster_text(LAB, "lab")
+    assert (plain.exchange_fixed_s, plain.round_fixed_s) == (500e-6, 0.0)
+    # a cluster.toml of an earlier auto run: sparse_overhead_us is read as exchange_fixed_us
+    old = load_cluster_text(LAB + "[costs]\nsparse_overhead_us = 800.0\n", "old.toml")
+    assert old.exchange_fixed_s == pytest.approx(800e-6)
+    with pytest.raises(ValueError, match="costs.sparse_overhead_us and costs.exchange_fixed_us are the same"):
+        load_cluster_text(LAB + "[costs]\nsparse_overhead_us = 1\nexchange_fixed_us = 2\n", "both.toml")
+    with pytest.raises(ValueError, match="costs.round_fixed_us must be a finite number >= 0"):
+        load_cluster_text(LAB + "[costs]\nround_fixed_us = -1\n", "neg.toml")
+
+
 @pytest.mark.parametrize("text, message", [
     (LAB.replace("ranks_per_node = 2\n", ""), "missing ranks_per_node"),
     (LAB.replace("bandwidth_gbit = 1.0", "bandwidth_gbit = -1.0"), "inter.bandwidth_gbit must be a finite number > 0"),

@@ -17,7 +17,7 @@ BETA = 1e-10
 def flat(ranks_per_node=8, call=0.0, select=0.0, sparse=0.0):
     link = Link(alpha_s=A, bandwidth_gbps=BW)
     return ClusterModel("flat", ranks_per_node, link, link, gamma_s_per_byte=G, call_overhead_s=call,
-                   select_s_per_elem=select, sparse_overhead_s=sparse)
+                   select_s_per_elem=select, exchange_fixed_s=sparse)
 
 
 def two_level(call=0.0):
@@ -120,6 +120,45 @@ def test_sparse_overhead_and_selection_are_charged_once_per_call():
     for algo in ("gtopk", "gtopk_tree"):
         d = total(algo, n, extra) - total(algo, n, base)
         assert d == pytest.approx(1e-3 + 1e6 * 1e-9 + 3 * 2 * 1000 * 1e-9, rel=1e-9)  # + 3 merges of 2k
+
+
+@pytest.mark.parametrize("algo, split, gpus, per_node, rounds, exchanges", [
+    ("topk", "leader", 8, 4, 1, 1),               # one round of direct exchange
+    ("gtopk", "leader", 8, 8, 3, 1),              # lg 8 butterfly rounds
+    ("gtopk", "leader", 13, 1, 5, 1),             # lg 8 + fold-in + fold-out
+    ("gtopk_tree", "leader", 13, 1, 8, 1),        # 2 ceil(lg 13): up the tree and back down
+    ("hgtopk", "leader", 16, 4, 2 + 2 + 2, 1),    # reduce lg 4, leaders' lg 4, broadcast lg 4
+    ("hgtopk", "slices", 16, 4, 1 + 2 + 1, 1),    # node reduce-scatter, lg 4 across, all-gather
+    ("hgtopk", "sparse", 16, 4, 2 + 2 + 2, 2),    # node butterfly, leaders' butterfly, broadcast
+    ("hgtopk", "sparse", 12, 4, 2 + 3 + 2, 2),    # 3 leaders: lg 2 + fold-in + fold-out
+])
+def test_fixed_costs_per_exchange_and_per_round(algo, split, gpus, per_node, rounds, exchanges):
+    """exchange_fixed_s once per exchange (twice for hgtopk's sparse split: two butterflies),
+    round_fixed_s once per message round, the rounds the message pattern counts."""
+    from flashsgd.sim.costs_sparse import message_pattern
+
+    def cluster(fixed, per_round):
+        return ClusterModel("c", per_node, Link(A, BW), Link(4 * A, BW / 4), gamma_s_per_byte=G,
+                            exchange_fixed_s=fixed, round_fixed_s=per_round)
+
+    n = 4e6
+    setups = [CommSetup(gpus=gpus, cluster=cluster(f, r), node_split=split, density=0.01)
+              for f, r in ((0.0, 0.0), (1e-3, 0.0), (0.0, 1e-4))]
+    base, fixed, per_round = (exchange_cost(algo, n, s) for s in setups)
+    assert float(fixed.total - base.total) == pytest.approx(exchanges * 1e-3, rel=1e-12)
+    assert float(per_round.total - base.total) == pytest.approx(rounds * 1e-4, rel=1e-12)
+    assert float(per_round.overhead_s - base.overhead_s) == pytest.approx(rounds * 1e-4, rel=1e-12)
+    assert float(per_round.latency_s) == float(base.latency_s)  # the link's alpha stays apart
+    if algo != "gtopk_tree":
+        assert message_pattern(algo, int(n) // 4, setups[0]).rounds == rounds
+
+
+def test_dense_exchanges_pay_no_sparse_fixed_cost():
+    plain = two_level()
+    fixed = ClusterModel("f", 4, plain.intra, plain.inter, gamma_s_per_byte=G, exchange_fixed_s=1e-3,
+                         round_fixed_s=1e-4)
+    for algo in ("ring", "hierarchical", "torus2d", "rabenseifner", "powersgd"):
+        assert total(algo, 1e7, CommSetup(16, fixed)) == total(algo, 1e7, CommSetup(16, plain))
 
 
 def test_hierarchical_two_levels_hand_value():

@@ -125,7 +125,7 @@ def _patterns_body() -> dict:
 def _unit(ranks_per_node: int, alpha: float = 0.0, gbps: float = 1e300) -> ClusterModel:
     link = Link(alpha_s=alpha, bandwidth_gbps=gbps)
     return ClusterModel(name="unit", ranks_per_node=ranks_per_node, intra=link, inter=link,
-                        call_overhead_s=0.0, sparse_overhead_s=0.0, select_s_per_elem=0.0)
+                        call_overhead_s=0.0, exchange_fixed_s=0.0, select_s_per_elem=0.0)
 
 
 def test_simulated_exchanges_send_what_comm_sends(run_ranks):

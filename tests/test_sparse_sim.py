@@ -36,7 +36,7 @@ def test_topk_is_one_round_of_direct_exchange_sharing_the_node_link():
     abci = CLUSTERS.get("abci")  # 4 ranks per node
     n, k = 4e6, 1000  # 1e6 fp32 elements at density 0.001
     msg = 8 * k  # int32 indices + fp32 values
-    sel = 1e6 * abci.select_s_per_elem + n * abci.gamma_s_per_byte + abci.sparse_overhead_s
+    sel = 1e6 * abci.select_s_per_elem + n * abci.gamma_s_per_byte + abci.exchange_fixed_s
     add = 8 * k * 4 * abci.gamma_s_per_byte  # P k values scatter-added (8 ranks)
     got = exchange_cost("topk", n, CommSetup(gpus=8, cluster=abci))
     intra = abci.intra.alpha_s + 3 * msg * abci.intra.beta_s_per_byte
@@ -80,7 +80,7 @@ def test_hgtopk_slices_cost_is_its_docstring_formula():
     step1 = a + 3 * (n / lr) * b + (n + 3 * n / lr) * g
     # 2-3. selection over m/L, one butterfly round between the 2 nodes, 4 flows on the inter link
     cross = (abci.inter.alpha_s + msg * 4 * abci.inter.beta_s_per_byte + m / lr * sel
-             + 2 * ks * sel + ks * 4 * g + abci.sparse_overhead_s)
+             + 2 * ks * sel + ks * 4 * g + abci.exchange_fixed_s)
     # 4. all-gather of the 4 slice results (indices, counted indices, values)
     step4 = a + 3 * (msg + 4 * ks) * b
     got = exchange_cost("hgtopk", n, setup)

@@ -42,6 +42,10 @@ def test_auto_measures_plans_records_and_a_resume_reuses_the_choice(tmp_path, ca
     assert f"algorithm   {choice['algorithm']} " in printed
     cluster = load_cluster(str(out / "cluster.toml"))  # the measured cluster, reusable
     assert cluster.ranks_per_node == 2 and cluster.nodes == 2
+    toml = (out / "cluster.toml").read_text()  # the sparse exchange's measured fixed costs
+    assert "exchange_fixed_us = " in toml and "round_fixed_us = " in toml
+    assert cluster.exchange_fixed_s >= 0 and cluster.round_fixed_s >= 0
+    assert "ms fixed + " in record["measured"] and " ms per round" in record["measured"]
     ranked = [r["step_s"] for r in record["ranked"]]
     assert ranked == sorted(ranked) and record["compute_s"] > 0
     # resume: the checkpoints hold the chosen hook's state, so the recorded choice is reused
@@ -94,3 +98,27 @@ def test_comm_changes_pass_the_node_split_and_the_rank():
     assert comm_changes({**low, "matrix_approximation_rank": 2}, 1, 10)["matrix_approximation_rank"] == 2
     assert comm_changes({**low, "rank": 4}, 1, 10)["matrix_approximation_rank"] == 4  # an older record
     assert "node_split" not in comm_changes({"algorithm": "ring", "bucket_mb": 4.0}, 1, 10)
+
+
+def _probe_fixed_costs(alpha_s: float) -> tuple[float, dict]:
+    import torch
+
+    from flashsgd.sim.network import ClusterModel, Link
+    from flashsgd.train.auto import round_seconds, sparse_fixed_costs
+
+    link = Link(alpha_s=alpha_s, bandwidth_gbps=1e6)  # the bytes cost next to nothing
+    cluster = ClusterModel("probe", 1, link, link)
+    cpu = torch.device("cpu")
+    return round_seconds(cpu, 30.0), sparse_fixed_costs(cluster, 4096, "exact", 30.0, cpu)
+
+
+def test_the_probe_measures_a_round_and_splits_the_fixed_costs(run_ranks):
+    """3 ranks: rank 2 has no partner (2 XOR 1 = 3) and only takes part in the barriers. With a free
+    link the whole round is its fixed cost; with an alpha of 10 s (the model longer than anything
+    measured here) both are 0: a fixed cost is never negative."""
+    rounds = run_ranks(_probe_fixed_costs, 3, 0.0)
+    for t, costs in rounds:
+        assert 0 < t < 1 and costs["exchange_fixed_s"] >= 0
+        assert 0 < costs["round_fixed_s"] < 1
+    slow = run_ranks(_probe_fixed_costs, 2, 10.0)
+    assert all(c["round_fixed_s"] == 0.0 and c["exchange_fixed_s"] == 0.0 for _, c in slow)

@@ -20,9 +20,15 @@ per-call and compression costs of the devices. Units are in the key names::
     [costs]                     # optional; every key defaults to a V100-class GPU (DEFAULT_COSTS)
     reduce_ns_per_byte = 0.0033 # summing one byte of a message (3 bytes of memory traffic / 900 GB/s)
     call_overhead_us = 10.0     # one collective call
-    sparse_overhead_us = 500.0  # one sparse exchange's bookkeeping (kernel launches, a host sync)
+    exchange_fixed_us = 500.0   # one sparse exchange, whatever its size (launches, host syncs, Python)
+    round_fixed_us = 0.0        # each message round of a sparse exchange, beyond latency_us
     select_ns_per_elem = 0.5    # top-k selection per gradient element
     tflops = 15.0               # matrix products of PowerSGD
+
+``exchange_fixed_us`` and ``round_fixed_us`` are the fixed costs of a sparse exchange
+(:attr:`ClusterModel.exchange_fixed_s`, :attr:`ClusterModel.round_fixed_s`): ``train --comm auto``
+measures both (one real gTop-k exchange and one send/receive round) and records them here.
+``sparse_overhead_us``, their former single key, is read as ``exchange_fixed_us``.
 
 :func:`load_cluster` takes a preset name or a path; :func:`to_toml` writes a :class:`ClusterModel`
 back in this format (``train --comm auto`` records the cluster it measured so, and the file can be
@@ -51,9 +57,13 @@ from flashsgd.sim.network import CLUSTERS, ClusterModel, Link
 GBIT = 1e9 / 8 / 1e9  # 1 Gbit/s in GB/s (Link.bandwidth_gbps is in 1e9 bytes per second)
 
 DEFAULT_COSTS = {"reduce_ns_per_byte": 3.0 / 900.0, "call_overhead_us": 10.0,
-                 "sparse_overhead_us": 500.0, "select_ns_per_elem": 0.5, "tflops": 15.0}
+                 "exchange_fixed_us": 500.0, "round_fixed_us": 0.0, "select_ns_per_elem": 0.5,
+                 "tflops": 15.0}
 """A V100-class GPU (900 GB/s HBM2, ~15 TFLOPS fp32; NCCL-class call cost; the presets' sparse
 assumptions, :mod:`flashsgd.sim.network`)."""
+
+RENAMED_COSTS = {"sparse_overhead_us": "exchange_fixed_us"}
+"""Keys of earlier files (``cluster.toml`` of earlier auto runs) and the key they are read as."""
 
 _TOP = {"name", "nodes", "ranks_per_node", "intra", "inter", "costs"}
 _LINK = {"bandwidth_gbit", "latency_us"}
@@ -68,7 +78,8 @@ def _number(where: str, key: str, value, *, positive: bool) -> float:
     return float(value)
 
 
-def _table(where: str, doc: dict, key: str, allowed: set[str], required: bool) -> dict:
+def _table(where: str, doc: dict, key: str, allowed: set[str], required: bool,
+           former: frozenset[str] = frozenset()) -> dict:
     table = doc.get(key)
     if table is None:
         if required:
@@ -76,7 +87,7 @@ def _table(where: str, doc: dict, key: str, allowed: set[str], required: bool) -
         return {}
     if not isinstance(table, dict):
         raise ValueError(f"{where}: {key} must be a table [{key}], got {table!r}")
-    unknown = sorted(set(table) - allowed)
+    unknown = sorted(set(table) - allowed - former)  # former names are read, never suggested
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {', '.join(f'{key}.{u}' for u in unknown)}; valid: "
                          f"{', '.join(f'{key}.{a}' for a in sorted(allowed))}")
@@ -112,7 +123,15 @@ def load_cluster_text(text: str, where: str, default_name: str = "file") -> Clus
     unknown = sorted(set(doc) - _TOP)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_TOP))}")
-    costs = {**DEFAULT_COSTS, **_table(where, doc, "costs", set(DEFAULT_COSTS), required=False)}
+    given = dict(_table(where, doc, "costs", set(DEFAULT_COSTS), required=False,
+                        former=frozenset(RENAMED_COSTS)))
+    for old, new in RENAMED_COSTS.items():
+        if old in given:
+            if new in given:
+                raise ValueError(f"{where}: costs.{old} and costs.{new} are the same cost ({old} is its "
+                                 f"former name): keep costs.{new}")
+            given[new] = given.pop(old)
+    costs = {**DEFAULT_COSTS, **given}
     c = {k: _number(where, f"costs.{k}", v, positive=(k == "tflops")) for k, v in costs.items()}
     name = doc.get("name", default_name)
     if not isinstance(name, str) or not name:
@@ -122,7 +141,8 @@ def load_cluster_text(text: str, where: str, default_name: str = "file") -> Clus
         nodes=_count(where, doc, "nodes", required=False),
         intra=_link(where, doc, "intra"), inter=_link(where, doc, "inter"),
         gamma_s_per_byte=c["reduce_ns_per_byte"] * 1e-9, call_overhead_s=c["call_overhead_us"] * 1e-6,
-        sparse_overhead_s=c["sparse_overhead_us"] * 1e-6, select_s_per_elem=c["select_ns_per_elem"] * 1e-9,
+        exchange_fixed_s=c["exchange_fixed_us"] * 1e-6, round_fixed_s=c["round_fixed_us"] * 1e-6,
+        select_s_per_elem=c["select_ns_per_elem"] * 1e-9,
         flop_s=1.0 / (c["tflops"] * 1e12), source=where)
 
 
@@ -153,6 +173,7 @@ def to_toml(c: ClusterModel, comment: str = "") -> str:
     tflops = 1.0 / (c.flop_s * 1e12) if c.flop_s > 0 else DEFAULT_COSTS["tflops"]
     lines += ["", "[costs]", f"reduce_ns_per_byte = {c.gamma_s_per_byte * 1e9!r}",
               f"call_overhead_us = {c.call_overhead_s * 1e6!r}",
-              f"sparse_overhead_us = {c.sparse_overhead_s * 1e6!r}",
+              f"exchange_fixed_us = {c.exchange_fixed_s * 1e6!r}",
+              f"round_fixed_us = {c.round_fixed_s * 1e6!r}",
               f"select_ns_per_elem = {c.select_s_per_elem * 1e9!r}", f"tflops = {tflops!r}"]
     return "\n".join(lines) + "\n"

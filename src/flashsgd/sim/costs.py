@@ -40,6 +40,10 @@ gtopk_tree          Shi et al.'s reference implementation (simulator-only): sele
                     2 lgP a + 2 k s lgP b   (s = value + index bytes: 4 k lgP b_elem with int32)
 =================== ==========================================================================
 
+The sparse exchanges also pay the cluster's fixed costs, ``exchange_fixed_s`` per exchange and
+``round_fixed_s`` per message round (:mod:`flashsgd.sim.costs_sparse`); the dense ones pay
+``call_overhead_s`` per collective call.
+
 Non-powers of two: recursive doubling and Rabenseifner fold the extra ``P - 2^floor(lgP)`` ranks in
 with one step before and one after (MPICH), and so does the gtopk butterfly (``comm/sparse.py``);
 binomial trees and gtopk_tree use ceil(lgP) steps. The sparse exchanges (topk, gtopk, hgtopk,

@@ -34,7 +34,7 @@ import numpy as np
 
 from flashsgd.exchanges import NODE_SPLITS
 from flashsgd.sim.costs import CommSetup, Cost, CostFn, step_cost, zero_cost
-from flashsgd.sim.costs_sparse import _k, _sparse_start, gtopk, sparse_message_bytes
+from flashsgd.sim.costs_sparse import _k, _sparse_start, fixed_rounds, gtopk, sparse_message_bytes
 
 
 def _leaders(setup: CommSetup) -> CommSetup:
@@ -50,7 +50,7 @@ def _node_broadcast(n: np.ndarray, setup: CommSetup, steps: int) -> Cost:
     intra = setup.cluster.intra
     lat, bw = step_cost(sparse_message_bytes(k, setup) + setup.index_bytes * k, steps,
                         [(intra.alpha_s, intra.beta_s_per_byte)])
-    return Cost(lat, bw, np.zeros_like(n), np.zeros_like(n))
+    return Cost(lat, bw, np.zeros_like(n), np.zeros_like(n)) + fixed_rounds(n, steps, setup)
 
 
 def hgtopk_leader(n_bytes, setup: CommSetup) -> Cost:
@@ -73,7 +73,7 @@ def hgtopk_leader(n_bytes, setup: CommSetup) -> Cost:
     if steps:
         # Step 1: node sum to the leader (binomial tree, full n bytes per round).
         lat, bw = step_cost(n, steps, intra)
-        cost = cost + Cost(lat, bw, steps * n * c.gamma_s_per_byte, z)
+        cost = cost + Cost(lat, bw, steps * n * c.gamma_s_per_byte, z) + fixed_rounds(n, steps, setup)
     if nodes > 1:
         # Steps 2-3: selection at the leader, gTop-k among the leaders (one rank per node crosses).
         cost = cost + gtopk(n, _leaders(setup))
@@ -139,7 +139,7 @@ def hgtopk_slices(n_bytes, setup: CommSetup) -> Cost:
     intra = [(c.intra.alpha_s, c.intra.beta_s_per_byte)]
     # Step 1: L - 1 slices of n / L out and in, summed; the residual add over the whole acc
     lat, bw = step_cost((lr - 1) * n / lr, 1, intra)
-    cost = Cost(lat, bw, (n + (lr - 1) * n / lr) * c.gamma_s_per_byte, z)
+    cost = Cost(lat, bw, (n + (lr - 1) * n / lr) * c.gamma_s_per_byte, z) + fixed_rounds(n, 1, setup)
     # Steps 2-3: selection over the slice, gTop-k of its k/L pairs among the N nodes, L flows per
     # node (the slice's own residual add is counted by gtopk's start: take it out of step 1's)
     if nodes > 1:
@@ -154,7 +154,7 @@ def hgtopk_slices(n_bytes, setup: CommSetup) -> Cost:
     k_slice = _k(n / lr, setup)[1]
     msg = sparse_message_bytes(k_slice, setup) + setup.index_bytes * k_slice
     lat, bw = step_cost((lr - 1) * msg, 1, intra)
-    return cost + Cost(lat, bw, z, z)
+    return cost + Cost(lat, bw, z, z) + fixed_rounds(n, 1, setup)
 
 
 NODE_SPLIT_COSTS: dict[str, CostFn] = {"leader": hgtopk_leader, "slices": hgtopk_slices,

@@ -18,6 +18,11 @@ Low Bandwidth Networks" (arXiv 1901.04359). Registered by name in
   pairwise merges then a broadcast of the k result pairs (2 ceil(lgP) rounds); what the paper's
   figures were measured with.
 
+Fixed costs (:class:`~flashsgd.sim.network.ClusterModel`): ``exchange_fixed_s`` once per exchange
+(with the local selection, :func:`_sparse_start`) and ``round_fixed_s`` once per message round
+(:func:`fixed_rounds`), both in ``Cost.overhead_s``; the rounds are the a terms, as
+:func:`message_pattern` counts them (``gtopk_tree``: 2 ceil(lgP)).
+
 :func:`message_pattern` gives the bytes each rank sends and the rounds of each exchange as these
 costs count them; ``tests/test_sim_pattern.py`` checks them against a real Gloo run of ``comm``.
 
@@ -51,6 +56,13 @@ def _k(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarray]:
     return m, np.clip(np.ceil(np.round(setup.density * m, 9)), 1.0, np.maximum(m, 1.0))
 
 
+def fixed_rounds(n: np.ndarray, rounds: int, setup: CommSetup) -> Cost:
+    """The fixed cost of ``rounds`` message rounds of a sparse exchange (``round_fixed_s`` each,
+    beyond the link's alpha: :attr:`flashsgd.sim.network.ClusterModel.round_fixed_s`), as overhead."""
+    z = np.zeros_like(n)
+    return Cost(z, z, z, np.full_like(n, rounds * setup.cluster.round_fixed_s))
+
+
 def direct_levels(setup: CommSetup) -> list[tuple[float, float]]:
     """Links of one round in which every rank sends one message to each of the P-1 others at once
     (``comm/waits.gather_from_peers``), as (a, b per byte of one message): the L-1 messages to its
@@ -81,10 +93,10 @@ def topk(n_bytes, setup: CommSetup) -> Cost:
     m, k = _k(n, setup)
     # Step 1: select the k largest |g| of m local elements (plus the residual add, a pass over m).
     comp = m * c.select_s_per_elem + n * c.gamma_s_per_byte
-    cost = Cost(np.zeros_like(n), np.zeros_like(n), comp, np.full_like(n, c.sparse_overhead_s))
+    cost = Cost(np.zeros_like(n), np.zeros_like(n), comp, np.full_like(n, c.exchange_fixed_s))
     # Step 2: one round, every rank sends its packed message to each of the P-1 others at once.
     lat, bw = step_cost(sparse_message_bytes(k, setup), 1, direct_levels(setup))
-    cost = cost + Cost(lat, bw, np.zeros_like(n), np.zeros_like(n))
+    cost = cost + Cost(lat, bw, np.zeros_like(n), np.zeros_like(n)) + fixed_rounds(n, 1, setup)
     # Step 3: scatter-add the P*k received values into a dense buffer.
     return cost + Cost(np.zeros_like(n), np.zeros_like(n), p * k * setup.value_bytes * c.gamma_s_per_byte,
                        np.zeros_like(n))
@@ -134,7 +146,7 @@ def _sparse_start(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarr
     m, k = _k(n, setup)
     comp = m * c.select_s_per_elem + n * c.gamma_s_per_byte
     merge = 2 * k * c.select_s_per_elem + k * setup.value_bytes * c.gamma_s_per_byte
-    return k, merge, Cost(np.zeros_like(n), np.zeros_like(n), comp, np.full_like(n, c.sparse_overhead_s))
+    return k, merge, Cost(np.zeros_like(n), np.zeros_like(n), comp, np.full_like(n, c.exchange_fixed_s))
 
 
 def gtopk(n_bytes, setup: CommSetup) -> Cost:
@@ -166,7 +178,7 @@ def gtopk(n_bytes, setup: CommSetup) -> Cost:
         lat, bw = step_cost(sparse_message_bytes(k, setup, extra_bytes=k), 1,
                         pair_levels(p2, fold_flows, setup))
         cost = cost + Cost(lat, bw, z, z)
-    return cost
+    return cost + fixed_rounds(n, _rounds_gtopk(p), setup)  # every round's fixed cost
 
 
 def gtopk_tree(n_bytes, setup: CommSetup) -> Cost:
@@ -181,7 +193,7 @@ def gtopk_tree(n_bytes, setup: CommSetup) -> Cost:
         # Step 2: round i, receivers get k pairs from 2^i away and keep the top k of the 2k union;
         # Step 3 (broadcast) sends the final k pairs back down the same tree: 2 messages per level.
         lat, bw = step_cost(k * pair, 2, pair_levels(1 << i, 1, setup))
-        cost = cost + Cost(lat, bw, merge, np.zeros_like(n))
+        cost = cost + Cost(lat, bw, merge, np.zeros_like(n)) + fixed_rounds(n, 2, setup)
     return cost
 
 

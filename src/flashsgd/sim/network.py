@@ -74,8 +74,15 @@ class ClusterModel:
     """Reduction (sum) time per byte of the message on one rank."""
     call_overhead_s: float = 0.0
     """Fixed cost of one collective call (kernel launch, synchronisation)."""
-    sparse_overhead_s: float = 0.0
-    """Fixed cost of one sparse exchange (top-k bookkeeping, index packing, host syncs)."""
+    exchange_fixed_s: float = 0.0
+    """Fixed cost of one sparse exchange of a bucket, whatever its size: selection launch, index
+    packing, the size check, host syncs, Python (seconds; once per exchange call)."""
+    round_fixed_s: float = 0.0
+    """Fixed cost of each message round of a sparse exchange beyond the link's ``alpha``: posting a
+    send/receive pair from Python and waiting for it, the synchronisation of the round (seconds; the
+    rounds are the a terms of :mod:`flashsgd.sim.costs_sparse`, ``message_pattern(...).rounds``).
+    Dense exchanges have no such term: their per-step cost is the link's ``alpha``, fitted from the
+    dense collective itself, and their per-call cost ``call_overhead_s``."""
     select_s_per_elem: float = 0.0
     """Top-k selection time per gradient element (a few passes over the gradient)."""
     flop_s: float = 0.0
@@ -92,7 +99,8 @@ class ClusterModel:
             raise ValueError(f"ClusterModel.ranks_per_node must be an int >= 1, got {self.ranks_per_node!r}")
         if self.nodes is not None and (not isinstance(self.nodes, int) or self.nodes < 1):
             raise ValueError(f"ClusterModel.nodes must be an int >= 1 or None, got {self.nodes!r}")
-        for name in ("gamma_s_per_byte", "call_overhead_s", "sparse_overhead_s", "select_s_per_elem", "flop_s"):
+        for name in ("gamma_s_per_byte", "call_overhead_s", "exchange_fixed_s", "round_fixed_s",
+                     "select_s_per_elem", "flop_s"):
             _check_positive("ClusterModel", name, getattr(self, name), allow_zero=True)
         for key, value in self.resnet50_images_per_s.items():
             _check_positive("ClusterModel", f"resnet50_images_per_s[{key!r}]", value)
@@ -117,7 +125,8 @@ class ClusterModel:
             f"intra alpha={self.intra.alpha_s * 1e6:.2f} us, {self.intra.bandwidth_gbps:.3g} GB/s; "
             f"inter alpha={self.inter.alpha_s * 1e6:.2f} us, {self.inter.bandwidth_gbps:.3g} GB/s/node; "
             f"gamma={self.gamma_s_per_byte * 1e12:.3g} ps/B; call overhead "
-            f"{self.call_overhead_s * 1e6:.3g} us; sparse overhead {self.sparse_overhead_s * 1e6:.3g} us; "
+            f"{self.call_overhead_s * 1e6:.3g} us; sparse exchange fixed {self.exchange_fixed_s * 1e6:.3g} us "
+            f"+ {self.round_fixed_s * 1e6:.3g} us per round; "
             f"top-k select {self.select_s_per_elem * 1e9:.3g} ns/elem"
         )
 
@@ -133,7 +142,8 @@ _NCCL_CALL_S = 10e-6
 # Sparse exchange bookkeeping. ASSUMPTION (not measured here): one top-k exchange costs ~0.5 ms of
 # fixed overhead (several kernel launches, a host sync for the sizes, index packing), and top-k
 # selection costs ~0.5 ns per gradient element on a V100/P100-class GPU (~13 ms for ResNet-50's
-# 25.6M gradients; torch.topk is a multi-pass radix select, far from one memory pass).
+# 25.6M gradients; torch.topk is a multi-pass radix select, far from one memory pass). No fixed
+# cost per round beyond the link's alpha (ASSUMPTION; `train --comm auto` measures both).
 _SPARSE_CALL_S = 0.5e-3
 _SELECT_S_PER_ELEM = 0.5e-9
 
@@ -154,7 +164,7 @@ CLUSTERS.add("abci", ClusterModel(
     inter=Link(alpha_s=_NCCL_NET_STEP_S, bandwidth_gbps=24.0),
     gamma_s_per_byte=_gpu_gamma(900.0),  # V100 HBM2: 900 GB/s
     call_overhead_s=_NCCL_CALL_S,
-    sparse_overhead_s=_SPARSE_CALL_S,
+    exchange_fixed_s=_SPARSE_CALL_S,
     select_s_per_elem=_SELECT_S_PER_ELEM,
     # Published single-V100 PyTorch ResNet-50 training: ~1200 images/s mixed precision, ~370 fp32.
     resnet50_images_per_s={"fp16": 1200.0, "fp32": 370.0},
@@ -172,7 +182,7 @@ CLUSTERS.add("bigbasin-50gbe", ClusterModel(
     inter=Link(alpha_s=30e-6, bandwidth_gbps=5.6),
     gamma_s_per_byte=_gpu_gamma(732.0),  # P100 HBM2: 732 GB/s
     call_overhead_s=_NCCL_CALL_S,
-    sparse_overhead_s=_SPARSE_CALL_S,
+    exchange_fixed_s=_SPARSE_CALL_S,
     select_s_per_elem=_SELECT_S_PER_ELEM,
     # ASSUMPTION [unverified]: P100 ResNet-50 fp32 training ~220 images/s (tf_cnn_benchmarks-class
     # figure); P100 has no tensor cores, so fp16 is taken as 1.5x at best.
@@ -190,7 +200,7 @@ CLUSTERS.add("1gbe", ClusterModel(
     # GTX 1080 Ti / P102-class GPU: ~480 GB/s memory bandwidth.
     gamma_s_per_byte=_gpu_gamma(480.0),
     call_overhead_s=50e-6,  # Gloo/MPI over TCP: a call is a few socket round trips of setup
-    sparse_overhead_s=_SPARSE_CALL_S,
+    exchange_fixed_s=_SPARSE_CALL_S,
     select_s_per_elem=_SELECT_S_PER_ELEM,
     # ASSUMPTION [unverified]: a 1080 Ti-class GPU trains ResNet-50 fp32 at ~200 images/s.
     resnet50_images_per_s={"fp32": 200.0, "fp16": 300.0},

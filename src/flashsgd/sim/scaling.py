@@ -100,7 +100,7 @@ def _unit(row: dict, *, alpha: float = 0.0, inter_gbps: float = _INF_GBPS, intra
           call: float = 0.0, sparse: float = 0.0, select: float = 0.0, flop: float = 0.0) -> ClusterModel:
     return ClusterModel(name="unit", ranks_per_node=row["ranks_per_node"],
                         intra=Link(alpha, intra_gbps), inter=Link(alpha, inter_gbps),
-                        call_overhead_s=call, sparse_overhead_s=sparse, select_s_per_elem=select,
+                        call_overhead_s=call, exchange_fixed_s=sparse, select_s_per_elem=select,
                         flop_s=flop)
 
 

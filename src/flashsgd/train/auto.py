@@ -16,8 +16,10 @@ all ranks working at once, so CPU or NIC sharing is in the figures):
    :func:`flashsgd.sim.costs.ring`; one level only: the other takes the same link.
 3. Devices: ``gamma`` = the time of ``a += b`` per byte of the gradient; top-k selection per
    element (``comm.selection`` at density 0.01, minus the add); PowerSGD's flop rate from one
-   rank-2 product of a gradient-sized matrix; the fixed cost of a sparse exchange = one real
-   gTop-k exchange of the gradient minus what the model predicts for it without that cost.
+   rank-2 product of a gradient-sized matrix; the fixed costs of a sparse exchange
+   (:func:`sparse_fixed_costs`): per round = one send/receive round of 8 bytes with rank XOR 1
+   minus the link's alpha, per exchange = one real gTop-k exchange of the gradient minus what the
+   model predicts for it with that per-round cost.
 4. Plan (:func:`flashsgd.sim.planner.make_plan`) for this world, workload (the model's parameters
    in backward order, :func:`flashsgd.sim.workload.from_module`), batch and run length; rank 0
    broadcasts the choice, records ``<out>/auto.json`` (measurements, choice, top candidates) and
@@ -114,7 +116,7 @@ class Measured:
                 f"inter {c.inter.bandwidth_gbps * 8:.3g} Gbit/s, {c.inter.alpha_s * 1e6:.0f} us; intra "
                 f"{c.intra.bandwidth_gbps * 8:.3g} Gbit/s, {c.intra.alpha_s * 1e6:.0f} us; add "
                 f"{c.gamma_s_per_byte * 1e9:.3g} ns/B; select {c.select_s_per_elem * 1e9:.3g} ns/elem; "
-                f"sparse exchange {c.sparse_overhead_s * 1e3:.2f} ms fixed")
+                f"sparse exchange {c.exchange_fixed_s * 1e3:.2f} ms fixed + {c.round_fixed_s * 1e3:.2f} ms per round")
 
 
 def measure_devices(numel: int, selection: str, device: torch.device) -> dict[str, float]:
@@ -134,14 +136,34 @@ def measure_devices(numel: int, selection: str, device: torch.device) -> dict[st
             "flop_s": t_mm / (2.0 * m.shape[0] * m.shape[1] * 2)}
 
 
-def sparse_overhead(cluster: ClusterModel, numel: int, selection: str, timeout_s: float,
-                    device: torch.device) -> float:
-    """Step 3 (exchange part): one real gTop-k exchange of ``numel`` entries minus the model's
-    prediction for it without a fixed cost."""
+def round_seconds(device: torch.device, timeout_s: float) -> float:
+    """One message round as a sparse exchange runs it: an 8-byte send and receive with rank XOR 1
+    posted at once, then both waited for (ranks without a partner only take part in the barriers)."""
+    from flashsgd.comm.waits import wait_peer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = rank ^ 1
+    send, recv = torch.zeros(2, device=device), torch.zeros(2, device=device)
+
+    def swap() -> None:
+        r, s = dist.irecv(recv, src=peer), dist.isend(send, dst=peer)
+        wait_peer(r, peer, timeout_s, "auto probe, one round")
+        wait_peer(s, peer, timeout_s, "auto probe, one round", sending=True)
+
+    return _timed(swap, device, active=peer < world)
+
+
+def sparse_fixed_costs(cluster: ClusterModel, numel: int, selection: str, timeout_s: float,
+                       device: torch.device) -> dict[str, float]:
+    """Step 3 (exchange part): ``round_fixed_s`` = one round (:func:`round_seconds`) minus the
+    model's time for it (alpha and 8 bytes to rank XOR 1); ``exchange_fixed_s`` = one real gTop-k
+    exchange of ``numel`` entries minus the model's prediction for it with that per-round cost."""
+    import numpy as np
+
     from flashsgd.comm.sparse import gtopk_allreduce
     from flashsgd.comm.sparse_select import SELECTIONS, k_from_density
     from flashsgd.sim.algorithms import exchange_cost
-    from flashsgd.sim.costs import CommSetup
+    from flashsgd.sim.costs import CommSetup, pair_levels, step_cost
     from flashsgd.sim.planner import WIRE_INDEX_BYTES
 
     x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
@@ -151,10 +173,14 @@ def sparse_overhead(cluster: ClusterModel, numel: int, selection: str, timeout_s
         values, indices = SELECTIONS[selection](x, k)
         gtopk_allreduce(values, indices, k, numel, timeout_s=timeout_s)
 
-    t = _timed(exchange, device)
+    t_round, t = round_seconds(device, timeout_s), _timed(exchange, device)
     setup = CommSetup(gpus=dist.get_world_size(), cluster=cluster, density=PROBE_DENSITY,
                       index_bytes=WIRE_INDEX_BYTES)
-    return max(t - float(exchange_cost("gtopk", 4.0 * numel, setup).total), 0.0)
+    lat, bw = step_cost(np.asarray(8.0), 1, pair_levels(1, 1, setup))  # the round's 8 bytes
+    per_round = max(t_round - float(lat + bw), 0.0)
+    setup = replace(setup, cluster=replace(cluster, round_fixed_s=per_round, exchange_fixed_s=0.0))
+    return {"round_fixed_s": per_round,
+            "exchange_fixed_s": max(t - float(exchange_cost("gtopk", 4.0 * numel, setup).total), 0.0)}
 
 
 def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable, topo,
@@ -178,8 +204,7 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, los
     cluster = ClusterModel(name="measured", ranks_per_node=L, nodes=world // L,
                            intra=intra or inter, inter=inter or intra, **dev,
                            source=f"measured by flashsgd train --comm auto on {world} ranks")
-    cluster = replace(cluster, sparse_overhead_s=sparse_overhead(cluster, numel, selection, timeout_s,
-                                                                 device))
+    cluster = replace(cluster, **sparse_fixed_costs(cluster, numel, selection, timeout_s, device))
     return Measured(cluster, compute, time.perf_counter() - t0)
 
 
