@@ -105,8 +105,8 @@ def test_bucket_bounds_ddp_style_and_fixed_groups():
 def test_engine_invariants(algo):
     w = resnet50()
     for gpus in (1, 4, 64, 1024):
-        for overlap in (True, False):
-            r = simulate(w, ABCI, SimConfig(algo, gpus, 1200.0, precision="fp16", overlap=overlap))
+        for schedule in ("overlap", "after_backward"):
+            r = simulate(w, ABCI, SimConfig(algo, gpus, 1200.0, precision="fp16", schedule=schedule))
             assert r.iteration_s >= r.compute_s
             assert r.exposed_comm_s >= 0
             assert 0 < r.efficiency <= 1
@@ -118,7 +118,7 @@ def test_engine_invariants(algo):
 
 def test_one_bucket_without_overlap_is_compute_plus_full_communication():
     w = resnet50()
-    cfg = SimConfig("torus2d", 256, 1200.0, precision="fp16", bucket_mb=1e6, overlap=False)
+    cfg = SimConfig("torus2d", 256, 1200.0, precision="fp16", bucket_mb=1e6, schedule="after_backward")
     r = simulate(w, ABCI, cfg)
     full = float(exchange_cost("torus2d", w.num_params * 2.0, CommSetup(256, ABCI, value_bytes=2)).total)
     assert r.buckets == 1
@@ -128,7 +128,7 @@ def test_one_bucket_without_overlap_is_compute_plus_full_communication():
 def test_overlap_never_hurts_and_hides_communication():
     w = resnet50()
     cfg = SimConfig("hierarchical", 256, 370.0, precision="fp32", bucket_mb=5.0)
-    on, off = simulate(w, ABCI, cfg), simulate(w, ABCI, replace(cfg, overlap=False))
+    on, off = simulate(w, ABCI, cfg), simulate(w, ABCI, replace(cfg, schedule="after_backward"))
     assert on.iteration_s < off.iteration_s
     assert off.exposed_comm_s == pytest.approx(off.comm_s)
 
@@ -142,3 +142,59 @@ def test_sweep_covers_every_pair_and_bad_config_is_rejected():
         SimConfig("ring", 8, 100.0, precision="bf8")
     with pytest.raises(ValueError, match="grid 4x200 does not match gpus=1024"):
         simulate(resnet50(), ABCI, SimConfig("torus2d", 1024, 1200.0, grid=(4, 200)))
+
+
+def test_grad_accum_exchanges_once_after_the_last_micro_batch():
+    """Two tensors of 1000 fp32, one bucket each, backward shares 1:1, T1 = 1 s (forward 1/3). A
+    2-rank ring with alpha 0.1 s takes d ~ 0.2 s per bucket. N = 1: ready at 2/3 and 1 s, the
+    second exchange ends at max(1, 2/3 + d) + d. N = 2: micro-batches of 0.5 s, the last one's
+    backward (1/3 s) runs from 2/3: ready at 5/6 and 1 s, end max(1, 5/6 + d) + d."""
+    from flashsgd.sim.network import ClusterModel, Link
+    from flashsgd.sim.workload import Workload
+
+    w = Workload("two", np.array([1000, 1000]), np.array([1.0, 1.0]))
+    slow = ClusterModel("slow", 1, Link(0.1, 1.0), Link(0.1, 1.0))
+    d = float(exchange_cost("ring", 4000.0, CommSetup(2, slow)).total)
+    assert 0.2 < d < 0.21
+    cfg = SimConfig("ring", 2, 4.0, batch_per_gpu=4, bucket_mb=1e-6)
+    one, two = simulate(w, slow, cfg), simulate(w, slow, replace(cfg, grad_accum=2))
+    assert one.iteration_s == pytest.approx(max(1.0, 2 / 3 + d) + d, rel=1e-12)
+    assert two.iteration_s == pytest.approx(max(1.0, 5 / 6 + d) + d, rel=1e-12)
+    assert (one.comm_s, one.buckets) == (two.comm_s, two.buckets) == (2 * d, 2)  # one exchange per step
+    after = simulate(w, slow, replace(cfg, grad_accum=2, schedule="after_backward"))
+    assert after.iteration_s == pytest.approx(1.0 + 2 * d, rel=1e-12)
+    assert (two.grad_accum, after.schedule) == (2, "after_backward")
+
+
+def test_grad_accum_at_the_same_micro_batch_amortises_the_exchange():
+    """ResNet-50 on 1 GbE, 32 GPUs, micro-batch 32: N micro-batches per exchange make T1 N-fold and
+    leave the exchange as it was, so with one bucket after backward the step is N T1 + c exactly."""
+    w, gbe = resnet50(), CLUSTERS.get("1gbe")
+    full = float(exchange_cost("native", w.num_params * 4.0, CommSetup(32, gbe)).total)
+    effs = []
+    for n in (1, 2, 4, 8):
+        r = simulate(w, gbe, SimConfig("native", 32, 200.0, batch_per_gpu=32 * n, grad_accum=n,
+                                       bucket_mb=1e6, schedule="after_backward"))
+        assert r.compute_s == pytest.approx(0.16 * n) and r.iteration_s == pytest.approx(0.16 * n + full, rel=1e-12)
+        effs.append(r.efficiency)
+    assert effs == sorted(effs) and effs[-1] > 4 * effs[0]
+    with pytest.raises(ValueError, match=r"grad_accum must be an int in \[1, batch_per_gpu=32\]"):
+        SimConfig("ring", 8, 100.0, grad_accum=33)
+    with pytest.raises(ValueError, match="schedule must be one of overlap, after_backward"):
+        SimConfig("ring", 8, 100.0, schedule="later")
+
+
+def test_the_trainer_schedule_follows_the_catalog_threaded_option():
+    from flashsgd.exchanges import EXCHANGES, names
+    from flashsgd.sim.workload import trainer_schedule
+
+    for name in names():
+        fields = EXCHANGES.get(name).options.__dataclass_fields__
+        threaded = fields["threaded"].default if "threaded" in fields else True
+        assert trainer_schedule(name) == ("overlap" if threaded else "after_backward")
+    assert [trainer_schedule(n) for n in ("native", "torus2d", "gtopk", "hgtopk", "powersgd")] == \
+        ["overlap", "overlap", "after_backward", "after_backward", "overlap"]
+    assert trainer_schedule("gtopk", threaded=True) == "overlap"
+    assert trainer_schedule("ring", threaded=False) == "after_backward"
+    with pytest.raises(ValueError, match="'gtopk_tree' is simulator-only"):
+        trainer_schedule("gtopk_tree")

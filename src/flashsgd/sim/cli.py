@@ -28,7 +28,7 @@ from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.engine import SimConfig, SimResult, simulate, straddling_alternative, sweep
 from flashsgd.sim.cluster_file import load_cluster
 from flashsgd.sim.network import CLUSTERS, get_cluster
-from flashsgd.sim.workload import MODEL_HELP, get_workload
+from flashsgd.sim.workload import MODEL_HELP, SCHEDULES, get_workload, trainer_schedule
 
 
 def _ints(text: str) -> list[int]:
@@ -80,7 +80,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DDP bucket cap in MiB (DDP's bucket_cap_mb; default 25)")
     p.add_argument("--groups", type=_ints, metavar="N,N,...",
                    help="fixed fusion groups (tensor counts in backward order, e.g. 3,21,57,80)")
-    p.add_argument("--no-overlap", action="store_true", help="communicate only after backward")
+    p.add_argument("--schedule", choices=(*SCHEDULES, "trainer"), default="overlap",
+                   help="when the exchanges run: overlap (default: each bucket during backward as soon "
+                        "as it is ready), after_backward (all after it), or trainer (each exchange as "
+                        "flashsgd train runs it on Gloo: the sparse hooks after backward)")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="micro-batches per exchange, as flashsgd train --grad-accum: --batch-per-gpu "
+                        "split in N, the first N-1 without an exchange; --images-per-s is the "
+                        "throughput at the micro-batch (default 1)")
     p.add_argument("--density", type=float, default=DEFAULT_DENSITY,
                    help=f"topk/gtopk/hgtopk density (default {DEFAULT_DENSITY:g})")
     p.add_argument("--node-split", choices=NODE_SPLITS, default=option_default("node_split"),
@@ -107,6 +114,12 @@ def _algorithms(value: str | None) -> list[str]:
     for n in names:
         ALGORITHMS.get(n)  # ValueError listing the known names
     return list(dict.fromkeys(names))
+
+
+def _scheduled(base: SimConfig, algorithm: str, schedule: str) -> SimConfig:
+    """``base`` for ``algorithm`` with ``--schedule`` (``trainer``: :func:`trainer_schedule`)."""
+    return replace(base, algorithm=algorithm,
+                   schedule=trainer_schedule(algorithm) if schedule == "trainer" else schedule)
 
 
 def _grid(text: str | None, gpus: list[int]) -> tuple[int, int] | None:
@@ -208,14 +221,14 @@ def grid_warning(r: SimResult, aligned: SimResult) -> str:
             f"ms ({r.efficiency:.1%}); pass --grid {aligned.grid[0]}x{aligned.grid[1]} to use it")
 
 
-def _grid_lines(results: list[SimResult], workload, cluster, base: SimConfig) -> list[str]:
+def _grid_lines(results: list[SimResult], workload, cluster, base: SimConfig, schedule: str) -> list[str]:
     """The grid of every torus2d result and, where the automatic one straddles nodes and the
     node-aligned grid is faster, a warning with both predictions (:func:`straddling_alternative`)."""
     lines = []
     for r in results:
         if r.grid is None:
             continue
-        cfg = replace(base, algorithm=r.algorithm, gpus=r.gpus,
+        cfg = replace(_scheduled(base, r.algorithm, schedule), gpus=r.gpus,
                       grid=base.grid if base.grid and base.grid[0] * base.grid[1] == r.gpus else None)
         lines.append(f"torus2d on {plural(r.gpus, 'GPU')}: grid {grid_text(r, cluster, cfg.grid is not None)}")
         aligned = straddling_alternative(workload, cluster, cfg, r)
@@ -226,8 +239,10 @@ def _grid_lines(results: list[SimResult], workload, cluster, base: SimConfig) ->
 
 def _print_breakdown(r: SimResult) -> None:
     ms = 1e3
+    when = "overlapping backward" if r.schedule == "overlap" else "after backward"
+    accum = f", {plural(r.grad_accum, 'micro-batch', 'micro-batches')} per exchange" if r.grad_accum > 1 else ""
     print(f"algorithm {r.algorithm}, {plural(r.gpus, 'GPU')}, {plural(r.buckets, 'bucket')} "
-          f"(largest {size(r.bucket_bytes_max)})")
+          f"(largest {size(r.bucket_bytes_max)}) exchanged {when}{accum}")
     print(f"  iteration        {r.iteration_s * ms:9.2f} ms")
     print(f"  compute          {r.compute_s * ms:9.2f} ms  (forward + backward + update, one GPU)")
     print(f"  communication    {r.comm_s * ms:9.2f} ms  (latency {r.latency_s * ms:.2f}, bandwidth "
@@ -323,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
     base = SimConfig(algorithm=algos[0], gpus=args.gpus, images_per_s=ips,
                      batch_per_gpu=args.batch_per_gpu, precision=args.precision,
                      bucket_mb=args.bucket_mb, groups=tuple(args.groups) if args.groups else None,
-                     overlap=not args.no_overlap,
+                     grad_accum=args.grad_accum,
                      grid=_grid(args.grid, args.sweep_gpus or [args.gpus]), density=args.density,
                      index_bytes=args.index_bytes, node_split=args.node_split,
                      matrix_approximation_rank=args.matrix_approximation_rank)
@@ -336,11 +351,12 @@ def run(args: argparse.Namespace) -> int:
                           "params": workload.num_params, "note": workload.note}
     if args.sweep_gpus:
         t0 = time.perf_counter()
-        results = sweep(workload, cluster, base, algos, args.sweep_gpus)
+        results = [r for a in algos for r in sweep(workload, cluster, _scheduled(base, a, args.schedule), [a],
+                                                    args.sweep_gpus)]
         elapsed = time.perf_counter() - t0
         _print_table(results, algos, args.sweep_gpus)
         print(f"simulated {len(results)} configurations in {elapsed:.3f} s")
-        report["grids"] = _grid_lines(results, workload, cluster, base)
+        report["grids"] = _grid_lines(results, workload, cluster, base, args.schedule)
         for line in report["grids"]:
             print(line)
         png = plot_path(args.plot, args.out, args.json)
@@ -352,11 +368,11 @@ def run(args: argparse.Namespace) -> int:
             print("no plot written: add --plot PATH, --out DIR or --json PATH")
         report["sweep_seconds"] = elapsed
     else:
-        results = [simulate(workload, cluster, replace(base, algorithm=a)) for a in algos]
+        results = [simulate(workload, cluster, _scheduled(base, a, args.schedule)) for a in algos]
         report["grids"] = []
         for r in results:
             _print_breakdown(r)
-            for line in _grid_lines([r], workload, cluster, base):
+            for line in _grid_lines([r], workload, cluster, base, args.schedule):
                 print(f"  {line}")
                 report["grids"].append(line)
     report["results"] = [r.to_dict() for r in results]

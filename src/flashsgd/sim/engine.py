@@ -2,13 +2,20 @@
 
 Algorithm (per iteration, one GPU's view; all GPUs are identical in data parallelism):
 
-1. Forward takes ``forward_fraction`` of the single-GPU step time ``T1 = batch / images_per_s``;
-   backward the rest minus the update, spread over the gradient tensors by their backward share.
+1. The single-GPU step time is ``T1 = batch / images_per_s``; the optimizer update takes
+   ``update_fraction`` of it, once per step. The rest is ``grad_accum`` = N micro-batches of
+   ``batch / N`` samples (``flashsgd train --grad-accum``), each forward (``forward_fraction`` of
+   T1 / N) then backward; the first N-1 exchange nothing (DDP's ``no_sync``). The last one's
+   backward is spread over the gradient tensors by their backward share.
 2. Gradients are fused into buckets in backward order: DDP-style by size (close a bucket once it
    holds >= ``bucket_mb`` MiB, DDP's ``bucket_cap_mb`` unit) or by fixed tensor counts (Fujitsu-style ``groups``, e.g. 3, 21, 57, 80).
 3. A bucket's exchange starts when its last gradient is ready and the previous bucket's exchange
-   has finished (one communication stream); without overlap, all start after backward.
+   has finished (one communication stream; ``schedule="overlap"``); with
+   ``schedule="after_backward"`` all start when backward ends (:data:`flashsgd.sim.workload.SCHEDULES`).
 4. The optimizer update runs after backward and the last exchange.
+
+With N micro-batches only the last backward can hide the exchange, but one exchange serves N
+micro-batches: T1 grows N-fold at the same samples per micro-batch while the exchange stays.
 
 Outputs: iteration time, compute time (T1), total and exposed communication, throughput and scaling
 efficiency = throughput / (P x single-GPU throughput) = T1 / iteration (a single GPU communicates
@@ -35,7 +42,7 @@ from flashsgd.exchanges import DEFAULT_DENSITY, WIRE_INDEX_BYTES, option_default
 from flashsgd.sim.algorithms import exchange_cost
 from flashsgd.sim.costs import CommSetup, Cost
 from flashsgd.sim.network import ClusterModel
-from flashsgd.sim.workload import Workload
+from flashsgd.sim.workload import SCHEDULES, Workload
 
 BYTES = {"fp16": 2, "fp32": 4}
 
@@ -51,7 +58,11 @@ class SimConfig:
     images_per_s: float
     """Single-GPU training throughput at ``batch_per_gpu`` (forward + backward + update)."""
     batch_per_gpu: int = 32
-    """Samples per GPU per iteration."""
+    """Samples per GPU per iteration (optimizer step): with ``grad_accum`` N, N micro-batches of
+    ``batch_per_gpu / N`` (``images_per_s`` is then the throughput at that micro-batch)."""
+    grad_accum: int = 1
+    """Micro-batches per exchange: the trainer's ``--grad-accum`` (``optim.grad_accum``); the first
+    N-1 run forward and backward without exchanging."""
     precision: Literal["fp16", "fp32"] = "fp32"
     """Gradient element type on the wire."""
     bucket_mb: float = 25.0
@@ -59,8 +70,10 @@ class SimConfig:
     is set."""
     groups: tuple[int, ...] | None = None
     """Fixed fusion groups: numbers of tensors per group in backward order (must sum to all)."""
-    overlap: bool = True
-    """Start each bucket's exchange during backward (False: all after backward)."""
+    schedule: str = "overlap"
+    """When the exchanges run (:data:`flashsgd.sim.workload.SCHEDULES`): ``overlap`` (each bucket
+    during backward as soon as it is ready) or ``after_backward`` (all after it);
+    :func:`flashsgd.sim.workload.trainer_schedule` gives the one ``flashsgd train`` runs."""
     grid: tuple[int, int] | None = None
     """torus2d grid X x Y (None: near-square, X a multiple of the node size)."""
     density: float = DEFAULT_DENSITY
@@ -93,6 +106,12 @@ class SimConfig:
             )
         if self.groups is not None and (not self.groups or min(self.groups) < 1):
             raise ValueError(f"groups must be positive tensor counts, got {self.groups!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not (isinstance(self.grad_accum, int) and not isinstance(self.grad_accum, bool)
+                and 1 <= self.grad_accum <= self.batch_per_gpu):
+            raise ValueError(f"grad_accum must be an int in [1, batch_per_gpu={self.batch_per_gpu}] "
+                             f"(every micro-batch needs >= 1 sample), got {self.grad_accum!r}")
 
 
 @dataclass(frozen=True)
@@ -119,6 +138,10 @@ class SimResult:
     grid: tuple[int, int] | None = None
     """torus2d: the grid X x Y it ran on (given, or :func:`flashsgd.sim.costs.auto_grid`'s); None
     for the other algorithms."""
+    schedule: str = "overlap"
+    """When the exchanges ran (``SimConfig.schedule``)."""
+    grad_accum: int = 1
+    """Micro-batches per exchange (``SimConfig.grad_accum``)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -163,15 +186,19 @@ def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimRe
                       value_bytes=elem, index_bytes=cfg.index_bytes, node_split=cfg.node_split,
                       matrix_approximation_rank=cfg.matrix_approximation_rank)
     t1 = cfg.batch_per_gpu / cfg.images_per_s
-    fwd, upd = cfg.forward_fraction * t1, cfg.update_fraction * t1
-    bwd = t1 - fwd - upd
-    # Step 1: time at which each gradient tensor is ready.
-    ready = np.minimum(fwd + np.cumsum(workload.backward_share) * bwd, fwd + bwd)  # no round-off past the end
+    upd = cfg.update_fraction * t1
+    done = t1 - upd  # backward of the last micro-batch ends here
+    # Step 1: time at which each gradient tensor of the last micro-batch is ready; the N-1 micro-
+    # batches before it exchange nothing.
+    fwd = cfg.forward_fraction * t1 / cfg.grad_accum
+    bwd = (t1 - upd) / cfg.grad_accum - fwd
+    start = done - fwd - bwd  # = (N-1) (fwd + bwd)
+    ready = np.minimum(start + fwd + np.cumsum(workload.backward_share) * bwd, done)  # no round-off past the end
     # Step 2: fuse into buckets.
     ends = bucket_bounds(workload.numels, elem, cfg.bucket_mb, cfg.groups)
     csum = np.concatenate(([0], np.cumsum(workload.numels)))
     nbytes = (csum[ends] - csum[np.concatenate(([0], ends[:-1]))]).astype(float) * elem
-    bucket_ready = ready[ends - 1] if cfg.overlap else np.full(ends.size, fwd + bwd)
+    bucket_ready = ready[ends - 1] if cfg.schedule == "overlap" else np.full(ends.size, done)
     cost = _bucket_costs(cfg.algorithm, nbytes, setup, workload, ends)
     durations = cost.total
     # Step 3: one communication stream, buckets in order.
@@ -179,7 +206,7 @@ def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimRe
     for r, d in zip(bucket_ready.tolist(), durations.tolist()):
         end = max(r, end) + d
     # Step 4: update after backward and the last exchange.
-    iteration = t1 + max(0.0, end - (fwd + bwd))  # = max(end, fwd + bwd) + upd, exact when hidden
+    iteration = t1 + max(0.0, end - done)  # = max(end, done) + upd, exact when hidden
     return SimResult(
         algorithm=cfg.algorithm, gpus=cfg.gpus, iteration_s=iteration, compute_s=t1,
         comm_s=float(durations.sum()), exposed_comm_s=iteration - t1,
@@ -187,7 +214,8 @@ def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimRe
         buckets=int(ends.size), bucket_bytes_max=float(nbytes.max()),
         latency_s=float(cost.latency_s.sum()), bandwidth_s=float(cost.bandwidth_s.sum()),
         comm_compute_s=float(cost.compute_s.sum()), overhead_s=float(cost.overhead_s.sum()),
-        grid=setup.torus_grid if cfg.algorithm == "torus2d" else None,
+        grid=setup.torus_grid if cfg.algorithm == "torus2d" else None, schedule=cfg.schedule,
+        grad_accum=cfg.grad_accum,
     )
 
 

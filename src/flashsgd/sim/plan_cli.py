@@ -28,7 +28,7 @@ from flashsgd.outputs import add_output
 from flashsgd.sim.cluster_file import load_cluster
 from flashsgd.sim.network import CLUSTERS
 from flashsgd.sim.planner import CommPlan, make_plan
-from flashsgd.sim.workload import MODEL_HELP, Workload, get_workload
+from flashsgd.sim.workload import MODEL_HELP, SCHEDULES, Workload, get_workload
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="low (default): offer compression only where measured to keep accuracy; any: all")
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
                    help="gradient element type on the wire (flashsgd train: fp32)")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="micro-batches per exchange, as flashsgd train --grad-accum (default 1)")
+    p.add_argument("--schedule", choices=("trainer", *SCHEDULES), default="trainer",
+                   help="when the exchanges run: trainer (default: as flashsgd train runs each one, "
+                        "the sparse hooks after backward), overlap or after_backward for all")
     p.add_argument("--top", type=int, default=6, help="algorithms shown (best setting of each; default 6)")
     add_output(p, "--json", metavar="PATH", help="write the plan (every candidate, ranked) as JSON")
 
@@ -93,10 +98,13 @@ def run(args: argparse.Namespace) -> int:
     cluster.check_gpus(args.gpus)
     workload = get_workload(args.model)
     plan = make_plan(workload, cluster, args.gpus, args.batch_per_gpu, images_per_s(args, cluster, workload),
-                     steps=args.steps, accuracy_risk=args.accuracy_risk, precision=args.precision)
+                     steps=args.steps, accuracy_risk=args.accuracy_risk, precision=args.precision,
+                     grad_accum=args.grad_accum, schedule=args.schedule)
     elapsed = time.perf_counter() - t0
     print(f"{cluster.describe()}\nworkload {workload.name}: {workload.num_params:,} parameters in "
-          f"{workload.num_tensors} tensors; {plural(args.gpus, 'GPU')} x {plural(args.batch_per_gpu, 'sample')}; "
+          f"{workload.num_tensors} tensors; {plural(args.gpus, 'GPU')} x {plural(args.batch_per_gpu, 'sample')}"
+          f"{f' in {args.grad_accum} micro-batches' if args.grad_accum > 1 else ''}; exchanges: "
+          f"{'as flashsgd train runs them (sparse after backward)' if args.schedule == 'trainer' else args.schedule}; "
           f"{len(plan.ranked)} candidates ranked in {elapsed:.2f} s")
     print_plan(plan, args.top)
     if args.json:

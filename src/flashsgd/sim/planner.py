@@ -23,7 +23,9 @@ Algorithm (:func:`make_plan`):
    ``steps`` neither is offered. ``accuracy_risk="any"`` keeps everything, without a warm-up. What
    is ruled out is said, one line per algorithm and density or rank.
 3. Predict every candidate with :func:`flashsgd.sim.engine.simulate` (buckets fused in backward
-   order, exchanges overlapping backward on one stream) and rank by step time; ties keep the order
+   order, on one stream, each exchange scheduled as ``flashsgd train`` runs it: the dense hooks
+   and PowerSGD overlapping backward, the sparse hooks after it; ``grad_accum`` micro-batches per
+   exchange) and rank by step time; ties keep the order
    of step 1 (``native`` first: the simplest choice wins a tie).
 4. The choice (:attr:`CommPlan.choice`): the fastest, except that a compressing exchange must beat the
    best dense one by :data:`COMPRESSION_MARGIN`, and of bucket caps predicting within
@@ -55,7 +57,7 @@ from flashsgd.exchanges import (DEFAULT_DENSITY, DENSE_ITERATIONS, EXCHANGES, MI
 from flashsgd.fmt import plural
 from flashsgd.sim.engine import SimConfig, SimResult, simulate
 from flashsgd.sim.network import ClusterModel
-from flashsgd.sim.workload import Workload
+from flashsgd.sim.workload import SCHEDULES, Workload, trainer_schedule
 
 DENSE = tuple(names("dense"))
 SPARSE = tuple(names("sparse"))
@@ -296,18 +298,26 @@ def _ruled_out_lines(rejected: dict[str, str]) -> list[str]:
 def make_plan(workload: Workload, cluster: ClusterModel, gpus: int, batch_per_gpu: int,
               images_per_s: float, steps: int | None = None, accuracy_risk: Risk = "low",
               precision: str = "fp32", index_bytes: int = WIRE_INDEX_BYTES, buckets_mb=BUCKETS_MB,
-              algorithms: tuple[str, ...] = DENSE + SPARSE + LOWRANK) -> CommPlan:
+              algorithms: tuple[str, ...] = DENSE + SPARSE + LOWRANK, grad_accum: int = 1,
+              schedule: str = "trainer") -> CommPlan:
     """Steps 1-3 for ``gpus`` ranks of ``cluster`` training ``workload`` (see the module docstring).
 
     ``index_bytes``: bytes per sparse index on the wire (default: what ``comm/sparse.py`` sends).
+    ``grad_accum``: micro-batches per exchange (``flashsgd train --grad-accum``). ``schedule``:
+    ``trainer`` (default) simulates every candidate as ``flashsgd train`` runs it
+    (:func:`flashsgd.sim.workload.trainer_schedule`: the sparse hooks exchange after backward),
+    or one of :data:`flashsgd.sim.workload.SCHEDULES` for all.
     """
+    if schedule != "trainer" and schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be 'trainer' or one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if accuracy_risk not in ("low", "any"):
         raise ValueError(f"accuracy_risk must be 'low' or 'any', got {accuracy_risk!r}")
     if steps is not None and (not isinstance(steps, int) or steps < 1):
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     cluster.check_gpus(gpus)
     base = SimConfig(algorithm="native", gpus=gpus, images_per_s=images_per_s,
-                     batch_per_gpu=batch_per_gpu, precision=precision, index_bytes=index_bytes)
+                     batch_per_gpu=batch_per_gpu, precision=precision, index_bytes=index_bytes,
+                     grad_accum=grad_accum)
     kept, rejected = [], {}
     for c in candidates(gpus, cluster, buckets_mb, algorithms):              # Step 1
         why = accuracy_rule(c, steps, accuracy_risk)                          # Step 2
@@ -315,6 +325,7 @@ def make_plan(workload: Workload, cluster: ClusterModel, gpus: int, batch_per_gp
             rejected[replace(c, node_split=None).setting()] = why
             continue
         cfg = replace(base, algorithm=c.algorithm, bucket_mb=c.bucket_mb, grid=c.grid,
+                      schedule=trainer_schedule(c.algorithm) if schedule == "trainer" else schedule,
                       density=c.density or base.density, node_split=c.node_split or base.node_split,
                       matrix_approximation_rank=c.matrix_approximation_rank or 1)
         kept.append(Prediction(c, simulate(workload, cluster, cfg)))          # Step 3

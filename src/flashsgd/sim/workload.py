@@ -22,11 +22,20 @@ a fallback stated in the output), named as ``package.module:factory`` (flashsgd'
 measured profile is a JSON file (:func:`load_profile`). :func:`get_workload` resolves all of them
 for ``flashsgd simulate`` and ``flashsgd plan`` alike.
 
+How a step runs its exchange is described beside the model, as the trainer runs it:
+``grad_accum`` micro-batches per exchange (``flashsgd train --grad-accum``, ``optim.grad_accum``:
+the first N-1 micro-batches run forward and backward under DDP's ``no_sync``, with no exchange; the
+last one's backward fills the buckets) and the exchange schedule (:data:`SCHEDULES`: buckets
+overlapping backward, or after it); :func:`trainer_schedule` is the schedule ``flashsgd train``
+runs an exchange with.
+
 Example::
 
     >>> w = WORKLOADS.get("resnet50")()
     >>> w.num_tensors, w.num_params
     (161, 25557032)
+    >>> trainer_schedule("torus2d"), trainer_schedule("gtopk")
+    ('overlap', 'after_backward')
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flashsgd.exchanges import EXCHANGES
 from flashsgd.registry import Registry
 
 # Batch norm is memory-bound; ASSUMPTION: its backward costs like 8 FLOPs per activation element.
@@ -91,6 +101,31 @@ class Workload:
 
 
 WORKLOADS: Registry = Registry("workload")
+
+SCHEDULES = {
+    "overlap": "each bucket's exchange starts when its last gradient is ready, during backward, on "
+               "one communication stream (DDP's own all-reduce; NCCL; a Gloo hook with threaded=True)",
+    "after_backward": "the exchanges run after backward, one after another (a hook that runs "
+                      "synchronously inside backward, threaded=False, stalls backward for each bucket: "
+                      "the same step time on one stream)",
+}
+"""When a step's exchanges run (``SimConfig.schedule``, ``flashsgd simulate --schedule``)."""
+
+
+def trainer_schedule(algorithm: str, threaded: bool | None = None) -> str:
+    """The :data:`SCHEDULES` entry ``flashsgd train`` runs ``algorithm`` with on Gloo: DDP's own
+    all-reduce (``native``) and PowerSGD (torch's hook chains all-reduce futures) overlap backward;
+    flashsgd's hooks overlap when their ``threaded`` option is on (``threaded``; None: the
+    catalog's default, :mod:`flashsgd.exchanges`: True for the dense hooks, False for the sparse
+    ones, which then exchange inside backward) and run after backward otherwise."""
+    if algorithm not in EXCHANGES:
+        raise ValueError(f"{algorithm!r} is simulator-only: flashsgd train does not run it, so it has "
+                         f"no trainer schedule; choose one of {', '.join(SCHEDULES)}")
+    options = EXCHANGES.get(algorithm).options
+    if "threaded" not in options.__dataclass_fields__:
+        return "overlap"
+    on = options.__dataclass_fields__["threaded"].default if threaded is None else threaded
+    return "overlap" if on else "after_backward"
 
 
 def _conv(name: str, cin: int, cout: int, k: int, hout: int, bias: bool = False) -> list:

@@ -209,7 +209,7 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, los
 
 
 def plan_choice(measured: Measured, model: torch.nn.Module, world: int, local_batch: int,
-                total_steps: int, accuracy_risk: str) -> dict[str, Any]:
+                total_steps: int, accuracy_risk: str, grad_accum: int = 1) -> dict[str, Any]:
     """Step 4: the planner's choice for this run and what it was chosen over (JSON-able)."""
     from flashsgd.sim.cluster_file import to_toml
     from flashsgd.sim.planner import make_plan
@@ -217,7 +217,7 @@ def plan_choice(measured: Measured, model: torch.nn.Module, world: int, local_ba
 
     plan = make_plan(from_module(model), measured.cluster, gpus=world, batch_per_gpu=local_batch,
                      images_per_s=local_batch / measured.compute_s, steps=total_steps,
-                     accuracy_risk=accuracy_risk)
+                     accuracy_risk=accuracy_risk, grad_accum=grad_accum)
     doc = plan.to_dict(top=20)
     record = {"choice": doc["choice"], "explain": doc["explain"], "ruled_out": doc["ruled_out"],
               "ranked": doc["ranked"], "measured": measured.describe(), "compute_s": measured.compute_s,
@@ -293,7 +293,8 @@ def _new_record(plan, model, optimizer, data, device: torch.device, loss_fn: Cal
         batch = probe_batch(plan, data, device)
         measured = measure(model, optimizer, batch, loss_fn, topo, c.selection, plan.config.run.timeout_s,
                            given)
-        record = plan_choice(measured, model, world, len(batch[1]), plan.total_steps, c.accuracy_risk)
+        record = plan_choice(measured, model, world, len(batch[1]), plan.total_steps, c.accuracy_risk,
+                             min(plan.config.optim.grad_accum, len(batch[1])))
     found = [record]
     dist.broadcast_object_list(found, src=0)
     return found[0]
