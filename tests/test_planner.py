@@ -271,3 +271,22 @@ def test_the_plan_simulates_each_exchange_as_the_trainer_runs_it():
             assert by[p.candidate] == p.step_s
     with pytest.raises(ValueError, match="schedule must be 'trainer' or one of overlap, after_backward"):
         planner.make_plan(resnet50(), CLUSTERS.get("1gbe"), schedule="eager", **args)
+
+
+def test_a_per_flow_limit_in_a_cluster_file_makes_the_torus_beat_the_flat_ring():
+    capped = LAB.replace("latency_us = 50.0\n", "latency_us = 50.0\nflow_bandwidth_gbit = 0.25\n")
+    c = load_cluster_text(capped, "lab")
+    assert c.inter.flow_gbps == pytest.approx(0.25 / 8) and c.intra.flow_gbps is None
+    assert "(0.0312 GB/s per flow)" in c.describe()
+    back = load_cluster_text(to_toml(c), "back")
+    assert back.inter.flow_gbps == pytest.approx(c.inter.flow_gbps) and "flow_bandwidth_gbit = 0.25" in to_toml(c)
+    with pytest.raises(ValueError, match="inter.flow_bandwidth_gbit must be a finite number > 0, got 0"):
+        load_cluster_text(capped.replace("flow_bandwidth_gbit = 0.25", "flow_bandwidth_gbit = 0"), "lab")
+    args = dict(gpus=8, batch_per_gpu=32, images_per_s=200.0, algorithms=("ring", "torus2d"))
+    free = planner.make_plan(resnet50(), load_cluster_text(LAB, "lab"), **args)
+    plan = planner.make_plan(resnet50(), c, **args)
+    best = {a: min(p.step_s for p in plan.ranked if p.candidate.algorithm == a) for a in ("ring", "torus2d")}
+    free_best = {a: min(p.step_s for p in free.ranked if p.candidate.algorithm == a) for a in ("ring", "torus2d")}
+    # one flow per NIC (ring) runs at a quarter of the link, two (the 2x4 torus's columns) at half
+    assert plan.choice.candidate.algorithm == "torus2d" and best["ring"] > 2 * best["torus2d"]
+    assert free_best["ring"] < 1.2 * free_best["torus2d"]

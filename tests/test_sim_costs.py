@@ -303,3 +303,56 @@ def test_powersgd_is_three_rings_of_the_compressed_sizes_plus_the_products():
     assert float(exchange_cost("powersgd", 0.0, setup).total) == pytest.approx(want)
     assert float(exchange_cost("powersgd", 4e6, CommSetup(gpus=8, cluster=c)).bandwidth_s) < \
         float(exchange_cost("ring", 4e6, CommSetup(gpus=8, cluster=c)).bandwidth_s) / 100
+
+
+# ------------------------------------------------------------------ per-flow limit -----------------
+
+AI, BI, AE, BE = 1e-6, 1e-11, 5e-5, 8e-9  # intra 100 GB/s; inter 125 MB/s (1 Gbit/s) per node
+
+
+def capped(flow_fraction=None, ranks_per_node=2):
+    """4 nodes x 2 ranks; one flow carries at most ``flow_fraction`` of the node's link."""
+    flow = None if flow_fraction is None else flow_fraction / BE / 1e9
+    return ClusterModel("capped", ranks_per_node, Link(AI, 1 / BI / 1e9), Link(AE, 1 / BE / 1e9, flow),
+                        gamma_s_per_byte=G)
+
+
+def test_per_flow_limit_hand_values_ring_torus_hierarchical():
+    """P = 8 on 4 nodes of 2, n bytes, one flow at most a quarter of the link (4 BE per byte).
+    Flat ring: 1 flow per NIC, every one of its 14 steps sends n/8 at 4 BE:
+        14 AE + 14 n/8 4 BE + 7/8 n G.
+    torus2d 2x4 = hierarchical: in-node reduce-scatter and all-gather (n/2 each), 2 cross-node rings
+    per node (one per local rank), each flow capped: max(2 BE, 4 BE) = 4 BE:
+        2 AI + n BI + 6 AE + 6 n/8 4 BE + (1/2 + 3/8) n G.
+    Without the cap the rings share the link: 1.75 n BE (ring) vs 6 n/8 2 BE = 1.5 n BE (torus)."""
+    n = 64 * 2 ** 20
+    quarter, free = CommSetup(8, capped(0.25), grid=(2, 4)), CommSetup(8, capped(None), grid=(2, 4))
+    ring_q = 14 * AE + 14 * n / 8 * 4 * BE + 7 / 8 * n * G
+    torus_q = 2 * AI + n * BI + 6 * AE + 6 * n / 8 * 4 * BE + (1 / 2 + 3 / 8) * n * G
+    assert total("ring", n, quarter) == pytest.approx(ring_q, rel=1e-12)
+    assert total("torus2d", n, quarter) == pytest.approx(torus_q, rel=1e-12)
+    assert total("hierarchical", n, quarter) == pytest.approx(torus_q, rel=1e-12)
+    assert total("ring", n, free) == pytest.approx(14 * AE + 1.75 * n * BE + 7 / 8 * n * G, rel=1e-12)
+    assert total("torus2d", n, free) == pytest.approx(2 * AI + n * BI + 6 * AE + 1.5 * n * BE
+                                                      + 7 / 8 * n * G, rel=1e-12)
+    # the torus beats the ring by 3/7 of its bandwidth term with the cap, 6/7 without
+    assert total("torus2d", n, quarter) / total("ring", n, quarter) == pytest.approx(0.43, abs=0.01)
+    assert total("torus2d", n, free) / total("ring", n, free) == pytest.approx(0.86, abs=0.01)
+    # a cap at or above the link's rate changes nothing
+    assert total("torus2d", n, CommSetup(8, capped(1.0), grid=(2, 4))) == total("torus2d", n, free)
+
+
+def test_per_flow_limit_sparse_flows():
+    """gtopk's cross-node rounds: L = 2 flows per NIC, max(2 BE, 4 BE); topk's direct exchange:
+    (P - L) L = 12 flows per NIC, max(12 BE, 4 BE) = 12 BE (the cap does not bind) until the cap
+    is 1/16 of the link: max(12 BE, 16 BE) = 16 BE."""
+    n = 4e6  # 1e6 fp32, density 0.01: k = 10,000 pairs, 80,000 bytes with int32 indices
+    msg = 80_000.0
+    for algo, fraction, beta in (("gtopk", 0.25, 4 * BE), ("gtopk", 1.0, 2 * BE),
+                                 ("topk", 0.25, 12 * BE), ("topk", 1 / 16, 16 * BE)):
+        base = exchange_cost(algo, n, CommSetup(8, capped(None), density=0.01))
+        cap = exchange_cost(algo, n, CommSetup(8, capped(fraction), density=0.01))
+        crossing = 2 if algo == "gtopk" else 1  # gtopk: rounds at distance 2 and 4 cross nodes
+        unshared = (2 if algo == "gtopk" else 12) * BE
+        assert float(cap.bandwidth_s - base.bandwidth_s) == pytest.approx(crossing * msg * (beta - unshared),
+                                                                          rel=1e-9, abs=1e-15)

@@ -16,6 +16,7 @@ per-call and compression costs of the devices. Units are in the key names::
     [inter]                     # node <-> node: the node's NICs together, per direction
     bandwidth_gbit = 1.0
     latency_us = 50.0
+    flow_bandwidth_gbit = 0.25  # optional (both levels): the most one flow (connection) carries
 
     [costs]                     # optional; every key defaults to a V100-class GPU (DEFAULT_COSTS)
     reduce_ns_per_byte = 0.0033 # summing one byte of a message (3 bytes of memory traffic / 900 GB/s)
@@ -24,6 +25,10 @@ per-call and compression costs of the devices. Units are in the key names::
     round_fixed_us = 0.0        # each message round of a sparse exchange, beyond latency_us
     select_ns_per_elem = 0.5    # top-k selection per gradient element
     tflops = 15.0               # matrix products of PowerSGD
+
+``flow_bandwidth_gbit`` (Gbit/s, > 0; absent: one flow can fill the link) caps every flow
+(:attr:`Link.flow_gbps`): a flat ring sends one flow through each node's link, hierarchical and
+torus2d one cross-node ring per local rank, so with a cap below the link rate they are faster.
 
 ``exchange_fixed_us`` and ``round_fixed_us`` are the fixed costs of a sparse exchange
 (:attr:`ClusterModel.exchange_fixed_s`, :attr:`ClusterModel.round_fixed_s`): ``train --comm auto``
@@ -67,6 +72,7 @@ RENAMED_COSTS = {"sparse_overhead_us": "exchange_fixed_us"}
 
 _TOP = {"name", "nodes", "ranks_per_node", "intra", "inter", "costs"}
 _LINK = {"bandwidth_gbit", "latency_us"}
+_LINK_OPTIONAL = {"flow_bandwidth_gbit"}
 
 
 def _number(where: str, key: str, value, *, positive: bool) -> float:
@@ -95,12 +101,15 @@ def _table(where: str, doc: dict, key: str, allowed: set[str], required: bool,
 
 
 def _link(where: str, doc: dict, key: str) -> Link:
-    t = _table(where, doc, key, _LINK, required=True)
+    t = _table(where, doc, key, _LINK | _LINK_OPTIONAL, required=True)
     for k in sorted(_LINK - set(t)):
         raise ValueError(f"{where}: missing {key}.{k} ({'Gbit/s, > 0' if k == 'bandwidth_gbit' else 'us, >= 0'})")
     bw = _number(where, f"{key}.bandwidth_gbit", t["bandwidth_gbit"], positive=True)
     lat = _number(where, f"{key}.latency_us", t["latency_us"], positive=False)
-    return Link(alpha_s=lat * 1e-6, bandwidth_gbps=bw * GBIT)
+    flow = t.get("flow_bandwidth_gbit")
+    if flow is not None:
+        flow = _number(where, f"{key}.flow_bandwidth_gbit", flow, positive=True) * GBIT
+    return Link(alpha_s=lat * 1e-6, bandwidth_gbps=bw * GBIT, flow_gbps=flow)
 
 
 def _count(where: str, doc: dict, key: str, required: bool) -> int | None:
@@ -170,6 +179,8 @@ def to_toml(c: ClusterModel, comment: str = "") -> str:
     for key, link in (("intra", c.intra), ("inter", c.inter)):
         lines += ["", f"[{key}]", f"bandwidth_gbit = {link.bandwidth_gbps / GBIT!r}",
                   f"latency_us = {link.alpha_s * 1e6!r}"]
+        if link.flow_gbps is not None:
+            lines.append(f"flow_bandwidth_gbit = {link.flow_gbps / GBIT!r}")
     tflops = 1.0 / (c.flop_s * 1e12) if c.flop_s > 0 else DEFAULT_COSTS["tflops"]
     lines += ["", "[costs]", f"reduce_ns_per_byte = {c.gamma_s_per_byte * 1e9!r}",
               f"call_overhead_us = {c.call_overhead_s * 1e6!r}",

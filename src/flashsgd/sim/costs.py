@@ -9,8 +9,13 @@ simulator-only.
 
 Placement: ranks ``0..L-1`` are on node 0, ``L..2L-1`` on node 1, ... A message step between two
 ranks of one node uses the ``intra`` link; between nodes the ``inter`` link, whose node bandwidth is
-shared by the ``flows`` ranks of that node that cross at the same time (beta_eff = beta * flows). A
-ring step that has both kinds of hops takes as long as its slowest hop.
+shared by the ``flows`` ranks of that node that cross at the same time, each flow at most the
+link's per-flow rate f (:meth:`flashsgd.sim.network.Link.flow_beta`: beta_eff = max(beta * flows,
+1 / f)). A ring step that has both kinds of hops takes as long as its slowest hop. Flows per NIC:
+the flat ring 1 (one hop leaves each node), hierarchical and torus2d with X = L one cross-node ring
+per local rank (L), a torus whose rows span nodes 1 in its rows and L in its columns; recursive
+doubling, Rabenseifner and the gtopk butterfly L once partners are on other nodes, binomial trees 1,
+topk's direct exchange L (P - L).
 
 Costs (a: alpha, b: beta, g: gamma, n bytes per rank, P ranks; Thakur, Rabenseifner & Gropp 2005,
 "Optimization of Collective Communication Operations in MPICH"; Patarasuk & Yuan 2009 for the ring;
@@ -199,12 +204,12 @@ def step_cost(chunk: np.ndarray, steps: float, levels: list[tuple[float, float]]
 def _ring_levels(members: int, stride: int, setup: CommSetup) -> list[tuple[float, float]]:
     """Links of a ring of ``members`` ranks ``stride`` apart, all such rings running at once."""
     c, lr = setup.cluster, setup.ranks_per_node_used
-    intra = (c.intra.alpha_s, c.intra.beta_s_per_byte)
+    intra = (c.intra.alpha_s, c.intra.flow_beta(1))
     if members * stride <= lr:  # the whole ring lives inside one node
         return [intra]
     per_node = max(1, lr // stride)  # ring members on one node (consecutive in the ring)
-    flows = lr // per_node  # concurrent rings on a node, one outgoing NIC hop each
-    levels = [(c.inter.alpha_s, c.inter.beta_s_per_byte * flows)]
+    flows = lr // per_node  # concurrent rings on a node, one outgoing NIC hop (one flow) each
+    levels = [(c.inter.alpha_s, c.inter.flow_beta(flows))]
     return levels + [intra] if per_node > 1 else levels
 
 
@@ -212,8 +217,8 @@ def pair_levels(distance: int, flows: int, setup: CommSetup) -> list[tuple[float
     """Link between partners ``distance`` ranks apart; ``flows`` ranks per node cross at once."""
     c = setup.cluster
     if distance < setup.ranks_per_node_used:
-        return [(c.intra.alpha_s, c.intra.beta_s_per_byte)]
-    return [(c.inter.alpha_s, c.inter.beta_s_per_byte * flows)]
+        return [(c.intra.alpha_s, c.intra.flow_beta(1))]
+    return [(c.inter.alpha_s, c.inter.flow_beta(flows))]
 
 
 # ---------------------------------------------------------------- ring building blocks ------------

@@ -49,7 +49,7 @@ def _node_broadcast(n: np.ndarray, setup: CommSetup, steps: int) -> Cost:
     k = _k(n, setup)[1]
     intra = setup.cluster.intra
     lat, bw = step_cost(sparse_message_bytes(k, setup) + setup.index_bytes * k, steps,
-                        [(intra.alpha_s, intra.beta_s_per_byte)])
+                        [(intra.alpha_s, intra.flow_beta(1))])
     return Cost(lat, bw, np.zeros_like(n), np.zeros_like(n)) + fixed_rounds(n, steps, setup)
 
 
@@ -67,7 +67,7 @@ def hgtopk_leader(n_bytes, setup: CommSetup) -> Cost:
     c, lr = setup.cluster, setup.ranks_per_node_used
     nodes = setup.gpus // lr
     z = np.zeros_like(n)
-    intra = [(c.intra.alpha_s, c.intra.beta_s_per_byte)]
+    intra = [(c.intra.alpha_s, c.intra.flow_beta(1))]
     steps = math.ceil(math.log2(lr)) if lr > 1 else 0
     cost = zero_cost(n)
     if steps:
@@ -136,9 +136,9 @@ def hgtopk_slices(n_bytes, setup: CommSetup) -> Cost:
     if lr == 1:
         return gtopk(n, _leaders(setup))
     z = np.zeros_like(n)
-    intra = [(c.intra.alpha_s, c.intra.beta_s_per_byte)]
-    # Step 1: L - 1 slices of n / L out and in, summed; the residual add over the whole acc
-    lat, bw = step_cost((lr - 1) * n / lr, 1, intra)
+    intra = [(c.intra.alpha_s, c.intra.flow_beta(lr - 1))]  # per byte of one of L - 1 flows at once
+    # Step 1: L - 1 slices of n / L out and in (one flow each), summed; the residual add over acc
+    lat, bw = step_cost(n / lr, 1, intra)
     cost = Cost(lat, bw, (n + (lr - 1) * n / lr) * c.gamma_s_per_byte, z) + fixed_rounds(n, 1, setup)
     # Steps 2-3: selection over the slice, gTop-k of its k/L pairs among the N nodes, L flows per
     # node (the slice's own residual add is counted by gtopk's start: take it out of step 1's)
@@ -153,7 +153,7 @@ def hgtopk_slices(n_bytes, setup: CommSetup) -> Cost:
     # Step 4: the L results to every rank of the node
     k_slice = _k(n / lr, setup)[1]
     msg = sparse_message_bytes(k_slice, setup) + setup.index_bytes * k_slice
-    lat, bw = step_cost((lr - 1) * msg, 1, intra)
+    lat, bw = step_cost(msg, 1, intra)  # L - 1 messages at once, one flow each
     return cost + Cost(lat, bw, z, z) + fixed_rounds(n, 1, setup)
 
 

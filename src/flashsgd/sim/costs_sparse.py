@@ -67,14 +67,15 @@ def direct_levels(setup: CommSetup) -> list[tuple[float, float]]:
     """Links of one round in which every rank sends one message to each of the P-1 others at once
     (``comm/waits.gather_from_peers``), as (a, b per byte of one message): the L-1 messages to its
     own node share the rank's intra link ((L-1) b_intra); the P-L to other nodes leave through the
-    node's link, which carries them for all L ranks of the node at once ((P-L) L b_inter). The round
-    takes as long as the slower level (:func:`flashsgd.sim.costs.step_cost`)."""
+    node's link, which carries them for all L ranks of the node at once ((P-L) L b_inter); each
+    message is a flow, at most the link's per-flow rate (:meth:`~flashsgd.sim.network.Link.flow_beta`).
+    The round takes as long as the slower level (:func:`flashsgd.sim.costs.step_cost`)."""
     c, p, lr = setup.cluster, setup.gpus, setup.ranks_per_node_used
     levels = []
-    if lr > 1:
-        levels.append((c.intra.alpha_s, (lr - 1) * c.intra.beta_s_per_byte))
-    if p > lr:
-        levels.append((c.inter.alpha_s, (p - lr) * lr * c.inter.beta_s_per_byte))
+    if lr > 1:  # each message its own flow: L-1 on the rank's intra link
+        levels.append((c.intra.alpha_s, c.intra.flow_beta(lr - 1)))
+    if p > lr:  # (P-L) L flows through the node's link
+        levels.append((c.inter.alpha_s, c.inter.flow_beta((p - lr) * lr)))
     return levels
 
 

@@ -8,7 +8,8 @@ A cluster has two link levels, the way every GPU cluster in the papers is built:
 ``alpha`` is the latency of one message step (seconds), ``beta = 1 / bandwidth`` (seconds per byte)
 and ``gamma`` the time to reduce one byte (seconds per byte). When several ranks of a node talk to
 other nodes at once they share the node's NICs: the cost functions in :mod:`flashsgd.sim.costs`
-divide the node bandwidth by the number of concurrent flows.
+divide the node bandwidth by the number of concurrent flows, and no flow goes faster than the
+link's per-flow limit ``flow_gbps`` (:meth:`Link.flow_beta`; None: no limit, the presets).
 
 Presets (``CLUSTERS``) carry the physical figures they were built from in ``source``; nothing is
 tuned to hit a published result. ``local`` is not a preset: it is fitted from a
@@ -41,21 +42,35 @@ def _check_positive(owner: str, name: str, value: float, *, allow_zero: bool = F
 
 @dataclass(frozen=True)
 class Link:
-    """One link level: per-step latency and per-direction bandwidth."""
+    """One link level: per-step latency, per-direction bandwidth, and what one flow can carry."""
 
     alpha_s: float
     """Latency of one message step in seconds (software + wire)."""
     bandwidth_gbps: float
     """Bandwidth per direction in GB/s (1e9 bytes/s); for ``inter`` the node aggregate over NICs."""
+    flow_gbps: float | None = None
+    """The most one flow (one connection: a ring's hop, one message of a direct exchange) can carry
+    per direction, GB/s; None: one flow can fill the link. A single TCP connection often cannot
+    fill a fast NIC (window, one core's copy and interrupt work), which is why several concurrent
+    rings (torus2d, hierarchical: one cross-node ring per local rank) can beat one flat ring."""
 
     def __post_init__(self) -> None:
         _check_positive("Link", "alpha_s", self.alpha_s, allow_zero=True)
         _check_positive("Link", "bandwidth_gbps", self.bandwidth_gbps)
+        if self.flow_gbps is not None:
+            _check_positive("Link", "flow_gbps", self.flow_gbps)
 
     @property
     def beta_s_per_byte(self) -> float:
         """Seconds per byte: 1 / bandwidth."""
         return 1.0 / (self.bandwidth_gbps * GB)
+
+    def flow_beta(self, flows: int = 1) -> float:
+        """Seconds per byte of one of ``flows`` flows crossing this link at once: they share its
+        bandwidth (``flows x beta``) and none goes faster than ``flow_gbps``:
+        ``max(flows / bandwidth, 1 / flow_gbps)``."""
+        shared = flows * self.beta_s_per_byte
+        return shared if self.flow_gbps is None else max(shared, 1.0 / (self.flow_gbps * GB))
 
 
 @dataclass(frozen=True)
@@ -122,13 +137,18 @@ class ClusterModel:
         return (
             f"cluster {self.name}: {plural(self.nodes, 'node') + ' x ' if self.nodes else ''}"
             f"{plural(self.ranks_per_node, 'GPU')}/node; "
-            f"intra alpha={self.intra.alpha_s * 1e6:.2f} us, {self.intra.bandwidth_gbps:.3g} GB/s; "
-            f"inter alpha={self.inter.alpha_s * 1e6:.2f} us, {self.inter.bandwidth_gbps:.3g} GB/s/node; "
+            f"intra alpha={self.intra.alpha_s * 1e6:.2f} us, {self.intra.bandwidth_gbps:.3g} GB/s"
+            f"{_per_flow(self.intra)}; inter alpha={self.inter.alpha_s * 1e6:.2f} us, "
+            f"{self.inter.bandwidth_gbps:.3g} GB/s/node{_per_flow(self.inter)}; "
             f"gamma={self.gamma_s_per_byte * 1e12:.3g} ps/B; call overhead "
             f"{self.call_overhead_s * 1e6:.3g} us; sparse exchange fixed {self.exchange_fixed_s * 1e6:.3g} us "
             f"+ {self.round_fixed_s * 1e6:.3g} us per round; "
             f"top-k select {self.select_s_per_elem * 1e9:.3g} ns/elem"
         )
+
+
+def _per_flow(link: Link) -> str:
+    return "" if link.flow_gbps is None else f" ({link.flow_gbps:.3g} GB/s per flow)"
 
 
 CLUSTERS: Registry[ClusterModel] = Registry("cluster preset")
