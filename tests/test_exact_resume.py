@@ -151,7 +151,7 @@ def test_sampler_refuses_a_position_no_batch_of_the_new_world_ends_at():
     old = ShardedSampler(10, rank=0, world_size=1, seed=0)
     old.set_epoch(0, 4)          # ends [4, 8, 10]; with 3 workers: [4, 10]
     old.position = 2
-    with pytest.raises(ValueError, match="stopped after sample 8 of 10 .* resume with 1 workers"):
+    with pytest.raises(ValueError, match="stopped after sample 8 of 10 .* resume with 1 worker$"):
         ShardedSampler(10, rank=0, world_size=3, seed=0).load_state_dict(old.state_dict())
 
 
