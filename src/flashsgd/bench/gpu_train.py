@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd.bench.gpu_common import (COLLECTIVE_TIMEOUT_S, MODEL_INPUTS, RATIO_TARGET, GpuSettings,
                                        first_line, rank_device, record, verdict)
+from flashsgd.bench.plain_loop import tutorial_update
 from flashsgd.timing import Timing, time_ops
 
 TRAIN_HEADER = (f"{'prec':<5} {'ch_last':>7} {'compile':>7} | {'flashsgd ms (min..max)':>26} {'img/s':>8} "
@@ -97,16 +98,7 @@ class PlainStep:
         x, y = self.batch
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
-            loss = self.loss_fn(self.forward(x), y)
-        self.optimizer.zero_grad()
-        if self.scaler is None:
-            loss.backward()
-            self.optimizer.step()
-        else:
-            self.scaler.scale(loss).backward()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+        tutorial_update(self.forward, self.loss_fn, self.optimizer, self.scaler, self.dtype, x, y)
 
 
 def _plan(settings: GpuSettings, precision: str, channels_last: bool, compiled: bool, epoch_samples: int):

@@ -55,14 +55,22 @@ class PlainLoop:
         idx = next(self.batches)
         x, y = self.data.train.batch(idx, True, augmentation_key(self.plan.config.run.seed, 0))
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
-            loss = self.loss_fn(self.ddp(x), y)
-        self.optimizer.zero_grad()
-        if self.scaler is None:
-            loss.backward()
-            self.optimizer.step()
-        else:
-            self.scaler.scale(loss).backward()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+        tutorial_update(self.ddp, self.loss_fn, self.optimizer, self.scaler, self.dtype, x, y)
         self.i += 1
+
+
+def tutorial_update(forward, loss_fn, optimizer: torch.optim.Optimizer,
+                    scaler: "torch.amp.GradScaler | None", dtype: "torch.dtype | None",
+                    x: torch.Tensor, y: torch.Tensor) -> None:
+    """The update as the DDP tutorial and the AMP recipe write it: autocast forward + mean loss,
+    zero_grad, backward, step (fp16: through the GradScaler)."""
+    with torch.autocast(x.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss = loss_fn(forward(x), y)
+    optimizer.zero_grad()
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
