@@ -142,3 +142,18 @@ def test_simulate_prints_the_torus_grid_and_warns_when_the_automatic_one_straddl
     out = capsys.readouterr().out
     assert "torus2d on 8 GPUs: grid 4x2 (automatic: near-square, X a multiple of 4 GPUs/node; a row is a node)" in out
     assert "torus2d on 1024 GPUs: grid 32x32" in out and "warning" not in out
+
+
+def test_simulate_schedule_and_grad_accum_flags(capsys):
+    import pytest
+
+    assert run_cli("--cluster", "1gbe", "--gpus", "8", "--comm", "torus2d,gtopk", "--schedule", "trainer",
+                   "--grad-accum", "4") == 0
+    out = capsys.readouterr().out
+    assert "algorithm torus2d, 8 GPUs, 4 buckets (largest 28.9 MiB) exchanged overlapping backward, " \
+           "4 micro-batches per exchange" in out
+    assert "algorithm gtopk, 8 GPUs, 4 buckets (largest 28.9 MiB) exchanged after backward, 4 micro-batches" in out
+    with pytest.raises(ValueError, match="'gtopk_tree' is simulator-only"):
+        run_cli("--cluster", "1gbe", "--gpus", "8", "--comm", "gtopk_tree", "--schedule", "trainer")
+    with pytest.raises(ValueError, match=r"grad_accum must be an int in \[1, batch_per_gpu=32\]"):
+        run_cli("--cluster", "1gbe", "--gpus", "8", "--grad-accum", "64")
