@@ -1,7 +1,7 @@
 """The traps of using a recipe from one's own training loop, each caught by a one-line warning or an error.
 
-Found by plugging :func:`flashsgd.optim.plan.prepare` into plain DDP scripts (issue 24, "the
-library"); each check names what happened and what to write instead:
+Found by plugging :func:`flashsgd.optim.plan.prepare` into plain DDP scripts (PyTorch's ImageNet
+example among them); each check names what happened and what to write instead:
 
 1. :func:`rescale_note` - a recipe whose warm-up, milestones or batch rows are the user's own (not
    a registered preset's) is rescaled by ``epochs / recipe.epochs`` when ``prepare(...,
