@@ -3,11 +3,11 @@
 Which blocks run (an HTML comment on the line before a block, invisible on GitHub):
 
 - no marker: every command of the block runs, in README order, in one fresh temporary directory
-  (:func:`test_readme_runs_as_written`, marked slow: about 7 min on 2 cores); later commands read
+  (:func:`test_readme_runs_as_written`, marked slow: about 5 min on 2 cores); later commands read
   what earlier ones wrote under ``runs/``, as a reader following the README would;
 - ``<!-- readme-test: root (REASON) -->``: the same, in a fresh directory of its own, as root
-  (the emulated cluster: network namespaces and tc); skipped with the reason where the test is
-  neither root nor allowed ``sudo -n``;
+  (the emulated cluster: network namespaces and tc; about 3 min); skipped with the reason where
+  the test is neither root nor allowed ``sudo -n``;
 - ``<!-- readme-test: skip (REASON) -->``: never run here (GPUs, a cluster, the test suite itself).
 
 Every command of every block, skipped ones included, is also checked without running it (fast,
@@ -267,7 +267,8 @@ def _commands() -> list[Command]:
 
 def _can_be_root() -> str | None:
     """None if root blocks can run here, else why not."""
-    if os.geteuid() != 0 and subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode != 0:
+    if os.geteuid() != 0 and (shutil.which("sudo") is None
+                              or subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode != 0):
         return "not root and no password-less sudo"
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     return f"{', '.join(missing)} missing (scripts/install_iproute2.sh)" if missing else None
@@ -340,7 +341,7 @@ def test_a_failing_command_fails_the_run(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_readme_runs_as_written(tmp_path):
-    """Every unmarked block, in README order, in one fresh directory (about 7 min on 2 cores)."""
+    """Every unmarked block, in README order, in one fresh directory (about 5 min on 2 cores)."""
     log: list[str] = []
     try:
         run_commands([c for c in _commands() if c.kind == "run"], tmp_path, log)
