@@ -30,6 +30,18 @@ per-call and compression costs of the devices. Units are in the key names::
 (:attr:`Link.flow_gbps`): a flat ring sends one flow through each node's link, hierarchical and
 torus2d one cross-node ring per local rank, so with a cap below the link rate they are faster.
 
+Assumed values carry a plausible range, ``KEY_range = [low, high]`` beside ``KEY`` in the same
+table and unit (every link and cost key; the value must lie inside)::
+
+    [costs]
+    exchange_fixed_us = 500.0
+    exchange_fixed_us_range = [100.0, 9100.0]
+
+A value without a range is taken as measured (``train --comm auto`` writes such files). The
+``[costs]`` keys a file leaves out take :data:`DEFAULT_COSTS`, assumptions: those with a preset
+range (:data:`flashsgd.sim.network.SPARSE_RANGES`) take that range too. ``flashsgd plan`` varies
+every ranged input (:mod:`flashsgd.sim.uncertainty`).
+
 ``exchange_fixed_us`` and ``round_fixed_us`` are the fixed costs of a sparse exchange
 (:attr:`ClusterModel.exchange_fixed_s`, :attr:`ClusterModel.round_fixed_s`): ``train --comm auto``
 measures both (one real gTop-k exchange and one send/receive round) and records them here.
@@ -57,7 +69,7 @@ import math
 import tomllib
 from pathlib import Path
 
-from flashsgd.sim.network import CLUSTERS, ClusterModel, Link
+from flashsgd.sim.network import CLUSTERS, SPARSE_RANGES, ClusterModel, Link
 
 GBIT = 1e9 / 8 / 1e9  # 1 Gbit/s in GB/s (Link.bandwidth_gbps is in 1e9 bytes per second)
 
@@ -69,6 +81,15 @@ assumptions, :mod:`flashsgd.sim.network`)."""
 
 RENAMED_COSTS = {"sparse_overhead_us": "exchange_fixed_us"}
 """Keys of earlier files (``cluster.toml`` of earlier auto runs) and the key they are read as."""
+
+COST_FIELDS = {"reduce_ns_per_byte": ("gamma_s_per_byte", 1e-9), "call_overhead_us": ("call_overhead_s", 1e-6),
+               "exchange_fixed_us": ("exchange_fixed_s", 1e-6), "round_fixed_us": ("round_fixed_s", 1e-6),
+               "select_ns_per_elem": ("select_s_per_elem", 1e-9)}
+"""[costs] key -> (ClusterModel field, factor to its SI unit); ``tflops`` is ``flop_s = 1 / (tflops x 1e12)``."""
+LINK_FIELDS = {"bandwidth_gbit": ("bandwidth_gbps", GBIT), "latency_us": ("alpha_s", 1e-6),
+               "flow_bandwidth_gbit": ("flow_gbps", GBIT)}
+"""[intra] / [inter] key -> (Link field, factor to its unit)."""
+RANGE = "_range"
 
 _TOP = {"name", "nodes", "ranks_per_node", "intra", "inter", "costs"}
 _LINK = {"bandwidth_gbit", "latency_us"}
@@ -100,8 +121,54 @@ def _table(where: str, doc: dict, key: str, allowed: set[str], required: bool,
     return table
 
 
+def _range(where: str, table: dict, table_name: str, key: str, value: float) -> tuple[float, float] | None:
+    """``KEY_range = [low, high]`` of ``table`` (file units), checked to hold ``value``; None if absent."""
+    bounds = table.get(key + RANGE)
+    if bounds is None:
+        return None
+    name = f"{table_name}.{key}{RANGE}"
+    if not (isinstance(bounds, list) and len(bounds) == 2):
+        raise ValueError(f"{where}: {name} must be [low, high], got {bounds!r}")
+    lo, hi = (_number(where, name, b, positive=False) for b in bounds)
+    if not lo <= value <= hi:
+        raise ValueError(f"{where}: {name} = [{lo:g}, {hi:g}] must hold {table_name}.{key} = {value:g} "
+                         "(low <= value <= high)")
+    return lo, hi
+
+
+def _link_ranges(where: str, doc: dict, key: str) -> dict[str, tuple[float, float]]:
+    t = doc.get(key) or {}
+    out = {}
+    for fkey, (field, factor) in LINK_FIELDS.items():
+        if fkey in t:
+            r = _range(where, t, key, fkey, float(t[fkey]))
+            if r is not None:
+                out[f"{key}.{field}"] = (r[0] * factor, r[1] * factor)
+        elif fkey + RANGE in t:
+            raise ValueError(f"{where}: {key}.{fkey}{RANGE} without {key}.{fkey}")
+    return out
+
+
+def _cost_ranges(where: str, given: dict, costs: dict) -> dict[str, tuple[float, float]]:
+    out = {}
+    for key, value in costs.items():
+        r = _range(where, given, "costs", key, value)
+        if key == "tflops":
+            if r is not None:
+                if r[0] <= 0:
+                    raise ValueError(f"{where}: costs.tflops{RANGE} low must be > 0, got {r[0]!r}")
+                out["flop_s"] = (1.0 / (r[1] * 1e12), 1.0 / (r[0] * 1e12))
+            continue
+        field, factor = COST_FIELDS[key]
+        if r is not None:
+            out[field] = (r[0] * factor, r[1] * factor)
+        elif key not in given and field in SPARSE_RANGES:  # a default: the presets' assumption
+            out[field] = SPARSE_RANGES[field]
+    return out
+
+
 def _link(where: str, doc: dict, key: str) -> Link:
-    t = _table(where, doc, key, _LINK | _LINK_OPTIONAL, required=True)
+    t = _table(where, doc, key, _LINK | _LINK_OPTIONAL | {k + RANGE for k in LINK_FIELDS}, required=True)
     for k in sorted(_LINK - set(t)):
         raise ValueError(f"{where}: missing {key}.{k} ({'Gbit/s, > 0' if k == 'bandwidth_gbit' else 'us, >= 0'})")
     bw = _number(where, f"{key}.bandwidth_gbit", t["bandwidth_gbit"], positive=True)
@@ -132,7 +199,8 @@ def load_cluster_text(text: str, where: str, default_name: str = "file") -> Clus
     unknown = sorted(set(doc) - _TOP)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_TOP))}")
-    given = dict(_table(where, doc, "costs", set(DEFAULT_COSTS), required=False,
+    given = dict(_table(where, doc, "costs", set(DEFAULT_COSTS) | {k + RANGE for k in DEFAULT_COSTS},
+                        required=False,
                         former=frozenset(RENAMED_COSTS)))
     for old, new in RENAMED_COSTS.items():
         if old in given:
@@ -140,19 +208,22 @@ def load_cluster_text(text: str, where: str, default_name: str = "file") -> Clus
                 raise ValueError(f"{where}: costs.{old} and costs.{new} are the same cost ({old} is its "
                                  f"former name): keep costs.{new}")
             given[new] = given.pop(old)
-    costs = {**DEFAULT_COSTS, **given}
+    costs = {**DEFAULT_COSTS, **{k: v for k, v in given.items() if not k.endswith(RANGE)}}
     c = {k: _number(where, f"costs.{k}", v, positive=(k == "tflops")) for k, v in costs.items()}
+    intra, inter = _link(where, doc, "intra"), _link(where, doc, "inter")  # checked before their ranges
+    assumed = {**_link_ranges(where, doc, "intra"), **_link_ranges(where, doc, "inter"),
+               **_cost_ranges(where, given, c)}
     name = doc.get("name", default_name)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: name must be a non-empty string, got {name!r}")
     return ClusterModel(
         name=name, ranks_per_node=_count(where, doc, "ranks_per_node", required=True),
         nodes=_count(where, doc, "nodes", required=False),
-        intra=_link(where, doc, "intra"), inter=_link(where, doc, "inter"),
+        intra=intra, inter=inter,
         gamma_s_per_byte=c["reduce_ns_per_byte"] * 1e-9, call_overhead_s=c["call_overhead_us"] * 1e-6,
         exchange_fixed_s=c["exchange_fixed_us"] * 1e-6, round_fixed_s=c["round_fixed_us"] * 1e-6,
         select_s_per_elem=c["select_ns_per_elem"] * 1e-9,
-        flop_s=1.0 / (c["tflops"] * 1e12), source=where)
+        flop_s=1.0 / (c["tflops"] * 1e12), source=where, assumed=assumed)
 
 
 def load_cluster(spec: str) -> ClusterModel:
@@ -177,14 +248,32 @@ def to_toml(c: ClusterModel, comment: str = "") -> str:
         lines.append(f"nodes = {c.nodes}")
     lines.append(f"ranks_per_node = {c.ranks_per_node}")
     for key, link in (("intra", c.intra), ("inter", c.inter)):
-        lines += ["", f"[{key}]", f"bandwidth_gbit = {link.bandwidth_gbps / GBIT!r}",
-                  f"latency_us = {link.alpha_s * 1e6!r}"]
-        if link.flow_gbps is not None:
-            lines.append(f"flow_bandwidth_gbit = {link.flow_gbps / GBIT!r}")
+        lines += ["", f"[{key}]"]
+        for fkey, (field, factor) in LINK_FIELDS.items():
+            if getattr(link, field) is not None:
+                lines += _key_lines(fkey, getattr(link, field) / factor,
+                                    _scaled(c.assumed.get(f"{key}.{field}"), 1 / factor))
+    lines += ["", "[costs]"]
+    for fkey, (field, factor) in COST_FIELDS.items():
+        lines += _key_lines(fkey, getattr(c, field) / factor, _scaled(c.assumed.get(field), 1 / factor))
     tflops = 1.0 / (c.flop_s * 1e12) if c.flop_s > 0 else DEFAULT_COSTS["tflops"]
-    lines += ["", "[costs]", f"reduce_ns_per_byte = {c.gamma_s_per_byte * 1e9!r}",
-              f"call_overhead_us = {c.call_overhead_s * 1e6!r}",
-              f"exchange_fixed_us = {c.exchange_fixed_s * 1e6!r}",
-              f"round_fixed_us = {c.round_fixed_s * 1e6!r}",
-              f"select_ns_per_elem = {c.select_s_per_elem * 1e9!r}", f"tflops = {tflops!r}"]
+    r = c.assumed.get("flop_s")
+    lines += _key_lines("tflops", tflops, None if r is None or r[0] <= 0 else (1 / (r[1] * 1e12), 1 / (r[0] * 1e12)))
     return "\n".join(lines) + "\n"
+
+
+def _scaled(bounds: tuple[float, float] | None, factor: float) -> tuple[float, float] | None:
+    return None if bounds is None else (bounds[0] * factor, bounds[1] * factor)
+
+
+def _key_lines(key: str, value: float, bounds: tuple[float, float] | None) -> list[str]:
+    """``key = value`` and, for an assumed value, ``key_range = [low, high]`` (widened to hold it);
+    12 significant digits (the unit conversions' rounding noise dropped; rounding keeps the order)."""
+    lines = [f"{key} = {_digits(value)!r}"]
+    if bounds is not None:
+        lines.append(f"{key}{RANGE} = [{_digits(min(bounds[0], value))!r}, {_digits(max(bounds[1], value))!r}]")
+    return lines
+
+
+def _digits(v: float) -> float:
+    return float(f"{v:.12g}")

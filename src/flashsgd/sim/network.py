@@ -12,7 +12,10 @@ divide the node bandwidth by the number of concurrent flows, and no flow goes fa
 link's per-flow limit ``flow_gbps`` (:meth:`Link.flow_beta`; None: no limit, the presets).
 
 Presets (``CLUSTERS``) carry the physical figures they were built from in ``source``; nothing is
-tuned to hit a published result. ``local`` is not a preset: it is fitted from a
+tuned to hit a published result. Inputs that are assumptions rather than measurements or
+specifications carry a plausible (low, high) in :attr:`ClusterModel.assumed` (keys:
+:data:`INPUTS`); ``flashsgd plan`` evaluates every candidate over those ranges
+(:mod:`flashsgd.sim.uncertainty`). ``local`` is not a preset: it is fitted from a
 ``flashsgd bench allreduce --json`` file by :func:`flashsgd.sim.calibrate.calibrate`.
 
 Example::
@@ -25,7 +28,7 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flashsgd.fmt import plural
 from flashsgd.registry import Registry
@@ -108,6 +111,11 @@ class ClusterModel:
     """Where every number above comes from (shown by ``flashsgd simulate --cluster X --show``)."""
     nodes: int | None = None
     """Nodes the cluster has (None: as many as a run needs; the presets)."""
+    assumed: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """The inputs that are assumptions, each with its plausible (low, high) in the input's own units
+    (key: one of :data:`INPUTS`, e.g. ``exchange_fixed_s``, ``inter.bandwidth_gbps``,
+    ``resnet50_images_per_s.fp32``). Every other input is measured (``train --comm auto``,
+    ``--calibration``) or taken from the specification ``source`` names."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -119,6 +127,17 @@ class ClusterModel:
             _check_positive("ClusterModel", name, getattr(self, name), allow_zero=True)
         for key, value in self.resnet50_images_per_s.items():
             _check_positive("ClusterModel", f"resnet50_images_per_s[{key!r}]", value)
+        for key, bounds in self.assumed.items():
+            if key not in INPUTS:
+                raise ValueError(f"ClusterModel.assumed: unknown input {key!r}; valid: {', '.join(INPUTS)}")
+            if input_value(self, key) is None:
+                raise ValueError(f"ClusterModel.assumed[{key!r}]: the cluster has no value for {key}")
+            if not (isinstance(bounds, tuple) and len(bounds) == 2):
+                raise ValueError(f"ClusterModel.assumed[{key!r}] must be a (low, high) pair, got {bounds!r}")
+            for name, v in zip(("low", "high"), bounds):
+                _check_positive("ClusterModel", f"assumed[{key!r}] {name}", v, allow_zero=True)
+            if bounds[0] > bounds[1]:
+                raise ValueError(f"ClusterModel.assumed[{key!r}]: low {bounds[0]!r} > high {bounds[1]!r}")
 
     def check_gpus(self, gpus: int) -> None:
         """ValueError unless ``gpus`` ranks fit this cluster: full nodes, at most ``nodes`` of them."""
@@ -151,6 +170,46 @@ def _per_flow(link: Link) -> str:
     return "" if link.flow_gbps is None else f" ({link.flow_gbps:.3g} GB/s per flow)"
 
 
+INPUTS: dict[str, tuple[str, str, float, bool]] = {
+    "inter.bandwidth_gbps": ("inter-node bandwidth", "GB/s", 1.0, True),
+    "inter.alpha_s": ("inter-node latency", "us", 1e6, False),
+    "inter.flow_gbps": ("inter-node per-flow bandwidth", "GB/s", 1.0, True),
+    "intra.bandwidth_gbps": ("intra-node bandwidth", "GB/s", 1.0, True),
+    "intra.alpha_s": ("intra-node latency", "us", 1e6, False),
+    "intra.flow_gbps": ("intra-node per-flow bandwidth", "GB/s", 1.0, True),
+    "gamma_s_per_byte": ("reduction", "ps/B", 1e12, False),
+    "call_overhead_s": ("collective call overhead", "us", 1e6, False),
+    "exchange_fixed_s": ("sparse exchange fixed cost", "ms", 1e3, False),
+    "round_fixed_s": ("sparse per-round fixed cost", "ms", 1e3, False),
+    "select_s_per_elem": ("top-k selection", "ns/elem", 1e9, False),
+    "flop_s": ("matrix products", "ps/flop", 1e12, False),
+    "resnet50_images_per_s.fp32": ("compute (ResNet-50 fp32)", "images/s", 1.0, True),
+    "resnet50_images_per_s.fp16": ("compute (ResNet-50 fp16)", "images/s", 1.0, True),
+}
+"""Inputs that can be assumptions (:attr:`ClusterModel.assumed`): key -> (what it is, display unit,
+factor from the key's SI unit to the display unit, True when a higher value makes a step faster)."""
+
+
+def input_value(c: ClusterModel, key: str) -> float | None:
+    """The value of input ``key`` (:data:`INPUTS`) of ``c``; None where the cluster has none."""
+    head, _, tail = key.partition(".")
+    if head in ("inter", "intra"):
+        return getattr(getattr(c, head), tail)
+    if head == "resnet50_images_per_s":
+        return c.resnet50_images_per_s.get(tail)
+    return getattr(c, key)
+
+
+def with_input(c: ClusterModel, key: str, value: float) -> ClusterModel:
+    """``c`` with input ``key`` set to ``value`` (its ranges kept)."""
+    head, _, tail = key.partition(".")
+    if head in ("inter", "intra"):
+        return replace(c, **{head: replace(getattr(c, head), **{tail: value})})
+    if head == "resnet50_images_per_s":
+        return replace(c, resnet50_images_per_s={**c.resnet50_images_per_s, tail: value})
+    return replace(c, **{key: value})
+
+
 CLUSTERS: Registry[ClusterModel] = Registry("cluster preset")
 
 # Latencies: NCCL's own tuning model (src/graph/tuning.cc) charges ~3.4 us per ring step on NVLink
@@ -166,6 +225,24 @@ _NCCL_CALL_S = 10e-6
 # cost per round beyond the link's alpha (ASSUMPTION; `train --comm auto` measures both).
 _SPARSE_CALL_S = 0.5e-3
 _SELECT_S_PER_ELEM = 0.5e-9
+SPARSE_RANGES = {
+    # low: a handful of kernel launches (~10 us each) and one host sync [judgement]; high: 9.1 ms,
+    # measured by `train --comm auto` (4 Gloo ranks on a 2-core VM, load 10; docs/planner.md).
+    "exchange_fixed_s": (0.1e-3, 9.1e-3),
+    # low: none beyond the link's alpha (the presets' value); high: 0.13 ms, measured by the same probe.
+    "round_fixed_s": (0.0, 0.13e-3),
+    # low: 0.2 ns/elem [judgement: torch.topk's radix select, a few passes over HBM]; high: the gTop-k
+    # paper's measured selection, 0.154 s for ResNet-50's 25,557,032 gradients = 6.03 ns/elem
+    # (Shi et al. 2019; docs/simulator.md, "The gTop-k paper's breakdown as inputs").
+    "select_s_per_elem": (0.2e-9, 6.03e-9),
+}
+"""The plausible ranges of the sparse exchange's assumed costs (seconds; per element for selection):
+used by every preset and by the defaults of a cluster file (:mod:`flashsgd.sim.cluster_file`)."""
+
+
+def _rate_range(rates: dict[str, float], spread: float) -> dict[str, tuple[float, float]]:
+    """``(rate x (1 - spread), rate x (1 + spread))`` for each precision's ResNet-50 throughput."""
+    return {f"resnet50_images_per_s.{k}": (v * (1 - spread), v * (1 + spread)) for k, v in rates.items()}
 
 
 def _gpu_gamma(mem_bw_gbps: float) -> float:
@@ -188,6 +265,9 @@ CLUSTERS.add("abci", ClusterModel(
     select_s_per_elem=_SELECT_S_PER_ELEM,
     # Published single-V100 PyTorch ResNet-50 training: ~1200 images/s mixed precision, ~370 fp32.
     resnet50_images_per_s={"fp16": 1200.0, "fp32": 370.0},
+    # +-1/6: docs/simulator.md's bracket for the published 1200 (1000-1400 img/s; PyTorch figures,
+    # not the frameworks of the ABCI papers), the same relative spread for fp32.
+    assumed={**SPARSE_RANGES, **_rate_range({"fp16": 1200.0, "fp32": 370.0}, 1 / 6)},
     source="ABCI node: 4x V100 SXM2 + NVLink2, 2x IB EDR; NCCL tuning-model latencies",
 ))
 
@@ -207,6 +287,8 @@ CLUSTERS.add("bigbasin-50gbe", ClusterModel(
     # ASSUMPTION [unverified]: P100 ResNet-50 fp32 training ~220 images/s (tf_cnn_benchmarks-class
     # figure); P100 has no tensor cores, so fp16 is taken as 1.5x at best.
     resnet50_images_per_s={"fp32": 220.0, "fp16": 330.0},
+    # +-18%: docs/simulator.md's bracket of the unverified 220 (180-260 img/s) [judgement].
+    assumed={**SPARSE_RANGES, **_rate_range({"fp32": 220.0, "fp16": 330.0}, 0.18)},
     source="Big Basin: 8x P100 + NVLink1, 50 Gbit Ethernet (Goyal et al. 2017)",
 ))
 
@@ -224,6 +306,9 @@ CLUSTERS.add("1gbe", ClusterModel(
     select_s_per_elem=_SELECT_S_PER_ELEM,
     # ASSUMPTION [unverified]: a 1080 Ti-class GPU trains ResNet-50 fp32 at ~200 images/s.
     resnet50_images_per_s={"fp32": 200.0, "fp16": 300.0},
+    # +-18%, as bigbasin-50gbe's unverified rate [judgement]. The gTop-k paper's own breakdown implies
+    # 13.1 img/s (64 / 4.882 s), far outside: docs/data/gtopk_paper_*.toml are that case.
+    assumed={**SPARSE_RANGES, **_rate_range({"fp32": 200.0, "fp16": 300.0}, 0.18)},
     source="gTop-k paper setting: 32 machines x 1 GPU, 1 Gbit/s Ethernet (alpha 0.44 ms, 111 MB/s)",
 ))
 

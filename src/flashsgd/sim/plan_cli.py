@@ -2,7 +2,10 @@
 
 Ranks every candidate by the simulator's predicted step (:mod:`flashsgd.sim.planner`), shows the
 best setting of each algorithm with its split (compute / exposed communication / compression) and
-scaling efficiency, and explains the choice in one line. Sparse and low-rank exchanges are offered
+scaling efficiency, and explains the choice in one line. Inputs that are assumptions (the presets'
+compute rates and sparse fixed costs, a cluster file's ``*_range`` keys, ``--images-per-s-range``)
+are varied over their ranges (:mod:`flashsgd.sim.uncertainty`): each step and efficiency is shown
+as a range, and the output says whether the choice changes inside them and what to measure. Sparse and low-rank exchanges are offered
 only when the run is long enough to keep accuracy (``--steps``; ``--accuracy-risk any`` offers them
 anyway).
 
@@ -27,7 +30,7 @@ from flashsgd.fmt import plural
 from flashsgd.outputs import add_output
 from flashsgd.sim.cluster_file import load_cluster
 from flashsgd.sim.network import CLUSTERS
-from flashsgd.sim.planner import CommPlan, make_plan
+from flashsgd.sim.uncertainty import RangedPlan, plan_over_ranges, preset_compute_range
 from flashsgd.sim.workload import MODEL_HELP, SCHEDULES, Workload, get_workload
 
 
@@ -40,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images-per-s", type=float, default=None,
                    help="one GPU's training throughput at --batch-per-gpu (default: the cluster's "
                         "ResNet-50 figure, for --model resnet50 on a preset)")
+    p.add_argument("--images-per-s-range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                   help="the plausible range of that throughput when it is an assumption (default: the "
+                        "preset's range for its own ResNet-50 figure; none for a given --images-per-s)")
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps of the run (decides whether sparse / low-rank keep accuracy)")
     p.add_argument("--accuracy-risk", choices=("low", "any"), default="low",
@@ -55,9 +61,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_output(p, "--json", metavar="PATH", help="write the plan (every candidate, ranked) as JSON")
 
 
-def print_plan(plan: CommPlan, top: int) -> None:
-    """The best setting of each algorithm (fastest first), the choice and what was ruled out."""
-    print(f"{'':2}{'candidate':<54} {'step ms':>8} {'compute':>8} {'exposed':>8} {'compress':>8} {'eff':>5}")
+def _span(lo: float, hi: float, fmt: str) -> str:
+    return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{format(lo, fmt)}-{format(hi, fmt)}"
+
+
+def print_plan(ranged: RangedPlan, top: int) -> None:
+    """The best setting of each algorithm (fastest first) with its step and efficiency ranges over
+    the assumptions, the choice, what was assumed and whether the choice changes, what was ruled out."""
+    plan = ranged.plan
+    print(f"{'':2}{'candidate':<54} {'step ms':>8} {'range':>13} {'compute':>8} {'exposed':>8} "
+          f"{'compress':>8} {'eff':>5} {'range':>8}")
     shown: dict[str, None] = {}
     for p in plan.ranked:
         if p.candidate.algorithm in shown:
@@ -66,12 +79,17 @@ def print_plan(plan: CommPlan, top: int) -> None:
         if p.candidate.algorithm == plan.choice.candidate.algorithm:
             p = plan.choice  # its chosen setting (a near-tied bucket cap may differ from the fastest)
         r = p.result
+        lo, hi = ranged.step_range(p)
+        elo, ehi = ranged.efficiency_range(p)
         mark = "*" if p is plan.choice else " "
-        print(f"{mark:2}{p.candidate.label():<54} {p.step_s * 1e3:8.1f} {r.compute_s * 1e3:8.1f} "
-              f"{r.exposed_comm_s * 1e3:8.1f} {p.compression_s * 1e3:8.1f} {r.efficiency:5.0%}")
+        print(f"{mark:2}{p.candidate.label():<54} {p.step_s * 1e3:8.1f} {_span(lo * 1e3, hi * 1e3, '.1f'):>13} "
+              f"{r.compute_s * 1e3:8.1f} {r.exposed_comm_s * 1e3:8.1f} {p.compression_s * 1e3:8.1f} "
+              f"{r.efficiency:5.0%} {_span(elo * 100, ehi * 100, '.0f') + '%':>8}")
         if len(shown) == top:
             break
     print(f"choice: {plan.explain()}")
+    for line in ranged.summary():
+        print(line)
     for line in plan.ruled_out:
         print(f"ruled out: {line}")
 
@@ -88,6 +106,18 @@ def images_per_s(args: argparse.Namespace, cluster, workload: Workload) -> float
     return ips
 
 
+def compute_range(args: argparse.Namespace, cluster, workload: Workload) -> tuple[float, float] | None:
+    """--images-per-s-range; else the preset's range of its own ResNet-50 figure when that is used."""
+    if args.images_per_s_range is not None:
+        lo, hi = args.images_per_s_range
+        if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
+            raise ValueError(f"--images-per-s-range must be 0 < LOW <= HIGH, got {lo:g} {hi:g}")
+        return lo, hi
+    if args.images_per_s is None and workload.name == "resnet50":
+        return preset_compute_range(cluster, args.precision)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     for flag, value in (("--top", args.top), ("--gpus", args.gpus), ("--batch-per-gpu", args.batch_per_gpu),
@@ -97,18 +127,24 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     cluster.check_gpus(args.gpus)
     workload = get_workload(args.model)
-    plan = make_plan(workload, cluster, args.gpus, args.batch_per_gpu, images_per_s(args, cluster, workload),
-                     steps=args.steps, accuracy_risk=args.accuracy_risk, precision=args.precision,
-                     grad_accum=args.grad_accum, schedule=args.schedule)
+    ranged = plan_over_ranges(workload, cluster, args.gpus, args.batch_per_gpu,
+                              images_per_s(args, cluster, workload), compute_range(args, cluster, workload),
+                              steps=args.steps, accuracy_risk=args.accuracy_risk, precision=args.precision,
+                              grad_accum=args.grad_accum, schedule=args.schedule)
+    plan = ranged.plan
     elapsed = time.perf_counter() - t0
     print(f"{cluster.describe()}\nworkload {workload.name}: {workload.num_params:,} parameters in "
           f"{workload.num_tensors} tensors; {plural(args.gpus, 'GPU')} x {plural(args.batch_per_gpu, 'sample')}"
           f"{f' in {args.grad_accum} micro-batches' if args.grad_accum > 1 else ''}; exchanges: "
           f"{'as flashsgd train runs them (sparse after backward)' if args.schedule == 'trainer' else args.schedule}; "
-          f"{len(plan.ranked)} candidates ranked in {elapsed:.2f} s")
-    print_plan(plan, args.top)
+          f"{len(plan.ranked)} candidates ranked at {plural(1 + len(ranged.at), 'setting')} of the "
+          f"assumptions in {elapsed:.2f} s")
+    print_plan(ranged, args.top)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({**plan.to_dict(), "seconds": elapsed}, indent=1))
+        doc = {**plan.to_dict(), **ranged.to_dict(), "seconds": elapsed,
+               "choice": {**plan.to_dict()["choice"], **ranged.prediction_dict(plan.choice)},
+               "ranked": [ranged.prediction_dict(p) for p in plan.ranked]}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
         print(f"wrote {Path(args.json).resolve()}")
     return 0

@@ -1,0 +1,200 @@
+"""A plan over the assumptions' ranges: each candidate's step and efficiency as (low, high), and
+whether the choice changes inside them.
+
+The inputs a cluster marks as assumed (:attr:`flashsgd.sim.network.ClusterModel.assumed`, one
+(low, high) per input; the compute rate when it is the preset's figure or ``--images-per-s-range``)
+are varied; measured inputs (``train --comm auto``, ``--calibration``, a cluster file's own values)
+are not. Every input moves a step one way only (a faster link, a smaller fixed cost, a faster GPU
+never make a step longer), so:
+
+* a step's range is its step with every assumed input at its fast end and at its slow end;
+* efficiency (T1 / step) is highest with the network fast and the GPU slow, lowest the other way round;
+  its range is taken over those two corners and the two above;
+* the choice is also made with each input alone at its low and at its high end (2 per input), the
+  way to tell *which* assumption decides it.
+
+That is 4 + 2k plans for k assumed inputs (a plan of 152 candidates on 4096 GPUs takes 0.05-0.1 s).
+
+Example::
+
+    >>> from flashsgd.sim.network import CLUSTERS
+    >>> from flashsgd.sim.workload import resnet50
+    >>> r = plan_over_ranges(resnet50(), CLUSTERS.get("1gbe"), gpus=32, batch_per_gpu=32,
+    ...                      images_per_s=200.0, compute_range=(164.0, 236.0), steps=50_000)
+    >>> lo, hi = r.step_range(r.plan.choice)
+    >>> lo < r.plan.choice.step_s < hi
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from flashsgd.sim.network import INPUTS, ClusterModel, input_value, with_input
+from flashsgd.sim.planner import CommPlan, Prediction, make_plan
+from flashsgd.sim.workload import Workload
+
+COMPUTE = "compute"
+"""The key of the compute rate (one GPU's images/s) among :class:`Assumption` keys."""
+
+MEASURE_HINT = ("measure it: `flashsgd train --comm auto` on the cluster measures compute, links and "
+                "the sparse fixed costs and records them in <out>/cluster.toml (give it to `plan --cluster`); "
+                "`flashsgd bench emulate` times the candidates on an emulated cluster of the same links")
+
+
+@dataclass(frozen=True)
+class Assumption:
+    """One assumed input: its value and plausible range."""
+
+    key: str
+    """A :data:`flashsgd.sim.network.INPUTS` key, or :data:`COMPUTE`."""
+    value: float
+    low: float
+    high: float
+    what: str
+    unit: str
+    scale: float
+    """Factor from the key's SI unit to ``unit``."""
+    fast_high: bool
+    """True when a higher value makes a step faster."""
+
+    def end(self, fast: bool) -> float:
+        """The value at the fast or the slow end of the range."""
+        return self.high if fast == self.fast_high else self.low
+
+    def fmt(self, v: float) -> str:
+        return f"{v * self.scale:.3g}"
+
+    def describe(self) -> str:
+        """``sparse exchange fixed cost 0.5 ms (0.1-9.1)``."""
+        return f"{self.what} {self.fmt(self.value)} {self.unit} ({self.fmt(self.low)}-{self.fmt(self.high)})"
+
+
+def assumptions(cluster: ClusterModel, images_per_s: float, compute_range: tuple[float, float] | None,
+                precision: str) -> list[Assumption]:
+    """The assumed inputs of a plan: the cluster's (its ResNet-50 rates replaced by the compute
+    rate in use, ranged by ``compute_range``); a range that leaves out the value is widened to it."""
+    out = []
+    for key, (lo, hi) in cluster.assumed.items():
+        if key.startswith("resnet50_images_per_s."):
+            continue  # the compute rate is the plan's images_per_s, ranged by compute_range
+        what, unit, scale, fast_high = INPUTS[key]
+        v = input_value(cluster, key)
+        out.append(Assumption(key, v, min(lo, v), max(hi, v), what, unit, scale, fast_high))
+    if compute_range is not None:
+        lo, hi = compute_range
+        if not (0 < lo <= hi):
+            raise ValueError(f"compute range must be 0 < low <= high images/s, got {compute_range!r}")
+        out.append(Assumption(COMPUTE, images_per_s, min(lo, images_per_s), max(hi, images_per_s),
+                              f"compute ({precision})", "images/s", 1.0, True))
+    return out
+
+
+def preset_compute_range(cluster: ClusterModel, precision: str) -> tuple[float, float] | None:
+    """The range of the cluster's own ResNet-50 rate at ``precision``, if it is an assumption."""
+    return cluster.assumed.get(f"resnet50_images_per_s.{precision}")
+
+
+@dataclass(frozen=True)
+class Corner:
+    """A setting of the assumed inputs: ``fast`` maps a key to its fast (True) or slow (False) end."""
+
+    name: str
+    fast: dict[str, bool]
+
+
+def corners(inputs: list[Assumption]) -> list[Corner]:
+    """All fast, all slow, the two efficiency corners, then each input alone at each end."""
+    net = [a.key for a in inputs if a.key != COMPUTE]
+    out = [Corner("all fast", {a.key: True for a in inputs}),
+           Corner("all slow", {a.key: False for a in inputs})]
+    if net and len(net) < len(inputs):
+        out += [Corner("network fast, compute slow", {**{k: True for k in net}, COMPUTE: False}),
+                Corner("network slow, compute fast", {**{k: False for k in net}, COMPUTE: True})]
+    for a in inputs:
+        for fast in (True, False):
+            end = "high" if fast == a.fast_high else "low"
+            out.append(Corner(f"{a.what} {end} ({a.fmt(a.end(fast))} {a.unit})", {a.key: fast}))
+    return out
+
+
+@dataclass(frozen=True)
+class RangedPlan:
+    """The plan at the stated values and at every :func:`corners` setting."""
+
+    plan: CommPlan
+    inputs: list[Assumption]
+    at: list[tuple[Corner, CommPlan]]
+
+    def _all(self, p: Prediction) -> list[Prediction]:
+        label = p.candidate.label()
+        found = [p]
+        for _, plan in self.at:
+            found += [q for q in plan.ranked if q.candidate.label() == label]
+        return found
+
+    def step_range(self, p: Prediction) -> tuple[float, float]:
+        """(shortest, longest) step of ``p``'s candidate over the corners, seconds."""
+        steps = [q.step_s for q in self._all(p)]
+        return min(steps), max(steps)
+
+    def efficiency_range(self, p: Prediction) -> tuple[float, float]:
+        effs = [q.result.efficiency for q in self._all(p)]
+        return min(effs), max(effs)
+
+    def choice_changes(self) -> dict[str, list[str]]:
+        """Other choices (algorithm and setting) -> the corners where each is chosen instead."""
+        nominal = self.plan.choice.candidate.setting()
+        out: dict[str, list[str]] = {}
+        for corner, plan in self.at:
+            other = plan.choice.candidate.setting()
+            if other != nominal:
+                out.setdefault(other, []).append(corner.name)
+        return out
+
+    def summary(self) -> list[str]:
+        """What was assumed, and whether (and where) the choice changes within it."""
+        if not self.inputs:
+            return ["assumed: nothing (every input measured or given): the step is a single value"]
+        lines = ["assumed: " + "; ".join(a.describe() for a in self.inputs)
+                 + " (ranges: docs/planner.md); every other input measured or from the cluster's source"]
+        changes = self.choice_changes()
+        if not changes:
+            lines.append(f"the choice ({self.plan.choice.candidate.setting()}) holds over every assumed range")
+        else:
+            alt = "; ".join(f"{setting} if {', or '.join(where)}" for setting, where in changes.items())
+            lines.append(f"the choice changes within the assumptions: {self.plan.choice.candidate.setting()} "
+                         f"at the stated values, {alt}; {MEASURE_HINT}")
+        return lines
+
+    def to_dict(self) -> dict:
+        return {"assumed": [{"input": a.key, "value": a.value, "low": a.low, "high": a.high} for a in self.inputs],
+                "choice_changes": self.choice_changes()}
+
+    def prediction_dict(self, p: Prediction) -> dict:
+        return {**p.to_dict(), "step_s_range": list(self.step_range(p)),
+                "efficiency_range": list(self.efficiency_range(p))}
+
+
+def plan_over_ranges(workload: Workload, cluster: ClusterModel, gpus: int, batch_per_gpu: int,
+                     images_per_s: float, compute_range: tuple[float, float] | None = None,
+                     precision: str = "fp32", make: Callable[..., CommPlan] = make_plan,
+                     **plan_kw) -> RangedPlan:
+    """:func:`flashsgd.sim.planner.make_plan` at the stated values and at every corner of the
+    assumed inputs (module docstring); ``plan_kw`` goes to every plan."""
+    inputs = assumptions(cluster, images_per_s, compute_range, precision)
+    nominal = make(workload, cluster, gpus, batch_per_gpu, images_per_s, precision=precision, **plan_kw)
+    at = []
+    for corner in corners(inputs) if inputs else []:
+        c, ips = cluster, images_per_s
+        for a in inputs:
+            if a.key not in corner.fast:
+                continue
+            v = a.end(corner.fast[a.key])
+            if a.key == COMPUTE:
+                ips = v
+            else:
+                c = with_input(c, a.key, v)
+        at.append((corner, make(workload, c, gpus, batch_per_gpu, ips, precision=precision, **plan_kw)))
+    return RangedPlan(nominal, inputs, at)

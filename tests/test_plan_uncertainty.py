@@ -1,0 +1,190 @@
+"""Assumed inputs and their ranges: presets, cluster files, the plan over the ranges, `plan`'s output."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flashsgd.sim import planner
+from flashsgd.sim.cluster_file import load_cluster_text, to_toml
+from flashsgd.sim.network import CLUSTERS, SPARSE_RANGES, ClusterModel, Link
+from flashsgd.sim.uncertainty import COMPUTE, assumptions, corners, plan_over_ranges
+from flashsgd.sim.workload import resnet50
+
+LAB = """
+name = "lab"
+nodes = 4
+ranks_per_node = 2
+[intra]
+bandwidth_gbit = 100.0
+latency_us = 5.0
+[inter]
+bandwidth_gbit = 1.0
+latency_us = 50.0
+"""
+MEASURED_COSTS = """[costs]
+reduce_ns_per_byte = 0.004
+call_overhead_us = 20.0
+exchange_fixed_us = 800.0
+round_fixed_us = 30.0
+select_ns_per_elem = 1.5
+tflops = 0.2
+"""
+
+
+def flashsgd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flashsgd", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_every_preset_marks_its_assumptions_and_only_them():
+    for name in CLUSTERS.names():
+        c = CLUSTERS.get(name)
+        assert {k: c.assumed[k] for k in SPARSE_RANGES} == SPARSE_RANGES
+        for precision, rate in c.resnet50_images_per_s.items():
+            lo, hi = c.assumed[f"resnet50_images_per_s.{precision}"]
+            assert lo < rate < hi
+        assert not any(k.startswith(("inter.", "intra.")) for k in c.assumed)  # the links: from their source
+    assert CLUSTERS.get("abci").assumed["resnet50_images_per_s.fp16"] == pytest.approx((1000.0, 1400.0))
+
+
+def test_a_cluster_model_refuses_bad_ranges():
+    link = Link(1e-5, 1.0)
+    with pytest.raises(ValueError, match="unknown input 'speed'; valid: inter.bandwidth_gbps"):
+        ClusterModel("x", 1, link, link, assumed={"speed": (1.0, 2.0)})
+    with pytest.raises(ValueError, match=r"low 2.0 > high 1.0"):
+        ClusterModel("x", 1, link, link, assumed={"inter.alpha_s": (2.0, 1.0)})
+    with pytest.raises(ValueError, match="has no value for inter.flow_gbps"):
+        ClusterModel("x", 1, link, link, assumed={"inter.flow_gbps": (1.0, 2.0)})
+
+
+def test_a_cluster_file_marks_ranged_values_assumed_and_defaults_take_the_presets_ranges():
+    measured = load_cluster_text(LAB + MEASURED_COSTS, "lab")
+    assert measured.assumed == {}  # every cost given, no range: measured (what `train --comm auto` writes)
+    c = load_cluster_text(LAB.replace("latency_us = 50.0", "latency_us = 50.0\nlatency_us_range = [20.0, 400.0]\n"
+                                      "bandwidth_gbit_range = [0.5, 1.0]")
+                          + "[costs]\nexchange_fixed_us = 2000.0\nexchange_fixed_us_range = [1000, 3000]\n"
+                            "tflops_range = [10.0, 20.0]\n", "lab")
+    assert c.assumed["inter.alpha_s"] == pytest.approx((20e-6, 400e-6))
+    assert c.assumed["inter.bandwidth_gbps"] == pytest.approx((0.0625, 0.125))
+    assert c.assumed["exchange_fixed_s"] == pytest.approx((1e-3, 3e-3))
+    assert c.assumed["flop_s"] == pytest.approx((1 / 20e12, 1 / 10e12))
+    # left out: the default and the presets' range; call_overhead_us etc. have none
+    assert c.assumed["round_fixed_s"] == SPARSE_RANGES["round_fixed_s"]
+    assert c.assumed["select_s_per_elem"] == SPARSE_RANGES["select_s_per_elem"]
+    assert "call_overhead_s" not in c.assumed and "intra.alpha_s" not in c.assumed
+    back = load_cluster_text(to_toml(c), "back")
+    assert back.assumed.keys() == c.assumed.keys()
+    for k, (lo, hi) in c.assumed.items():
+        assert back.assumed[k] == pytest.approx((lo, hi), rel=1e-12), k
+    assert "latency_us_range = [20.0, 400.0]" in to_toml(c)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("[costs]\nexchange_fixed_us = 500.0\nexchange_fixed_us_range = [600, 900]\n",
+     "costs.exchange_fixed_us_range = [600, 900] must hold costs.exchange_fixed_us = 500"),
+    ("[costs]\nselect_ns_per_elem_range = [1.0]\n", "costs.select_ns_per_elem_range must be [low, high]"),
+    ("[costs]\nround_fixed_us_range = [-1, 5]\n", "costs.round_fixed_us_range must be a finite number >= 0"),
+    ("[costs]\nexchange_fixed_range = [1, 5]\n", "unknown key(s) costs.exchange_fixed_range"),
+])
+def test_bad_ranges_in_a_cluster_file_are_named(extra, message):
+    with pytest.raises(ValueError) as e:
+        load_cluster_text(LAB + extra, "lab.toml")
+    assert message in str(e.value) and "lab.toml" in str(e.value)
+
+
+def test_a_range_without_its_value_is_refused():
+    text = LAB.replace("[inter]", "[inter]\nflow_bandwidth_gbit_range = [0.1, 0.5]")
+    with pytest.raises(ValueError, match="inter.flow_bandwidth_gbit_range without inter.flow_bandwidth_gbit"):
+        load_cluster_text(text, "lab")
+
+
+def test_corners_all_fast_all_slow_efficiency_corners_and_one_at_a_time():
+    c = CLUSTERS.get("1gbe")
+    inputs = assumptions(c, 200.0, (164.0, 236.0), "fp32")
+    assert [a.key for a in inputs] == [*SPARSE_RANGES, COMPUTE]
+    names = [k.name for k in corners(inputs)]
+    assert names[:4] == ["all fast", "all slow", "network fast, compute slow", "network slow, compute fast"]
+    assert len(names) == 4 + 2 * len(inputs)
+    assert "top-k selection high (6.03 ns/elem)" in names and "compute (fp32) low (164 images/s)" in names
+    fast = corners(inputs)[0].fast
+    assert all(fast.values())
+    sel = next(a for a in inputs if a.key == "select_s_per_elem")
+    assert (sel.end(True), sel.end(False)) == (0.2e-9, 6.03e-9)  # less selection time is faster
+
+
+def test_a_step_range_is_the_step_at_each_end_of_every_assumption():
+    """Independent check: the range's ends are the plans of clusters written with the ends' values."""
+    ranged = LAB + "[costs]\nexchange_fixed_us = 500.0\nexchange_fixed_us_range = [100.0, 9100.0]\n" \
+                   "round_fixed_us = 0.0\nround_fixed_us_range = [0.0, 130.0]\nselect_ns_per_elem = 0.5\n"
+    kw = dict(gpus=8, batch_per_gpu=32, images_per_s=300.0, steps=100_000)
+    r = plan_over_ranges(resnet50(), load_cluster_text(ranged, "lab"), **kw)
+    fast = planner.make_plan(resnet50(), load_cluster_text(
+        LAB + "[costs]\nexchange_fixed_us = 100.0\nround_fixed_us = 0.0\nselect_ns_per_elem = 0.5\n", "f"), **kw)
+    slow = planner.make_plan(resnet50(), load_cluster_text(
+        LAB + "[costs]\nexchange_fixed_us = 9100.0\nround_fixed_us = 130.0\nselect_ns_per_elem = 0.5\n", "s"), **kw)
+    for p in r.plan.ranked:
+        label = p.candidate.label()
+        lo = next(q for q in fast.ranked if q.candidate.label() == label).step_s
+        hi = next(q for q in slow.ranked if q.candidate.label() == label).step_s
+        assert r.step_range(p) == pytest.approx((lo, hi), rel=1e-12), label
+        if p.candidate.algorithm in planner.DENSE:
+            assert lo == pytest.approx(hi, rel=1e-12)  # the sparse fixed costs do not touch a dense step
+        if p.candidate.algorithm in planner.SPARSE:
+            assert hi > lo
+
+
+def test_the_choice_changes_within_the_1gbe_presets_assumptions_and_says_where():
+    r = plan_over_ranges(resnet50(), CLUSTERS.get("1gbe"), gpus=32, batch_per_gpu=32, images_per_s=200.0,
+                         compute_range=(164.0, 236.0), steps=50_000)
+    assert r.plan.choice.candidate.setting() == "gtopk density 0.001"
+    changes = r.choice_changes()
+    assert list(changes) == ["powersgd rank 2"]
+    assert "top-k selection high (6.03 ns/elem)" in changes["powersgd rank 2"]
+    # the same flip, from a cluster written with that selection cost
+    slow_select = dataclasses.replace(CLUSTERS.get("1gbe"), select_s_per_elem=6.03e-9)
+    alone = planner.make_plan(resnet50(), slow_select, gpus=32, batch_per_gpu=32, images_per_s=200.0, steps=50_000)
+    assert alone.choice.candidate.setting() == "powersgd rank 2"
+    text = "\n".join(r.summary())
+    assert "the choice changes within the assumptions: gtopk density 0.001 at the stated values, powersgd" in text
+    assert "flashsgd train --comm auto" in text and "flashsgd bench emulate" in text
+
+
+def test_a_measured_cluster_has_no_range():
+    c = load_cluster_text(LAB + MEASURED_COSTS, "lab")
+    r = plan_over_ranges(resnet50(), c, gpus=8, batch_per_gpu=32, images_per_s=300.0, steps=100_000)
+    assert r.inputs == [] and r.at == []
+    assert all(r.step_range(p) == (p.step_s, p.step_s) for p in r.plan.ranked)
+    assert r.summary() == ["assumed: nothing (every input measured or given): the step is a single value"]
+
+
+def test_plan_cli_prints_ranges_what_it_assumed_and_the_flip(tmp_path):
+    out = tmp_path / "plan.json"
+    r = flashsgd("plan", "--cluster", "1gbe", "--gpus", "32", "--model", "resnet50", "--steps", "50000",
+                 "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("* gtopk density 0.001"))
+    assert row.split()[-1].endswith("%") and "-" in row.split()[-1]  # the efficiency range
+    assert "assumed: sparse exchange fixed cost 0.5 ms (0.1-9.1)" in r.stdout
+    assert "compute (fp32) 200 images/s (164-236)" in r.stdout
+    assert "the choice changes within the assumptions" in r.stdout
+    doc = json.loads(out.read_text())
+    lo, hi = doc["choice"]["step_s_range"]
+    assert lo < doc["choice"]["step_s"] < hi and "powersgd rank 2" in doc["choice_changes"]
+    assert all(len(p["efficiency_range"]) == 2 for p in doc["ranked"])
+    # a given --images-per-s is not ranged unless --images-per-s-range says so
+    given = flashsgd("plan", "--cluster", "abci", "--gpus", "64", "--images-per-s", "370", "--steps", "1000")
+    assert "compute (" not in given.stdout and "holds over every assumed range" in given.stdout
+    ranged = flashsgd("plan", "--cluster", "abci", "--gpus", "64", "--images-per-s", "370", "--steps", "1000",
+                      "--images-per-s-range", "300", "400")
+    assert "compute (fp32) 370 images/s (300-400)" in ranged.stdout
+
+
+def test_plan_cli_bad_compute_range_is_one_line_exit_2():
+    r = flashsgd("plan", "--cluster", "abci", "--gpus", "8", "--images-per-s-range", "400", "300")
+    assert r.returncode == 2 and "--images-per-s-range must be 0 < LOW <= HIGH, got 400 300" in r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
