@@ -108,7 +108,7 @@ def test_corners_all_fast_all_slow_efficiency_corners_and_one_at_a_time():
     inputs = assumptions(c, 200.0, (164.0, 236.0), "fp32")
     assert [a.key for a in inputs] == [*SPARSE_RANGES, COMPUTE]
     names = [k.name for k in corners(inputs)]
-    assert names[:4] == ["all fast", "all slow", "network fast, compute slow", "network slow, compute fast"]
+    assert names[:4] == ["all fast", "all slow", "compute slow, all else fast", "compute fast, all else slow"]
     assert len(names) == 4 + 2 * len(inputs)
     assert "top-k selection high (6.03 ns/elem)" in names and "compute (fp32) low (164 images/s)" in names
     fast = corners(inputs)[0].fast
@@ -150,7 +150,8 @@ def test_the_choice_changes_within_the_1gbe_presets_assumptions_and_says_where()
     alone = planner.make_plan(resnet50(), slow_select, gpus=32, batch_per_gpu=32, images_per_s=200.0, steps=50_000)
     assert alone.choice.candidate.setting() == "powersgd rank 2"
     text = "\n".join(r.summary())
-    assert "the choice changes within the assumptions: gtopk density 0.001 at the stated values, powersgd" in text
+    assert "the choice changes within the assumptions: gtopk density 0.001 at the stated values, but\n" \
+           "  powersgd rank 2 at: " in text and "| top-k selection high (6.03 ns/elem)" in text
     assert "flashsgd train --comm auto" in text and "flashsgd bench emulate" in text
 
 

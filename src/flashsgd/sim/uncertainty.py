@@ -8,7 +8,7 @@ are not. Every input moves a step one way only (a faster link, a smaller fixed c
 never make a step longer), so:
 
 * a step's range is its step with every assumed input at its fast end and at its slow end;
-* efficiency (T1 / step) is highest with the network fast and the GPU slow, lowest the other way round;
+* efficiency (T1 / step) is highest with the GPU slow and all else fast, lowest the other way round;
   its range is taken over those two corners and the two above;
 * the choice is also made with each input alone at its low and at its high end (2 per input), the
   way to tell *which* assumption decides it.
@@ -38,9 +38,9 @@ from flashsgd.sim.workload import Workload
 COMPUTE = "compute"
 """The key of the compute rate (one GPU's images/s) among :class:`Assumption` keys."""
 
-MEASURE_HINT = ("measure it: `flashsgd train --comm auto` on the cluster measures compute, links and "
+MEASURE_HINT = ("to decide, measure: `flashsgd train --comm auto` on the cluster measures compute, links and "
                 "the sparse fixed costs and records them in <out>/cluster.toml (give it to `plan --cluster`); "
-                "`flashsgd bench emulate` times the candidates on an emulated cluster of the same links")
+                "`sudo flashsgd bench emulate` runs the exchanges on an emulated cluster of those links")
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,8 @@ def corners(inputs: list[Assumption]) -> list[Corner]:
     out = [Corner("all fast", {a.key: True for a in inputs}),
            Corner("all slow", {a.key: False for a in inputs})]
     if net and len(net) < len(inputs):
-        out += [Corner("network fast, compute slow", {**{k: True for k in net}, COMPUTE: False}),
-                Corner("network slow, compute fast", {**{k: False for k in net}, COMPUTE: True})]
+        out += [Corner("compute slow, all else fast", {**{k: True for k in net}, COMPUTE: False}),
+                Corner("compute fast, all else slow", {**{k: False for k in net}, COMPUTE: True})]
     for a in inputs:
         for fast in (True, False):
             end = "high" if fast == a.fast_high else "low"
@@ -163,9 +163,10 @@ class RangedPlan:
         if not changes:
             lines.append(f"the choice ({self.plan.choice.candidate.setting()}) holds over every assumed range")
         else:
-            alt = "; ".join(f"{setting} if {', or '.join(where)}" for setting, where in changes.items())
             lines.append(f"the choice changes within the assumptions: {self.plan.choice.candidate.setting()} "
-                         f"at the stated values, {alt}; {MEASURE_HINT}")
+                         "at the stated values, but")
+            lines += [f"  {setting} at: {' | '.join(where)}" for setting, where in changes.items()]
+            lines.append(MEASURE_HINT)
         return lines
 
     def to_dict(self) -> dict:
