@@ -54,20 +54,10 @@ def _spread(row: dict) -> str:
 # ---------------------------------------------------------------------------- selection ------
 
 def _methods(x: torch.Tensor, k: int) -> dict:
-    """name -> call: the pass unit, the baseline, and the selections (each returns (values, indices))."""
-    from flashsgd.comm.sparse_select import SELECTIONS, SelectionWorkspace, ThresholdReuse, topk_threshold
+    """name -> call: the pass unit, the baseline, and the selections (bench sparse's table)."""
+    from flashsgd.bench.sparse import selection_methods
 
-    out = torch.empty_like(x)
-    ws, reuse = SelectionWorkspace(), ThresholdReuse()
-    gen = torch.Generator(device=x.device).manual_seed(1)
-    return {
-        "add (1 pass)": lambda: torch.add(x, x, out=out),
-        "torch.topk": lambda: torch.topk(x.abs(), k, sorted=False),
-        "exact": lambda: SELECTIONS["exact"](x, k),
-        "sampled": lambda: SELECTIONS["sampled"](x, k, generator=gen, workspace=ws),
-        "threshold": lambda: topk_threshold(x, k),
-        "threshold+reuse": lambda: topk_threshold(x, k, reuse=reuse),
-    }
+    return selection_methods(x, k)
 
 
 def _agreement(picked, reference) -> tuple[bool, float]:

@@ -253,18 +253,31 @@ def bench_worker(cfg: SparseBenchConfig) -> dict | None:
 
 # ----------------------------------------------------------------------------- selection --------
 
-def _selection_methods(cfg: SparseBenchConfig, x: torch.Tensor, k: int) -> dict:
-    """name -> callable, for :func:`measure_selection`."""
-    ws, gen, reuse = SelectionWorkspace(), torch.Generator().manual_seed(1), ThresholdReuse()
-    residual, grad = torch.zeros_like(x), x * 0.5
-    methods = {
-        "add (1 pass)": lambda: torch.add(x, grad, out=residual),
+def selection_methods(x: torch.Tensor, k: int) -> dict:
+    """name -> call on ``x`` (top ``k``): one ``torch.add`` over it (the pass unit), ``torch.topk``
+    of its magnitudes (the baseline) and every selection (each returns (values, indices)); state
+    (workspace, generator, threshold reuse) made on ``x``'s device. ``bench sparse
+    --selection-speed`` and ``bench gpu`` time these."""
+    ws, reuse = SelectionWorkspace(), ThresholdReuse()
+    gen = torch.Generator(device=x.device).manual_seed(1)
+    out = torch.empty_like(x)
+    return {
+        "add (1 pass)": lambda: torch.add(x, x, out=out),
         "torch.topk": lambda: torch.topk(x.abs(), k, sorted=False),
         "exact": lambda: SELECTIONS["exact"](x, k),
         "sampled": lambda: SELECTIONS["sampled"](x, k, workspace=ws, generator=gen),
         "threshold": lambda: topk_threshold(x, k),
         "threshold+reuse": lambda: topk_threshold(x, k, reuse=reuse),
     }
+
+
+def _selection_methods(cfg: SparseBenchConfig, x: torch.Tensor, k: int) -> dict:
+    """name -> callable, for :func:`measure_selection`: :func:`selection_methods` and the
+    compression of one bucket (eager / compiled)."""
+    methods = selection_methods(x, k)
+    residual, grad = torch.zeros_like(x), x * 0.5
+    # the pass unit also resets the compression's residual once per repetition
+    methods["add (1 pass)"] = lambda: torch.add(x, grad, out=residual)
     for fused in cfg.fuse:  # one bucket's compression: residual += grad, maxima, selection
         kept = ThresholdReuse()
         methods["compress" + ("+compiled" if fused else "")] = (
