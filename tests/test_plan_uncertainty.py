@@ -14,18 +14,8 @@ from flashsgd.sim.cluster_file import load_cluster_text, to_toml
 from flashsgd.sim.network import CLUSTERS, SPARSE_RANGES, ClusterModel, Link
 from flashsgd.sim.uncertainty import COMPUTE, assumptions, corners, plan_over_ranges
 from flashsgd.sim.workload import resnet50
+from sim_helpers import LAB
 
-LAB = """
-name = "lab"
-nodes = 4
-ranks_per_node = 2
-[intra]
-bandwidth_gbit = 100.0
-latency_us = 5.0
-[inter]
-bandwidth_gbit = 1.0
-latency_us = 50.0
-"""
 MEASURED_COSTS = """[costs]
 reduce_ns_per_byte = 0.004
 call_overhead_us = 20.0

@@ -14,18 +14,8 @@ from flashsgd.sim import planner
 from flashsgd.sim.cluster_file import DEFAULT_COSTS, load_cluster, load_cluster_text, to_toml
 from flashsgd.sim.network import CLUSTERS
 from flashsgd.sim.workload import resnet50
+from sim_helpers import LAB
 
-LAB = """
-name = "lab"
-nodes = 4
-ranks_per_node = 2
-[intra]
-bandwidth_gbit = 100.0
-latency_us = 5.0
-[inter]
-bandwidth_gbit = 1.0
-latency_us = 50.0
-"""
 
 
 def flashsgd(*args: str) -> subprocess.CompletedProcess:

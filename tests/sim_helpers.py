@@ -1,0 +1,14 @@
+"""Shared inputs of the simulator and planner tests."""
+
+LAB = """
+name = "lab"
+nodes = 4
+ranks_per_node = 2
+[intra]
+bandwidth_gbit = 100.0
+latency_us = 5.0
+[inter]
+bandwidth_gbit = 1.0
+latency_us = 50.0
+"""
+"""A 4-node x 2-rank cluster file: 100 Gbit/s, 5 us inside a node; 1 Gbit/s, 50 us between nodes."""
