@@ -159,8 +159,7 @@ def _rows_from_model(params: dict) -> list[dict]:
         for comm in ("native", "ring", "hierarchical", "torus2d", "topk", "gtopk", "hgtopk", "powersgd"):
             row = {"comm": comm, "nodes": n, "ranks_per_node": r, "world": n * r, "link_bps": 2e7,
                    "bucket_bytes": [1048576, 30000], "grid": [r, n], "matrices": MATRICES}
-            share = {s: c / 0.05 for s, c in compute.items()}
-            x = sim._scaled_row(row, 0.001, share)
+            x = sim._scaled_row(row, 0.001, {sim.setting(row): t / 0.05})
             row["step_s"] = [t + float(x @ np.array([params[p] for p in sim.PARAMS]))]
             rows.append(row)
     return rows

@@ -7,15 +7,26 @@ The measured step of hook ``a`` at N nodes of L ranks (world W = N L) is modelle
     comm_a(n) = s(N) [ c_msg A + c_byte Bcpu + c_elem E + c_call C + c_sparse S + c_flop F ]
                 + link_factor B 8 / rate
 
-* ``compute(N)``: the noop hook's measured step at the same node count (forward, backward, the
-  trainer's small sync all-reduce and the optimizer; the noop rows are inputs, never predicted);
-* ``s(N) = compute(N) / compute(N0)``: the CPU-sharing slowdown (W ranks share this machine's cores,
-  so every CPU cost of the exchange grows with it; N0 the smallest measured node count);
+* ``compute(N)``: the noop hook's measured step at the same setting (:func:`setting`: shape,
+  micro-batches per exchange ``grad_accum``, per-flow cap ``flow_bps``, file): forward, backward,
+  the trainer's small sync all-reduce and the optimizer; with ``--grad-accum K`` all K
+  micro-steps. The noop rows are inputs, never predicted; a row is matched only with the noop row
+  of its own setting, so rows of several files and settings can be fitted together;
+* ``s(N) = (compute(N) / K) / (compute(N0) / K0)``: the CPU-sharing slowdown (W ranks share this
+  machine's cores, so every CPU cost of the exchange grows with it), per micro-batch (a step of K
+  micro-batches has K times the compute but one exchange); N0 the smallest measured world (the
+  first such noop row);
 * A, B, Bcpu, E, C, S, F: the coefficients of the algorithm's own closed-form cost
   (:data:`flashsgd.sim.algorithms.ALGORITHMS`, formulas in :mod:`flashsgd.sim.costs`) evaluated on unit
   clusters: A = message steps on the critical path, B = bytes on the critical path over the
   inter-node link (its flows sharing the node's link; B 8 / rate is their time at the nominal tbf
-  rate), Bcpu = bytes on the critical path on any
+  rate). With a per-flow cap (``bench scaling --flow-rate``: the row's ``flow_bps``) B is the
+  link-time-equivalent bytes B_eff: the unit cluster's inter link carries the cap at the same ratio
+  to the link (:attr:`flashsgd.sim.network.Link.flow_gbps`), so each flow's bytes count
+  max(flows, link / flow) / flows times (:meth:`~flashsgd.sim.network.Link.flow_beta`, used by
+  :func:`flashsgd.sim.costs.ring_levels` and :func:`~flashsgd.sim.costs.pair_levels`): on 4x2 with
+  flow = link / 4 the flat ring's one flow per NIC counts 4 x, the torus's two flows 2 x;
+  Bcpu = bytes on the critical path on any
   level (our send/recv stages copy every byte), E = elements selected over (sparse: the local top-k
   and the 2k -> k merges), C = collective calls, S = sparse exchanges, F = floating-point
   operations of PowerSGD's matrix products (the whole model's matrices in one message,
@@ -86,7 +97,8 @@ def load_scaling(path: str | Path) -> ScalingRows:
         for key in ("comm", "nodes", "ranks_per_node", "world", "link_bps", "bucket_bytes"):
             if key not in r:
                 raise ValueError(f"scaling file {str(path)!r}: rows[{i}] lacks {key!r}")
-        rows.append({**r, "source": str(path)})
+        # files written before --grad-accum / --flow-rate: one micro-batch, no per-flow cap
+        rows.append({"grad_accum": 1, "flow_bps": None, **r, "source": str(path)})
     meta = doc["meta"]
     for key in ("density",):
         if key not in meta:
@@ -97,16 +109,22 @@ def load_scaling(path: str | Path) -> ScalingRows:
 
 
 def _unit(row: dict, *, alpha: float = 0.0, inter_gbps: float = _INF_GBPS, intra_gbps: float = _INF_GBPS,
-          call: float = 0.0, sparse: float = 0.0, select: float = 0.0, flop: float = 0.0) -> ClusterModel:
+          call: float = 0.0, sparse: float = 0.0, select: float = 0.0, flop: float = 0.0,
+          flow_cap: bool = False) -> ClusterModel:
+    """A unit cluster for one coefficient; ``flow_cap``: the inter link's per-flow limit at the
+    row's ``flow_bps / link_bps`` of the link (none when the row has no cap)."""
+    flow = row.get("flow_bps")
+    inter_flow = inter_gbps * flow / row["link_bps"] if flow_cap and flow else None
     return ClusterModel(name="unit", ranks_per_node=row["ranks_per_node"],
-                        intra=Link(alpha, intra_gbps), inter=Link(alpha, inter_gbps),
+                        intra=Link(alpha, intra_gbps), inter=Link(alpha, inter_gbps, inter_flow),
                         call_overhead_s=call, exchange_fixed_s=sparse, select_s_per_elem=select,
                         flop_s=flop)
 
 
 def design(row: dict, density: float) -> np.ndarray:
-    """(A, B, Bcpu, E, C, S, F) of ``row``'s exchange, summed over its DDP buckets."""
-    clusters = (_unit(row, alpha=1.0), _unit(row, inter_gbps=_UNIT_GBPS),
+    """(A, B, Bcpu, E, C, S, F) of ``row``'s exchange, summed over its DDP buckets (B: link-time-
+    equivalent bytes under the row's per-flow cap, see the module docstring)."""
+    clusters = (_unit(row, alpha=1.0), _unit(row, inter_gbps=_UNIT_GBPS, flow_cap=True),
                 _unit(row, inter_gbps=_UNIT_GBPS, intra_gbps=_UNIT_GBPS), _unit(row, select=1.0),
                 _unit(row, call=1.0), _unit(row, sparse=1.0), _unit(row, flop=1.0))
     grid = tuple(row["grid"]) if row.get("grid") and row["comm"] == "torus2d" else None
@@ -124,19 +142,44 @@ def design(row: dict, density: float) -> np.ndarray:
     return np.array(out)
 
 
-def compute_by_shape(rows: list[dict]) -> dict[tuple[int, int], float]:
-    """(nodes, ranks per node) -> the noop row's median step (the compute of that shape)."""
-    return {(r["nodes"], r["ranks_per_node"]): median_step_s(r) for r in rows if r["comm"] == "noop"}
+Setting = tuple
+"""(nodes, ranks per node, grad_accum, flow_bps, source file): what a row shares with its noop row."""
 
 
-def cpu_share(rows: list[dict]) -> dict[tuple[int, int], float]:
-    """s(N): each shape's noop step over the smallest world's noop step (CPU-sharing slowdown)."""
-    compute = compute_by_shape(rows)
+def setting(row: dict) -> Setting:
+    """The key matching a row with the noop row measured beside it (:data:`Setting`); rows without
+    ``grad_accum`` / ``flow_bps`` (made in memory) have one micro-batch and no per-flow cap."""
+    return (row["nodes"], row["ranks_per_node"], row.get("grad_accum", 1), row.get("flow_bps"),
+            row.get("source"))
+
+
+def options_label(grad_accum: int, flow_bps: int | None) -> str:
+    """``""`` (one micro-batch, no cap), ``"accum 4"``, ``"flow 25 Mbit/s"``, ``"accum 4, flow ..."``."""
+    return ", ".join(([f"accum {grad_accum}"] if grad_accum != 1 else [])
+                     + ([f"flow {flow_bps / 1e6:g} Mbit/s"] if flow_bps else []))
+
+
+def setting_label(key: Setting) -> str:
+    """``"4x2"``, ``"4x2 accum 4"``, ``"4x2 flow 25 Mbit/s"``: a setting as printed."""
+    options = options_label(key[2], key[3])
+    return f"{key[0]}x{key[1]}" + (f" {options}" if options else "")
+
+
+def compute_by_setting(rows: list[dict]) -> dict[Setting, float]:
+    """:func:`setting` -> the noop row's median step (the compute of that shape and setting)."""
+    return {setting(r): median_step_s(r) for r in rows if r["comm"] == "noop"}
+
+
+def cpu_share(rows: list[dict]) -> dict[Setting, float]:
+    """s(N): each setting's noop step per micro-batch over that of the smallest world's first noop
+    row (CPU-sharing slowdown)."""
+    compute = compute_by_setting(rows)
     if not compute:
         raise ValueError("the rows have no 'noop' row: the compute of each node count is the noop "
                          "step (run bench scaling with noop in --comm)")
-    base = compute[min(compute, key=lambda s: (s[0] * s[1], s))]
-    return {shape: t / base for shape, t in compute.items()}
+    first = min(compute, key=lambda k: (k[0] * k[1], k[:2]))  # dicts keep the rows' order on ties
+    base = compute[first] / first[2]
+    return {key: t / key[2] / base for key, t in compute.items()}
 
 
 def modelled(row: dict) -> bool:
@@ -151,8 +194,8 @@ class ScalingFit:
     calibration: list[tuple[str, int, int]]
     """(comm, nodes, ranks per node) of every row used."""
     density: float
-    compute: dict[tuple[int, int], float]
-    share: dict[tuple[int, int], float]
+    compute: dict[Setting, float]
+    share: dict[Setting, float]
 
     def describe(self) -> str:
         """The calibrated parameters, one per line with its unit (printed by bench and simulate)."""
@@ -165,32 +208,41 @@ class ScalingFit:
             f"  c_call    {p['c_call'] * 1e6:10.1f} us per collective call (CPU, x s(N))",
             f"  c_sparse  {p['c_sparse'] * 1e6:10.1f} us per sparse exchange (CPU, x s(N))",
             f"  c_flop    {p['c_flop'] * 1e9:10.3f} ns per flop of PowerSGD's products (CPU, x s(N))",
-            "  compute   " + ", ".join(f"{n}x{r}: {t * 1e3:.1f} ms (s={self.share[(n, r)]:.2f})"
-                                       for (n, r), t in sorted(self.compute.items())),
+            "  compute   " + ", ".join(f"{label}: {t * 1e3:.1f} ms (s={self.share[key]:.2f})"
+                                       for label, key, t in self._compute_labels()),
         ])
+
+    def _compute_labels(self) -> list[tuple[str, Setting, float]]:
+        """(label, setting, compute) sorted; the file's name is added where a label repeats."""
+        keys = sorted(self.compute, key=lambda k: (k[:3], k[3] or 0, k[4] or ""))
+        labels = [setting_label(k) for k in keys]
+        return [(label + (f" ({Path(k[4]).name})" if labels.count(label) > 1 and k[4] else ""),
+                 k, self.compute[k]) for label, k in zip(labels, keys)]
 
 
 def _scaled_row(row: dict, density: float, share: dict) -> np.ndarray:
     x = design(row, density)
-    s = share[(row["nodes"], row["ranks_per_node"])]
+    s = share[setting(row)]
     unit = {"link_factor": 8.0 / row["link_bps"]}  # bytes -> seconds at the nominal rate
     return np.array([v * (s if name in CPU_PARAMS else unit[name]) for name, v in zip(PARAMS, x)])
 
 
 def fit(rows: list[dict], calibration_shapes: list[tuple[int, int]], density: float) -> ScalingFit:
-    """Fit :data:`PARAMS` to the modelled, non-noop rows of ``calibration_shapes`` (N, L)."""
-    share, compute = cpu_share(rows), compute_by_shape(rows)
+    """Fit :data:`PARAMS` to the modelled, non-noop rows of ``calibration_shapes`` (N, L) (rows of
+    every setting at those shapes whose noop row was measured)."""
+    share, compute = cpu_share(rows), compute_by_setting(rows)
     cal = [r for r in rows if (r["nodes"], r["ranks_per_node"]) in calibration_shapes
-           and r["comm"] != "noop" and modelled(r) and r["world"] > 1]
-    missing = [s for s in calibration_shapes if s not in compute]
+           and r["comm"] != "noop" and modelled(r) and r["world"] > 1 and setting(r) in compute]
+    shapes = {k[:2] for k in compute}
+    missing = [s for s in calibration_shapes if s not in shapes]
     if missing:
         raise ValueError(f"calibration shapes {missing} have no noop row (compute unknown); measured "
-                         f"shapes: {sorted(compute)}")
+                         f"shapes: {sorted(shapes)}")
     if len(cal) < len(PARAMS):
         raise ValueError(f"calibration needs >= {len(PARAMS)} measured rows of modelled hooks at "
                          f"{calibration_shapes}, got {len(cal)}")
     x = np.array([_scaled_row(r, density, share) for r in cal])
-    comm = np.array([median_step_s(r) - compute[(r["nodes"], r["ranks_per_node"])] for r in cal])
+    comm = np.array([median_step_s(r) - compute[setting(r)] for r in cal])
     # Relative error of the predicted step (not of the small, noisy communication part alone);
     # columns scaled to unit norm first (their units differ by ~1e9).
     t = np.array([median_step_s(r) for r in cal])
@@ -219,24 +271,23 @@ def predict(f: ScalingFit, rows: list[dict]) -> list[dict]:
     coef = np.array([f.params[p] for p in PARAMS])
     out = []
     for r in rows:
-        shape = (r["nodes"], r["ranks_per_node"])
+        shape, key = (r["nodes"], r["ranks_per_node"]), setting(r)
         measured = median_step_s(r)
         base = {"comm": r["comm"], "nodes": r["nodes"], "ranks_per_node": r["ranks_per_node"],
-                "world": r["world"], "measured_s": measured, "source": r.get("source")}
+                "world": r["world"], "grad_accum": key[2], "flow_bps": key[3], "measured_s": measured,
+                "source": r.get("source")}
         if r["comm"] == "noop":
             out.append({**base, "role": "input (compute)", "predicted_s": measured, "error": 0.0})
             continue
         if r["world"] == 1:  # nothing is exchanged: predicted = compute, not a test of the model
-            out.append({**base, "role": "one rank", "predicted_s": f.compute.get(shape),
+            out.append({**base, "role": "one rank", "predicted_s": f.compute.get(key),
                         "error": None})
             continue
-        if not modelled(r) or shape not in f.compute:
+        if not modelled(r) or key not in f.compute:
             why = "not modelled" if not modelled(r) else "no noop row at this shape"
             out.append({**base, "role": why, "predicted_s": None, "error": None})
             continue
-        share = dict(f.share)
-        share.setdefault(shape, f.compute[shape] / min(f.compute.values()))
-        pred = f.compute[shape] + float(_scaled_row(r, f.density, share) @ coef)
+        pred = f.compute[key] + float(_scaled_row(r, f.density, f.share) @ coef)
         role = "calibration" if (r["comm"], *shape) in cal else "validation"
         out.append({**base, "role": role, "predicted_s": pred, "error": (pred - measured) / measured})
     return out

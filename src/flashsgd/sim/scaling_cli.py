@@ -3,7 +3,9 @@
 Steps (:func:`run_calibration`):
 
 1. Load every file (:func:`flashsgd.sim.scaling.load_scaling`); rows of all files are pooled
-   (a 1,2,4,8 x 1 run and a 4 x 2 run together).
+   (a 1,2,4,8 x 1 run and a 4 x 2 run together; runs with ``--flow-rate`` or ``--grad-accum``
+   beside them: each row is matched with the noop row of its own file and setting,
+   :func:`flashsgd.sim.scaling.setting`).
 2. Calibration shapes: ``--calibrate-on`` (e.g. ``2x1,8x1``), default the smallest and the largest
    multi-rank shape of the first file; every other measured row validates.
 3. Fit (:func:`flashsgd.sim.scaling.fit`), print the parameters, predict every row, print each
@@ -38,12 +40,16 @@ def parse_shapes(text: str | None) -> list[tuple[int, int]] | None:
 
 
 def print_predictions(preds: list[dict]) -> None:
-    print(f"{'shape':>5} {'comm':>12} {'role':>16} {'measured ms':>11} {'predicted ms':>12} {'error':>7}")
-    for p in preds:
+    """One line per row; a last column with the setting (accumulation, per-flow cap) when any row
+    has one."""
+    labels = [sim.options_label(p["grad_accum"], p["flow_bps"]) for p in preds]
+    extra = f" {'setting':<24}" if any(labels) else ""
+    print(f"{'shape':>5} {'comm':>12} {'role':>16} {'measured ms':>11} {'predicted ms':>12} {'error':>7}{extra}")
+    for p, label in zip(preds, labels):
         pred = "-" if p["predicted_s"] is None else f"{p['predicted_s'] * 1e3:12.1f}"
         err = "-" if p["error"] is None else f"{p['error']:+7.1%}"
         print(f"{p['nodes']:>3}x{p['ranks_per_node']:<1} {p['comm']:>12} {p['role']:>16} "
-              f"{p['measured_s'] * 1e3:11.1f} {pred:>12} {err:>7}")
+              f"{p['measured_s'] * 1e3:11.1f} {pred:>12} {err:>7}" + (f" {label or '-':<24}" if extra else ""))
 
 
 def run_calibration(files: list[str], shapes_text: str | None, json_path: str | None) -> dict:
