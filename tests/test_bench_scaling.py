@@ -268,3 +268,133 @@ def test_table_header_and_verdicts_never_contradict_their_numbers():
     assert "1 MiB gradient" in text and "median of 1 step after" in text
     assert f"= 1.1004x (target <= {AUTO_TARGET:.2f})" in text
     assert "validation none (no other shape)" in text and "nan" not in text
+
+
+# ---- --flow-rate and --grad-accum (issue 25) ---------------------------------------------------
+
+@pytest.mark.parametrize("text, link, bps", [("1/4", 100_000_000, 25_000_000), ("25mbit", 100_000_000, 25_000_000),
+                                              ("100mbit", 100_000_000, 100_000_000), ("1/1", 10**9, 10**9),
+                                              (None, 10**9, None)])
+def test_flow_rate_is_a_rate_or_a_fraction_of_the_link(text, link, bps):
+    assert scaling.flow_rate(text, link) == bps
+
+
+@pytest.mark.parametrize("text, match", [
+    ("200mbit", r"--flow-rate 200mbit \(200 Mbit/s\) is above the link rate \(100 Mbit/s\).*fraction of it such as 1/4"),
+    ("5/4", r"a fraction of the link must be in \(0, 1\], such as 1/4"),
+    ("0/4", r"a fraction of the link must be in \(0, 1\]"),
+    ("fast", r"--flow-rate: link rate must look like '1gbit'.*or a fraction of the link such as 1/4"),
+    ("1/10000", r"--flow-rate 1/10000 at a 100 Mbit/s link: link rate must be at least 100kbit"),
+])
+def test_flow_rate_refuses_what_cannot_be_a_flows_cap(text, match):
+    with pytest.raises(ValueError, match=match):
+        scaling.flow_rate(text, 100_000_000)
+
+
+def test_flow_rate_and_grad_accum_errors_exit_2_before_building_anything(capsys):
+    assert scaling.run(_args(link="100mbit", flow_rate="200mbit")) == 2
+    assert "is above the link rate (100 Mbit/s)" in capsys.readouterr().err
+    assert scaling.run(_args(flow_rate="11gbit")) == 2  # --comm-compute: no flow above 10gbit either
+    assert "--flow-rate 11gbit (11000 Mbit/s) is above the link rate" in capsys.readouterr().err
+    assert scaling.run(_args(link="100mbit", grad_accum=0)) == 2
+    assert "--grad-accum must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_flow_rate_above_the_rate_comm_compute_chose_is_a_clear_exit_2(monkeypatch, capsys):
+    monkeypatch.setattr(scaling, "check_available", lambda: None)
+
+    def measure(spec, args, work, log_dir):
+        return scaling.run_node_count(spec, 2, 10_000_000, ["noop"], work, log_dir, _FakeProgress(), 1e6)
+
+    monkeypatch.setattr(scaling, "measure", measure)
+    assert scaling.run(_args(flow_rate="25mbit", quick=True)) == 2
+    assert "--flow-rate 25mbit (25 Mbit/s) is above the link rate (10 Mbit/s)" in capsys.readouterr().err
+
+
+def test_rows_record_the_flow_cap_and_accumulation_and_the_cluster_gets_the_cap(monkeypatch, tmp_path):
+    built = _fake_jobs(monkeypatch, fail_on=None)
+    spec = _spec(flow_rate="1/4", grad_accum=4)
+    rows = scaling.run_node_count(spec, 2, 100_000_000, ["noop", "ring"], tmp_path, tmp_path, _FakeProgress(), 1e6)
+    assert {(r["flow_bps"], r["grad_accum"], r["link_bps"]) for r in rows} == {(25_000_000, 4, 100_000_000)}
+    assert built[0].flow_rate_bps == 25_000_000 and built[0].rate_bps == 100_000_000
+    rows = scaling.run_node_count(_spec(), 2, 100_000_000, ["noop"], tmp_path, tmp_path, _FakeProgress(), 1e6)
+    assert rows[0]["flow_bps"] is None and rows[0]["grad_accum"] == 1 and built[2].flow_rate_bps is None
+
+
+def test_the_timeout_skip_counts_the_flow_cap(monkeypatch, tmp_path):
+    _fake_jobs(monkeypatch, fail_on=None)
+    # 10 MB on 2 ranks: 1e7 B x 8 = 80 Mbit over the ring's one flow: 0.8 s at 100 Mbit/s, 80 s at 1 Mbit/s
+    assert scaling.ring_seconds(10e6, 2, 100_000_000, None) == pytest.approx(0.8)
+    assert scaling.ring_seconds(10e6, 2, 100_000_000, 1_000_000) == pytest.approx(80.0)
+    rows = scaling.run_node_count(_spec(timeout_s=60.0, flow_rate="1mbit"), 2, 100_000_000, ["noop", "ring"],
+                                  tmp_path, tmp_path, _FakeProgress(), 10e6)
+    assert "at 100 Mbit/s (one flow at most 1 Mbit/s) takes ~80 s" in rows[0]["skipped"]
+
+
+def test_grad_accum_is_the_trainers_accumulation_of_full_micro_batches():
+    """K micro-batches of --batch per rank: the trainer's global batch K x batch x W, optim.grad_accum K
+    (its TrainStep splits each shard into K, no_sync on the first K-1)."""
+    from flashsgd.bench.scaling_rank import run_config
+    from flashsgd.train.config import resolve
+    from flashsgd.train.plan import build_plan
+
+    spec = {**_spec(grad_accum=4, batch=8), "out_dir": "/tmp/unused"}
+    cfg = resolve(cli=run_config(spec, "ring", 2))
+    assert cfg.optim.grad_accum == 4 and cfg.optim.global_batch == 8 * 2 * 4
+    plan = build_plan(cfg, 2, cfg.data.num_samples, local_spawn=False)
+    assert plan.execution["micro_batch_per_worker"] == [8]
+
+
+def test_samples_per_s_and_the_header_count_accumulation_and_the_flow_cap():
+    from flashsgd.bench.scaling_report import format_table, summarize
+
+    def row(comm, step):
+        return {"comm": comm, "nodes": 2, "ranks_per_node": 2, "world": 4, "step_s": [step], "link_bps": 1e8,
+                "flow_bps": 25_000_000, "grad_accum": 4, "loadavg": [1.0]}
+
+    rows = summarize([row("noop", 0.5), row("ring", 1.0)], 16)
+    assert rows[1]["samples_per_s"] == pytest.approx(16 * 4 * 4 / 1.0)  # batch x K x W / step
+    assert rows[1]["efficiency"] == pytest.approx(0.5) and rows[0]["efficiency_vs_1node"] == pytest.approx(1.0)
+    meta = {"model": "resnet20", "params": 1000, "grad_bytes": 4000, "batch": 16, "recipe": "goyal",
+            "link_bps": 1e8, "comm_compute": None, "cpus": 2, "loadavg_start": [1.0], "loadavg_end": [1.0],
+            "iters": 3, "warmup": 2, "elapsed_s": 1.0, "grad_accum": 4, "flow_bps": 25_000_000, "flow_rate": "1/4"}
+    head = format_table({"meta": meta, "rows": rows}).splitlines()[0]
+    assert "batch 16/rank x 4 micro-batches per exchange (--grad-accum 4)" in head
+    assert "link 100.000 Mbit/s, one TCP flow at most 25.000 Mbit/s (--flow-rate 1/4)" in head
+
+
+def _count_exchanges(grad_accum: int) -> dict:
+    """One rank: the bench's trainer for ring at ``grad_accum``; hook calls and forwards per step."""
+    import torch.distributed as dist
+
+    from flashsgd.bench import scaling_rank
+    from flashsgd.train import rank as train_rank
+    from flashsgd.train.config import resolve
+
+    calls = {"hook": 0, "forward": 0}
+    wrap = train_rank.CommTimer.wrap
+
+    def counting(self, hook):
+        timed = wrap(self, hook)
+
+        def count(state, bucket):
+            calls["hook"] += 1
+            return timed(state, bucket)
+        return count
+
+    train_rank.CommTimer.wrap = counting
+    spec = {**_spec(grad_accum=grad_accum, batch=4, model="mnist1d_cnn", dataset="mnist1d", channels=8),
+            "out_dir": "/tmp/unused"}
+    data = train_rank.load_data(resolve(cli=scaling_rank.run_config(spec, "noop", dist.get_world_size())))
+    trainer = scaling_rank.build(spec, "ring", data)
+    trainer.model.register_forward_pre_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1))
+    trainer.step()  # DDP's first step (buckets rebuilt after it)
+    before = dict(calls)
+    trainer.step()
+    return {k: calls[k] - before[k] for k in calls} | {"buckets": len(trainer.bucket_bytes())}
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_step_of_k_micro_batches_exchanges_once(run_ranks, k):
+    out = run_ranks(_count_exchanges, 2, k)[0]
+    assert out["forward"] == k and out["hook"] == out["buckets"] >= 1

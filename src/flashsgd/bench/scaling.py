@@ -17,15 +17,20 @@ Algorithm (:func:`run`):
    takes R times the noop step at the largest node count, measured first on a fast link
    (:func:`noop_probe`, :func:`choose_rate`); with ``--link-follows-cpu`` every other node count
    gets that rate x noop(largest) / noop(N), each from its own probe. The chosen rates are printed.
+   ``--flow-rate`` (a rate, or a fraction of the link such as ``1/4``): the most one TCP flow may
+   send from a node (:attr:`flashsgd.emulate.netns.ClusterSpec.flow_rate_bps`; :func:`flow_rate`).
 3. Per node count: build the cluster; hooks whose dense all-reduce would outlast the collective
    timeout at this rate are skipped with the reason; the others run in one job (rank 0 writes each
    hook's row as it finishes). A job that fails or passes its deadline marks the hook it was on as
    failed (with the rank's log tail) and the remaining hooks run in a new job. The cluster is torn
    down whatever happens (errors, Ctrl-C, SIGTERM).
 4. Rows: step time (median, min..max over steps of the slowest rank), samples/s, compute (the noop
-   step at the same node count), exposed communication (step - compute), compression (sparse
+   step at the same node count; with ``--grad-accum K`` every timed step is K micro-batches of
+   ``--batch`` samples per rank with one exchange, the trainer's accumulation, noop included),
+   exposed communication (step - compute), compression (sparse
    hooks' selection, timed apart), scaling efficiency vs noop at the same N and vs one node
-   (:mod:`flashsgd.bench.scaling_report`).
+   (:mod:`flashsgd.bench.scaling_report`); each row records ``link_bps``, ``flow_bps`` (None: no
+   per-flow cap) and ``grad_accum``.
 5. Simulator: :func:`flashsgd.sim.scaling.fit` on the calibration rows, prediction of every row;
    table, JSON (``--json``), plot of efficiency vs nodes with the prediction beside each line.
 
@@ -34,6 +39,7 @@ Example::
     flashsgd bench scaling --comm-compute 2 --json docs/data/scaling.json     # 1,2,4,8 nodes x 1
     flashsgd bench scaling --nodes 4 --ranks-per-node 2 --comm-compute 2 --comm noop,native,torus2d
     flashsgd bench scaling --quick --link 100mbit
+    flashsgd bench scaling --nodes 2,4 --ranks-per-node 2 --link 100mbit --flow-rate 1/4 --grad-accum 4
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -89,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --comm-compute: at N nodes use the link rate x noop(largest N) / noop(N), "
                              "so link time / compute is what a cluster of whole machines would have at every "
                              "N (ranks here share the cores: compute per rank grows with N)")
+    parser.add_argument("--flow-rate", default=None, metavar="RATE",
+                        help="the most one TCP flow (connection) may send from a node: a rate as --link "
+                             "(25mbit) or a fraction of the link (1/4); default: one flow can fill the link")
+    parser.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                        help="micro-batches of --batch per timed step, gradients exchanged once after the "
+                             "last (the trainer's --grad-accum: DDP no_sync on the first K-1); default 1")
     parser.add_argument("--model", default="resnet20", help="a name in flashsgd.train.models.MODELS")
     parser.add_argument("--dataset", default="synthetic", help="the trainer's data.dataset")
     parser.add_argument("--image-shape", default="cifar", help="synthetic input: cifar or imagenet")
@@ -132,18 +145,54 @@ def settings(args: argparse.Namespace) -> dict:
             "model": args.model, "dataset": args.dataset, "image_shape": args.image_shape,
             "channels": args.channels, "recipe": args.recipe, "density": args.density,
             "selection": args.selection, "bucket_mb": args.bucket_mb, "threads": args.threads,
-            "timeout_s": args.timeout_s}
+            "timeout_s": args.timeout_s, "grad_accum": args.grad_accum, "flow_rate": args.flow_rate}
     if spec["warmup"] < 2:
         raise ValueError(f"--warmup must be >= 2 (DDP rebuilds buckets after step 1, sparse hooks "
                          f"compress from step 3), got {spec['warmup']}")
-    for key in ("iters", "batch", "ranks_per_node", "threads"):
+    for key in ("iters", "batch", "ranks_per_node", "threads", "grad_accum"):
         if spec[key] < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {spec[key]}")
     if args.timeout_s <= 0:
         raise ValueError(f"--timeout-s must be > 0 seconds, got {args.timeout_s}")
     if args.comm_compute is not None and not args.comm_compute > 0:
         raise ValueError(f"--comm-compute must be > 0, got {args.comm_compute}")
+    # the form now; against the link once it is known (--link: here, --comm-compute: when chosen)
+    flow_rate(args.flow_rate, parse_rate(args.link) if args.link else FAST_LINK_BPS)
     return spec
+
+
+def flow_rate(text: str | None, link_bps: int) -> int | None:
+    """``--flow-rate`` at a link of ``link_bps``: bits/s one flow may send (None: no cap). ``text``
+    is a rate as ``--link`` (:func:`flashsgd.emulate.netns.parse_rate`) or a fraction ``A/B`` of
+    the link in (0, 1]; ValueError naming what is wrong and what is valid, also for a rate above
+    the link's."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if m:
+        a, b = int(m.group(1)), int(m.group(2))
+        if not 0 < a <= b:
+            raise ValueError(f"--flow-rate {text!r}: a fraction of the link must be in (0, 1], such as 1/4")
+        rate = link_bps * a // b
+    else:
+        try:
+            rate = parse_rate(text)
+        except ValueError as exc:
+            raise ValueError(f"--flow-rate: {exc}, or a fraction of the link such as 1/4") from None
+    if rate > link_bps:
+        raise ValueError(f"--flow-rate {text} ({rate / 1e6:g} Mbit/s) is above the link rate "
+                         f"({link_bps / 1e6:g} Mbit/s): one flow cannot send faster than its link; valid: "
+                         f"at most the link rate, or a fraction of it such as 1/4")
+    try:
+        return parse_rate(rate)
+    except ValueError as exc:  # a fraction of a slow link below tc's smallest rate
+        raise ValueError(f"--flow-rate {text} at a {link_bps / 1e6:g} Mbit/s link: {exc}") from None
+
+
+def ring_seconds(grad_bytes: float, world: int, rate_bps: int, flow_bps: int | None) -> float:
+    """A dense ring all-reduce's wire time: its one flow per node at the link rate or the per-flow
+    cap, whichever is lower."""
+    return ring_link_bytes(grad_bytes, world) * 8 / min(rate_bps, flow_bps or rate_bps)
 
 
 def ring_link_bytes(grad_bytes: float, world: int) -> float:
@@ -196,9 +245,10 @@ class Progress:
 
 
 def _job_deadline(spec: dict, comms: list[str], est_comm_s: float) -> float:
-    """Seconds a job may take: start-up plus 4x the steps at a generous step estimate."""
+    """Seconds a job may take: start-up plus 4x the steps at a generous step estimate (2 s of
+    compute per micro-batch)."""
     steps = (spec["warmup"] + spec["iters"]) * len(comms)
-    return 120.0 + 4 * steps * (2.0 + 2 * est_comm_s)
+    return 120.0 + 4 * steps * (2.0 * spec["grad_accum"] + 2 * est_comm_s)
 
 
 def run_node_count(spec: dict, nodes: int, rate_bps: int, comms: list[str], work: Path,
@@ -206,17 +256,19 @@ def run_node_count(spec: dict, nodes: int, rate_bps: int, comms: list[str], work
     """Step 3: every hook of ``comms`` at ``nodes`` nodes; returns their rows."""
     rpn = spec["ranks_per_node"]
     world = nodes * rpn
-    est = ring_link_bytes(grad_bytes, world) * 8 / rate_bps if grad_bytes and world > 1 else 0.0
+    flow_bps = flow_rate(spec["flow_rate"], rate_bps)
+    est = ring_seconds(grad_bytes, world, rate_bps, flow_bps) if grad_bytes and world > 1 else 0.0
     rows = []
     if est > spec["timeout_s"]:
         slow = [c for c in comms if c != "noop"]
+        flow = f" (one flow at most {flow_bps / 1e6:g} Mbit/s)" if flow_bps else ""
         for c in slow:
             rows.append({"comm": c, "skipped": f"a dense all-reduce of {size(grad_bytes)} at "
-                         f"{rate_bps / 1e6:g} Mbit/s takes ~{est:.0f} s, over the collective timeout "
+                         f"{rate_bps / 1e6:g} Mbit/s{flow} takes ~{est:.0f} s, over the collective timeout "
                          f"--timeout-s {spec['timeout_s']:g} s: raise --timeout-s or the link rate"})
             progress.skip(spec["warmup"] + spec["iters"])
         comms = [c for c in comms if c == "noop"]
-    shape = ClusterSpec(nodes, rpn, rate_bps, subnet=spec["subnet"])
+    shape = ClusterSpec(nodes, rpn, rate_bps, subnet=spec["subnet"], flow_rate_bps=flow_bps)
     with emulated_cluster(shape) as cluster:
         attempt = 0
         while comms:
@@ -241,7 +293,8 @@ def run_node_count(spec: dict, nodes: int, rate_bps: int, comms: list[str], work
             progress.bar.total += progress.seen - (spec["warmup"] + spec["iters"])  # rerun, minus the failed
             attempt += 1
     for r in rows:
-        r.update(nodes=nodes, ranks_per_node=rpn, world=world, link_bps=rate_bps)
+        r.update(nodes=nodes, ranks_per_node=rpn, world=world, link_bps=rate_bps, flow_bps=flow_bps,
+                 grad_accum=spec["grad_accum"])
     return rows
 
 
@@ -338,12 +391,16 @@ def run(args: argparse.Namespace) -> int:
     except RankError as exc:
         print(f"flashsgd bench scaling: {exc}\n(per-rank logs kept in {log_dir})", file=sys.stderr)
         return 1
+    except ValueError as exc:  # settings wrong only at the rate --comm-compute chose (--flow-rate above it)
+        print(f"flashsgd bench scaling: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"flashsgd bench scaling: interrupted; emulated cluster torn down (logs in {log_dir})",
               file=sys.stderr)
         return 130
     if not args.logs:
         shutil.rmtree(work, ignore_errors=True)
+    spec["flow_bps"] = flow_rate(args.flow_rate, rate)  # at the largest node count, as link_bps
     if args.json:  # the measurements first: nothing below can lose them
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"meta": {**spec, "link_bps": rate}, "rows": rows}, indent=1))

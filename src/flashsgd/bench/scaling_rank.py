@@ -6,7 +6,9 @@ The step is the trainer's own :class:`flashsgd.train.step.TrainStep` (the object
 :class:`flashsgd.train.worker.Worker` runs): a :class:`~flashsgd.train.data.ShardedSampler` batch of
 the run's dataset, forward, loss (sum x W / B, Goyal et al. 2017), backward through DDP + the hook
 (:func:`flashsgd.train.rank.build_ddp`), the small all-reduce of [loss, samples, non-finite], and
-the recipe's optimizer step (:func:`flashsgd.optim.plan.prepare`: LARS or SGD).
+the recipe's optimizer step (:func:`flashsgd.optim.plan.prepare`: LARS or SGD). With the spec's
+``grad_accum`` K the step is the trainer's accumulation (``optim.grad_accum``): K micro-batches of
+``batch`` samples per rank, DDP's ``no_sync`` on the first K-1, one exchange after the last.
 
 Algorithm (:func:`rank_main`):
 
@@ -44,14 +46,17 @@ from flashsgd.train.loader import augmentation_key
 
 
 def run_config(spec: dict, comm: str, world: int) -> dict:
-    """The flat config keys (:func:`flashsgd.train.config.resolve`) of one measured hook."""
-    batch = spec["batch"] * world
+    """The flat config keys (:func:`flashsgd.train.config.resolve`) of one measured hook: a global
+    batch of ``grad_accum`` micro-batches of ``batch`` samples per rank (the trainer splits each
+    rank's shard into them, :class:`flashsgd.train.step.TrainStep`)."""
+    batch = spec["batch"] * world * spec["grad_accum"]
     samples = batch * (spec["warmup"] + spec["iters"] + 1)
     if spec["dataset"] == "mnist1d":  # generated in multiples of 10
         samples = -(-samples // 10) * 10
     return {"dataset": spec["dataset"], "image_shape": spec["image_shape"], "model": spec["model"],
             "channels": spec["channels"], "num_samples": samples,
             "recipe": spec["recipe"], "proxy_tuning": False, "global_batch": batch,
+            "grad_accum": spec["grad_accum"],
             "algorithm": comm, "ranks_per_node": spec["ranks_per_node"], "density": spec["density"],
             "selection": spec["selection"], "bucket_mb": spec["bucket_mb"], "workers": world,
             "density_warmup": 0,  # a speed measurement: the density asked for from the first step

@@ -1,7 +1,8 @@
 """Rows, table, JSON and plot of `flashsgd bench scaling` (the gTop-k paper's efficiency figure).
 
 Per measured row (:func:`summarize`): step time median and min..max over the timed steps (each the
-slowest rank's), samples/s = global batch / median step, compute = the noop step at the same node
+slowest rank's), samples/s = global batch / median step (the global batch: ``batch`` x W x
+``grad_accum`` micro-batches), compute = the noop step at the same node
 count, exposed communication = step - compute, compression = the sparse hooks' selection (timed
 apart), scaling efficiency = noop step / step at the same node count (the fair ceiling: W ranks
 share this machine's cores, so compute per rank changes with N) and efficiency vs one node =
@@ -38,13 +39,13 @@ def summarize(rows: list[dict], batch: int) -> list[dict]:
         shape, step = (r["nodes"], r["ranks_per_node"]), statistics.median(r["step_s"])
         compute = noop.get(shape)
         r.update(step_ms=step * 1e3, min_ms=min(r["step_s"]) * 1e3, max_ms=max(r["step_s"]) * 1e3,
-                 samples_per_s=batch * r["world"] / step,
+                 samples_per_s=batch * r.get("grad_accum", 1) * r["world"] / step,
                  compute_ms=compute * 1e3 if compute else None,
                  exposed_comm_ms=(step - compute) * 1e3 if compute else None,
                  compression_ms=r["compression_s"] * 1e3 if "compression_s" in r else None,
                  efficiency=compute / step if compute else None)
         if one is not None:
-            base = batch * one[0] * one[1] / noop[one]  # samples/s of the smallest shape's noop
+            base = batch * r.get("grad_accum", 1) * one[0] * one[1] / noop[one]  # the smallest shape's noop
             r["efficiency_vs_1node"] = r["samples_per_s"] / (base * r["nodes"] / one[0])
     return rows
 
@@ -117,12 +118,25 @@ def _fmt(v, spec: str, scale: float = 1.0) -> str:
     return "-" if v is None else format(v * scale, spec)
 
 
+def _accum(meta: dict) -> str:
+    k = meta.get("grad_accum", 1)
+    return f" x {k} micro-batches per exchange (--grad-accum {k})" if k > 1 else ""
+
+
+def _flow(meta: dict) -> str:
+    """The per-flow cap as the header says it (at the largest node count, as the link)."""
+    if not meta.get("flow_bps"):
+        return ""
+    return f", one TCP flow at most {meta['flow_bps'] / 1e6:.3f} Mbit/s (--flow-rate {meta['flow_rate']})"
+
+
 def format_table(doc: dict) -> str:
     """The table printed at the end of a run (one line per row, skipped/failed rows with why)."""
     m = doc["meta"]
     lines = [f"# bench scaling: {m['model']} ({m['params'] or 0:,} parameters, {size(m['grad_bytes'] or 0)} "
-             f"gradient), batch {m['batch']}/rank, recipe {m['recipe']}, link {m['link_bps'] / 1e6:.3f} Mbit/s"
-             + (f" (--comm-compute {m['comm_compute']:g})" if m["comm_compute"] else ""),
+             f"gradient), batch {m['batch']}/rank{_accum(m)}, recipe {m['recipe']}, link "
+             f"{m['link_bps'] / 1e6:.3f} Mbit/s" + (f" (--comm-compute {m['comm_compute']:g})" if m["comm_compute"] else "")
+             + _flow(m),
              f"# {m['cpus']} CPUs, load avg {m['loadavg_start'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} "
              f"at end; median of {plural(m['iters'], 'step')} after {m['warmup']} warm-up; {m['elapsed_s']:.0f} s",
              f"{'shape':>5} {'comm':>12} {'step ms':>8} {'min..max':>15} {'samples/s':>9} {'compute':>8} "
@@ -183,6 +197,10 @@ def plot(doc: dict, path: str | Path) -> None:
     link = f"link {m['link_bps'] / 1e6:.3g} Mbit/s" + (" at the largest N, x its CPU share below"
                                                        if m.get("link_follows_cpu") else "")
     ratio = f" (dense comm = {m['comm_compute']:g}x compute)" if m["comm_compute"] else ""
+    if m.get("flow_bps"):
+        link += f", flow {m['flow_bps'] / 1e6:.3g} Mbit/s"
+    if m.get("grad_accum", 1) > 1:
+        link += f", {m['grad_accum']} micro-batches per exchange"
     ax.set_title(f"{m['model']}, {m['batch']}/rank, {link}{ratio}\nsolid: measured; dashed: simulator "
                  "(fitted on the calibration shapes)", fontsize=8)
     ax.grid(True, alpha=0.3)
