@@ -11,7 +11,7 @@ import pytest
 
 from flashsgd.sim import planner
 from flashsgd.sim.cluster_file import load_cluster_text, to_toml
-from flashsgd.sim.network import CLUSTERS, SPARSE_RANGES, ClusterModel, Link
+from flashsgd.sim.network import CLUSTERS, SPARSE_RANGES, ClusterModel, Link, input_value, with_input
 from flashsgd.sim.uncertainty import COMPUTE, assumptions, corners, plan_over_ranges
 from flashsgd.sim.workload import resnet50
 from sim_helpers import LAB
@@ -38,8 +38,38 @@ def test_every_preset_marks_its_assumptions_and_only_them():
         for precision, rate in c.resnet50_images_per_s.items():
             lo, hi = c.assumed[f"resnet50_images_per_s.{precision}"]
             assert lo < rate < hi
-        assert not any(k.startswith(("inter.", "intra.")) for k in c.assumed)  # the links: from their source
+        for key in ("inter.bandwidth_gbps", "inter.alpha_s"):  # what a run achieves of a link: assumed
+            lo, hi = c.assumed[key]
+            assert lo < input_value(c, key) <= hi, (name, key)
     assert CLUSTERS.get("abci").assumed["resnet50_images_per_s.fp16"] == pytest.approx((1000.0, 1400.0))
+    assert CLUSTERS.get("abci").assumed["inter.bandwidth_gbps"] == (18.0, 25.0)  # 75-100% of 2x EDR
+    one = CLUSTERS.get("1gbe")
+    assert one.assumed["inter.bandwidth_gbps"] == (0.090, 0.1177)  # 111 MB/s in 90 MB/s .. TCP's 941 Mbit/s
+    assert not any(k.startswith("intra.") or k.endswith("flow_gbps") for k in one.assumed)  # 1 GPU/node; 1 flow fills 1 GbE
+    big = CLUSTERS.get("bigbasin-50gbe")  # TCP: no per-flow limit stated, a limit down to 20 Gbit/s plausible
+    assert big.inter.flow_gbps is None and big.assumed["inter.flow_gbps"] == (2.5, 6.2)
+    assert "inter.flow_gbps" not in CLUSTERS.get("abci").assumed  # RDMA: one queue pair fills the link
+
+
+def test_a_per_flow_limit_of_none_ranges_down_to_its_low_end_and_is_none_at_its_fast_end():
+    """None (one flow fills the link) vs a number through with_input and the cost functions: the fast
+    end (the link's highest rate) predicts what None does; the low end slows the flat ring, which
+    sends one flow per NIC, more than the torus, which sends one per local rank."""
+    big = CLUSTERS.get("bigbasin-50gbe")
+    inputs = assumptions(big, 220.0, None, "fp32")
+    flow = next(a for a in inputs if a.key == "inter.flow_gbps")
+    assert flow.value is None and flow.describe() == "inter-node per-flow bandwidth no limit (2.5-6.2 GB/s)"
+    names = [k.name for k in corners(inputs)]
+    assert "inter-node per-flow bandwidth low (2.5 GB/s)" in names
+    assert not any(n.startswith("inter-node per-flow bandwidth high") for n in names)  # = the stated values
+    kw = dict(gpus=64, batch_per_gpu=32, images_per_s=220.0, steps=1000, algorithms=("ring", "torus2d"),
+              buckets_mb=(32,))
+    comm = {v: {p.candidate.label(): p.result.comm_s for p in planner.make_plan(resnet50(), with_input(
+        big, "inter.flow_gbps", v), **kw).ranked} for v in (None, 6.2, 2.5)}
+    assert comm[6.2] == pytest.approx(comm[None], rel=1e-12)
+    ring, torus = "ring, 32 MiB buckets", "torus2d 8x8, 32 MiB buckets"  # 8x8: a row is a node
+    assert comm[2.5][ring] > 1.5 * comm[None][ring]  # one flow at 2.5 of 5.6 GB/s
+    assert comm[2.5][torus] == pytest.approx(comm[None][torus], rel=1e-12)  # 8 flows share the NIC anyway
 
 
 def test_a_cluster_model_refuses_bad_ranges():
@@ -48,8 +78,14 @@ def test_a_cluster_model_refuses_bad_ranges():
         ClusterModel("x", 1, link, link, assumed={"speed": (1.0, 2.0)})
     with pytest.raises(ValueError, match=r"low 2.0 > high 1.0"):
         ClusterModel("x", 1, link, link, assumed={"inter.alpha_s": (2.0, 1.0)})
-    with pytest.raises(ValueError, match="has no value for inter.flow_gbps"):
-        ClusterModel("x", 1, link, link, assumed={"inter.flow_gbps": (1.0, 2.0)})
+    with pytest.raises(ValueError, match="has no value for resnet50_images_per_s.fp16"):
+        ClusterModel("x", 1, link, link, assumed={"resnet50_images_per_s.fp16": (1.0, 2.0)})
+    # no per-flow limit stated: a range is the limit a flow may meet; its fast end must be no limit
+    assert ClusterModel("x", 1, link, link, assumed={"inter.flow_gbps": (0.5, 1.0)}).inter.flow_gbps is None
+    with pytest.raises(ValueError, match=r"high end must be no limit either: >= the link's highest bandwidth "
+                                         r"2 GB/s, got 1.5"):
+        ClusterModel("x", 1, link, link, assumed={"inter.flow_gbps": (0.5, 1.5),
+                                                  "inter.bandwidth_gbps": (0.5, 2.0)})
 
 
 def test_a_cluster_file_marks_ranged_values_assumed_and_defaults_take_the_presets_ranges():
@@ -87,20 +123,32 @@ def test_bad_ranges_in_a_cluster_file_are_named(extra, message):
     assert message in str(e.value) and "lab.toml" in str(e.value)
 
 
-def test_a_range_without_its_value_is_refused():
+def test_a_per_flow_range_without_a_limit_must_reach_the_link_and_round_trips():
     text = LAB.replace("[inter]", "[inter]\nflow_bandwidth_gbit_range = [0.1, 0.5]")
-    with pytest.raises(ValueError, match="inter.flow_bandwidth_gbit_range without inter.flow_bandwidth_gbit"):
+    with pytest.raises(ValueError, match=r"lab: inter.flow_bandwidth_gbit_range = \[0.1, 0.5\] without "
+                                         r"inter.flow_bandwidth_gbit \(no limit stated\) must reach no limit: "
+                                         r"high >= inter.bandwidth_gbit's highest, 1"):
         load_cluster_text(text, "lab")
+    c = load_cluster_text(LAB.replace("[inter]", "[inter]\nflow_bandwidth_gbit_range = [0.25, 1.0]"), "lab")
+    assert c.inter.flow_gbps is None and c.assumed["inter.flow_gbps"] == pytest.approx((0.03125, 0.125))
+    for name in CLUSTERS.names():  # the presets' ranges, links and the per-flow limit included, written back
+        preset = CLUSTERS.get(name)
+        back = load_cluster_text(to_toml(preset), name)
+        assert back.inter.flow_gbps == preset.inter.flow_gbps
+        for key, bounds in preset.assumed.items():
+            if not key.startswith("resnet50_images_per_s."):  # compute rates are not in cluster files
+                assert back.assumed[key] == pytest.approx(bounds, rel=1e-12), (name, key)
 
 
 def test_corners_all_fast_all_slow_efficiency_corners_and_one_at_a_time():
     c = CLUSTERS.get("1gbe")
     inputs = assumptions(c, 200.0, (164.0, 236.0), "fp32")
-    assert [a.key for a in inputs] == [*SPARSE_RANGES, COMPUTE]
+    assert [a.key for a in inputs] == [*SPARSE_RANGES, "inter.bandwidth_gbps", "inter.alpha_s", COMPUTE]
     names = [k.name for k in corners(inputs)]
     assert names[:4] == ["all fast", "all slow", "compute slow, all else fast", "compute fast, all else slow"]
     assert len(names) == 4 + 2 * len(inputs)
     assert "top-k selection high (6.03 ns/elem)" in names and "compute (fp32) low (164 images/s)" in names
+    assert "inter-node latency high (1000 us)" in names  # 1 ms, not 1e+03
     fast = corners(inputs)[0].fast
     assert all(fast.values())
     sel = next(a for a in inputs if a.key == "select_s_per_elem")
@@ -141,7 +189,7 @@ def test_the_choice_changes_within_the_1gbe_presets_assumptions_and_says_where()
     assert alone.choice.candidate.setting() == "powersgd rank 2"
     text = "\n".join(r.summary())
     assert "the choice changes within the assumptions: gtopk density 0.001 at the stated values, but\n" \
-           "  powersgd rank 2 at: " in text and "| top-k selection high (6.03 ns/elem)" in text
+           "  powersgd rank 2 at: " in text and "top-k selection high (6.03 ns/elem)" in text
     assert "flashsgd train --comm auto" in text and "flashsgd bench emulate" in text
 
 
@@ -150,7 +198,8 @@ def test_a_measured_cluster_has_no_range():
     r = plan_over_ranges(resnet50(), c, gpus=8, batch_per_gpu=32, images_per_s=300.0, steps=100_000)
     assert r.inputs == [] and r.at == []
     assert all(r.step_range(p) == (p.step_s, p.step_s) for p in r.plan.ranked)
-    assert r.summary() == ["assumed: nothing (every input measured or given): the step is a single value"]
+    assert r.summary() == ["assumed: nothing (every input measured or given): each number is a single value, "
+                           "without a range"]
 
 
 def test_plan_cli_prints_ranges_what_it_assumed_and_the_flip(tmp_path):

@@ -29,6 +29,8 @@ per-call and compression costs of the devices. Units are in the key names::
 ``flow_bandwidth_gbit`` (Gbit/s, > 0; absent: one flow can fill the link) caps every flow
 (:attr:`Link.flow_gbps`): a flat ring sends one flow through each node's link, hierarchical and
 torus2d one cross-node ring per local rank, so with a cap below the link rate they are faster.
+``flow_bandwidth_gbit_range`` without ``flow_bandwidth_gbit``: no limit stated, a limit in the
+range plausible (its high end no limit either: it must hold the link's ``bandwidth_gbit``).
 
 Assumed values carry a plausible range, ``KEY_range = [low, high]`` beside ``KEY`` in the same
 table and unit (every link and cost key; the value must lie inside)::
@@ -121,8 +123,8 @@ def _table(where: str, doc: dict, key: str, allowed: set[str], required: bool,
     return table
 
 
-def _range(where: str, table: dict, table_name: str, key: str, value: float) -> tuple[float, float] | None:
-    """``KEY_range = [low, high]`` of ``table`` (file units), checked to hold ``value``; None if absent."""
+def _range(where: str, table: dict, table_name: str, key: str, value: float | None) -> tuple[float, float] | None:
+    """``KEY_range = [low, high]`` of ``table`` (file units), checked to hold ``value`` (if any); None if absent."""
     bounds = table.get(key + RANGE)
     if bounds is None:
         return None
@@ -130,7 +132,7 @@ def _range(where: str, table: dict, table_name: str, key: str, value: float) -> 
     if not (isinstance(bounds, list) and len(bounds) == 2):
         raise ValueError(f"{where}: {name} must be [low, high], got {bounds!r}")
     lo, hi = (_number(where, name, b, positive=False) for b in bounds)
-    if not lo <= value <= hi:
+    if value is not None and not lo <= value <= hi:
         raise ValueError(f"{where}: {name} = [{lo:g}, {hi:g}] must hold {table_name}.{key} = {value:g} "
                          "(low <= value <= high)")
     return lo, hi
@@ -144,8 +146,13 @@ def _link_ranges(where: str, doc: dict, key: str) -> dict[str, tuple[float, floa
             r = _range(where, t, key, fkey, float(t[fkey]))
             if r is not None:
                 out[f"{key}.{field}"] = (r[0] * factor, r[1] * factor)
-        elif fkey + RANGE in t:
-            raise ValueError(f"{where}: {key}.{fkey}{RANGE} without {key}.{fkey}")
+        elif fkey + RANGE in t:  # only flow_bandwidth_gbit is optional: no limit stated, a limit plausible
+            bw = max([float(t["bandwidth_gbit"]), *t.get("bandwidth_gbit" + RANGE, [])])  # both checked above
+            lo, hi = _range(where, t, key, fkey, None)
+            if hi < bw:
+                raise ValueError(f"{where}: {key}.{fkey}{RANGE} = [{lo:g}, {hi:g}] without {key}.{fkey} (no "
+                                 f"limit stated) must reach no limit: high >= {key}.bandwidth_gbit's highest, {bw:g}")
+            out[f"{key}.{field}"] = (lo * factor, hi * factor)
     return out
 
 
@@ -250,9 +257,11 @@ def to_toml(c: ClusterModel, comment: str = "") -> str:
     for key, link in (("intra", c.intra), ("inter", c.inter)):
         lines += ["", f"[{key}]"]
         for fkey, (field, factor) in LINK_FIELDS.items():
+            bounds = _scaled(c.assumed.get(f"{key}.{field}"), 1 / factor)
             if getattr(link, field) is not None:
-                lines += _key_lines(fkey, getattr(link, field) / factor,
-                                    _scaled(c.assumed.get(f"{key}.{field}"), 1 / factor))
+                lines += _key_lines(fkey, getattr(link, field) / factor, bounds)
+            elif bounds is not None:  # a per-flow limit: none stated, a range plausible
+                lines.append(f"{fkey}{RANGE} = [{_digits(bounds[0])!r}, {_digits(bounds[1])!r}]")
     lines += ["", "[costs]"]
     for fkey, (field, factor) in COST_FIELDS.items():
         lines += _key_lines(fkey, getattr(c, field) / factor, _scaled(c.assumed.get(field), 1 / factor))

@@ -14,8 +14,10 @@ link's per-flow limit ``flow_gbps`` (:meth:`Link.flow_beta`; None: no limit, the
 Presets (``CLUSTERS``) carry the physical figures they were built from in ``source``; nothing is
 tuned to hit a published result. Inputs that are assumptions rather than measurements or
 specifications carry a plausible (low, high) in :attr:`ClusterModel.assumed` (keys:
-:data:`INPUTS`); ``flashsgd plan`` evaluates every candidate over those ranges
-(:mod:`flashsgd.sim.uncertainty`). ``local`` is not a preset: it is fitted from a
+:data:`INPUTS`): the presets' compute rates and sparse costs, and their links (a line rate is a
+specification, what a run achieves of it and the latency of a step are not; a TCP preset also a
+per-flow limit), each bound's source in a comment beside it. ``flashsgd plan`` and ``flashsgd
+simulate`` evaluate every prediction over those ranges (:mod:`flashsgd.sim.uncertainty`). ``local`` is not a preset: it is fitted from a
 ``flashsgd bench allreduce --json`` file by :func:`flashsgd.sim.calibrate.calibrate`.
 
 Example::
@@ -130,7 +132,7 @@ class ClusterModel:
         for key, bounds in self.assumed.items():
             if key not in INPUTS:
                 raise ValueError(f"ClusterModel.assumed: unknown input {key!r}; valid: {', '.join(INPUTS)}")
-            if input_value(self, key) is None:
+            if input_value(self, key) is None and key not in UNLIMITED:
                 raise ValueError(f"ClusterModel.assumed[{key!r}]: the cluster has no value for {key}")
             if not (isinstance(bounds, tuple) and len(bounds) == 2):
                 raise ValueError(f"ClusterModel.assumed[{key!r}] must be a (low, high) pair, got {bounds!r}")
@@ -138,6 +140,14 @@ class ClusterModel:
                 _check_positive("ClusterModel", f"assumed[{key!r}] {name}", v, allow_zero=True)
             if bounds[0] > bounds[1]:
                 raise ValueError(f"ClusterModel.assumed[{key!r}]: low {bounds[0]!r} > high {bounds[1]!r}")
+            if key in UNLIMITED and input_value(self, key) is None:
+                level = key.partition(".")[0]
+                top = max(getattr(self, level).bandwidth_gbps,
+                          self.assumed.get(f"{level}.bandwidth_gbps", (0.0, 0.0))[1])
+                if bounds[1] < top:
+                    raise ValueError(f"ClusterModel.assumed[{key!r}]: with no per-flow limit stated (one flow "
+                                     f"fills the link) the high end must be no limit either: >= the link's "
+                                     f"highest bandwidth {top:g} GB/s, got {bounds[1]!r}")
 
     def check_gpus(self, gpus: int) -> None:
         """ValueError unless ``gpus`` ranks fit this cluster: full nodes, at most ``nodes`` of them."""
@@ -189,9 +199,14 @@ INPUTS: dict[str, tuple[str, str, float, bool]] = {
 """Inputs that can be assumptions (:attr:`ClusterModel.assumed`): key -> (what it is, display unit,
 factor from the key's SI unit to the display unit, True when a higher value makes a step faster)."""
 
+UNLIMITED = ("inter.flow_gbps", "intra.flow_gbps")
+"""Inputs whose value may be None, no limit (one flow fills the link), and still carry a range: the
+limit a flow may meet. Its fast end must not be below the link's bandwidth (then it never binds)."""
+
 
 def input_value(c: ClusterModel, key: str) -> float | None:
-    """The value of input ``key`` (:data:`INPUTS`) of ``c``; None where the cluster has none."""
+    """The value of input ``key`` (:data:`INPUTS`) of ``c``; None where the cluster has none (for a
+    per-flow limit, :data:`UNLIMITED`: no limit)."""
     head, _, tail = key.partition(".")
     if head in ("inter", "intra"):
         return getattr(getattr(c, head), tail)
@@ -218,6 +233,14 @@ CLUSTERS: Registry[ClusterModel] = Registry("cluster preset")
 _NCCL_NVLINK_STEP_S = 3.4e-6
 _NCCL_NET_STEP_S = 14e-6
 _NCCL_CALL_S = 10e-6
+# Their ranges. low: the same table's Low-Latency (LL) protocol figures, the fastest NCCL charges a
+# ring step (NVLink 0.6 us, network 2.7 us); high: twice the Simple figures [judgement: a step
+# through host memory or PCIe switches, a busy host].
+_NVLINK_STEP_RANGE = (0.6e-6, 2 * _NCCL_NVLINK_STEP_S)
+_NET_STEP_RANGE = (2.7e-6, 2 * _NCCL_NET_STEP_S)
+# An NVLink ring's achieved bandwidth: low 80% of the link rate [judgement: what large all-reduces
+# reach of NVLink after protocol overhead], high the link rate (nothing moves faster).
+_NVLINK_ACHIEVED = (0.8, 1.0)
 # Sparse exchange bookkeeping. ASSUMPTION (not measured here): one top-k exchange costs ~0.5 ms of
 # fixed overhead (several kernel launches, a host sync for the sizes, index packing), and top-k
 # selection costs ~0.5 ns per gradient element on a V100/P100-class GPU (~13 ms for ResNet-50's
@@ -267,7 +290,15 @@ CLUSTERS.add("abci", ClusterModel(
     resnet50_images_per_s={"fp16": 1200.0, "fp32": 370.0},
     # +-1/6: docs/simulator.md's bracket for the published 1200 (1000-1400 img/s; PyTorch figures,
     # not the frameworks of the ABCI papers), the same relative spread for fp32.
-    assumed={**SPARSE_RANGES, **_rate_range({"fp16": 1200.0, "fp32": 370.0}, 1 / 6)},
+    assumed={**SPARSE_RANGES, **_rate_range({"fp16": 1200.0, "fp32": 370.0}, 1 / 6),
+             # NVLink2: 80-100% of 50 GB/s (_NVLINK_ACHIEVED); NCCL's NVLink step (_NVLINK_STEP_RANGE).
+             "intra.bandwidth_gbps": (50.0 * _NVLINK_ACHIEVED[0], 50.0 * _NVLINK_ACHIEVED[1]),
+             "intra.alpha_s": _NVLINK_STEP_RANGE,
+             # 2x EDR: low 18 GB/s, 75% of the 25 GB/s line rate [judgement: two HCAs rarely both at
+             # full rate, e.g. one GPU's traffic through one of them, PCIe contention]; high 25 GB/s,
+             # the line rate. Alpha: NCCL's network step (_NET_STEP_RANGE). RDMA: one queue pair
+             # fills the link, no per-flow limit.
+             "inter.bandwidth_gbps": (18.0, 25.0), "inter.alpha_s": _NET_STEP_RANGE},
     source="ABCI node: 4x V100 SXM2 + NVLink2, 2x IB EDR; NCCL tuning-model latencies",
 ))
 
@@ -288,7 +319,21 @@ CLUSTERS.add("bigbasin-50gbe", ClusterModel(
     # figure); P100 has no tensor cores, so fp16 is taken as 1.5x at best.
     resnet50_images_per_s={"fp32": 220.0, "fp16": 330.0},
     # +-18%: docs/simulator.md's bracket of the unverified 220 (180-260 img/s) [judgement].
-    assumed={**SPARSE_RANGES, **_rate_range({"fp32": 220.0, "fp16": 330.0}, 0.18)},
+    assumed={**SPARSE_RANGES, **_rate_range({"fp32": 220.0, "fp16": 330.0}, 0.18),
+             # NVLink1: 80-100% of 20 GB/s (_NVLINK_ACHIEVED); NCCL's NVLink step (_NVLINK_STEP_RANGE).
+             "intra.bandwidth_gbps": (20.0 * _NVLINK_ACHIEVED[0], 20.0 * _NVLINK_ACHIEVED[1]),
+             "intra.alpha_s": _NVLINK_STEP_RANGE,
+             # 50 GbE over TCP: low 4.4 GB/s, 70% of the 6.25 GB/s line rate [judgement: Gloo's
+             # pairs on busy hosts]; high 6.2 GB/s, TCP's payload share of the line with 9000-byte
+             # frames (8948 / 9038 = 99%; 94% with 1500-byte frames). Alpha: low 15 us, a kernel
+             # TCP round on a tuned host (half a ~30 us ping-pong) [judgement]; high 100 us [judgement:
+             # a socket round trip under load, interrupt coalescing].
+             "inter.bandwidth_gbps": (4.4, 6.2), "inter.alpha_s": (15e-6, 100e-6),
+             # One TCP connection: the stated value is no limit (one flow fills the link); low
+             # 2.5 GB/s (20 Gbit/s) [judgement: a single kernel-TCP stream bound by one core's copy
+             # and interrupt work, as an untuned host shows when one iperf3 stream falls short of a
+             # 40-100 GbE NIC and several streams fill it]; high the link's high end (no limit).
+             "inter.flow_gbps": (2.5, 6.2)},
     source="Big Basin: 8x P100 + NVLink1, 50 Gbit Ethernet (Goyal et al. 2017)",
 ))
 
@@ -308,7 +353,16 @@ CLUSTERS.add("1gbe", ClusterModel(
     resnet50_images_per_s={"fp32": 200.0, "fp16": 300.0},
     # +-18%, as bigbasin-50gbe's unverified rate [judgement]. The gTop-k paper's own breakdown implies
     # 13.1 img/s (64 / 4.882 s), far outside: docs/data/gtopk_paper_*.toml are that case.
-    assumed={**SPARSE_RANGES, **_rate_range({"fp32": 200.0, "fp16": 300.0}, 0.18)},
+    assumed={**SPARSE_RANGES, **_rate_range({"fp32": 200.0, "fp16": 300.0}, 0.18),
+             # 1 GbE over TCP: 111 MB/s is the gTop-k paper's figure for its cluster; low 90 MB/s
+             # [judgement: MPI/Gloo over kernel TCP with small socket buffers, busy hosts]; high
+             # 117.7 MB/s, TCP's payload at 1 Gbit/s with 1500-byte frames (1448 B per 1538 B on the
+             # wire = 941 Mbit/s). Alpha: low 0.2 ms, high 1 ms [judgement: an MPI/Gloo message step
+             # over TCP is one or two ~0.1 ms round trips plus library work; under load several].
+             # No per-flow limit: one TCP stream fills 1 GbE (941 Mbit/s above), and with one GPU per
+             # node a cap below the link would act as the low bandwidth end already does. The intra
+             # level is unused (one GPU per node).
+             "inter.bandwidth_gbps": (0.090, 0.1177), "inter.alpha_s": (0.2e-3, 1e-3)},
     source="gTop-k paper setting: 32 machines x 1 GPU, 1 Gbit/s Ethernet (alpha 0.44 ms, 111 MB/s)",
 ))
 

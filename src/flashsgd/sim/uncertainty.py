@@ -10,10 +10,15 @@ never make a step longer), so:
 * a step's range is its step with every assumed input at its fast end and at its slow end;
 * efficiency (T1 / step) is highest with the GPU slow and all else fast, lowest the other way round;
   its range is taken over those two corners and the two above;
-* the choice is also made with each input alone at its low and at its high end (2 per input), the
+* the choice is also made with each input alone at its low and at its high end (2 per input; one
+  for a per-flow limit that is none at the stated values: its fast end is no limit either), the
   way to tell *which* assumption decides it.
 
-That is 4 + 2k plans for k assumed inputs (a plan of 152 candidates on 4096 GPUs takes 0.05-0.1 s).
+That is up to 4 + 2k plans for k assumed inputs (a plan of 152 candidates on 4096 GPUs takes
+0.02-0.1 s). ``flashsgd simulate`` needs ranges only, not the choice: :func:`runs_over_ranges`
+evaluates its runs at the first four corners (:func:`range_corners`), which hold every reported
+number's extremes (communication and throughput at all fast / all slow, efficiency and exposed
+communication at the two mixed corners, where a faster GPU leaves less backward to hide behind).
 
 Example::
 
@@ -29,7 +34,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Generic, Sequence, TypeVar
 
 from flashsgd.sim.network import INPUTS, ClusterModel, input_value, with_input
 from flashsgd.sim.planner import CommPlan, Prediction, make_plan
@@ -49,7 +54,8 @@ class Assumption:
 
     key: str
     """A :data:`flashsgd.sim.network.INPUTS` key, or :data:`COMPUTE`."""
-    value: float
+    value: float | None
+    """The stated value; None: no limit (a per-flow limit, :data:`flashsgd.sim.network.UNLIMITED`)."""
     low: float
     high: float
     what: str
@@ -64,11 +70,19 @@ class Assumption:
         return self.high if fast == self.fast_high else self.low
 
     def fmt(self, v: float) -> str:
-        return f"{v * self.scale:.3g}"
+        """3 significant digits, whole numbers from 1000 up (``1000``, not ``1e+03``)."""
+        x = v * self.scale
+        return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"
 
     def describe(self) -> str:
-        """``sparse exchange fixed cost 0.5 ms (0.1-9.1)``."""
+        """``sparse exchange fixed cost 0.5 ms (0.1-9.1)``; ``inter-node per-flow bandwidth no limit
+        (2.5-6.2 GB/s)``."""
+        if self.value is None:
+            return f"{self.what} no limit ({self.fmt(self.low)}-{self.fmt(self.high)} {self.unit})"
         return f"{self.what} {self.fmt(self.value)} {self.unit} ({self.fmt(self.low)}-{self.fmt(self.high)})"
+
+    def to_dict(self) -> dict:
+        return {"input": self.key, "value": self.value, "low": self.low, "high": self.high}
 
 
 def assumptions(cluster: ClusterModel, images_per_s: float, compute_range: tuple[float, float] | None,
@@ -81,7 +95,9 @@ def assumptions(cluster: ClusterModel, images_per_s: float, compute_range: tuple
             continue  # the compute rate is the plan's images_per_s, ranged by compute_range
         what, unit, scale, fast_high = INPUTS[key]
         v = input_value(cluster, key)
-        out.append(Assumption(key, v, min(lo, v), max(hi, v), what, unit, scale, fast_high))
+        if v is not None:
+            lo, hi = min(lo, v), max(hi, v)
+        out.append(Assumption(key, v, lo, hi, what, unit, scale, fast_high))
     if compute_range is not None:
         lo, hi = compute_range
         if not (0 < lo <= hi):
@@ -104,19 +120,56 @@ class Corner:
     fast: dict[str, bool]
 
 
-def corners(inputs: list[Assumption]) -> list[Corner]:
-    """All fast, all slow, the two efficiency corners, then each input alone at each end."""
+def range_corners(inputs: list[Assumption]) -> list[Corner]:
+    """All fast, all slow and the two efficiency corners (compute at one end, all else at the other):
+    every reported number's extremes (module docstring); none without inputs."""
+    if not inputs:
+        return []
     net = [a.key for a in inputs if a.key != COMPUTE]
     out = [Corner("all fast", {a.key: True for a in inputs}),
            Corner("all slow", {a.key: False for a in inputs})]
     if net and len(net) < len(inputs):
         out += [Corner("compute slow, all else fast", {**{k: True for k in net}, COMPUTE: False}),
                 Corner("compute fast, all else slow", {**{k: False for k in net}, COMPUTE: True})]
+    return out
+
+
+def corners(inputs: list[Assumption]) -> list[Corner]:
+    """:func:`range_corners`, then each input alone at each end (a limit that is none at the stated
+    values only at its slow end: at its fast end it is no limit either)."""
+    out = range_corners(inputs)
     for a in inputs:
-        for fast in (True, False):
+        for fast in (True, False) if a.value is not None else (False,):
             end = "high" if fast == a.fast_high else "low"
             out.append(Corner(f"{a.what} {end} ({a.fmt(a.end(fast))} {a.unit})", {a.key: fast}))
     return out
+
+
+def at_corner(cluster: ClusterModel, images_per_s: float, inputs: list[Assumption],
+              corner: Corner) -> tuple[ClusterModel, float]:
+    """The cluster and the compute rate with the inputs ``corner`` names at its ends."""
+    c, ips = cluster, images_per_s
+    for a in inputs:
+        if a.key in corner.fast:
+            v = a.end(corner.fast[a.key])
+            if a.key == COMPUTE:
+                ips = v
+            else:
+                c = with_input(c, a.key, v)
+    return c, ips
+
+
+def assumed_lines(inputs: list[Assumption]) -> list[str]:
+    """The ``assumed:`` line of ``plan`` and ``simulate``: each assumed input with its range, or
+    that there is none (every number is then a single value)."""
+    if not inputs:
+        return ["assumed: nothing (every input measured or given): each number is a single value, "
+                "without a range"]
+    return ["assumed: " + "; ".join(a.describe() for a in inputs)
+            + " (ranges: docs/planner.md); every other input measured or from the cluster's source"]
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -155,10 +208,9 @@ class RangedPlan:
 
     def summary(self) -> list[str]:
         """What was assumed, and whether (and where) the choice changes within it."""
+        lines = assumed_lines(self.inputs)
         if not self.inputs:
-            return ["assumed: nothing (every input measured or given): the step is a single value"]
-        lines = ["assumed: " + "; ".join(a.describe() for a in self.inputs)
-                 + " (ranges: docs/planner.md); every other input measured or from the cluster's source"]
+            return lines
         changes = self.choice_changes()
         if not changes:
             lines.append(f"the choice ({self.plan.choice.candidate.setting()}) holds over every assumed range")
@@ -170,8 +222,7 @@ class RangedPlan:
         return lines
 
     def to_dict(self) -> dict:
-        return {"assumed": [{"input": a.key, "value": a.value, "low": a.low, "high": a.high} for a in self.inputs],
-                "choice_changes": self.choice_changes()}
+        return {"assumed": [a.to_dict() for a in self.inputs], "choice_changes": self.choice_changes()}
 
     def prediction_dict(self, p: Prediction) -> dict:
         return {**p.to_dict(), "step_s_range": list(self.step_range(p)),
@@ -187,15 +238,35 @@ def plan_over_ranges(workload: Workload, cluster: ClusterModel, gpus: int, batch
     inputs = assumptions(cluster, images_per_s, compute_range, precision)
     nominal = make(workload, cluster, gpus, batch_per_gpu, images_per_s, precision=precision, **plan_kw)
     at = []
-    for corner in corners(inputs) if inputs else []:
-        c, ips = cluster, images_per_s
-        for a in inputs:
-            if a.key not in corner.fast:
-                continue
-            v = a.end(corner.fast[a.key])
-            if a.key == COMPUTE:
-                ips = v
-            else:
-                c = with_input(c, a.key, v)
+    for corner in corners(inputs):
+        c, ips = at_corner(cluster, images_per_s, inputs, corner)
         at.append((corner, make(workload, c, gpus, batch_per_gpu, ips, precision=precision, **plan_kw)))
     return RangedPlan(nominal, inputs, at)
+
+
+@dataclass(frozen=True)
+class RangedRuns(Generic[T]):
+    """Runs (anything with numeric fields, e.g. :class:`flashsgd.sim.engine.SimResult`) at the stated
+    values and at every :func:`range_corners` setting, in the same order at each."""
+
+    runs: list[T]
+    inputs: list[Assumption]
+    at: list[tuple[Corner, list[T]]]
+
+    def range(self, i: int, field: str) -> tuple[float, float]:
+        """(lowest, highest) of ``field`` of run ``i`` over the stated values and the corners."""
+        values = [getattr(self.runs[i], field)] + [getattr(runs[i], field) for _, runs in self.at]
+        return min(values), max(values)
+
+    def ranges(self, i: int, fields: Sequence[str]) -> dict[str, list[float]]:
+        return {f: list(self.range(i, f)) for f in fields}
+
+
+def runs_over_ranges(run: Callable[[ClusterModel, float], list[T]], cluster: ClusterModel,
+                     images_per_s: float, compute_range: tuple[float, float] | None = None,
+                     precision: str = "fp32") -> RangedRuns[T]:
+    """``run(cluster, images_per_s)`` at the stated values and at every :func:`range_corners`
+    setting of the assumed inputs (:func:`assumptions`): the ranges of what it returns."""
+    inputs = assumptions(cluster, images_per_s, compute_range, precision)
+    at = [(corner, run(*at_corner(cluster, images_per_s, inputs, corner))) for corner in range_corners(inputs)]
+    return RangedRuns(run(cluster, images_per_s), inputs, at)
