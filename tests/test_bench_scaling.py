@@ -398,3 +398,25 @@ def _count_exchanges(grad_accum: int) -> dict:
 def test_a_step_of_k_micro_batches_exchanges_once(run_ranks, k):
     out = run_ranks(_count_exchanges, 2, k)[0]
     assert out["forward"] == k and out["hook"] == out["buckets"] >= 1
+
+
+@needs_netns
+def test_a_flow_capped_accumulating_run_on_an_emulated_cluster(tmp_path):
+    """2 nodes, noop and ring, flow = link / 4, 2 micro-batches: the rows and the header say so and
+    the ring's one flow per NIC is slowed by the cap (~18 s on the 2-core VM at load 6)."""
+    out = tmp_path / "flow.json"
+    proc = subprocess.run([sys.executable, "-m", "flashsgd", "bench", "scaling", "--nodes", "2", "--comm", "noop,ring",
+                           "--link", "100mbit", "--flow-rate", "1/4", "--grad-accum", "2", "--warmup", "2",
+                           "--iters", "2", "--batch", "8", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "x 2 micro-batches per exchange (--grad-accum 2)" in proc.stdout
+    assert "one TCP flow at most 25.000 Mbit/s (--flow-rate 1/4)" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["flow_bps"] == 25_000_000 and doc["meta"]["grad_accum"] == 2
+    rows = {r["comm"]: r for r in doc["rows"]}
+    assert {(r["flow_bps"], r["grad_accum"]) for r in rows.values()} == {(25_000_000, 2)}
+    # the ring's bytes on the link: 2 (W-1)/W x S over one flow; at the link rate they would take a
+    # quarter of the time the cap gives them: more than half the capped time proves the cap
+    wire_at_flow = scaling.ring_link_bytes(doc["meta"]["grad_bytes"], 2) * 8 / 25e6
+    assert rows["ring"]["split_s"]["hook"] > 0.5 * wire_at_flow
