@@ -157,3 +157,69 @@ def test_simulate_schedule_and_grad_accum_flags(capsys):
         run_cli("--cluster", "1gbe", "--gpus", "8", "--comm", "gtopk_tree", "--schedule", "trainer")
     with pytest.raises(ValueError, match=r"grad_accum must be an int in \[1, batch_per_gpu=32\]"):
         run_cli("--cluster", "1gbe", "--gpus", "8", "--grad-accum", "64")
+
+
+def test_simulate_prints_each_number_with_its_range_and_what_it_assumed(tmp_path, capsys):
+    """Independent check: the iteration range's ends are the runs of clusters written with every
+    assumption at its fast and at its slow end (1gbe: sparse costs, the link, the compute rate)."""
+    from dataclasses import replace
+
+    import pytest
+
+    from flashsgd.sim.engine import SimConfig, simulate
+    from flashsgd.sim.network import CLUSTERS, Link
+    from flashsgd.sim.uncertainty import assumed_lines, assumptions
+    from flashsgd.sim.workload import resnet50
+
+    js = tmp_path / "r.json"
+    assert run_cli("--cluster", "1gbe", "--gpus", "32", "--comm", "gtopk", "--schedule", "after_backward",
+                   "--json", str(js)) == 0
+    out = capsys.readouterr().out
+    one = CLUSTERS.get("1gbe")
+    ends = {fast: simulate(resnet50(), replace(
+        one, exchange_fixed_s=0.1e-3 if fast else 9.1e-3, round_fixed_s=0.0 if fast else 0.13e-3,
+        select_s_per_elem=0.2e-9 if fast else 6.03e-9,
+        inter=Link(0.2e-3, 0.1177) if fast else Link(1e-3, 0.090)),
+        SimConfig("gtopk", 32, 236.0 if fast else 164.0, schedule="after_backward")) for fast in (True, False)}
+    nominal = simulate(resnet50(), one, SimConfig("gtopk", 32, 200.0, schedule="after_backward"))
+    lo, hi = ends[True].iteration_s * 1e3, ends[False].iteration_s * 1e3
+    assert lo < nominal.iteration_s * 1e3 < hi
+    assert f"  iteration        {nominal.iteration_s * 1e3:9.2f} ms [{lo:.2f}-{hi:.2f}]" in out
+    assert f"  compute             160.00 ms [{1e3 * 32 / 236:.2f}-{1e3 * 32 / 164:.2f}]" in out
+    assert "  efficiency       " in out and "%  [" not in out
+    # the same `assumed:` line as plan, and how the ranges were taken
+    line = assumed_lines(assumptions(one, 200.0, (164.0, 236.0), "fp32"))[0]
+    assert line in out and "inter-node bandwidth 0.111 GB/s (0.09-0.118)" in line
+    assert "[low-high]: each number's lowest and highest at all fast | all slow | " in out
+    doc = json.loads(js.read_text())
+    r = doc["results"][0]
+    assert r["ranges"]["iteration_s"] == pytest.approx([lo / 1e3, hi / 1e3], rel=1e-12)
+    assert r["ranges"]["efficiency"][0] < r["efficiency"] < r["ranges"]["efficiency"][1]
+    assert {a["input"] for a in doc["assumed"]} >= {"inter.bandwidth_gbps", "compute"}
+    # the sweep's table: every cell with its ranges
+    assert run_cli("--cluster", "1gbe", "--sweep-gpus", "8,32", "--comm", "gtopk,ring") == 0
+    out = capsys.readouterr().out
+    assert "scaling efficiency [range], iteration ms [range]:" in out
+    row = next(x for x in out.splitlines() if x.strip().startswith("32 "))
+    assert row.count("[") == 4 and "simulated 4 configurations at 5 settings of the assumptions" in out
+
+
+def test_simulate_on_measured_inputs_says_there_is_no_range(tmp_path, capsys):
+    from sim_helpers import LAB
+
+    path = tmp_path / "lab.toml"
+    path.write_text(LAB + "[costs]\nexchange_fixed_us = 800.0\nround_fixed_us = 30.0\nselect_ns_per_elem = 1.5\n")
+    js = tmp_path / "r.json"
+    assert run_cli("--cluster", str(path), "--gpus", "8", "--comm", "ring", "--images-per-s", "300",
+                   "--json", str(js)) == 0
+    out = capsys.readouterr().out
+    assert "assumed: nothing (every input measured or given): each number is a single value, without a range" in out
+    assert "[" not in out.split("workload", 1)[1]  # no range anywhere in the breakdown
+    r = json.loads(js.read_text())["results"][0]
+    assert r["ranges"]["iteration_s"] == [r["iteration_s"]] * 2 and json.loads(js.read_text())["assumed"] == []
+    # a given --images-per-s gets a range only from --images-per-s-range
+    assert run_cli("--cluster", str(path), "--gpus", "8", "--comm", "ring", "--images-per-s", "300",
+                   "--images-per-s-range", "250", "350") == 0
+    out = capsys.readouterr().out
+    assert "assumed: compute (fp32) 300 images/s (250-350)" in out and "  compute          " in out
+    assert f"  compute             106.67 ms [{32e3 / 350:.2f}-{32e3 / 250:.2f}]" in out

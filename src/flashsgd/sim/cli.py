@@ -1,5 +1,12 @@
 """`flashsgd simulate`: predict iteration time, exposed communication and scaling efficiency.
 
+Inputs that are assumptions (a preset's links, compute rate and sparse costs, a cluster file's
+``*_range`` keys, ``--images-per-s-range``) are varied over their ranges
+(:func:`flashsgd.sim.uncertainty.runs_over_ranges`): every number of the table and the breakdown is
+printed with its ``[low-high]`` range and the ``assumed:`` line says what was assumed (the same line
+as ``flashsgd plan``'s); measured inputs (``--calibration``, a cluster file's values without a
+range, a given ``--images-per-s``) have none, and the output says so.
+
 Examples:
   flashsgd simulate --cluster abci --gpus 1024 --model resnet50 --batch-per-gpu 32 \\
       --comm torus2d --grid 32x32 --precision fp16
@@ -28,7 +35,12 @@ from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.engine import SimConfig, SimResult, simulate, straddling_alternative, sweep
 from flashsgd.sim.cluster_file import load_cluster
 from flashsgd.sim.network import CLUSTERS, get_cluster
+from flashsgd.sim.plan_cli import compute_range, images_per_s
+from flashsgd.sim.uncertainty import RangedRuns, assumed_lines, runs_over_ranges
 from flashsgd.sim.workload import MODEL_HELP, SCHEDULES, get_workload, trainer_schedule
+
+RANGED = ("iteration_s", "compute_s", "comm_s", "exposed_comm_s", "images_per_s", "efficiency")
+"""The :class:`SimResult` fields printed and written with their range over the assumed inputs."""
 
 
 def _ints(text: str) -> list[int]:
@@ -69,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images-per-s", type=float,
                    help="single-GPU training throughput at --batch-per-gpu (default: the cluster's "
                         "ResNet-50 figure for --precision)")
+    p.add_argument("--images-per-s-range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                   help="the plausible range of that throughput when it is an assumption (default: the "
+                        "preset's range for its own ResNet-50 figure; none for a given --images-per-s)")
     p.add_argument("--comm", metavar="NAME[,NAME...]",
                    help=f"exchanges to simulate, comma-separated, or 'all' (default native): "
                         f"{', '.join(ALGORITHMS.names())}")
@@ -237,28 +252,65 @@ def _grid_lines(results: list[SimResult], workload, cluster, base: SimConfig, sc
     return lines
 
 
-def _print_breakdown(r: SimResult) -> None:
+def _span(lo: float, hi: float, fmt: str) -> str:
+    """``[lo-hi]`` in ``fmt``; ``[v]`` when both ends print alike."""
+    a, b = format(lo, fmt), format(hi, fmt)
+    return f"[{a}]" if a == b else f"[{a}-{b}]"
+
+
+def _print_breakdown(r: SimResult, ranged: RangedRuns, i: int) -> None:
+    """One run's breakdown; each line's ``[low-high]`` over the assumed inputs (none when measured)."""
     ms = 1e3
+
+    def rng(field: str, scale: float, fmt: str) -> str:
+        if not ranged.inputs:
+            return ""
+        lo, hi = ranged.range(i, field)
+        return " " + _span(lo * scale, hi * scale, fmt)
+
     when = "overlapping backward" if r.schedule == "overlap" else "after backward"
     accum = f", {plural(r.grad_accum, 'micro-batch', 'micro-batches')} per exchange" if r.grad_accum > 1 else ""
     print(f"algorithm {r.algorithm}, {plural(r.gpus, 'GPU')}, {plural(r.buckets, 'bucket')} "
           f"(largest {size(r.bucket_bytes_max)}) exchanged {when}{accum}")
-    print(f"  iteration        {r.iteration_s * ms:9.2f} ms")
-    print(f"  compute          {r.compute_s * ms:9.2f} ms  (forward + backward + update, one GPU)")
-    print(f"  communication    {r.comm_s * ms:9.2f} ms  (latency {r.latency_s * ms:.2f}, bandwidth "
-          f"{r.bandwidth_s * ms:.2f}, compute {r.comm_compute_s * ms:.2f}, overhead {r.overhead_s * ms:.2f})")
-    print(f"  exposed comm     {r.exposed_comm_s * ms:9.2f} ms")
-    print(f"  throughput       {r.images_per_s:9.0f} images/s")
-    print(f"  efficiency       {r.efficiency:9.1%}  (throughput / (GPUs x single-GPU throughput))")
+    print(f"  iteration        {r.iteration_s * ms:9.2f} ms{rng('iteration_s', ms, '.2f')}")
+    print(f"  compute          {r.compute_s * ms:9.2f} ms{rng('compute_s', ms, '.2f')}  "
+          "(forward + backward + update, one GPU)")
+    print(f"  communication    {r.comm_s * ms:9.2f} ms{rng('comm_s', ms, '.2f')}  (latency {r.latency_s * ms:.2f}, "
+          f"bandwidth {r.bandwidth_s * ms:.2f}, compute {r.comm_compute_s * ms:.2f}, overhead {r.overhead_s * ms:.2f}"
+          f"{' at the stated values' if ranged.inputs else ''})")
+    print(f"  exposed comm     {r.exposed_comm_s * ms:9.2f} ms{rng('exposed_comm_s', ms, '.2f')}")
+    print(f"  throughput       {r.images_per_s:9.0f} images/s{rng('images_per_s', 1.0, '.0f')}")
+    print(f"  efficiency       {r.efficiency:9.1%}{rng('efficiency', 100.0, '.1f')}  "
+          "(throughput / (GPUs x single-GPU throughput))")
 
 
-def _print_table(results: list[SimResult], algos: list[str], gpus: list[int]) -> None:
-    print("scaling efficiency (iteration ms):")
-    print(f"{'GPUs':>6} " + " ".join(f"{a:>20}" for a in algos))
-    by = {(r.algorithm, r.gpus): r for r in results}
-    for p in gpus:
-        cells = (f"{by[a, p].efficiency:6.1%} ({by[a, p].iteration_s * 1e3:8.2f})" for a in algos)
-        print(f"{p:>6} " + " ".join(f"{c:>20}" for c in cells))
+def _print_table(ranged: RangedRuns, algos: list[str], gpus: list[int]) -> None:
+    """Efficiency and iteration ms of every (algorithm, GPUs), each with its range when assumed."""
+    index = {(r.algorithm, r.gpus): i for i, r in enumerate(ranged.runs)}
+
+    def cell(i: int) -> str:
+        r = ranged.runs[i]
+        if not ranged.inputs:
+            return f"{r.efficiency:6.1%} ({r.iteration_s * 1e3:8.2f})"
+        (elo, ehi), (lo, hi) = ranged.range(i, "efficiency"), ranged.range(i, "iteration_s")
+        return (f"{r.efficiency:6.1%} {_span(elo * 100, ehi * 100, '.0f')} "
+                f"{r.iteration_s * 1e3:.2f} {_span(lo * 1e3, hi * 1e3, '.1f')}")
+
+    rows = [[cell(index[a, p]) for a in algos] for p in gpus]
+    width = max(20, *(len(c) for row in rows for c in row))
+    print("scaling efficiency [range], iteration ms [range]:" if ranged.inputs else
+          "scaling efficiency (iteration ms):")
+    print(f"{'GPUs':>6} " + " ".join(f"{a:>{width}}" for a in algos))
+    for p, row in zip(gpus, rows):
+        print(f"{p:>6} " + " ".join(f"{c:>{width}}" for c in row))
+
+
+def _print_assumed(ranged: RangedRuns) -> None:
+    """What was assumed (plan's ``assumed:`` line) and how the ``[low-high]`` ranges were taken."""
+    for line in assumed_lines(ranged.inputs):
+        print(line)
+    if ranged.inputs:
+        print(f"[low-high]: each number's lowest and highest at {' | '.join(c.name for c, _ in ranged.at)}")
 
 
 def plot_path(plot: str | None, out: str | None, json_path: str | None) -> Path | None:
@@ -328,12 +380,8 @@ def run(args: argparse.Namespace) -> int:
         _write_json(args.json, report)
         return 0
     workload = get_workload(args.model)
-    ips = args.images_per_s
-    if ips is None:
-        ips = cluster.resnet50_images_per_s.get(args.precision) if workload.name == "resnet50" else None
-        if ips is None:
-            raise ValueError(f"--images-per-s is required for model {args.model!r} on cluster "
-                             f"{cluster.name!r} at {args.precision}")
+    ips = images_per_s(args, cluster, workload)  # plan's rules: the same defaults and ranges
+    ips_range = compute_range(args, cluster, workload)
     algos = _algorithms(args.comm)
     base = SimConfig(algorithm=algos[0], gpus=args.gpus, images_per_s=ips,
                      batch_per_gpu=args.batch_per_gpu, precision=args.precision,
@@ -350,12 +398,19 @@ def run(args: argparse.Namespace) -> int:
     report["workload"] = {"name": workload.name, "tensors": workload.num_tensors,
                           "params": workload.num_params, "note": workload.note}
     if args.sweep_gpus:
+        def run_all(c, rate):
+            cfg = replace(base, images_per_s=rate)
+            return [r for a in algos for r in sweep(workload, c, _scheduled(cfg, a, args.schedule), [a],
+                                                     args.sweep_gpus)]
+
         t0 = time.perf_counter()
-        results = [r for a in algos for r in sweep(workload, cluster, _scheduled(base, a, args.schedule), [a],
-                                                    args.sweep_gpus)]
+        ranged = runs_over_ranges(run_all, cluster, ips, ips_range, args.precision)
+        results = ranged.runs
         elapsed = time.perf_counter() - t0
-        _print_table(results, algos, args.sweep_gpus)
-        print(f"simulated {len(results)} configurations in {elapsed:.3f} s")
+        _print_table(ranged, algos, args.sweep_gpus)
+        print(f"simulated {len(results)} configurations at {plural(1 + len(ranged.at), 'setting')} of the "
+              f"assumptions in {elapsed:.3f} s")
+        _print_assumed(ranged)
         report["grids"] = _grid_lines(results, workload, cluster, base, args.schedule)
         for line in report["grids"]:
             print(line)
@@ -368,14 +423,20 @@ def run(args: argparse.Namespace) -> int:
             print("no plot written: add --plot PATH, --out DIR or --json PATH")
         report["sweep_seconds"] = elapsed
     else:
-        results = [simulate(workload, cluster, _scheduled(base, a, args.schedule)) for a in algos]
+        ranged = runs_over_ranges(
+            lambda c, rate: [simulate(workload, c, _scheduled(replace(base, images_per_s=rate), a, args.schedule))
+                             for a in algos], cluster, ips, ips_range, args.precision)
+        results = ranged.runs
         report["grids"] = []
-        for r in results:
-            _print_breakdown(r)
+        for i, r in enumerate(results):
+            _print_breakdown(r, ranged, i)
             for line in _grid_lines([r], workload, cluster, base, args.schedule):
                 print(f"  {line}")
                 report["grids"].append(line)
-    report["results"] = [r.to_dict() for r in results]
+        _print_assumed(ranged)
+    report["assumed"] = [a.to_dict() for a in ranged.inputs]
+    report["range_corners"] = [c.name for c, _ in ranged.at]
+    report["results"] = [{**r.to_dict(), "ranges": ranged.ranges(i, RANGED)} for i, r in enumerate(results)]
     _write_json(args.json, report)
     return 0
 
