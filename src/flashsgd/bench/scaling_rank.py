@@ -49,14 +49,15 @@ def run_config(spec: dict, comm: str, world: int) -> dict:
     """The flat config keys (:func:`flashsgd.train.config.resolve`) of one measured hook: a global
     batch of ``grad_accum`` micro-batches of ``batch`` samples per rank (the trainer splits each
     rank's shard into them, :class:`flashsgd.train.step.TrainStep`)."""
-    batch = spec["batch"] * world * spec["grad_accum"]
+    accum = spec.get("grad_accum", 1)  # specs written before --grad-accum: one micro-batch
+    batch = spec["batch"] * world * accum
     samples = batch * (spec["warmup"] + spec["iters"] + 1)
     if spec["dataset"] == "mnist1d":  # generated in multiples of 10
         samples = -(-samples // 10) * 10
     return {"dataset": spec["dataset"], "image_shape": spec["image_shape"], "model": spec["model"],
             "channels": spec["channels"], "num_samples": samples,
             "recipe": spec["recipe"], "proxy_tuning": False, "global_batch": batch,
-            "grad_accum": spec["grad_accum"],
+            "grad_accum": accum,
             "algorithm": comm, "ranks_per_node": spec["ranks_per_node"], "density": spec["density"],
             "selection": spec["selection"], "bucket_mb": spec["bucket_mb"], "workers": world,
             "density_warmup": 0,  # a speed measurement: the density asked for from the first step
