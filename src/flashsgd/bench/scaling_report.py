@@ -135,8 +135,8 @@ def format_table(doc: dict) -> str:
     m = doc["meta"]
     lines = [f"# bench scaling: {m['model']} ({m['params'] or 0:,} parameters, {size(m['grad_bytes'] or 0)} "
              f"gradient), batch {m['batch']}/rank{_accum(m)}, recipe {m['recipe']}, link "
-             f"{m['link_bps'] / 1e6:.3f} Mbit/s" + (f" (--comm-compute {m['comm_compute']:g})" if m["comm_compute"] else "")
-             + _flow(m),
+             f"{m['link_bps'] / 1e6:.3f} Mbit/s"
+             + (f" (--comm-compute {m['comm_compute']:g})" if m["comm_compute"] else "") + _flow(m),
              f"# {m['cpus']} CPUs, load avg {m['loadavg_start'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} "
              f"at end; median of {plural(m['iters'], 'step')} after {m['warmup']} warm-up; {m['elapsed_s']:.0f} s",
              f"{'shape':>5} {'comm':>12} {'step ms':>8} {'min..max':>15} {'samples/s':>9} {'compute':>8} "
