@@ -1,8 +1,9 @@
 """`flashsgd bench emulate`: run a benchmark on an emulated cluster of bandwidth-limited nodes.
 
 Loopback on one machine has no network bottleneck. This command builds a cluster of network
-namespaces joined by a bridge, with each node's link capped by ``tbf`` (see
-:mod:`flashsgd.emulate.netns`), starts ``RANKS`` ranks in each node (one process per rank, torchrun's
+namespaces joined by a bridge, with each node's link capped by ``tbf`` and, with ``--flow-rate``,
+each TCP flow leaving a node capped below it (see :mod:`flashsgd.emulate.netns`,
+:mod:`flashsgd.emulate.flows`), starts ``RANKS`` ranks in each node (one process per rank, torchrun's
 environment, ``GLOO_SOCKET_IFNAME`` = the node's interface), runs the benchmark given after ``--``
 and reads rank 0's JSON on the host. It always tears the cluster down (errors, Ctrl-C, SIGTERM; a
 setup left by a crashed run is removed at the next start; Ctrl-C ends it with one line and exit
@@ -16,14 +17,18 @@ Steps:
    run the built-in probe (all-reduce with a correctness check) as the benchmark.
 4. Probe: one all-reduce per dense algorithm (:data:`flashsgd.comm.dense.ALLREDUCE`) at ``--probe-mb`` with the links' byte counters read
    before and after, giving the link bytes each algorithm moves per message byte.
-5. Tear down; add the physical bound 2(N-1)/N * S / B, each row's fraction of it and the per-node /
-   per-link bandwidth used; print the table; write the JSON (``--json``).
+5. Tear down; add the physical bound 2(N-1)/N * S / B, each row's fraction of it, the simulator's
+   wire time on these links (:func:`flashsgd.emulate.report.wire_s`), the per-node / per-link
+   bandwidth used and, with a flow cap, the flows each node sent on; print the table; write the
+   JSON (``--json``).
 
 Example::
 
     $ flashsgd bench emulate --cluster 4x2 --link 1gbit --json out.json -- \\
           allreduce --comm native,ring,hierarchical,torus2d --sizes 1M,10M,100M
     $ flashsgd bench emulate --cluster 2x2 --link 200mbit          # self-check only
+    $ flashsgd bench emulate --cluster 4x2 --link 400mbit --flow-rate 100mbit \
+          --probe-comm ring,torus2d --sizes-mb 64,100                # one flow: a quarter of the NIC
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ HELP = "run a benchmark on an emulated cluster (network namespaces, tbf-capped l
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="2x2", help="NODESxRANKS, e.g. 4x2 (default 2x2)")
     parser.add_argument("--link", default="1gbit", help="each node's link rate, e.g. 1gbit, 200mbit, 10gbit")
+    parser.add_argument("--flow-rate", default=None, metavar="RATE",
+                        help="the most one TCP flow (connection) sends from a node, e.g. 250mbit "
+                             "(<= --link; default: one flow can fill the link)")
     parser.add_argument("--subnet", default="10.213.0.0/24", help="private /24 for the namespaces")
     add_output(parser, "--json", default=None, help="write the annotated results here")
     parser.add_argument("--probe-mb", type=float, default=8.0,
@@ -124,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     # Step 1: inputs and preconditions
     try:
         nodes, rpn = parse_shape(args.cluster)
-        spec = ClusterSpec(nodes, rpn, parse_rate(args.link), subnet=args.subnet)
+        flow = None if args.flow_rate is None else parse_rate(args.flow_rate)
+        spec = ClusterSpec(nodes, rpn, parse_rate(args.link), subnet=args.subnet, flow_rate_bps=flow)
         if args.probe_comm is not None:
             comm_list(args.probe_comm, ALLREDUCE.names(), "--probe-comm")
     except ValueError as exc:
@@ -143,8 +152,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="flashsgd-emulate-"))
     log_dir = Path(args.logs) if args.logs else work / "logs"
+    per_flow = ("" if spec.flow_rate_bps is None
+                else f", one flow at most {spec.flow_rate_bps / 1e9:g} Gbit/s (htb per flow)")
     print(f"emulated cluster: {plural(nodes, 'node')} x {plural(rpn, 'rank')}, links {spec.rate_bps / 1e9:g} Gbit/s "
-          f"(tbf burst {spec.burst_bytes} B)", flush=True)
+          f"(tbf burst {spec.burst_bytes} B){per_flow}", flush=True)
     started = time.time()
     try:
         doc, probe_doc, wall, run_bytes = _measure(spec, bench, args, work, log_dir)
@@ -163,7 +174,11 @@ def run(args: argparse.Namespace) -> int:
     meta["emulated"] = {
         "nodes": nodes, "ranks_per_node": rpn, "link_bps": spec.rate_bps, "link": args.link,
         "shaping": f"tbf rate {spec.rate_bps}bit burst {spec.burst_bytes} latency {spec.latency_ms:g}ms "
-                   "on both ends of each node's veth",
+                   "on both ends of each node's veth" + (
+                       "" if spec.flow_rate_bps is None else
+                       f"; under the upload's tbf, htb ceil {spec.flow_rate_bps}bit per TCP flow "
+                       "(flow buckets by a BPF port hash, flashsgd.emulate.flows)"),
+        "flow_bps": spec.flow_rate_bps,
         "subnet": spec.subnet, "bench_argv": bench, "bench_wall_s": wall,
         "run_link_bytes": run_bytes,
         "probe_mb": args.probe_mb if bench else None,
@@ -171,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
                  "python": platform.python_version()},
         "elapsed_s": time.time() - started,
     }
-    annotate(doc, nodes, spec.rate_bps, probe_doc)
+    annotate(doc, nodes, spec.rate_bps, probe_doc, flow_bps=spec.flow_rate_bps)
     print(format_table(doc))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

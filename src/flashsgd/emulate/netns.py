@@ -8,6 +8,7 @@ addresses and routes are never touched::
     namespace <prefix>-n<i>:  lo, veth0 = <subnet>.<i+1>/24        (node i; its ranks run here)
     veth pair: veth0 (node i)  <->  n<i> (switch port)
     tbf on veth0 egress caps node i's upload, tbf on n<i> egress caps its download
+    with a flow rate: under veth0's tbf, each TCP flow capped at that rate (:mod:`.flows`)
 
 Ranks on the same node talk over the node's own loopback (local delivery), as on a real machine;
 only inter-node traffic crosses the capped link. ``<prefix>`` is ``fsgdemu-<pid>``, so a setup left
@@ -19,7 +20,8 @@ Algorithm (:func:`build`):
 2. Create the switch namespace and its bridge.
 3. For each node: create its namespace, a veth pair with one end in each namespace, the address,
    bring links up, attach the switch end to the bridge.
-4. Shape both ends with ``tbf`` at the link rate.
+4. Shape both ends with ``tbf`` at the link rate; with ``flow_rate_bps``, pace each flow of the
+   node's upload (:func:`flashsgd.emulate.flows.install`).
 
 :func:`teardown` kills what still runs inside the namespaces and deletes them; deleting a namespace
 deletes its veth ends, the bridge and the qdiscs with it.
@@ -45,6 +47,8 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 from typing import Iterator
+
+from flashsgd.emulate import flows
 
 NAME_PREFIX = "fsgdemu"
 NODE_IFNAME = "veth0"
@@ -97,6 +101,9 @@ class ClusterSpec:
     """Private /24 assigned only to the namespaces' veths (node i gets host address i+1)."""
     latency_ms: float = 20.0
     """tbf queue length expressed as the time to drain it at the link rate."""
+    flow_rate_bps: int | None = None
+    """The most one TCP flow (connection) sends from a node, bits/s (<= rate_bps); None: one flow
+    can fill the link."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, int) or not 1 <= self.nodes <= 200:
@@ -104,6 +111,9 @@ class ClusterSpec:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be an integer >= 1, got {self.ranks_per_node!r}")
         parse_rate(self.rate_bps)
+        if self.flow_rate_bps is not None and not (parse_rate(self.flow_rate_bps) <= self.rate_bps):
+            raise ValueError(f"the flow rate ({self.flow_rate_bps} bit/s) must not exceed the link rate "
+                             f"({self.rate_bps} bit/s); leave it unset for flows that can fill the link")
         net = ipaddress.ip_network(self.subnet, strict=True)
         if net.version != 4 or net.prefixlen != 24 or not net.is_private:
             raise ValueError(f"subnet must be a private IPv4 /24 such as '10.213.0.0/24', got {self.subnet!r}")
@@ -141,6 +151,12 @@ class EmulatedCluster:
         return [{"tx_bytes": int(ports[f"n{i}"]["rx"]["bytes"]),
                  "rx_bytes": int(ports[f"n{i}"]["tx"]["bytes"])}
                 for i in range(self.spec.nodes)]
+
+    def flow_bytes(self) -> list[dict[int, int]]:
+        """Per node: bytes each paced flow bucket has sent so far (empty without a flow rate)."""
+        if self.spec.flow_rate_bps is None:
+            return [{} for _ in self.node_ns]
+        return [flows.flow_bytes(ns, self.ifname) for ns in self.node_ns]
 
 
 def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -253,7 +269,9 @@ def build(spec: ClusterSpec, prefix: str | None = None) -> EmulatedCluster:
             _run(["ip", "-n", sw, "link", "set", port, "master", BRIDGE])
             _run(["ip", "-n", sw, "link", "set", port, "up"])
             # Step 4: cap both directions of node i's link
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", NODE_IFNAME, "root", *shape])
+            _run(["tc", "-n", ns, "qdisc", "add", "dev", NODE_IFNAME, "root", "handle", "1:", *shape])
+            if spec.flow_rate_bps is not None:
+                flows.install(ns, NODE_IFNAME, spec.rate_bps, spec.flow_rate_bps, spec.burst_bytes)
             _run(["tc", "-n", sw, "qdisc", "add", "dev", port, "root", *shape])
     except BaseException:
         with _interrupts_deferred():

@@ -11,7 +11,9 @@ per-link byte counts: for each algorithm and size it
 4. reads the counters again and checks the result is exactly ``W (W + 1) / 2`` per repetition,
 5. gathers the per-node byte deltas (per operation) to rank 0, which writes one JSON file in the
    dense bench's schema (``meta`` + ``results`` rows with ``algorithm``, ``size_bytes``,
-   ``time_us``) plus ``node_tx_bytes`` / ``node_rx_bytes`` lists.
+   ``time_us``) plus ``node_tx_bytes`` / ``node_rx_bytes`` lists; on a cluster with a per-flow cap,
+   also ``node_flows``: per node, the TCP flows that carried >= 5% of its upload
+   (:func:`flashsgd.emulate.flows.flows_seen`; a flow-bucket collision shows as one short).
 
 Algorithms come from :data:`flashsgd.comm.dense.ALLREDUCE`; ``native`` is ``dist.all_reduce``.
 
@@ -34,6 +36,8 @@ import torch.distributed as dist
 from flashsgd.cli_flags import add_comm_flag, comm_list
 from flashsgd.comm.dense import ALLREDUCE
 from flashsgd.comm.topology import get_topology
+from flashsgd.emulate import flows
+from flashsgd.emulate.ranks import FLOW_ENV
 from flashsgd.launch import init_from_env, shutdown
 from flashsgd.timing import time_ops
 
@@ -87,6 +91,10 @@ def probe(algorithms: list[str], sizes_bytes: list[int], ifname: str, warmup: in
     if any(a != "native" for a in algorithms):
         topo = get_topology(ranks_per_node=rpn)
     counting = rank % rpn == 0  # one reader per node: the counters are per node
+    paced = FLOW_ENV in os.environ  # per-flow classes exist on this node's link
+
+    def flow_counters() -> dict[int, int]:
+        return flows.flow_bytes(None, ifname) if counting and paced else {}
     expected = world * (world + 1) / 2  # sum of rank + 1 over ranks, exact in float32
     rows = []
     for algo in algorithms:
@@ -97,25 +105,29 @@ def probe(algorithms: list[str], sizes_bytes: list[int], ifname: str, warmup: in
             # Step 2: counters before
             dist.barrier()
             before = read_counters(ifname) if counting else (0, 0)
+            flows_before = flow_counters()
             # Steps 1, 3: fresh input (untimed), barrier, timed all-reduce (max over ranks, median)
             timing = time_ops([call], iters=reps, warmup=warmup, prepare=[call.prepare])[0]
             dist.barrier()
             # Step 4: counters after; the last result checked too
             after = read_counters(ifname) if counting else (0, 0)
+            seen = flows.flows_seen(flows_before, flow_counters()) if counting and paced else None
             call.check()
             # Step 5: correctness everywhere, per-node bytes per operation
             bad = torch.tensor([float(call.wrong)], dtype=torch.float64)
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
             delta = [(after[0] - before[0]) / (warmup + reps), (after[1] - before[1]) / (warmup + reps)]
             gathered = [None] * world
-            dist.all_gather_object(gathered, delta if counting else None)
+            dist.all_gather_object(gathered, [*delta, seen] if counting else None)
             per_node = [d for d in gathered if d is not None]
             rows.append({"algorithm": algo, "size_bytes": numel * 4, "time_us": timing.median_s * 1e6,
                          "times_us": [x * 1e6 for x in timing.times_s],
                          "correct": bool(bad.item() == 0),
                          "node_tx_bytes": [d[0] for d in per_node],
-                         "node_rx_bytes": [d[1] for d in per_node]})
+                         "node_rx_bytes": [d[1] for d in per_node],
+                         **({"node_flows": [d[2] for d in per_node]} if paced else {})})
     return {"meta": {"world": world, "ranks_per_node": rpn, "backend": dist.get_backend(),
+                     **({"grid": list(topo.grid)} if topo is not None else {}),
                      "torch": torch.__version__, "warmup": warmup, "reps": reps,
                      "emulated": os.environ.get("FLASHSGD_EMULATED", "")},
             "results": rows}

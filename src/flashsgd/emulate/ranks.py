@@ -33,6 +33,7 @@ from typing import Callable
 from flashsgd.emulate.netns import EmulatedCluster
 
 MASTER_PORT = 29500  # a fresh namespace has every port free
+FLOW_ENV = "FLASHSGD_EMULATED_FLOW_BPS"
 GRACE_S = 3.0
 
 
@@ -56,6 +57,8 @@ def rank_env(cluster: EmulatedCluster, rank: int, port: int = MASTER_PORT) -> di
         "OMP_NUM_THREADS": "1",
         "PYTHONFAULTHANDLER": "1",  # a native abort in a rank prints its Python stack to the log
         "FLASHSGD_EMULATED": f"{spec.nodes}x{spec.ranks_per_node}@{spec.rate_bps}bit",
+        # the per-flow cap, if any: the probe then counts the flows each node sent on
+        **({FLOW_ENV: str(spec.flow_rate_bps)} if spec.flow_rate_bps is not None else {}),
     }
 
 

@@ -19,6 +19,12 @@ fractions of the message), so ``bytes_per_payload_byte * S / t`` gives, for ever
 * ``node_gbps``: bits/s one node sends while the operation runs (mean over nodes), and
 * ``link_gbps``: the busiest link direction's bits/s, and ``link_util`` = that / the link rate.
 
+Wire-time prediction (:func:`wire_s`): the simulator's own cost of the row's algorithm
+(:func:`flashsgd.sim.algorithms.exchange_cost`) on the emulated links alone: the inter-node link at
+the tbf rate with the per-flow cap if one is set, no latency, the in-node loopback free. Its ratio
+between two algorithms is what the model predicts for their measured ratio (e.g. torus2d / ring
+with a per-flow cap, docs/simulator.md "Validation against the emulated cluster").
+
 Example::
 
     >>> doc = {"meta": {"world": 2}, "results": [
@@ -40,6 +46,24 @@ def bound_s(size_bytes: float, nodes: int, rate_bps: float) -> float:
         raise ValueError(f"need nodes >= 1 and rate_bps > 0, got nodes={nodes!r}, rate_bps={rate_bps!r}")
     # bytes through each node's link per direction, over bytes/s (rate_bps / 8)
     return 2 * (nodes - 1) / nodes * size_bytes / (rate_bps / 8)
+
+
+def wire_s(algorithm: str, size_bytes: float, world: int, nodes: int, rate_bps: float,
+           flow_bps: float | None = None, grid: tuple[int, int] | None = None) -> float | None:
+    """The simulator's wire time of one dense all-reduce on the emulated links (module doc); None for
+    anything else (sparse and low-rank rows carry their own sizes, not a message of ``size_bytes``)."""
+    from flashsgd.comm.dense import ALLREDUCE
+    from flashsgd.sim.algorithms import ALGORITHMS, exchange_cost
+    from flashsgd.sim.costs import CommSetup
+    from flashsgd.sim.network import ClusterModel, Link
+
+    if algorithm not in ALLREDUCE or algorithm not in ALGORITHMS:
+        return None
+    free = Link(0.0, 1e9)  # loopback: taken as free (1e18 B/s)
+    inter = Link(0.0, rate_bps / 8e9, None if flow_bps is None else flow_bps / 8e9)
+    cluster = ClusterModel("emulated", world // nodes, free, inter)
+    setup = CommSetup(world, cluster, grid=tuple(grid) if grid and algorithm == "torus2d" else None)
+    return float(exchange_cost(algorithm, size_bytes, setup).total)
 
 
 def bytes_per_payload_byte(probe_doc: dict | None) -> dict[str, dict[str, float]]:
@@ -66,8 +90,10 @@ def _size_and_time(row: dict, meta: dict) -> tuple[float, float] | None:
     return float(size), t_us * 1e-6
 
 
-def annotate(doc: dict, nodes: int, rate_bps: float, probe_doc: dict | None = None) -> dict:
-    """Add ``emu_*`` fields (bound, fraction of it, link usage, algbw, busbw) to every timed row.
+def annotate(doc: dict, nodes: int, rate_bps: float, probe_doc: dict | None = None,
+             flow_bps: float | None = None) -> dict:
+    """Add ``emu_*`` fields (bound, fraction of it, the simulator's wire time, link usage, algbw,
+    busbw) to every timed row.
 
     Link usage comes from the probe's measured bytes per message byte (dense algorithms), else from
     the row's own ``bytes_per_rank`` (the sparse bench's count) times the ranks per node, which is
@@ -88,6 +114,10 @@ def annotate(doc: dict, nodes: int, rate_bps: float, probe_doc: dict | None = No
         b = bound_s(size, nodes, rate_bps)
         row["emu_bound_us"] = b * 1e6
         row["emu_frac_of_bound"] = b / t if nodes > 1 else None
+        if "size_bytes" in row and nodes > 1:
+            wire = wire_s(row.get("algorithm", ""), size, world, nodes, rate_bps, flow_bps, meta.get("grid"))
+            if wire is not None:
+                row["emu_wire_us"] = wire * 1e6
         r = ratios.get(row.get("algorithm"))
         if r:
             node_tx, busiest, source = r["node_tx"] * size, r["busiest"] * size, "measured (probe)"
@@ -115,7 +145,8 @@ def format_table(doc: dict) -> str:
     """nccl-tests-like columns plus the bound, the fraction of it, and link usage (sizes in MiB,
     2**20 bytes, as ``bench allreduce --sizes 1M``; rates in GB/s and Gbit/s, 1e9, as nccl-tests)."""
     head = (f"{'algorithm':>12} {'size_MiB':>9} {'time_ms':>10} {'algbw_GB/s':>10} {'busbw_GB/s':>10} "
-            f"{'bound_ms':>9} {'of_bound':>8} {'link_B/B':>8} {'node_Gb/s':>9} {'link_Gb/s':>9} {'util':>5}")
+            f"{'bound_ms':>9} {'of_bound':>8} {'wire_ms':>9} {'link_B/B':>8} {'node_Gb/s':>9} "
+            f"{'link_Gb/s':>9} {'util':>5} {'flows':>7}")
     lines = [head]
     for row in doc.get("results", []):
         if "emu_bound_us" not in row:
@@ -124,11 +155,16 @@ def format_table(doc: dict) -> str:
         per_byte = row["emu_link_bytes"] / size if "emu_link_bytes" in row else None
         sparse = row.get("density", 1.0) < 1.0  # a sparse exchange is named with its density
         name = row["algorithm"] + (f"@{row['density']:g}" if sparse else "")
+        # flows that carried the upload of each node (per-flow cap only): min-max over nodes
+        counts = [c for c in row.get("node_flows") or [] if c is not None]
+        flows = "-" if not counts else (f"{min(counts)}" if min(counts) == max(counts)
+                                        else f"{min(counts)}-{max(counts)}")
         lines.append(
             f"{name:>12} {number(mib(size)):>9} {t * 1e3:10.2f} "
             f"{_fmt(row.get('algbw_gbps'), '10.4f')} {_fmt(row.get('busbw_gbps'), '10.4f')} "
             f"{row['emu_bound_us'] / 1e3:9.2f} "
-            f"{_fmt(row['emu_frac_of_bound'], '8.3f')} {_fmt(per_byte, '8.3f')} "
+            f"{_fmt(row['emu_frac_of_bound'], '8.3f')} "
+            f"{_fmt(row.get('emu_wire_us', math.nan) / 1e3, '9.2f')} {_fmt(per_byte, '8.3f')} "
             f"{_fmt(row.get('emu_node_gbps'), '9.3f')} {_fmt(row.get('emu_link_gbps'), '9.3f')} "
-            f"{_fmt(row.get('emu_link_util'), '5.2f')}")
+            f"{_fmt(row.get('emu_link_util'), '5.2f')} {flows:>7}")
     return "\n".join(lines)
