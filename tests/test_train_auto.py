@@ -122,3 +122,41 @@ def test_the_probe_measures_a_round_and_splits_the_fixed_costs(run_ranks):
         assert 0 < costs["round_fixed_s"] < 1
     slow = run_ranks(_probe_fixed_costs, 2, 10.0)
     assert all(c["round_fixed_s"] == 0.0 and c["exchange_fixed_s"] == 0.0 for _, c in slow)
+
+
+def test_a_given_cluster_with_assumptions_is_planned_over_their_ranges():
+    """plan_choice on a preset (its links and sparse costs assumed, the compute measured): auto.json
+    records every candidate's step range, what was assumed and where the choice changes, and the
+    printed choice says so and what to measure; a measured cluster file behaves as before."""
+    from flashsgd.sim.cluster_file import load_cluster_text
+    from flashsgd.sim.network import CLUSTERS
+    from flashsgd.sim.uncertainty import plan_over_ranges
+    from flashsgd.sim.workload import from_module
+    from flashsgd.train.auto import Measured, plan_choice
+    from flashsgd.train.models import resnet20
+    from sim_helpers import LAB
+
+    model = resnet20(10)
+    one = CLUSTERS.get("1gbe")
+    record = plan_choice(Measured(one, 0.1, 1.0, given="1gbe"), model, 8, 32, 20_000, "low")
+    ranged = plan_over_ranges(from_module(model), one, 8, 32, 320.0, steps=20_000)  # 32 samples / 0.1 s
+    assert ranged.choice_changes() and record["choice_changes"] == ranged.choice_changes()
+    assert [a["input"] for a in record["assumed"]] == list(one.assumed)[:3] + ["inter.bandwidth_gbps",
+                                                                               "inter.alpha_s"]
+    assert "compute" not in {a["input"] for a in record["assumed"]}  # measured by the probe
+    lo, hi = record["choice"]["step_s_range"]
+    assert lo < record["choice"]["step_s"] < hi and all("step_s_range" in p for p in record["ranked"])
+    assert (f"; step {lo * 1e3:.1f}-{hi * 1e3:.1f} ms over the ranges of 5 assumed inputs (auto.json: assumed); "
+            "the choice could change within them: ") in record["explain"]
+    setting, where = next(iter(ranged.choice_changes().items()))
+    assert f"{setting} at {' | '.join(where)}" in record["explain"]
+    assert record["explain"].endswith("to decide, run --comm auto without --cluster: it measures the links, "
+                                      "the devices and the sparse fixed costs here")
+    # a measured cluster (a file without ranges, as auto writes it): no range, the choice as before
+    measured = load_cluster_text(LAB + "[costs]\nexchange_fixed_us = 800.0\nround_fixed_us = 30.0\n"
+                                       "select_ns_per_elem = 1.5\n", "lab.toml")
+    plain = plan_choice(Measured(measured, 0.1, 1.0, given="lab.toml"), model, 8, 32, 20_000, "low")
+    assert plain["assumed"] == [] and plain["choice_changes"] == {}
+    assert plain["choice"]["step_s_range"] == [plain["choice"]["step_s"]] * 2
+    assert "assumed" not in plain["explain"]
+

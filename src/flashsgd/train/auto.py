@@ -23,7 +23,11 @@ all ranks working at once, so CPU or NIC sharing is in the figures):
 4. Plan (:func:`flashsgd.sim.planner.make_plan`) for this world, workload (the model's parameters
    in backward order, :func:`flashsgd.sim.workload.from_module`), batch and run length; rank 0
    broadcasts the choice, records ``<out>/auto.json`` (measurements, choice, top candidates) and
-   ``<out>/cluster.toml`` (the measured cluster, to pass back as ``--cluster``).
+   ``<out>/cluster.toml`` (the measured cluster, to pass back as ``--cluster``). A ``comm.cluster``
+   with assumed inputs (a preset's links and sparse costs, a file's ``*_range`` keys) is planned over
+   their ranges (:func:`flashsgd.sim.uncertainty.plan_over_ranges`): auto.json records each
+   candidate's step and efficiency range, what was assumed and where the choice would change, and
+   the printed choice says whether it holds and what to measure; a measured cluster has no range.
 5. A resumed run reuses the recorded choice (its checkpoints hold that hook's state).
 
 Cost: ~10 collectives and a few local passes over the gradient: seconds, once per run.
@@ -212,20 +216,41 @@ def plan_choice(measured: Measured, model: torch.nn.Module, world: int, local_ba
                 total_steps: int, accuracy_risk: str, grad_accum: int = 1) -> dict[str, Any]:
     """Step 4: the planner's choice for this run and what it was chosen over (JSON-able)."""
     from flashsgd.sim.cluster_file import to_toml
-    from flashsgd.sim.planner import make_plan
+    from flashsgd.sim.uncertainty import plan_over_ranges
     from flashsgd.sim.workload import from_module
 
-    plan = make_plan(from_module(model), measured.cluster, gpus=world, batch_per_gpu=local_batch,
-                     images_per_s=local_batch / measured.compute_s, steps=total_steps,
-                     accuracy_risk=accuracy_risk, grad_accum=grad_accum)
+    # the compute is measured here (no range); a given cluster's assumed inputs are varied
+    ranged = plan_over_ranges(from_module(model), measured.cluster, world, local_batch,
+                              local_batch / measured.compute_s, steps=total_steps,
+                              accuracy_risk=accuracy_risk, grad_accum=grad_accum)
+    plan = ranged.plan
     doc = plan.to_dict(top=20)
-    record = {"choice": doc["choice"], "explain": doc["explain"], "ruled_out": doc["ruled_out"],
-              "ranked": doc["ranked"], "measured": measured.describe(), "compute_s": measured.compute_s,
+    record = {"choice": {**doc["choice"], **ranged.prediction_dict(plan.choice)},
+              "explain": doc["explain"] + ranges_note(ranged), "ruled_out": doc["ruled_out"],
+              "ranked": [ranged.prediction_dict(p) for p in plan.ranked[:20]],
+              **ranged.to_dict(), "measured": measured.describe(), "compute_s": measured.compute_s,
               "world": world, "ranks_per_node": measured.cluster.ranks_per_node}
     if measured.given is None:  # a measured cluster, to pass back as --cluster next time
         record["cluster_toml"] = to_toml(measured.cluster, f"measured by flashsgd train --comm auto on "
                                                            f"{world} ranks")
     return record
+
+
+def ranges_note(ranged) -> str:
+    """The end of the printed choice (``auto        chose ...``) for a cluster with assumed inputs:
+    the chosen step's range, and whether the choice holds over the assumptions or what would be
+    chosen where, and what to measure; nothing for a measured cluster."""
+    if not ranged.inputs:
+        return ""
+    lo, hi = ranged.step_range(ranged.plan.choice)
+    note = (f"; step {lo * 1e3:.1f}-{hi * 1e3:.1f} ms over the ranges of {len(ranged.inputs)} assumed inputs "
+            "(auto.json: assumed)")
+    changes = ranged.choice_changes()
+    if not changes:
+        return note + "; the choice holds over every assumed range"
+    where = "; ".join(f"{setting} at {' | '.join(corners)}" for setting, corners in changes.items())
+    return (note + f"; the choice could change within them: {where}; to decide, run --comm auto without "
+            "--cluster: it measures the links, the devices and the sparse fixed costs here")
 
 
 def _given_cluster(spec: str, topo) -> ClusterModel:
