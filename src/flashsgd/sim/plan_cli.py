@@ -3,7 +3,7 @@
 Ranks every candidate by the simulator's predicted step (:mod:`flashsgd.sim.planner`), shows the
 best setting of each algorithm with its split (compute / exposed communication / compression) and
 scaling efficiency, and explains the choice in one line. Inputs that are assumptions (the presets'
-compute rates and sparse fixed costs, a cluster file's ``*_range`` keys, ``--images-per-s-range``)
+compute rates, sparse fixed costs and links, a cluster file's ``*_range`` keys, ``--images-per-s-range``)
 are varied over their ranges (:mod:`flashsgd.sim.uncertainty`): each step and efficiency is shown
 as a range, and the output says whether the choice changes inside them and what to measure. Sparse and low-rank exchanges are offered
 only when the run is long enough to keep accuracy (``--steps``; ``--accuracy-risk any`` offers them
