@@ -228,3 +228,22 @@ def test_plan_cli_bad_compute_range_is_one_line_exit_2():
     r = flashsgd("plan", "--cluster", "abci", "--gpus", "8", "--images-per-s-range", "400", "300")
     assert r.returncode == 2 and "--images-per-s-range must be 0 < LOW <= HIGH, got 400 300" in r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
+
+
+@pytest.mark.parametrize("name", CLUSTERS.names())
+def test_every_assumed_input_of_a_preset_moves_each_step_one_way(name):
+    """The corners rest on it: each assumed input, alone at its fast end, never lengthens any
+    exchange's step, and at its slow end never shortens it (every algorithm, 2 and 8 nodes)."""
+    from flashsgd.sim.engine import SimConfig, simulate
+
+    c = CLUSTERS.get(name)
+    inputs = assumptions(c, 200.0, None, "fp32")
+    assert inputs and all(a.key in c.assumed for a in inputs)
+    for gpus in (2 * c.ranks_per_node, 8 * c.ranks_per_node):
+        for algo in ("ring", "hierarchical", "torus2d", "topk", "gtopk", "hgtopk", "powersgd"):
+            cfg = SimConfig(algo, gpus, 200.0, schedule="after_backward")
+            base = simulate(resnet50(), c, cfg).iteration_s
+            for a in inputs:
+                fast = simulate(resnet50(), with_input(c, a.key, a.end(True)), cfg).iteration_s
+                slow = simulate(resnet50(), with_input(c, a.key, a.end(False)), cfg).iteration_s
+                assert fast <= base * (1 + 1e-12) and slow >= base * (1 - 1e-12), (name, gpus, algo, a.key)
