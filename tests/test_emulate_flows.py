@@ -12,7 +12,7 @@ import pytest
 
 from flashsgd.emulate import flows, netns
 from flashsgd.emulate.netns import ClusterSpec, parse_rate
-from flashsgd.emulate.report import wire_s
+from flashsgd.emulate.report import annotate, format_table, wire_s
 from netns_helpers import needs_netns
 
 
@@ -112,6 +112,14 @@ def test_wire_time_of_ring_and_torus_with_a_flow_cap():
     torus = wire_s("torus2d", n, 8, 4, link, flow, grid=(2, 4))
     assert torus == pytest.approx(2 * 3 / 4 * (n / 2) * 8 / flow)
     assert torus / ring == pytest.approx(3 / 7)
+    # the grid as each bench writes meta.grid: [X, Y] (the probe) or "XxY" (bench allreduce)
+    assert wire_s("torus2d", n, 8, 4, link, flow, grid="2x4") == torus
+    assert wire_s("torus2d", n, 8, 4, link, flow, grid=[2, 4]) == torus
+    doc = {"meta": {"world": 8, "grid": "2x4"}, "results": [
+        {"algorithm": "torus2d", "size_bytes": n, "time_us": 5e6}, {"algorithm": "ring", "size_bytes": n, "time_us": 1e7}]}
+    rows = annotate(doc, nodes=4, rate_bps=link, flow_bps=flow)["results"]
+    assert [r["emu_wire_us"] for r in rows] == pytest.approx([torus * 1e6, ring * 1e6])
+    assert "wire_ms" in format_table(doc)
     # without the cap both share the link: 1.5 n against 1.75 n per node
     assert wire_s("torus2d", n, 8, 4, link, None, grid=(2, 4)) / wire_s("ring", n, 8, 4, link) == \
         pytest.approx(1.5 / 1.75)

@@ -49,10 +49,11 @@ def bound_s(size_bytes: float, nodes: int, rate_bps: float) -> float:
 
 
 def wire_s(algorithm: str, size_bytes: float, world: int, nodes: int, rate_bps: float,
-           flow_bps: float | None = None, grid: tuple[int, int] | None = None) -> float | None:
+           flow_bps: float | None = None, grid: tuple[int, int] | list[int] | str | None = None) -> float | None:
     """The simulator's wire time of one dense all-reduce on the emulated links (module doc); None for
     anything else (sparse and low-rank rows carry their own sizes, not a message of ``size_bytes``)."""
     from flashsgd.comm.dense import ALLREDUCE
+    from flashsgd.comm.topology import parse_grid
     from flashsgd.sim.algorithms import ALGORITHMS, exchange_cost
     from flashsgd.sim.costs import CommSetup
     from flashsgd.sim.network import ClusterModel, Link
@@ -62,7 +63,9 @@ def wire_s(algorithm: str, size_bytes: float, world: int, nodes: int, rate_bps: 
     free = Link(0.0, 1e9)  # loopback: taken as free (1e18 B/s)
     inter = Link(0.0, rate_bps / 8e9, None if flow_bps is None else flow_bps / 8e9)
     cluster = ClusterModel("emulated", world // nodes, free, inter)
-    setup = CommSetup(world, cluster, grid=tuple(grid) if grid and algorithm == "torus2d" else None)
+    if grid and algorithm == "torus2d":  # meta.grid: "XxY" (bench allreduce) or [X, Y] (the probe)
+        grid = parse_grid(grid if isinstance(grid, str) else tuple(grid), world)
+    setup = CommSetup(world, cluster, grid=grid if algorithm == "torus2d" else None)
     return float(exchange_cost(algorithm, size_bytes, setup).total)
 
 
