@@ -214,6 +214,8 @@ def test_plan_cli_prints_ranges_what_it_assumed_and_the_flip(tmp_path):
     assert "the choice changes within the assumptions" in r.stdout
     doc = json.loads(out.read_text())
     lo, hi = doc["choice"]["step_s_range"]
+    choice = next(line for line in r.stdout.splitlines() if line.startswith("choice: "))
+    assert f"(over the assumptions: step {lo * 1e3:.1f}-{hi * 1e3:.1f} ms, efficiency " in choice
     assert lo < doc["choice"]["step_s"] < hi and "powersgd rank 2" in doc["choice_changes"]
     assert all(len(p["efficiency_range"]) == 2 for p in doc["ranked"])
     # a given --images-per-s is not ranged unless --images-per-s-range says so

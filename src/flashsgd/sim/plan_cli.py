@@ -87,7 +87,11 @@ def print_plan(ranged: RangedPlan, top: int) -> None:
               f"{r.efficiency:5.0%} {_span(elo * 100, ehi * 100, '.0f') + '%':>8}")
         if len(shown) == top:
             break
-    print(f"choice: {plan.explain()}")
+    lo, hi = ranged.step_range(plan.choice)
+    elo, ehi = ranged.efficiency_range(plan.choice)
+    span = (f" (over the assumptions: step {_span(lo * 1e3, hi * 1e3, '.1f')} ms, efficiency "
+            f"{_span(elo * 100, ehi * 100, '.0f')}%)" if ranged.inputs else "")
+    print(f"choice: {plan.explain()}{span}")
     for line in ranged.summary():
         print(line)
     for line in plan.ruled_out:
