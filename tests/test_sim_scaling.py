@@ -158,3 +158,19 @@ def test_simulate_calibrate_prints_each_rows_setting(tmp_path, capsys):
     assert any("ring" in line and "accum 4" in line for line in out.splitlines())
     assert any("ring" in line and "flow 5 Mbit/s" in line for line in out.splitlines())
     assert report["max_error"]["validation"] < 1e-9
+
+
+def test_files_pooled_in_one_fit_keep_their_own_density(tmp_path):
+    """Sparse rows of a file run at --density 0.01 are modelled at 0.01 even when the first file
+    pooled with it ran at 0.001 (the fit's default density applies only to rows without one)."""
+    row = _row("gtopk", bucket_bytes=[16 * MIB], step_s=[0.5])
+    paths = []
+    for name, density in (("d001.json", 0.001), ("d01.json", 0.01)):
+        (tmp_path / name).write_text(json.dumps({"meta": {"density": density}, "rows": [dict(row)]}))
+        paths.append(tmp_path / name)
+    low, high = (sim.load_scaling(p).rows[0] for p in paths)
+    assert (low["density"], high["density"]) == (0.001, 0.01)
+    b = sim.PARAMS.index("link_factor")
+    # the fit's density argument (the first file's) does not override a row's own
+    assert sim.design(high, 0.001)[b] == pytest.approx(sim.design(dict(row), 0.01)[b])
+    assert sim.design(high, 0.001)[b] > 5 * sim.design(low, 0.001)[b]  # ~10x the pairs on the wire

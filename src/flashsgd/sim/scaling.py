@@ -103,6 +103,8 @@ def load_scaling(path: str | Path) -> ScalingRows:
     for key in ("density",):
         if key not in meta:
             raise ValueError(f"scaling file {str(path)!r}: meta lacks {key!r}")
+    for r in rows:  # the sparse hooks' density of this file (files pooled in one fit may differ)
+        r.setdefault("density", meta["density"])
     for r in rows:  # PowerSGD's cost needs the model's matrices (in memory only)
         r["matrices"] = meta.get("matrices")
     return ScalingRows(str(path), meta, rows)
@@ -123,7 +125,9 @@ def _unit(row: dict, *, alpha: float = 0.0, inter_gbps: float = _INF_GBPS, intra
 
 def design(row: dict, density: float) -> np.ndarray:
     """(A, B, Bcpu, E, C, S, F) of ``row``'s exchange, summed over its DDP buckets (B: link-time-
-    equivalent bytes under the row's per-flow cap, see the module docstring)."""
+    equivalent bytes under the row's per-flow cap, see the module docstring); sparse hooks at the
+    row's own ``density`` (its file's, :func:`load_scaling`), else ``density``."""
+    density = row.get("density", density)
     clusters = (_unit(row, alpha=1.0), _unit(row, inter_gbps=_UNIT_GBPS, flow_cap=True),
                 _unit(row, inter_gbps=_UNIT_GBPS, intra_gbps=_UNIT_GBPS), _unit(row, select=1.0),
                 _unit(row, call=1.0), _unit(row, sparse=1.0), _unit(row, flop=1.0))

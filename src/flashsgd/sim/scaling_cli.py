@@ -56,7 +56,7 @@ def run_calibration(files: list[str], shapes_text: str | None, json_path: str | 
     """Steps 1-3; returns the report (also written to ``json_path``)."""
     docs = [sim.load_scaling(f) for f in files]                                     # Step 1
     rows = [r for d in docs for r in d.rows]
-    density = docs[0].meta["density"]
+    density = docs[0].meta["density"]  # for rows without their own (each file's rows carry theirs)
     shapes = parse_shapes(shapes_text) or sim.default_calibration_shapes(docs[0].rows)  # Step 2
     f = sim.fit(rows, shapes, density)                                               # Step 3
     preds = sim.predict(f, rows)
