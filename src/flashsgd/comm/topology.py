@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import math
 import os
@@ -56,6 +57,12 @@ def reset() -> None:
     _CACHE.clear()
     for hook in _RESET_HOOKS:
         hook()
+
+
+# A script that ends with torch's own ``dist.destroy_process_group()`` (not :func:`flashsgd.launch.
+# shutdown`) would leave the cached subgroups to interpreter finalization: drop them at exit, while
+# the interpreter is still whole (atexit runs before module teardown).
+atexit.register(reset)
 
 
 @dataclass(frozen=True, eq=False)

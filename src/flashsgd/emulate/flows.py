@@ -3,7 +3,7 @@
 A single TCP connection often cannot fill a node's NIC (kernel per-socket limits, one core per
 stream, congestion control on long fat links); that is why several inter-node rings at once (the 2D
 torus, the hierarchical all-reduce: one cross-node ring per local rank) can beat a flat ring that
-puts the same bytes through the NIC (issue 25; the model's side: :meth:`flashsgd.sim.network.Link.
+puts the same bytes through the NIC (the model's side: :meth:`flashsgd.sim.network.Link.
 flow_beta`, docs/simulator.md "Flows per NIC"). This module makes the emulated cluster show it.
 
 The idiom would be the ``fq`` qdisc with ``maxrate`` (per-socket pacing), but not every kernel has

@@ -397,48 +397,60 @@ def run(args: argparse.Namespace) -> int:
     report["inputs"] = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     report["workload"] = {"name": workload.name, "tensors": workload.num_tensors,
                           "params": workload.num_params, "note": workload.note}
-    if args.sweep_gpus:
-        def run_all(c, rate):
-            cfg = replace(base, images_per_s=rate)
-            return [r for a in algos for r in sweep(workload, c, _scheduled(cfg, a, args.schedule), [a],
-                                                     args.sweep_gpus)]
-
-        t0 = time.perf_counter()
-        ranged = runs_over_ranges(run_all, cluster, ips, ips_range, args.precision)
-        results = ranged.runs
-        elapsed = time.perf_counter() - t0
-        _print_table(ranged, algos, args.sweep_gpus)
-        print(f"simulated {len(results)} configurations at {plural(1 + len(ranged.at), 'setting')} of the "
-              f"assumptions in {elapsed:.3f} s")
-        _print_assumed(ranged)
-        report["grids"] = _grid_lines(results, workload, cluster, base, args.schedule)
-        for line in report["grids"]:
-            print(line)
-        png = plot_path(args.plot, args.out, args.json)
-        if png is not None:
-            plot_efficiency(results, png, f"{workload.name}, {args.precision}, batch "
-                            f"{args.batch_per_gpu}/GPU, {ips:g} img/s/GPU, cluster {cluster.name}")
-            print(f"wrote {png.resolve()}")
-        else:
-            print("no plot written: add --plot PATH, --out DIR or --json PATH")
-        report["sweep_seconds"] = elapsed
-    else:
-        ranged = runs_over_ranges(
-            lambda c, rate: [simulate(workload, c, _scheduled(replace(base, images_per_s=rate), a, args.schedule))
-                             for a in algos], cluster, ips, ips_range, args.precision)
-        results = ranged.runs
-        report["grids"] = []
-        for i, r in enumerate(results):
-            _print_breakdown(r, ranged, i)
-            for line in _grid_lines([r], workload, cluster, base, args.schedule):
-                print(f"  {line}")
-                report["grids"].append(line)
-        _print_assumed(ranged)
+    run_ranged = _sweep if args.sweep_gpus else _breakdowns
+    ranged = run_ranged(args, workload, cluster, base, algos, ips, ips_range, report)
+    results = ranged.runs
     report["assumed"] = [a.to_dict() for a in ranged.inputs]
     report["range_corners"] = [c.name for c, _ in ranged.at]
     report["results"] = [{**r.to_dict(), "ranges": ranged.ranges(i, RANGED)} for i, r in enumerate(results)]
     _write_json(args.json, report)
     return 0
+
+
+def _sweep(args, workload, cluster, base: SimConfig, algos: list[str], ips: float, ips_range,
+           report: dict):
+    """``--sweep-gpus``: the efficiency table over the assumptions' ranges, the grids, the plot."""
+    def run_all(c, rate):
+        cfg = replace(base, images_per_s=rate)
+        return [r for a in algos for r in sweep(workload, c, _scheduled(cfg, a, args.schedule), [a],
+                                                 args.sweep_gpus)]
+
+    t0 = time.perf_counter()
+    ranged = runs_over_ranges(run_all, cluster, ips, ips_range, args.precision)
+    results = ranged.runs
+    elapsed = time.perf_counter() - t0
+    _print_table(ranged, algos, args.sweep_gpus)
+    print(f"simulated {len(results)} configurations at {plural(1 + len(ranged.at), 'setting')} of the "
+          f"assumptions in {elapsed:.3f} s")
+    _print_assumed(ranged)
+    report["grids"] = _grid_lines(results, workload, cluster, base, args.schedule)
+    for line in report["grids"]:
+        print(line)
+    png = plot_path(args.plot, args.out, args.json)
+    if png is not None:
+        plot_efficiency(results, png, f"{workload.name}, {args.precision}, batch "
+                        f"{args.batch_per_gpu}/GPU, {ips:g} img/s/GPU, cluster {cluster.name}")
+        print(f"wrote {png.resolve()}")
+    else:
+        print("no plot written: add --plot PATH, --out DIR or --json PATH")
+    report["sweep_seconds"] = elapsed
+    return ranged
+
+
+def _breakdowns(args, workload, cluster, base: SimConfig, algos: list[str], ips: float, ips_range,
+                report: dict):
+    """One GPU count: each algorithm's breakdown over the assumptions' ranges, with its grid."""
+    ranged = runs_over_ranges(
+        lambda c, rate: [simulate(workload, c, _scheduled(replace(base, images_per_s=rate), a, args.schedule))
+                         for a in algos], cluster, ips, ips_range, args.precision)
+    report["grids"] = []
+    for i, r in enumerate(ranged.runs):
+        _print_breakdown(r, ranged, i)
+        for line in _grid_lines([r], workload, cluster, base, args.schedule):
+            print(f"  {line}")
+            report["grids"].append(line)
+    _print_assumed(ranged)
+    return ranged
 
 
 def _write_json(path: str | None, report: dict) -> None:
