@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from flashsgd.bench import scaling
+from flashsgd.emulate import netns
 from flashsgd.emulate.netns import EmulationUnavailable
 from flashsgd.emulate.ranks import RankError
 from flashsgd.sim import scaling as sim
@@ -276,7 +277,7 @@ def test_table_header_and_verdicts_never_contradict_their_numbers():
                                               ("100mbit", 100_000_000, 100_000_000), ("1/1", 10**9, 10**9),
                                               (None, 10**9, None)])
 def test_flow_rate_is_a_rate_or_a_fraction_of_the_link(text, link, bps):
-    assert scaling.flow_rate(text, link) == bps
+    assert netns.parse_flow_rate(text, link) == bps
 
 
 @pytest.mark.parametrize("text, match", [
@@ -288,7 +289,7 @@ def test_flow_rate_is_a_rate_or_a_fraction_of_the_link(text, link, bps):
 ])
 def test_flow_rate_refuses_what_cannot_be_a_flows_cap(text, match):
     with pytest.raises(ValueError, match=match):
-        scaling.flow_rate(text, 100_000_000)
+        netns.parse_flow_rate(text, 100_000_000)
 
 
 def test_flow_rate_and_grad_accum_errors_exit_2_before_building_anything(capsys):

@@ -86,6 +86,13 @@ def test_tc_lines_and_their_limits():
     with pytest.raises(ValueError, match="must not exceed the link rate"):
         ClusterSpec(2, 2, parse_rate("100mbit"), flow_rate_bps=parse_rate("200mbit"))
     assert ClusterSpec(2, 2, parse_rate("100mbit"), flow_rate_bps=parse_rate("25mbit")).flow_rate_bps == 25 * 10**6
+    # bench emulate reads --flow-rate as bench scaling does: a rate or a fraction of the link
+    from flashsgd.bench import emulate
+    parser = argparse.ArgumentParser()
+    emulate.add_arguments(parser)
+    args = parser.parse_args(["--link", "100mbit", "--flow-rate", "3/4", "--cluster", "2x1"])
+    assert netns.parse_flow_rate(args.flow_rate, parse_rate(args.link)) == 75 * 10**6
+    assert emulate.run(parser.parse_args(["--link", "100mbit", "--flow-rate", "200mbit"])) == 2  # above it
 
 
 def test_flow_counters_are_read_from_tc_text():

@@ -46,7 +46,7 @@ from pathlib import Path
 from flashsgd.cli_flags import comm_list
 from flashsgd.comm.dense import ALLREDUCE
 from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_available,
-                                    emulated_cluster, parse_rate, parse_shape)
+                                    emulated_cluster, parse_flow_rate, parse_rate, parse_shape)
 from flashsgd.emulate.ranks import RankError, run_ranks
 from flashsgd.emulate.report import annotate, format_table
 from flashsgd.fmt import plural
@@ -59,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="2x2", help="NODESxRANKS, e.g. 4x2 (default 2x2)")
     parser.add_argument("--link", default="1gbit", help="each node's link rate, e.g. 1gbit, 200mbit, 10gbit")
     parser.add_argument("--flow-rate", default=None, metavar="RATE",
-                        help="the most one TCP flow (connection) sends from a node, e.g. 250mbit "
-                             "(<= --link; default: one flow can fill the link)")
+                        help="the most one TCP flow (connection) sends from a node: a rate as --link "
+                             "(250mbit) or a fraction of the link (1/4); default: one flow can fill the link")
     parser.add_argument("--subnet", default="10.213.0.0/24", help="private /24 for the namespaces")
     add_output(parser, "--json", default=None, help="write the annotated results here")
     parser.add_argument("--probe-mb", type=float, default=8.0,
@@ -132,8 +132,9 @@ def run(args: argparse.Namespace) -> int:
     # Step 1: inputs and preconditions
     try:
         nodes, rpn = parse_shape(args.cluster)
-        flow = None if args.flow_rate is None else parse_rate(args.flow_rate)
-        spec = ClusterSpec(nodes, rpn, parse_rate(args.link), subnet=args.subnet, flow_rate_bps=flow)
+        link = parse_rate(args.link)
+        spec = ClusterSpec(nodes, rpn, link, subnet=args.subnet,
+                           flow_rate_bps=parse_flow_rate(args.flow_rate, link))
         if args.probe_comm is not None:
             comm_list(args.probe_comm, ALLREDUCE.names(), "--probe-comm")
     except ValueError as exc:

@@ -18,7 +18,7 @@ Algorithm (:func:`run`):
    (:func:`noop_probe`, :func:`choose_rate`); with ``--link-follows-cpu`` every other node count
    gets that rate x noop(largest) / noop(N), each from its own probe. The chosen rates are printed.
    ``--flow-rate`` (a rate, or a fraction of the link such as ``1/4``): the most one TCP flow may
-   send from a node (:attr:`flashsgd.emulate.netns.ClusterSpec.flow_rate_bps`; :func:`flow_rate`).
+   send from a node (:attr:`flashsgd.emulate.netns.ClusterSpec.flow_rate_bps`; :func:`flashsgd.emulate.netns.parse_flow_rate`).
 3. Per node count: build the cluster; hooks whose dense all-reduce would outlast the collective
    timeout at this rate are skipped with the reason; the others run in one job (rank 0 writes each
    hook's row as it finishes). A job that fails or passes its deadline marks the hook it was on as
@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -59,7 +58,7 @@ from flashsgd.bench import scaling_rank
 from flashsgd.cli_flags import add_option_flag
 from flashsgd.comm.hooks import HOOKS
 from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_available,
-                                    emulated_cluster, parse_rate)
+                                    emulated_cluster, parse_flow_rate, parse_rate)
 from flashsgd.emulate.ranks import MASTER_PORT, RankError, run_ranks
 from flashsgd.exchanges import BUCKET_MB
 from flashsgd.fmt import size
@@ -157,36 +156,8 @@ def settings(args: argparse.Namespace) -> dict:
     if args.comm_compute is not None and not args.comm_compute > 0:
         raise ValueError(f"--comm-compute must be > 0, got {args.comm_compute}")
     # the form now; against the link once it is known (--link: here, --comm-compute: when chosen)
-    flow_rate(args.flow_rate, parse_rate(args.link) if args.link else FAST_LINK_BPS)
+    parse_flow_rate(args.flow_rate, parse_rate(args.link) if args.link else FAST_LINK_BPS)
     return spec
-
-
-def flow_rate(text: str | None, link_bps: int) -> int | None:
-    """``--flow-rate`` at a link of ``link_bps``: bits/s one flow may send (None: no cap). ``text``
-    is a rate as ``--link`` (:func:`flashsgd.emulate.netns.parse_rate`) or a fraction ``A/B`` of
-    the link in (0, 1]; ValueError naming what is wrong and what is valid, also for a rate above
-    the link's."""
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
-    if m:
-        a, b = int(m.group(1)), int(m.group(2))
-        if not 0 < a <= b:
-            raise ValueError(f"--flow-rate {text!r}: a fraction of the link must be in (0, 1], such as 1/4")
-        rate = link_bps * a // b
-    else:
-        try:
-            rate = parse_rate(text)
-        except ValueError as exc:
-            raise ValueError(f"--flow-rate: {exc}, or a fraction of the link such as 1/4") from None
-    if rate > link_bps:
-        raise ValueError(f"--flow-rate {text} ({rate / 1e6:g} Mbit/s) is above the link rate "
-                         f"({link_bps / 1e6:g} Mbit/s): one flow cannot send faster than its link; valid: "
-                         f"at most the link rate, or a fraction of it such as 1/4")
-    try:
-        return parse_rate(rate)
-    except ValueError as exc:  # a fraction of a slow link below tc's smallest rate
-        raise ValueError(f"--flow-rate {text} at a {link_bps / 1e6:g} Mbit/s link: {exc}") from None
 
 
 def ring_seconds(grad_bytes: float, world: int, rate_bps: int, flow_bps: int | None) -> float:
@@ -256,7 +227,7 @@ def run_node_count(spec: dict, nodes: int, rate_bps: int, comms: list[str], work
     """Step 3: every hook of ``comms`` at ``nodes`` nodes; returns their rows."""
     rpn = spec["ranks_per_node"]
     world = nodes * rpn
-    flow_bps = flow_rate(spec["flow_rate"], rate_bps)
+    flow_bps = parse_flow_rate(spec["flow_rate"], rate_bps)
     est = ring_seconds(grad_bytes, world, rate_bps, flow_bps) if grad_bytes and world > 1 else 0.0
     rows = []
     if est > spec["timeout_s"]:
@@ -400,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     if not args.logs:
         shutil.rmtree(work, ignore_errors=True)
-    spec["flow_bps"] = flow_rate(args.flow_rate, rate)  # at the largest node count, as link_bps
+    spec["flow_bps"] = parse_flow_rate(args.flow_rate, rate)  # at the largest node count, as link_bps
     if args.json:  # the measurements first: nothing below can lose them
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"meta": {**spec, "link_bps": rate}, "rows": rows}, indent=1))

@@ -79,6 +79,34 @@ def parse_rate(text: str | int | float) -> int:
     return int(value)
 
 
+def parse_flow_rate(text: str | None, link_bps: int) -> int | None:
+    """``--flow-rate`` at a link of ``link_bps``: bits/s one flow may send (None: no cap). ``text``
+    is a rate as ``--link`` (:func:`flashsgd.emulate.netns.parse_rate`) or a fraction ``A/B`` of
+    the link in (0, 1]; ValueError naming what is wrong and what is valid, also for a rate above
+    the link's."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if m:
+        a, b = int(m.group(1)), int(m.group(2))
+        if not 0 < a <= b:
+            raise ValueError(f"--flow-rate {text!r}: a fraction of the link must be in (0, 1], such as 1/4")
+        rate = link_bps * a // b
+    else:
+        try:
+            rate = parse_rate(text)
+        except ValueError as exc:
+            raise ValueError(f"--flow-rate: {exc}, or a fraction of the link such as 1/4") from None
+    if rate > link_bps:
+        raise ValueError(f"--flow-rate {text} ({rate / 1e6:g} Mbit/s) is above the link rate "
+                         f"({link_bps / 1e6:g} Mbit/s): one flow cannot send faster than its link; valid: "
+                         f"at most the link rate, or a fraction of it such as 1/4")
+    try:
+        return parse_rate(rate)
+    except ValueError as exc:  # a fraction of a slow link below tc's smallest rate
+        raise ValueError(f"--flow-rate {text} at a {link_bps / 1e6:g} Mbit/s link: {exc}") from None
+
+
 def parse_shape(text: str) -> tuple[int, int]:
     """``"4x2"`` -> (4 nodes, 2 ranks per node)."""
     m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
