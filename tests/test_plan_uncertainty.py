@@ -224,6 +224,10 @@ def test_plan_cli_prints_ranges_what_it_assumed_and_the_flip(tmp_path):
     ranged = flashsgd("plan", "--cluster", "abci", "--gpus", "64", "--images-per-s", "370", "--steps", "1000",
                       "--images-per-s-range", "300", "400")
     assert "compute (fp32) 370 images/s (300-400)" in ranged.stdout
+    # a range that misses the rate it ranges is refused, as a cluster file's KEY_range is (not widened)
+    for cmd, rate in (("simulate", ["--comm", "gtopk", "--images-per-s", "900"]), ("plan", [])):
+        bad = flashsgd(cmd, "--cluster", "1gbe", "--gpus", "32", *rate, "--images-per-s-range", "100", "150")
+        assert bad.returncode == 2 and "--images-per-s-range 100 150 must hold the compute rate used" in bad.stderr
 
 
 def test_plan_cli_bad_compute_range_is_one_line_exit_2():

@@ -116,6 +116,12 @@ def compute_range(args: argparse.Namespace, cluster, workload: Workload) -> tupl
         lo, hi = args.images_per_s_range
         if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
             raise ValueError(f"--images-per-s-range must be 0 < LOW <= HIGH, got {lo:g} {hi:g}")
+        ips = images_per_s(args, cluster, workload)
+        if not lo <= ips <= hi:  # a cluster file's KEY_range must hold KEY: the same rule
+            given = "--images-per-s" if args.images_per_s is not None else f"the {cluster.name} preset's rate"
+            raise ValueError(f"--images-per-s-range {lo:g} {hi:g} must hold the compute rate used, {given} "
+                             f"{ips:g} (LOW <= value <= HIGH"
+                             f"{'; or give --images-per-s inside it' if args.images_per_s is None else ''})")
         return lo, hi
     if args.images_per_s is None and workload.name == "resnet50":
         return preset_compute_range(cluster, args.precision)

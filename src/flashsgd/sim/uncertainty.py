@@ -100,9 +100,10 @@ def assumptions(cluster: ClusterModel, images_per_s: float, compute_range: tuple
         out.append(Assumption(key, v, lo, hi, what, unit, scale, fast_high))
     if compute_range is not None:
         lo, hi = compute_range
-        if not (0 < lo <= hi):
-            raise ValueError(f"compute range must be 0 < low <= high images/s, got {compute_range!r}")
-        out.append(Assumption(COMPUTE, images_per_s, min(lo, images_per_s), max(hi, images_per_s),
+        if not (0 < lo <= images_per_s <= hi):
+            raise ValueError(f"compute range must be 0 < low <= the rate ({images_per_s:g}) <= high images/s, "
+                             f"got {compute_range!r}")
+        out.append(Assumption(COMPUTE, images_per_s, lo, hi,
                               f"compute ({precision})", "images/s", 1.0, True))
     return out
 
