@@ -71,7 +71,7 @@ import math
 import tomllib
 from pathlib import Path
 
-from flashsgd.sim.network import CLUSTERS, SPARSE_RANGES, ClusterModel, Link
+from flashsgd.sim.network import CLUSTERS, SPARSE_RANGES, ClusterModel, Link, highest_bandwidth
 
 GBIT = 1e9 / 8 / 1e9  # 1 Gbit/s in GB/s (Link.bandwidth_gbps is in 1e9 bytes per second)
 
@@ -147,7 +147,7 @@ def _link_ranges(where: str, doc: dict, key: str) -> dict[str, tuple[float, floa
             if r is not None:
                 out[f"{key}.{field}"] = (r[0] * factor, r[1] * factor)
         elif fkey + RANGE in t:  # only flow_bandwidth_gbit is optional: no limit stated, a limit plausible
-            bw = max([float(t["bandwidth_gbit"]), *t.get("bandwidth_gbit" + RANGE, [])])  # both checked above
+            bw = highest_bandwidth(float(t["bandwidth_gbit"]), t.get("bandwidth_gbit" + RANGE))  # both checked above
             lo, hi = _range(where, t, key, fkey, None)
             if hi < bw:
                 raise ValueError(f"{where}: {key}.{fkey}{RANGE} = [{lo:g}, {hi:g}] without {key}.{fkey} (no "

@@ -142,8 +142,8 @@ class ClusterModel:
                 raise ValueError(f"ClusterModel.assumed[{key!r}]: low {bounds[0]!r} > high {bounds[1]!r}")
             if key in UNLIMITED and input_value(self, key) is None:
                 level = key.partition(".")[0]
-                top = max(getattr(self, level).bandwidth_gbps,
-                          self.assumed.get(f"{level}.bandwidth_gbps", (0.0, 0.0))[1])
+                bandwidth, spread = getattr(self, level).bandwidth_gbps, self.assumed.get(f"{level}.bandwidth_gbps")
+                top = highest_bandwidth(bandwidth, spread)
                 if bounds[1] < top:
                     raise ValueError(f"ClusterModel.assumed[{key!r}]: with no per-flow limit stated (one flow "
                                      f"fills the link) the high end must be no limit either: >= the link's "
@@ -223,6 +223,13 @@ def with_input(c: ClusterModel, key: str, value: float) -> ClusterModel:
     if head == "resnet50_images_per_s":
         return replace(c, resnet50_images_per_s={**c.resnet50_images_per_s, tail: value})
     return replace(c, **{key: value})
+
+
+def highest_bandwidth(bandwidth: float, spread: tuple[float, float] | list[float] | None) -> float:
+    """The link's highest plausible bandwidth (its value, or its range's high end), in its own units:
+    a per-flow range with no limit stated must reach it at its high end ("no limit" is among the
+    plausible values), checked for presets (:class:`ClusterModel`) and cluster files alike."""
+    return max([bandwidth, *(spread or ())])
 
 
 CLUSTERS: Registry[ClusterModel] = Registry("cluster preset")
