@@ -304,12 +304,28 @@ def test_flow_rate_and_grad_accum_errors_exit_2_before_building_anything(capsys)
 def test_flow_rate_above_the_rate_comm_compute_chose_is_a_clear_exit_2(monkeypatch, capsys):
     monkeypatch.setattr(scaling, "check_available", lambda: None)
 
-    def measure(spec, args, work, log_dir):
-        return scaling.run_node_count(spec, 2, 10_000_000, ["noop"], work, log_dir, _FakeProgress(), 1e6)
+    # measure()'s own --comm-compute path, its probe faked: the chosen link is 10 Mbit/s
+    monkeypatch.setattr(scaling, "noop_probe", lambda spec, n, work, log_dir, progress: {"noop_median_s": 0.1})
+    monkeypatch.setattr(scaling, "choose_rate", lambda *a: 10_000_000)
 
-    monkeypatch.setattr(scaling, "measure", measure)
+    def never(*a, **k):
+        raise AssertionError("nothing is measured with a flow rate above the chosen link")
+
+    monkeypatch.setattr(scaling, "run_node_count", never)
     assert scaling.run(_args(flow_rate="25mbit", quick=True)) == 2
     assert "--flow-rate 25mbit (25 Mbit/s) is above the link rate (10 Mbit/s)" in capsys.readouterr().err
+
+
+def test_a_value_error_while_measuring_is_not_reported_as_a_usage_error(monkeypatch):
+    """Only ChosenLinkError is a usage error (exit 2); any other ValueError is a bug and propagates."""
+    monkeypatch.setattr(scaling, "check_available", lambda: None)
+
+    def broken(spec, args, work, log_dir):
+        raise ValueError("a bug in a rank's JSON")
+
+    monkeypatch.setattr(scaling, "measure", broken)
+    with pytest.raises(ValueError, match="a bug in a rank's JSON"):
+        scaling.run(_args(link="100mbit", quick=True))
 
 
 def test_rows_record_the_flow_cap_and_accumulation_and_the_cluster_gets_the_cap(monkeypatch, tmp_path):

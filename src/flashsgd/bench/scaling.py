@@ -269,6 +269,11 @@ def run_node_count(spec: dict, nodes: int, rate_bps: int, comms: list[str], work
     return rows
 
 
+class ChosenLinkError(ValueError):
+    """A setting that is wrong only at the link rate ``--comm-compute`` chose (``--flow-rate`` above
+    it): a usage error (exit 2), found before anything is measured."""
+
+
 def measure(spec: dict, args: argparse.Namespace, work: Path, log_dir: Path) -> tuple[list, dict, int, dict]:
     """Steps 2-3 over all node counts (largest first).
 
@@ -290,6 +295,10 @@ def measure(spec: dict, args: argparse.Namespace, work: Path, log_dir: Path) -> 
                 probes[n] = noop_probe(spec, n, work, log_dir, progress)
                 top = rate = choose_rate(grad_bytes, n * spec["ranks_per_node"], probes[n]["noop_median_s"],
                                          args.comm_compute)
+                try:  # --flow-rate RATE may be above the link --comm-compute chose: known only now
+                    parse_flow_rate(spec["flow_rate"], rate)
+                except ValueError as exc:
+                    raise ChosenLinkError(str(exc)) from None
                 _say_rate(spec, n, grad_bytes, probes[n]["noop_median_s"], rate, f"--comm-compute {args.comm_compute:g}")
             elif args.link_follows_cpu and n > 1:  # the link shrinks with the CPU share of a rank
                 probes[n] = noop_probe(spec, n, work, log_dir, progress)
@@ -362,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
     except RankError as exc:
         print(f"flashsgd bench scaling: {exc}\n(per-rank logs kept in {log_dir})", file=sys.stderr)
         return 1
-    except ValueError as exc:  # settings wrong only at the rate --comm-compute chose (--flow-rate above it)
+    except ChosenLinkError as exc:  # settings wrong only at the rate --comm-compute chose
         print(f"flashsgd bench scaling: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
