@@ -216,6 +216,10 @@ def test_plan_cli_prints_ranges_what_it_assumed_and_the_flip(tmp_path):
     lo, hi = doc["choice"]["step_s_range"]
     choice = next(line for line in r.stdout.splitlines() if line.startswith("choice: "))
     assert f"(over the assumptions: step {lo * 1e3:.1f}-{hi * 1e3:.1f} ms, efficiency " in choice
+    # the compressed choice's speed-up over the best dense, each setting with its own best dense
+    slo, shi = ranged_plan_1gbe().speedup_range()
+    nominal = float(choice.split("x faster than the best dense choice")[0].rsplit(" ", 1)[1])
+    assert slo < nominal < shi and f"{slo:.2f}-{shi:.2f}x faster than the best dense)" in choice
     assert lo < doc["choice"]["step_s"] < hi and "powersgd rank 2" in doc["choice_changes"]
     assert all(len(p["efficiency_range"]) == 2 for p in doc["ranked"])
     # a given --images-per-s is not ranged unless --images-per-s-range says so
@@ -253,3 +257,20 @@ def test_every_assumed_input_of_a_preset_moves_each_step_one_way(name):
                 fast = simulate(resnet50(), with_input(c, a.key, a.end(True)), cfg).iteration_s
                 slow = simulate(resnet50(), with_input(c, a.key, a.end(False)), cfg).iteration_s
                 assert fast <= base * (1 + 1e-12) and slow >= base * (1 - 1e-12), (name, gpus, algo, a.key)
+
+
+def ranged_plan_1gbe():
+    """`plan --cluster 1gbe --gpus 32 --model resnet50 --steps 50000`, as a RangedPlan."""
+    from flashsgd.sim.workload import resnet50
+
+    c = CLUSTERS.get("1gbe")
+    return plan_over_ranges(resnet50(), c, 32, 32, c.resnet50_images_per_s["fp32"],
+                            c.assumed["resnet50_images_per_s.fp32"], steps=50_000)
+
+
+def test_a_dense_choice_has_no_speedup_range():
+    from flashsgd.sim.workload import resnet50
+
+    c = CLUSTERS.get("abci")
+    r = plan_over_ranges(resnet50(), c, 64, 32, 370.0, steps=1000)
+    assert not r.plan.choice.candidate.compresses and r.speedup_range() is None

@@ -111,3 +111,10 @@ def share(part: float, whole: float, digits: int = 1, missing: Optional[str] = N
     if whole == 0:
         return missing if missing is not None else f"n/a ({number(part)} of {number(whole)})"
     return percent(part / whole, digits)
+
+
+def span(lo: float, hi: float, fmt: str) -> str:
+    """A range ``lo-hi`` in ``fmt``; one value when both ends print alike (``span(1.0, 1.04, ".1f")``
+    is ``"1.0"``). Bracket it where it follows a value: ``f"[{span(...)}]"``."""
+    a, b = format(lo, fmt), format(hi, fmt)
+    return a if a == b else f"{a}-{b}"

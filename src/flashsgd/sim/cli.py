@@ -29,7 +29,7 @@ from pathlib import Path
 
 from flashsgd.comm.topology import parse_grid
 from flashsgd.exchanges import DEFAULT_DENSITY, INT32_NUMEL, NODE_SPLITS, WIRE_INDEX_BYTES, option_default
-from flashsgd.fmt import percent, plural, size
+from flashsgd.fmt import percent, plural, size, span
 from flashsgd.outputs import add_output
 from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.engine import SimConfig, SimResult, simulate, straddling_alternative, sweep
@@ -252,12 +252,6 @@ def _grid_lines(results: list[SimResult], workload, cluster, base: SimConfig, sc
     return lines
 
 
-def _span(lo: float, hi: float, fmt: str) -> str:
-    """``[lo-hi]`` in ``fmt``; ``[v]`` when both ends print alike."""
-    a, b = format(lo, fmt), format(hi, fmt)
-    return f"[{a}]" if a == b else f"[{a}-{b}]"
-
-
 def _print_breakdown(r: SimResult, ranged: RangedRuns, i: int) -> None:
     """One run's breakdown; each line's ``[low-high]`` over the assumed inputs (none when measured)."""
     ms = 1e3
@@ -266,7 +260,7 @@ def _print_breakdown(r: SimResult, ranged: RangedRuns, i: int) -> None:
         if not ranged.inputs:
             return ""
         lo, hi = ranged.range(i, field)
-        return " " + _span(lo * scale, hi * scale, fmt)
+        return f" [{span(lo * scale, hi * scale, fmt)}]"
 
     when = "overlapping backward" if r.schedule == "overlap" else "after backward"
     accum = f", {plural(r.grad_accum, 'micro-batch', 'micro-batches')} per exchange" if r.grad_accum > 1 else ""
@@ -293,8 +287,8 @@ def _print_table(ranged: RangedRuns, algos: list[str], gpus: list[int]) -> None:
         if not ranged.inputs:
             return f"{r.efficiency:6.1%} ({r.iteration_s * 1e3:8.2f})"
         (elo, ehi), (lo, hi) = ranged.range(i, "efficiency"), ranged.range(i, "iteration_s")
-        return (f"{r.efficiency:6.1%} {_span(elo * 100, ehi * 100, '.0f')} "
-                f"{r.iteration_s * 1e3:.2f} {_span(lo * 1e3, hi * 1e3, '.1f')}")
+        return (f"{r.efficiency:6.1%} [{span(elo * 100, ehi * 100, '.0f')}] "
+                f"{r.iteration_s * 1e3:.2f} [{span(lo * 1e3, hi * 1e3, '.1f')}]")
 
     rows = [[cell(index[a, p]) for a in algos] for p in gpus]
     width = max(20, *(len(c) for row in rows for c in row))

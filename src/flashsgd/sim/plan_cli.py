@@ -26,7 +26,7 @@ import math
 import time
 from pathlib import Path
 
-from flashsgd.fmt import plural
+from flashsgd.fmt import plural, span
 from flashsgd.outputs import add_output
 from flashsgd.sim.cluster_file import load_cluster
 from flashsgd.sim.network import CLUSTERS
@@ -61,10 +61,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_output(p, "--json", metavar="PATH", help="write the plan (every candidate, ranked) as JSON")
 
 
-def _span(lo: float, hi: float, fmt: str) -> str:
-    return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{format(lo, fmt)}-{format(hi, fmt)}"
-
-
 def print_plan(ranged: RangedPlan, top: int) -> None:
     """The best setting of each algorithm (fastest first) with its step and efficiency ranges over
     the assumptions, the choice, what was assumed and whether the choice changes, what was ruled out."""
@@ -82,16 +78,18 @@ def print_plan(ranged: RangedPlan, top: int) -> None:
         lo, hi = ranged.step_range(p)
         elo, ehi = ranged.efficiency_range(p)
         mark = "*" if p is plan.choice else " "
-        print(f"{mark:2}{p.candidate.label():<54} {p.step_s * 1e3:8.1f} {_span(lo * 1e3, hi * 1e3, '.1f'):>13} "
+        print(f"{mark:2}{p.candidate.label():<54} {p.step_s * 1e3:8.1f} {span(lo * 1e3, hi * 1e3, '.1f'):>13} "
               f"{r.compute_s * 1e3:8.1f} {r.exposed_comm_s * 1e3:8.1f} {p.compression_s * 1e3:8.1f} "
-              f"{r.efficiency:5.0%} {_span(elo * 100, ehi * 100, '.0f') + '%':>8}")
+              f"{r.efficiency:5.0%} {span(elo * 100, ehi * 100, '.0f') + '%':>8}")
         if len(shown) == top:
             break
     lo, hi = ranged.step_range(plan.choice)
     elo, ehi = ranged.efficiency_range(plan.choice)
-    span = (f" (over the assumptions: step {_span(lo * 1e3, hi * 1e3, '.1f')} ms, efficiency "
-            f"{_span(elo * 100, ehi * 100, '.0f')}%)" if ranged.inputs else "")
-    print(f"choice: {plan.explain()}{span}")
+    speedup = ranged.speedup_range()
+    faster = "" if speedup is None else f", {span(*speedup, '.2f')}x faster than the best dense"
+    over = (f" (over the assumptions: step {span(lo * 1e3, hi * 1e3, '.1f')} ms, efficiency "
+            f"{span(elo * 100, ehi * 100, '.0f')}%{faster})" if ranged.inputs else "")
+    print(f"choice: {plan.explain()}{over}")
     for line in ranged.summary():
         print(line)
     for line in plan.ruled_out:

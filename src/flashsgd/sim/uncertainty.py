@@ -197,6 +197,20 @@ class RangedPlan:
         effs = [q.result.efficiency for q in self._all(p)]
         return min(effs), max(effs)
 
+    def speedup_range(self) -> tuple[float, float] | None:
+        """(lowest, highest) of the chosen compressed exchange's speed-up over the best dense
+        candidate, each setting of the assumptions with its own best dense; None for a dense choice."""
+        if not self.plan.choice.candidate.compresses:
+            return None
+        label = self.plan.choice.candidate.label()
+        ratios = []
+        for plan in [self.plan, *(p for _, p in self.at)]:
+            dense = plan.best_dense()
+            mine = next((q for q in plan.ranked if q.candidate.label() == label), None)
+            if dense is not None and mine is not None:
+                ratios.append(dense.step_s / mine.step_s)
+        return (min(ratios), max(ratios)) if ratios else None
+
     def choice_changes(self) -> dict[str, list[str]]:
         """Other choices (algorithm and setting) -> the corners where each is chosen instead."""
         nominal = self.plan.choice.candidate.setting()
