@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import struct
 
 import pytest
@@ -77,8 +78,11 @@ def test_tc_lines_and_their_limits():
     assert lines[0] == "qdisc add dev veth0 parent 1:1 handle 2: htb default 1"
     leaves = [ln for ln in lines if "ceil 100000000bit" in ln]
     assert len(leaves) == flows.BUCKETS and "classid 2:401 " in leaves[-1]
-    guaranteed = 400_000_000 // (flows.BUCKETS + 1)
-    assert guaranteed * (flows.BUCKETS + 1) <= 400_000_000  # HTB's guarantees fit the parent
+    # HTB's guarantees of the classes under 2:ffff fit its rate (the link)
+    parent = next(ln for ln in lines if "classid 2:ffff " in ln)
+    children = [ln for ln in lines if "parent 2:ffff " in ln]
+    rate = lambda ln: int(re.search(r" rate (\d+)bit", ln).group(1))  # noqa: E731
+    assert len(children) == flows.BUCKETS + 1 and sum(map(rate, children)) <= rate(parent) == 400_000_000
     assert lines[-1].startswith("filter add dev veth0 parent 2: bpf bytecode ")
     for bad in (0, 400_000_001):
         with pytest.raises(ValueError, match="flow rate"):

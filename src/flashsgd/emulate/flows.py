@@ -19,7 +19,10 @@ The idiom would be the ``fq`` qdisc with ``maxrate`` (per-socket pacing), but no
     bucket = ((TCP source port XOR destination port) AND 1023) + 2     (the BPF program, below)
 
 Only a node's upload is paced: every packet of a flow leaves its sender through that node's
-egress, so the flow's rate is bounded once; the download side keeps its tbf alone.
+egress, so the flow's rate is bounded once; the download side keeps its tbf alone. The htb takes
+the place of tbf's own queue, so the upload's queue bound is each class's default fifo (the veth's
+1000 packets), not tbf's ``latency``; TCP small queues (TSQ) bound each local sender's bytes in
+the qdisc to a couple of GSO packets, so the queue should stay short (its depth is not measured).
 
 Hash collisions: two concurrent flows of a node in the same bucket share one flow's rate. With 1024
 buckets and F flows sending at once from a node, P(some collision) ~ F (F - 1) / 2048 (2 flows:

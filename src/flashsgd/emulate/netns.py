@@ -128,7 +128,8 @@ class ClusterSpec:
     subnet: str = "10.213.0.0/24"
     """Private /24 assigned only to the namespaces' veths (node i gets host address i+1)."""
     latency_ms: float = 20.0
-    """tbf queue length expressed as the time to drain it at the link rate."""
+    """tbf queue length expressed as the time to drain it at the link rate (with ``flow_rate_bps``
+    the upload's queue is the per-flow classes' instead, :mod:`flashsgd.emulate.flows`)."""
     flow_rate_bps: int | None = None
     """The most one TCP flow (connection) sends from a node, bits/s (<= rate_bps); None: one flow
     can fill the link."""
@@ -179,12 +180,6 @@ class EmulatedCluster:
         return [{"tx_bytes": int(ports[f"n{i}"]["rx"]["bytes"]),
                  "rx_bytes": int(ports[f"n{i}"]["tx"]["bytes"])}
                 for i in range(self.spec.nodes)]
-
-    def flow_bytes(self) -> list[dict[int, int]]:
-        """Per node: bytes each paced flow bucket has sent so far (empty without a flow rate)."""
-        if self.spec.flow_rate_bps is None:
-            return [{} for _ in self.node_ns]
-        return [flows.flow_bytes(ns, self.ifname) for ns in self.node_ns]
 
 
 def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
