@@ -341,8 +341,8 @@ def test_rows_record_the_flow_cap_and_accumulation_and_the_cluster_gets_the_cap(
 def test_the_timeout_skip_counts_the_flow_cap(monkeypatch, tmp_path):
     _fake_jobs(monkeypatch, fail_on=None)
     # 10 MB on 2 ranks: 1e7 B x 8 = 80 Mbit over the ring's one flow: 0.8 s at 100 Mbit/s, 80 s at 1 Mbit/s
-    assert scaling.ring_seconds(10e6, 2, 100_000_000, None) == pytest.approx(0.8)
-    assert scaling.ring_seconds(10e6, 2, 100_000_000, 1_000_000) == pytest.approx(80.0)
+    assert scaling.wire_s("ring", 10e6, 2, 2, 100_000_000, None) == pytest.approx(0.8)
+    assert scaling.wire_s("ring", 10e6, 2, 2, 100_000_000, 1_000_000) == pytest.approx(80.0)
     rows = scaling.run_node_count(_spec(timeout_s=60.0, flow_rate="1mbit"), 2, 100_000_000, ["noop", "ring"],
                                   tmp_path, tmp_path, _FakeProgress(), 10e6)
     assert "at 100 Mbit/s (one flow at most 1 Mbit/s) takes ~80 s" in rows[0]["skipped"]

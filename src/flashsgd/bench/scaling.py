@@ -60,6 +60,7 @@ from flashsgd.comm.hooks import HOOKS
 from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_available,
                                     emulated_cluster, parse_flow_rate, parse_rate)
 from flashsgd.emulate.ranks import MASTER_PORT, RankError, run_ranks
+from flashsgd.emulate.report import wire_s
 from flashsgd.exchanges import BUCKET_MB
 from flashsgd.fmt import size
 from flashsgd.outputs import add_output
@@ -160,12 +161,6 @@ def settings(args: argparse.Namespace) -> dict:
     return spec
 
 
-def ring_seconds(grad_bytes: float, world: int, rate_bps: int, flow_bps: int | None) -> float:
-    """A dense ring all-reduce's wire time: its one flow per node at the link rate or the per-flow
-    cap, whichever is lower."""
-    return ring_link_bytes(grad_bytes, world) * 8 / min(rate_bps, flow_bps or rate_bps)
-
-
 def ring_link_bytes(grad_bytes: float, world: int) -> float:
     """Bytes a dense ring all-reduce puts on each node's link: 2(W-1)/W x S (Patarasuk & Yuan 2009)."""
     return 2 * (world - 1) / world * grad_bytes
@@ -228,7 +223,8 @@ def run_node_count(spec: dict, nodes: int, rate_bps: int, comms: list[str], work
     rpn = spec["ranks_per_node"]
     world = nodes * rpn
     flow_bps = parse_flow_rate(spec["flow_rate"], rate_bps)
-    est = ring_seconds(grad_bytes, world, rate_bps, flow_bps) if grad_bytes and world > 1 else 0.0
+    # the simulator's wire time of a dense ring on these links (its one flow per node, the cap)
+    est = (wire_s("ring", grad_bytes, world, nodes, rate_bps, flow_bps) or 0.0) if grad_bytes else 0.0
     rows = []
     if est > spec["timeout_s"]:
         slow = [c for c in comms if c != "noop"]

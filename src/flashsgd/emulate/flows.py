@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import tempfile
 
 HTB_HANDLE = 2          # the htb under tbf 1:
 ROOT_MINOR = 0xFFFF     # 2:ffff, the link-rate parent class
@@ -115,10 +114,8 @@ def tc_batch(dev: str, link_bps: int, flow_bps: int, burst_bytes: int) -> str:
 
 def install(ns: str, dev: str, link_bps: int, flow_bps: int, burst_bytes: int) -> None:
     """Add the per-flow classes to ``dev`` in namespace ``ns`` (its root must be ``tbf`` handle 1:)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".tc", delete=True) as f:
-        f.write(tc_batch(dev, link_bps, flow_bps, burst_bytes))
-        f.flush()
-        proc = subprocess.run(["tc", "-n", ns, "-batch", f.name], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["tc", "-n", ns, "-batch", "-"], input=tc_batch(dev, link_bps, flow_bps, burst_bytes),
+                          capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         raise RuntimeError(f"per-flow pacing on {ns}/{dev} failed (needs the kernel's htb qdisc and bpf "
                            f"classifier): {proc.stderr.strip()[-800:]}")
