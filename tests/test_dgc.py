@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd.comm.hooks import register_hook
-from flashsgd.comm.sparse_corrections import (accumulate_velocity_, check_momentum_owner,
+from flashsgd.comm.sparse_corrections import (accumulate_velocity, check_momentum_owner,
                                               clip_local_, mask_momentum_)
 
 
@@ -47,11 +47,11 @@ def test_correction_steps():
     assert torch.equal(clip_local_(g.clone(), None), g)
     torch.testing.assert_close(clip_local_(g.clone(), 1.0).norm(), torch.tensor(1.0))
     # heavy ball: u = m*u + g; v += u.  Nesterov (DGC's code): u = m*(u + g); v += u + g
-    v, u = torch.zeros(2), torch.ones(2)
-    accumulate_velocity_(v, u, g, 0.5)
+    v0, u0 = torch.zeros(2), torch.ones(2)
+    v, u = accumulate_velocity(v0, u0, g, 0.5)
     assert u.tolist() == [3.5, 4.5] and v.tolist() == [3.5, 4.5]
-    v, u = torch.zeros(2), torch.ones(2)
-    accumulate_velocity_(v, u, g, 0.5, nesterov=True)
+    assert v0.tolist() == [0.0, 0.0] and u0.tolist() == [1.0, 1.0]  # the step's memories: untouched
+    v, u = accumulate_velocity(v0, u0, g, 0.5, nesterov=True)
     assert u.tolist() == [2.0, 2.5] and v.tolist() == [5.0, 6.5]
     mask_momentum_(u, torch.tensor([1]))
     assert u.tolist() == [2.0, 0.0]

@@ -64,7 +64,7 @@ def hook_step(name: str, options: dict, layers: int, width: int, bucket_mb: floa
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    train_step = TrainStep(model, opt, torch.nn.CrossEntropyLoss(reduction="sum"), timer)
+    train_step = TrainStep(model, opt, torch.nn.CrossEntropyLoss(reduction="sum"), timer, hook_state=state)
     global_batch = batch * dist.get_world_size()
 
     def step() -> None:

@@ -60,6 +60,15 @@ def mean_tensors(dicts: list[dict[int, torch.Tensor]]) -> dict[int, torch.Tensor
     return {k: v / len(dicts) for k, v in out.items()}
 
 
+def floating_tensors(state: Any) -> list[torch.Tensor]:
+    """Every floating-point tensor in a (nested) state dict: what must be finite before it is
+    checkpointed."""
+    if isinstance(state, torch.Tensor):
+        return [state] if state.is_floating_point() else []
+    items = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    return [t for item in items for t in floating_tensors(item)]
+
+
 def completed_future(value: Any) -> torch.futures.Future:
     """A Future already holding ``value`` (what a synchronous hook returns to DDP)."""
     fut: torch.futures.Future = torch.futures.Future()
@@ -186,12 +195,26 @@ def _value(fut: torch.futures.Future) -> Any:
 
 
 class StatelessHookState:
-    """State of a hook with nothing to checkpoint (``native``, ``noop``): empty state_dict."""
+    """State of a hook with nothing to checkpoint (``native``, ``noop``): empty state_dict.
+
+    The step protocol of :mod:`flashsgd.comm.hook_step` is a no-op here: such a hook keeps nothing
+    across steps, and its output is an average in which one rank's NaN reaches every rank (the
+    step's agreed check sees it)."""
 
     __slots__ = ("name",)
 
     def __init__(self, name: str) -> None:
         self.name = name
+
+    def begin_step(self, grad_scale: torch.Tensor | None = None) -> None:
+        """Nothing kept, nothing to unscale (:mod:`flashsgd.comm.hook_step`, Step 1)."""
+
+    def nonfinite_inputs(self) -> torch.Tensor | None:
+        """None: the output shows every rank's non-finite input (Step 3)."""
+        return None
+
+    def end_step(self, kept: bool) -> None:
+        """Nothing to keep or put back (Step 4)."""
 
     def state_dict(self) -> dict:
         return {}

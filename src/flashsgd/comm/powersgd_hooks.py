@@ -48,6 +48,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDS
 
 from flashsgd.comm.dense import native_stages
 from flashsgd.comm.hook_common import CommThread, check_owner, ddp_hook, mean_tensors, rank_and_world
+from flashsgd.comm.hook_step import HookStep
 from flashsgd.exchanges import LowRankOptions
 
 _MEMORIES = ("error_dict", "p_memory_dict", "q_memory_dict")
@@ -63,7 +64,7 @@ class PowerSGDHookState:
         param_positions: ``{id(parameter): position in model.parameters()}`` (memory re-ordering).
     """
 
-    __slots__ = ("powersgd", "param_positions", "layouts", "pending", "comm")
+    __slots__ = ("powersgd", "param_positions", "layouts", "pending", "comm", "step", "saved")
 
     def __init__(self, powersgd: PowerSGDState, param_positions: dict[int, int]) -> None:
         self.powersgd = powersgd
@@ -71,6 +72,38 @@ class PowerSGDHookState:
         self.comm = CommThread()  # Gloo: each bucket's chain of all-reduces, in bucket order
         self.layouts: dict[int, tuple] = {}  # bucket index -> ((position, shape), ...) in buffer order
         self.pending: dict[str, dict[int, torch.Tensor]] = {}  # memory name -> position -> piece
+        self.step = HookStep()  # the open training step: loss scale, non-finite inputs (hook_step)
+        self.saved: dict | None = None  # what the open step started from (begin_step)
+
+    def begin_step(self, grad_scale: torch.Tensor | None = None) -> None:
+        """Step 1 of :mod:`flashsgd.comm.hook_step`: this step's buckets carry ``grad_scale``;
+        remember the state. torch's hook replaces each error tensor (``error_dict[i] = M' - M``)
+        but writes P and Q in place (``matmul(..., out=)``, orthogonalization): those are copied
+        (n*r + m*r per matrix: small), the rest is kept by reference."""
+        self.step.begin(grad_scale)
+        s = self.powersgd
+        self.saved = {"iter": s.iter, "error_dict": dict(s.error_dict),
+                      "p_memory_dict": {k: v.clone() for k, v in s.p_memory_dict.items()},
+                      "q_memory_dict": {k: v.clone() for k, v in s.q_memory_dict.items()},
+                      "rng": s.rng.get_state(), "layouts": dict(self.layouts),
+                      "pending": {name: dict(d) for name, d in self.pending.items()}}
+
+    def nonfinite_inputs(self) -> torch.Tensor | None:
+        """Step 3: buckets that arrived non-finite on this rank in the open step (None: none ran)."""
+        return self.step.bad
+
+    def end_step(self, kept: bool) -> None:
+        """Step 4: keep the step, or put back exactly what :meth:`begin_step` saw (torch's
+        compression statistics keep counting)."""
+        saved, self.saved = self.saved, None
+        self.step.end()
+        if kept or saved is None:
+            return
+        s = self.powersgd
+        s.iter, s.error_dict = saved["iter"], saved["error_dict"]
+        s.p_memory_dict, s.q_memory_dict = saved["p_memory_dict"], saved["q_memory_dict"]
+        s.rng.set_state(saved["rng"])
+        self.layouts, self.pending = saved["layouts"], saved["pending"]
 
     def layout(self, bucket: dist.GradBucket) -> tuple:
         """((parameter position, shape), ...) of the bucket, in buffer order."""
@@ -89,10 +122,14 @@ class PowerSGDHookState:
                 getattr(self.powersgd, name).clear()
             self.layouts = {}
         self.layouts[idx] = layout
+        buf = bucket.buffer()
         for name in _MEMORIES:
             pieces = self.pending.get(name)
             if pieces and all(pos in pieces for pos, _ in layout):
                 getattr(self.powersgd, name)[idx] = torch.cat([pieces.pop(pos) for pos, _ in layout])
+            memory = getattr(self.powersgd, name)
+            if idx in memory and (memory[idx].device != buf.device or memory[idx].dtype != buf.dtype):
+                memory[idx] = memory[idx].to(buf)  # a checkpoint loads on the CPU: follow the bucket
 
     def _cut(self, name: str, flat: torch.Tensor, layout: tuple) -> list[torch.Tensor]:
         """``flat`` (memory ``name`` of a bucket of ``layout``) as one piece per parameter (empty
@@ -158,16 +195,26 @@ class PowerSGDHookState:
 @ddp_hook
 def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.futures.Future:
     """Step 3: torch's ``powerSGD_hook`` on the inner ``PowerSGDState`` (memories re-ordered first
-    when DDP changed the bucket's parameters)."""
+    when DDP changed the bucket's parameters, and moved to the bucket's device), in true gradient
+    units: the bucket is divided by the step's loss scale first and multiplied back after, so
+    that the error feedback and Q are kept unscaled (:mod:`flashsgd.comm.hook_step`)."""
     state.follow_layout(bucket)
+    step = state.step
+    step.unscale_(bucket.buffer())
     if native_stages(bucket.buffer()):  # NCCL: the chain is enqueued on the stream in order
-        return powerSGD_hook(state.powersgd, bucket)
+        fut = powerSGD_hook(state.powersgd, bucket)
+        return fut if step.scale is None else fut.then(lambda f: step.rescale_(_tensor(f.value())))
     # Gloo: torch's hook issues the Q all-reduce (and the decompression) in Future callbacks, on
     # Gloo's threads, while the backward thread goes on to the next bucket's P all-reduce: with
     # several buckets the ranks then issue collectives in different orders (a size mismatch or a
     # hang). The communication thread runs each bucket's whole chain before the next bucket's
     # (FIFO: one order on every rank, test_powersgd) while backward goes on.
-    return state.comm.submit(lambda: powerSGD_hook(state.powersgd, bucket).wait())
+    return state.comm.submit(lambda: step.rescale_(_tensor(powerSGD_hook(state.powersgd, bucket).wait())))
+
+
+def _tensor(value: Any) -> torch.Tensor:
+    """The bucket from a PowerSGD Future's value (a tensor, or a one-tensor list on some paths)."""
+    return value[0] if isinstance(value, (list, tuple)) else value
 
 
 def make_powersgd(ddp_model: Any, options: LowRankOptions) -> tuple[PowerSGDHookState, Callable]:

@@ -1,4 +1,4 @@
-"""Deep Gradient Compression's corrections to sparsified SGD, as in-place steps on one flat bucket.
+"""Deep Gradient Compression's corrections to sparsified SGD, as steps on one flat bucket.
 
 Paper: Lin, Han, Mao, Wang, Dally 2018, "Deep Gradient Compression" (DGC, arXiv 1712.01887),
 sec. 3.2-3.3 and Algorithm 1 (with momentum correction), and the authors' code
@@ -8,7 +8,7 @@ hooks of :mod:`flashsgd.comm.sparse_hooks`, per bucket and rank, before the sele
 1. :func:`clip_local_` - local gradient clipping: this rank's bucket gradient is scaled to a norm
    of at most ``max_norm`` before it enters the accumulation (DGC sec. 3.3: clip before
    accumulating, so that a few large gradients cannot dominate the residual for many steps).
-2. :func:`accumulate_velocity_` - momentum correction: the momentum is applied here, on the local
+2. :func:`accumulate_velocity` - momentum correction: the momentum is applied here, on the local
    gradient, and the *velocity* is accumulated into the residual (DGC eq. 6-7)::
 
        u = m * u + g;        v = v + u              (heavy ball)
@@ -29,7 +29,7 @@ scatter of k entries.
 Example::
 
     >>> g, u, v = torch.ones(4), torch.zeros(4), torch.zeros(4)
-    >>> accumulate_velocity_(v, u, clip_local_(g, 4.0), momentum=0.9)
+    >>> v, u = accumulate_velocity(v, u, clip_local_(g, 4.0), momentum=0.9)
     >>> mask_momentum_(u, torch.tensor([0])); u.tolist()
     [0.0, 1.0, 1.0, 1.0]
 """
@@ -66,15 +66,17 @@ def clip_local_(grad: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     return grad
 
 
-def accumulate_velocity_(residual: torch.Tensor, velocity: torch.Tensor, grad: torch.Tensor,
-                         momentum: float, nesterov: bool = False) -> None:
-    """Step 2: ``u = m*u + g; v += u`` (Nesterov: ``u = m*(u + g); v += u + g``), in place."""
+def accumulate_velocity(residual: torch.Tensor, velocity: torch.Tensor, grad: torch.Tensor,
+                        momentum: float, nesterov: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 2: ``(v + u', u')`` with ``u' = m*u + g`` (Nesterov: ``u' = m*(u + g)``, and
+    ``v + u' + g``), as new tensors: ``residual`` v and ``velocity`` u are left as they were (the
+    hooks keep a step's starting memories until the step is kept, :mod:`flashsgd.comm.hook_step`).
+    The same arithmetic, in the same order, as the in-place form ``u.mul_(m).add_(g); v.add_(u)``."""
     if nesterov:
-        velocity.add_(grad).mul_(momentum)
-        residual.add_(velocity).add_(grad)
-    else:
-        velocity.mul_(momentum).add_(grad)
-        residual.add_(velocity)
+        velocity = torch.add(velocity, grad).mul_(momentum)
+        return torch.add(residual, velocity).add_(grad), velocity
+    velocity = torch.mul(velocity, momentum).add_(grad)
+    return torch.add(residual, velocity), velocity
 
 
 def mask_momentum_(velocity: torch.Tensor, sent: torch.Tensor) -> None:

@@ -6,7 +6,9 @@ PPoPP'22 (Ok-Topk) for keeping the selection threshold across iterations.
 Per bucket of m elements, in memory passes (one pass = one ``torch.add`` over the bucket: read
 2 x 4m, write 4m bytes):
 
-1. ``residual += grad`` in place: the residual buffer becomes the accumulated gradient (1 pass).
+1. ``acc = residual + grad`` (1 pass): in place for :func:`compress_` (the residual buffer becomes
+   acc), into a new tensor for the hooks (:func:`add_block_maxima`: the residual a step started
+   from stays intact until the step is kept, :mod:`flashsgd.comm.hook_step`).
 2. Block maxima of |acc| (two read-only reductions, ~2/3 pass), fused with step 1 into one pass
    when ``compiled=True`` and ``torch.compile`` works.
 3. Exact top-k from the block maxima and a kept threshold
@@ -34,9 +36,9 @@ import torch
 from flashsgd.comm.sparse_select import (ThresholdReuse, _check_selection, auto_block,
                                          block_maxima, topk_threshold)
 
-__all__ = ["add_block_maxima_", "compress_", "ThresholdReuse", "compiled_available"]
+__all__ = ["add_block_maxima_", "add_block_maxima", "compress_", "ThresholdReuse", "compiled_available"]
 
-_COMPILED: dict = {}  # "fn": compiled add+maxima (None after a failure); "ran": it succeeded once
+_COMPILED: dict = {}  # name -> compiled add+maxima (None after a failure); "ran": one succeeded once
 
 
 def _add_block_maxima_(residual: torch.Tensor, grad: torch.Tensor, block: int) -> torch.Tensor:
@@ -45,16 +47,26 @@ def _add_block_maxima_(residual: torch.Tensor, grad: torch.Tensor, block: int) -
     return block_maxima(residual, block)
 
 
-def _compiled_fn() -> Callable | None:
-    """``torch.compile`` of :func:`_add_block_maxima_`, or None when compiling is unavailable."""
-    if "fn" not in _COMPILED:
+def _sum_block_maxima(residual: torch.Tensor, grad: torch.Tensor,
+                      block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-2 into a new tensor: (residual + grad, the block maxima of the sum)."""
+    acc = residual + grad
+    return acc, block_maxima(acc, block)
+
+
+_EAGER = {"in_place": _add_block_maxima_, "new": _sum_block_maxima}
+
+
+def _compiled_fn(kind: str = "in_place") -> Callable | None:
+    """``torch.compile`` of :data:`_EAGER` [kind], or None when compiling is unavailable."""
+    if kind not in _COMPILED:
         try:
-            _COMPILED["fn"] = torch.compile(_add_block_maxima_, dynamic=False)
+            _COMPILED[kind] = torch.compile(_EAGER[kind], dynamic=False)
         except Exception as exc:  # noqa: BLE001 - any compile failure falls back to eager
             warnings.warn(f"torch.compile unavailable ({type(exc).__name__}: {exc}); eager passes",
                           RuntimeWarning, stacklevel=3)
-            _COMPILED["fn"] = None
-    return _COMPILED["fn"]
+            _COMPILED[kind] = None
+    return _COMPILED[kind]
 
 
 def compiled_available() -> bool:
@@ -102,7 +114,7 @@ def add_block_maxima_(residual: torch.Tensor, grad: torch.Tensor, block: int,
     the sum (:func:`~flashsgd.comm.sparse_select.block_maxima`); one fused pass with
     ``compiled=True`` (falls back to the eager passes, with a warning, if compiling fails)."""
     bmax = None
-    fn = _compiled_fn() if compiled else None
+    fn = _compiled_fn("in_place") if compiled else None
     if fn is not None:
         # compiling happens in the first call: keep a copy until one call has succeeded, so a
         # failure there cannot leave a half-done update
@@ -113,10 +125,28 @@ def add_block_maxima_(residual: torch.Tensor, grad: torch.Tensor, block: int,
         except Exception as exc:  # noqa: BLE001 - fall back to eager
             warnings.warn(f"compiled compression failed ({type(exc).__name__}: {exc}); eager passes",
                           RuntimeWarning, stacklevel=2)
-            _COMPILED["fn"] = None
+            _COMPILED["in_place"] = None
             if before is not None:
                 residual.copy_(before)
             bmax = None
     if bmax is None:
         bmax = _add_block_maxima_(residual, grad, block)
     return bmax
+
+
+def add_block_maxima(residual: torch.Tensor, grad: torch.Tensor, block: int,
+                     compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-2 into a new tensor: ``(acc, bmax)`` with ``acc = residual + grad`` (``residual``
+    is left as it was: the hooks keep a step's starting memory until the step is kept) and the
+    block maxima of acc; one fused pass with ``compiled=True`` (eager, with a warning, if
+    compiling fails: nothing was written, so there is nothing to undo). Same memory traffic as
+    the in-place :func:`add_block_maxima_` (read 2, write 1 bucket)."""
+    fn = _compiled_fn("new") if compiled else None
+    if fn is not None:
+        try:
+            return fn(residual, grad, block)
+        except Exception as exc:  # noqa: BLE001 - fall back to eager
+            warnings.warn(f"compiled compression failed ({type(exc).__name__}: {exc}); eager passes",
+                          RuntimeWarning, stacklevel=2)
+            _COMPILED["new"] = None
+    return _sum_block_maxima(residual, grad, block)

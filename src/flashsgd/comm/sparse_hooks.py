@@ -26,6 +26,11 @@ Per bucket and step (after ``start_iter`` dense iterations):
        velocity is zeroed there too (DGC's momentum-factor masking).
     5. The bucket becomes sum / world (DDP's average semantics), zero outside the selected indices.
 
+Units and skipped steps (:mod:`flashsgd.comm.hook_step`): the bucket is first divided by the
+step's loss scale (fp16; 1 otherwise), so that residuals, velocities, clipping and LARS layer norms
+are all in true gradient units, and multiplied back before it returns to DDP; a step the trainer
+skips puts back every memory it started from (``begin_step`` / ``end_step``).
+
 Iterations ``0 .. start_iter-1`` use a dense all-reduce (grad / world, summed; with momentum
 correction the velocity u = m*u + g, so that these steps are plain momentum SGD), as DDP does: DDP
 rebuilds its buckets after the first iteration, so no residual exists before the layout is final.
@@ -67,10 +72,11 @@ which exchange it runs. The state (residuals, layouts, checkpoints) is
 
 Sparse step of one bucket (numbers as in the hooks' module docstring):
 
-1. ``acc = residual + grad`` in place (the residual buffer becomes acc). When the selection reads
+1. ``acc = residual + grad`` into a new tensor (the kept residual stays intact until the step is
+   kept: a skipped step puts it back, :mod:`flashsgd.comm.hook_step`). When the selection reads
    block maxima of acc (``threshold`` selection on acc: ``topk``, ``gtopk``, ``hgtopk`` with the
    ``sparse`` node split) and no momentum correction sits between the add and the selection, the
-   add and the block maxima are one call (:func:`~flashsgd.comm.sparse_fused.add_block_maxima_`,
+   add and the block maxima are one call (:func:`~flashsgd.comm.sparse_fused.add_block_maxima`,
    one fused pass with ``compiled=True``); the selection then reuses the maxima. Same result bit
    for bit: the add is the same IEEE add, the maxima are exact.
 2. ``topk`` / ``gtopk``: select k of acc, on the backward thread.
@@ -97,8 +103,8 @@ import torch.distributed as dist
 from flashsgd.comm.hook_common import completed_future, ddp_hook
 from flashsgd.comm.sparse import (SELECTIONS, check_sizes, gtopk_allreduce, gtopk_bytes_sent,
                                   k_from_density, topk_allgather, topk_bytes_sent)
-from flashsgd.comm.sparse_corrections import accumulate_velocity_, clip_local_, mask_momentum_
-from flashsgd.comm.sparse_fused import add_block_maxima_
+from flashsgd.comm.sparse_corrections import accumulate_velocity, clip_local_, mask_momentum_
+from flashsgd.comm.sparse_fused import add_block_maxima
 from flashsgd.comm.sparse_hier import check_node_layout, hgtopk_allreduce, hgtopk_bytes_sent
 from flashsgd.comm.sparse_select import auto_block, topk_threshold
 from flashsgd.comm.sparse_state import SparseHookState
@@ -131,10 +137,9 @@ def dense_iteration(state: SparseHookState, bucket: dist.GradBucket, buf: torch.
 def _dense_momentum(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tensor) -> None:
     """A dense iteration with momentum correction: ``buf`` <- the momentum update of its gradient
     (``u = m*u + g``, or ``g + m*u`` after ``u = m*u + g`` for Nesterov, torch.optim.SGD's forms)."""
-    velocity = state.velocity(bucket)
-    update = torch.zeros_like(buf)
     # DGC's velocity is m * (torch's buffer) in the Nesterov form; the update is the same
-    accumulate_velocity_(update, velocity, buf, state.momentum, state.options.nesterov)
+    update, velocity = accumulate_velocity(torch.zeros_like(buf), state.velocity(bucket), buf,
+                                           state.momentum, state.options.nesterov)
     buf.copy_(update)
     state.keep(bucket.index(), state.layout(bucket), None, velocity)
 
@@ -142,18 +147,21 @@ def _dense_momentum(state: SparseHookState, bucket: dist.GradBucket, buf: torch.
 def _accumulate(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tensor, k: int
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Step 1: (acc, velocity or None, block maxima of acc or None). acc is the residual plus the
-    (clipped) gradient, or plus the velocity with momentum correction (the residual tensor is
-    reused as acc's storage); the maxima come fused with the add when the selection uses them."""
-    acc = state.residual(bucket)
+    (clipped) gradient, or plus the velocity with momentum correction, in new tensors (the kept
+    residual and velocity stay as they were until the step is kept: :mod:`flashsgd.comm.hook_step`;
+    the same memory traffic as adding in place); the maxima come fused with the add when the
+    selection uses them."""
+    residual = state.residual(bucket)
     if state.owns_momentum:
-        velocity = state.velocity(bucket)
-        accumulate_velocity_(acc, velocity, buf, state.momentum, state.options.nesterov)
+        acc, velocity = accumulate_velocity(residual, state.velocity(bucket), buf, state.momentum,
+                                            state.options.nesterov)
         return acc, velocity, None
     reads_acc = EXCHANGE_STEPS[state.algorithm].selects_acc(state.options)
     block = auto_block(buf.numel(), k) if state.options.selection == "threshold" and reads_acc else None
     if block is None:
-        return acc.add_(buf), None, None
-    return acc, None, add_block_maxima_(acc, buf, block, state.options.compiled)
+        return residual + buf, None, None
+    acc, bmax = add_block_maxima(residual, buf, block, state.options.compiled)
+    return acc, None, bmax
 
 
 def select(state: SparseHookState, x: torch.Tensor, k: int, idx: int, rank: int,
@@ -278,6 +286,8 @@ def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.future
                            "state.bind(ddp_model) before ddp_model.register_comm_hook(state, sparse_hook)")
     buf = bucket.buffer()
     world, n = dist.get_world_size(state.process_group), buf.numel()
+    step = state.step
+    step.unscale_(buf)  # true gradient units (fp16: the loss scale divided out; hook_step)
     clip_local_(buf, state.options.local_clip)  # Step 1: local clipping
     if state.iter < state.options.start_iter:  # dense: the thread is idle (DDP waited for last iteration's)
         if state.options.layer_trust:
@@ -292,11 +302,11 @@ def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.future
     if bucket.is_last():
         state.iter += 1
     if rest is None:
-        return completed_future(buf)
+        return completed_future(step.rescale_(buf))
     if state.comm is not None and not buf.is_cuda:
-        state.pending_job = state.comm.submit(rest)
+        state.pending_job = state.comm.submit(lambda: step.rescale_(rest()))
         return state.pending_job
-    return completed_future(rest())
+    return completed_future(step.rescale_(rest()))
 
 
 def sparse_factory(algorithm: str) -> Callable:

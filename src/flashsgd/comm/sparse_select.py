@@ -364,12 +364,16 @@ def topk_threshold(x: torch.Tensor, k: int, *, reuse: ThresholdReuse | None = No
         if reuse is not None:
             reuse.estimates += 1
             reuse.ages[key] = 0
+    if pos.numel() < k:  # only a NaN in x escapes every comparison: the trainer skips this step
+        return _topk_ties_low(x, k)
     # Step 5: the threshold for next time
     if reuse is not None:
         rank = min(pos.numel(), math.ceil((1 + tol / 2) * k))
         reuse.thresholds[key] = float(_kth_magnitude(x[pos].abs(), rank))
     # Step 4
     idx = _trim(x, pos, k)
+    if idx.numel() != k:  # a NaN among the candidates defeats the comparisons (a skipped step)
+        return _topk_ties_low(x, k)
     return x[idx], idx
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from flashsgd.comm.hook_common import CommThread, check_owner, mean_tensors, rank_and_world
+from flashsgd.comm.hook_step import HookStep
 from flashsgd.comm.sparse_corrections import layer_norms
 from flashsgd.comm.sparse_select import SelectionWorkspace, ThresholdReuse
 from flashsgd.comm.topology import default_timeout_s, get_topology
@@ -59,7 +60,7 @@ class SparseHookState:
         # internal state
         "iter", "residuals", "velocities", "layer_norms", "layouts", "pending", "pending_velocities",
         "param_positions", "generator", "saved_generator", "workspace", "checked", "reuse", "topology", "comm",
-        "pending_job",
+        "pending_job", "step", "saved",
         # stats
         "bytes_sent", "sparse_buckets", "dense_buckets", "last_density", "residual_remaps",
     )
@@ -85,6 +86,8 @@ class SparseHookState:
         self.saved_generator: tuple[torch.Tensor, str | None] | None = None  # (state, device type) to continue
         self.workspace = SelectionWorkspace()
         self.checked: set[int] = set()
+        self.step = HookStep()  # the open training step: loss scale, non-finite inputs (hook_step)
+        self.saved: tuple | None = None  # what the open step started from (begin_step)
         self.bytes_sent = 0       # bytes handed to the backend by this rank (sparse + dense phase)
         self.sparse_buckets = 0
         self.dense_buckets = 0
@@ -154,6 +157,42 @@ class SparseHookState:
             return {"generator": self.generator.get_state(), "generator_device": self.generator.device.type}
         state, device = self.saved_generator or (None, None)
         return {"generator": None if state is None else state.clone(), "generator_device": device}
+
+    # ------------------------------------------------------------ the step protocol -------
+    def begin_step(self, grad_scale: torch.Tensor | None = None) -> None:
+        """Step 1 of :mod:`flashsgd.comm.hook_step`: the gradients of this step's buckets are
+        ``grad_scale`` times the true ones (None: 1); remember what the state holds now (by
+        reference: the hook makes new residuals, velocities and norms, it never edits kept ones)."""
+        self.step.begin(grad_scale)
+        self.saved = (self.iter, dict(self.residuals), dict(self.velocities), dict(self.layouts),
+                      None if self.pending is None else dict(self.pending),
+                      None if self.pending_velocities is None else dict(self.pending_velocities),
+                      dict(self.layer_norms), self.reuse.state_dict(), self._generator_state())
+
+    def nonfinite_inputs(self) -> torch.Tensor | None:
+        """Step 3: buckets that arrived non-finite on this rank in the open step (0-dim tensor; None
+        when no step is open or no bucket has run)."""
+        return self.step.bad
+
+    def end_step(self, kept: bool) -> None:
+        """Step 4: keep the step's new memories, or (``kept`` False: the trainer skipped the step)
+        put back exactly what :meth:`begin_step` saw. The traffic counters keep the skipped step's
+        bytes (they were sent). A call without :meth:`begin_step` does nothing."""
+        saved, self.saved = self.saved, None
+        self.step.end()
+        if kept or saved is None:
+            return
+        self.drain()  # (nothing is in flight after backward; a failed bucket re-raises here)
+        (self.iter, self.residuals, self.velocities, self.layouts, self.pending, self.pending_velocities,
+         self.layer_norms, thresholds, generator) = saved
+        self.reuse.load_state_dict(thresholds)
+        if generator["generator"] is None:
+            self.generator, self.saved_generator = None, None
+        elif self.generator is not None and generator["generator_device"] == self.generator.device.type:
+            self.generator.set_state(generator["generator"])
+        else:  # the generator was made during the skipped step: continue from the saved stream
+            self.generator = None
+            self.saved_generator = (generator["generator"], generator["generator_device"])
 
     # ---------------------------------------------------------------------- checkpointing ---
     def state_dict(self) -> dict:
@@ -250,13 +289,16 @@ class SparseHookState:
         return self
 
     def residual(self, bucket: dist.GradBucket) -> torch.Tensor:
-        """This bucket's residual (zeros the first time), re-assembled if the layout changed."""
+        """This bucket's residual (zeros the first time), re-assembled if the layout changed, on
+        the bucket's device and dtype (a checkpoint loads on the CPU). Read-only: the hook keeps a
+        new tensor (:meth:`keep`), so that a skipped step can put this one back."""
         self._check_layout(bucket)
         return _assemble(self.residuals.get(bucket.index()), self.pending, self.layout(bucket),
                          bucket.buffer())
 
     def velocity(self, bucket: dist.GradBucket) -> torch.Tensor:
-        """This bucket's velocity (momentum correction; zeros the first time), as :meth:`residual`."""
+        """This bucket's velocity (momentum correction; zeros the first time), as :meth:`residual`
+        (read-only too)."""
         self._check_layout(bucket)
         return _assemble(self.velocities.get(bucket.index()), self.pending_velocities,
                          self.layout(bucket), bucket.buffer())
@@ -320,13 +362,16 @@ def _split(tensors: dict[int, torch.Tensor], layouts: dict[int, tuple],
 
 def _assemble(stored: torch.Tensor | None, pending: dict[int, torch.Tensor] | None, layout: tuple,
               buf: torch.Tensor) -> torch.Tensor:
-    """``stored`` (zeros when None) plus the pieces of ``pending`` this layout holds (popped)."""
-    out = torch.zeros_like(buf) if stored is None else stored
-    if pending:  # per-parameter pieces waiting for the bucket that now holds them
+    """``stored`` (zeros when None) plus the pieces of ``pending`` this layout holds (popped), on
+    ``buf``'s device and dtype; ``stored`` itself is never written (a new tensor when a piece is
+    added)."""
+    out = torch.zeros_like(buf) if stored is None else stored.to(buf)
+    if pending and any(pos in pending for pos, _ in layout if pos is not None):
+        out = out.clone() if out is stored else out
         offset = 0
-        for pos, size in layout:
+        for pos, size in layout:  # per-parameter pieces waiting for the bucket that now holds them
             piece = pending.pop(pos, None) if pos is not None else None
             if piece is not None:
-                out[offset:offset + size] += piece.to(out.dtype)
+                out[offset:offset + size] += piece.to(out)
             offset += size
     return out

@@ -235,7 +235,7 @@ def build_rank(plan: RunPlan, data: Datasets, device: torch.device, *, out: Path
                      max_skipped=plan.config.run.max_skipped,
                      precision=execution.get("precision", "fp32"), grad_accum=execution.get("grad_accum", 1),
                      channels_last=bool(execution.get("channels_last")),
-                     forward=compile_model(ddp) if execution.get("compile") else None)
+                     forward=compile_model(ddp) if execution.get("compile") else None, hook_state=hook_state)
     return RankParts(plan, model, optimizer, loss_fn, tweaks, timer, ddp, hook_state, topology, step, auto)
 
 

@@ -23,10 +23,12 @@ Used by :class:`flashsgd.train.worker.Worker` (``flashsgd train``), ``bench scal
 4. Agreement: one all-reduce of ``[loss sum, samples, non-finite flags]`` (float64, made on the
    loss's device): every rank learns the global mean loss and whether any rank saw a NaN / Inf in
    its loss (counted in units of :data:`LOSS_FLAG`) or its gradient (units of 1).
-5. Non-finite policy: ``"skip"`` zeroes the gradients and leaves the parameters and the optimizer
-   state alone (the result says ``skipped``; the caller counts), ``"stop"`` raises
-   FloatingPointError naming the step; otherwise the optimizer steps. A skipped step also checks
-   the parameters (one tiny all-reduce, on skipped steps only): skipping cannot recover from
+5. Non-finite policy: ``"skip"`` zeroes the gradients and leaves the parameters, the optimizer
+   state and the hook's memories alone (the hook puts back what it started from:
+   :mod:`flashsgd.comm.hook_step`; it is told each step's loss scale, so that those memories are
+   in true gradient units under fp16, and its non-finite inputs count in Step 4's flag; the result
+   says ``skipped``; the caller counts), ``"stop"`` raises FloatingPointError naming the step;
+   otherwise the optimizer steps. A skipped step also checks the parameters (one tiny all-reduce, on skipped steps only): skipping cannot recover from
    non-finite parameters (every later loss is NaN), so the run has diverged and the step raises
    FloatingPointError naming the first skipped step of the streak and what to try; so it does
    after ``max_skipped`` consecutive skipped steps (:meth:`check_parameters` is the same check
@@ -55,11 +57,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
 
+from flashsgd.comm.hook_common import StatelessHookState, floating_tensors
 from flashsgd.fmt import plural
 from flashsgd.timing import clock
 
@@ -131,17 +134,20 @@ class TrainStep:
         channels_last: 4-D inputs in ``torch.channels_last`` (the caller converts the model).
         forward: what Step 2 calls on the input (default ``ddp``; ``run.compile``: the compiled
             ``ddp``, :func:`flashsgd.train.rank.compile_model`).
+        hook_state: the state :func:`flashsgd.comm.hooks.register_hook` returned for ``ddp``
+            (None: a hook without memory, or none): told each step's loss scale, asked for
+            non-finite inputs, and told whether the step was kept (:mod:`flashsgd.comm.hook_step`).
     """
 
     __slots__ = ("ddp", "optimizer", "loss_fn", "timer", "device", "nonfinite", "max_skipped", "world",
                  "skipped_in_row", "first_skipped", "autocast", "scaler", "grad_accum", "channels_last",
-                 "forward")
+                 "forward", "hook_state", "one")
 
     def __init__(self, ddp: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
                  timer=None, device: torch.device | None = None,
                  nonfinite: Literal["skip", "stop"] = "skip", max_skipped: int = 0, *,
                  precision: Literal["fp32", "bf16", "fp16"] = "fp32", grad_accum: int = 1,
-                 channels_last: bool = False, forward: Callable | None = None) -> None:
+                 channels_last: bool = False, forward: Callable | None = None, hook_state: Any = None) -> None:
         if getattr(loss_fn, "reduction", "sum") != "sum":
             raise ValueError(f"loss_fn must sum over the batch (reduction='sum'), got "
                              f"reduction={loss_fn.reduction!r}: the step divides by the global batch")
@@ -160,6 +166,10 @@ class TrainStep:
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
         self.grad_accum, self.channels_last = grad_accum, channels_last
         self.forward = forward if forward is not None else ddp
+        # the hook's side of the step (flashsgd.comm.hook_step): loss scale in, non-finite inputs
+        # out, memories kept or put back; a hook with no memory has nothing to do
+        self.hook_state = hook_state if hook_state is not None else StatelessHookState("none")
+        self.one = torch.ones((), device=self.device)  # scaled by the scaler: the scale, no host sync
         self.skipped_in_row = 0                    # consecutive skipped steps (Step 5)
         self.first_skipped: tuple[int, int | None] | None = None  # (step, epoch) starting the streak
 
@@ -207,6 +217,9 @@ class TrainStep:
         bad = (~torch.isfinite(loss)).float() * LOSS_FLAG
         if grads:
             bad = (~torch.isfinite(torch.stack([g.sum() for g in grads]).sum())).float().to(loss.device) + bad
+        hook_bad = self.hook_state.nonfinite_inputs()  # a NaN the sparse output does not show
+        if hook_bad is not None:
+            bad = bad + hook_bad.to(loss.device)
         stats = torch.stack([loss.double(), torch.tensor(float(samples), dtype=torch.float64, device=loss.device),
                              bad.double()])
         dist.all_reduce(stats)
@@ -265,7 +278,8 @@ class TrainStep:
     def check_parameters(self, where: str, buffers: bool = False) -> None:
         """FloatingPointError when any rank holds a non-finite parameter, or with ``buffers`` a
         non-finite floating buffer (BN running statistics, which a skipped step's forward has
-        updated); collective: one all-reduce of two values, on every rank. ``where``: "at step 7
+        updated) or hook memory (error-feedback residuals: never checkpointed non-finite);
+        collective: one all-reduce of three values, on every rank. ``where``: "at step 7
         (epoch 0)", "after step 119"."""
         model = self.ddp.module if hasattr(self.ddp, "module") else self.ddp
 
@@ -275,14 +289,17 @@ class TrainStep:
                 else torch.zeros((), dtype=torch.float64)
 
         flags = torch.stack([bad(model.parameters()).cpu(), bad(
-            [b for b in model.buffers() if b.is_floating_point()] if buffers else []).cpu()]).to(self.device)
+            [b for b in model.buffers() if b.is_floating_point()] if buffers else []).cpu(),
+            bad(floating_tensors(self.hook_state.state_dict()) if buffers else []).cpu()]).to(self.device)
         dist.all_reduce(flags)
         if flags.sum().item() > 0:
-            what = "parameters" if flags[0].item() > 0 else "BatchNorm running statistics (buffers)"
+            what = ("model's parameters" if flags[0].item() > 0 else "model's BatchNorm running statistics "
+                    "(buffers)" if flags[1].item() > 0 else f"{getattr(self.hook_state, 'algorithm', 'hook')} "
+                    "hook's memories (error feedback; not checkpointed)")
             first = (f"; the first non-finite loss or gradient was at {_where(*self.first_skipped)}, "
                      f"then {plural(self.skipped_in_row, 'step')} in a row "
                      f"{'was' if self.skipped_in_row == 1 else 'were'} skipped") if self.first_skipped else ""
-            raise FloatingPointError(f"training diverged: the model's {what} are non-finite {where}{first}; "
+            raise FloatingPointError(f"training diverged: the {what} are non-finite {where}{first}; "
                                      f"skipping steps cannot recover; {TRY}")
 
     # ------------------------------------------------------------------ one step ---------------
@@ -300,6 +317,7 @@ class TrainStep:
         micro = self.micro_batches(x, y, global_batch)
         self.optimizer.zero_grad(set_to_none=False)
         comm0 = self.timer.seconds if self.timer is not None else 0.0
+        self.hook_state.begin_step(self.scaler.scale(self.one) if self.scaler is not None else None)
         t1 = clock(self.device)
         forward_s = 0.0
         loss_total = None
@@ -320,6 +338,7 @@ class TrainStep:
         t4 = clock(self.device)
         flags = stats[2].item()
         skipped = flags > 0
+        self.hook_state.end_step(kept=not skipped)  # a skipped step leaves the hook's memories as they were
         overflow = self.apply(skipped, step, epoch, overflow=0 < flags < LOSS_FLAG)   # Step 5
         t5 = clock(self.device)
         comm = (self.timer.seconds - comm0) if self.timer is not None else 0.0
