@@ -1,29 +1,67 @@
-"""The one shared harness for multi-process tests: ``run_ranks(fn, world, *args)``.
+"""The one shared harness for multi-process tests: ``run_ranks(fn, world, *args)``, and the ``gpu`` marker.
 
 It spawns ``world`` ranks on Gloo over loopback through :func:`flashsgd.launch.spawn` (the same
 launcher the CLI uses), with a deadline so that a hang fails the test instead of the CI run, and
 returns the per-rank results. ``fork`` is used for speed (the workers inherit imported torch), so
 ``fn`` may be any module-level function of a test file.
+
+CUDA and fork (issue 30): a process forked after its parent touched CUDA cannot use CUDA ("Cannot
+re-initialize CUDA in forked subprocess"), and torch's default ``torch.cuda.is_available()``
+already does (``cudaGetDeviceCount`` initialises the driver). So:
+
+1. ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` is set here, before any test module is imported: the
+   availability checks of skip decorators and parameter lists ask NVML instead, which leaves
+   CUDA untouched (torch's documented fork-safe check; ``torch.cuda.device_count`` asks NVML too).
+2. A test marked ``@pytest.mark.gpu`` needs CUDA: it is skipped (one reason line) where CUDA is
+   not available, and ``run_ranks`` starts its ranks with ``spawn`` (a fresh interpreter: CUDA
+   works in the ranks whatever this process did before). ``backend="nccl"`` spawns too.
+   Select the GPU tests with ``pytest -m gpu``.
 """
 
 from __future__ import annotations
 
 import os
 
-import pytest
-import torch._dynamo  # noqa: F401  DDP imports it (~800 modules): once here, not in every forked rank
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # Step 1: before anything asks torch.cuda
 
-from flashsgd.launch import spawn
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402,F401  DDP imports it (~800 modules): once here, not in every forked rank
+
+from flashsgd.launch import spawn  # noqa: E402
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("FLASHSGD_TEST_TIMEOUT", "120"))
+NO_CUDA = "needs CUDA (a test marked gpu; select them with: pytest -m gpu)"
 
 
-def _run_ranks(fn, world, *args, timeout_s=DEFAULT_TIMEOUT_S, env=None):
-    return spawn(fn, world, args, backend="gloo", timeout_s=timeout_s, deadline_s=timeout_s,
-                 start_method="fork", env=env)
+def _run_ranks(fn, world, *args, timeout_s=DEFAULT_TIMEOUT_S, env=None, backend="gloo", start_method=None,
+               cuda=False):
+    if start_method is None:  # Step 2: ranks that use CUDA start from a fresh interpreter
+        start_method = "spawn" if cuda or backend == "nccl" else "fork"
+    return spawn(fn, world, args, backend=backend, timeout_s=timeout_s, deadline_s=timeout_s,
+                 start_method=start_method, env=env)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Step 2: a ``gpu`` test is skipped cleanly where CUDA is not available (NVML's answer)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu and not torch.cuda.is_available():
+        for item in gpu:
+            item.add_marker(pytest.mark.skip(reason=NO_CUDA))
 
 
 @pytest.fixture
-def run_ranks():
-    """``run_ranks(fn, world, *args, timeout_s=120, env=None) -> [result of rank 0, 1, ...]``."""
-    return _run_ranks
+def run_ranks(request):
+    """``run_ranks(fn, world, *args, timeout_s=120, env=None, backend="gloo", start_method=None)
+    -> [result of rank 0, 1, ...]``.
+
+    ``start_method`` None: ``spawn`` for a test marked ``gpu`` or ``backend="nccl"`` (``fn`` and
+    ``args`` must then be importable / picklable: module-level functions of a test file are),
+    ``fork`` otherwise.
+    """
+    cuda = request.node.get_closest_marker("gpu") is not None
+
+    def run(fn, world, *args, **kwargs):
+        return _run_ranks(fn, world, *args, cuda=cuda, **kwargs)
+
+    return run

@@ -204,7 +204,7 @@ def test_cpu_path_every_training_configuration_with_compile(tmp_path, capfd):
 
 # ---------------------------------------------------------------------------- with CUDA -------
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA)")
+@pytest.mark.gpu
 def test_the_gpu_check_on_cuda(tmp_path, capfd):
     out = tmp_path / "gpu.json"
     rc = main(["bench", "gpu", "--quick", "--precisions", "bf16", "--batch", "32", "--steps", "3",

@@ -185,7 +185,7 @@ def test_rng_state_saves_and_restores_the_current_cuda_generator(monkeypatch):
     assert len(restored) == 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_rng_state_round_trip(tmp_path):
     torch.rand(1, device="cuda")  # initialise CUDA
     state = ckpt.rng_state()

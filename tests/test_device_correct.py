@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # cuda: skipped without CUDA (conftest.py)
 
 
 @contextlib.contextmanager

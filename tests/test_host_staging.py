@@ -2,8 +2,8 @@
 of the bucket (hook_common.ddp_hook) and gives what it gives on the host.
 
 Forced on CPU buckets here (``stages_on_host`` patched to say yes), so CI checks the plumbing: the
-copy out, the exchange on the copy, the copy back, the Future; the CUDA-marked test runs the real
-case where a GPU is present.
+copy out, the exchange on the copy, the copy back, the Future; the ``gpu``-marked test runs the
+real case where a GPU is present.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _cuda_vs_cpu(name: str):
     return _params(name, staged=False), _params(name, staged=True, device="cuda")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Gloo carries CUDA tensors)")
+@pytest.mark.gpu  # Gloo carries CUDA tensors; the ranks start with spawn (conftest.py)
 @pytest.mark.parametrize("name", ["ring", "gtopk"])
 def test_gloo_ranks_on_one_gpu_match_cpu_ranks(run_ranks, name):
     for cpu, cuda in run_ranks(_cuda_vs_cpu, 2, name):

@@ -225,3 +225,70 @@ def test_parent_watcher_fallback_kills_an_orphan():
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO / "src")},
                           timeout=60)
     assert proc.returncode == -signal.SIGKILL
+
+
+# ------------------------------------------------------------------ the GPU of each rank ---------
+
+@pytest.mark.parametrize("local_rank, gpus, index", [(0, 8, 0), (3, 8, 3), (7, 8, 7), (3, 1, 0), (5, 2, 1)])
+def test_cuda_index_wraps_the_local_rank_onto_the_visible_gpus(local_rank, gpus, index):
+    # (3, 1): a scheduler gave each process its own single visible GPU (CUDA_VISIBLE_DEVICES=3)
+    assert launch.cuda_index(local_rank, gpus) == index
+
+
+def test_cuda_index_without_a_visible_gpu_says_so():
+    with pytest.raises(RuntimeError, match="backend 'nccl' needs a visible GPU; this process sees none "
+                                           r"\(local rank 2; CUDA_VISIBLE_DEVICES="):
+        launch.cuda_index(2, 0)
+
+
+def test_init_process_group_takes_a_device_id():
+    import inspect
+
+    # NCCL's eager communicator (torch >= 2.3; the GPU images have 2.11)
+    assert "device_id" in inspect.signature(dist.init_process_group).parameters
+
+
+@pytest.fixture
+def fake_init(monkeypatch):
+    """torch.distributed's init and torch.cuda's device calls recorded, on a machine with 1 visible
+    GPU (a scheduler's one-GPU-per-process layout); the process environment restored afterwards."""
+    calls = {}
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.setdefault("set_device", i))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "TCPStore", lambda *a, **k: "store")
+    monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: store)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_torchrun_ranks_bind_their_gpu_and_create_nccl_eagerly(fake_init, backend):
+    os.environ.update(RANK="3", WORLD_SIZE="4", LOCAL_RANK="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    assert launch.init_from_env(backend, timeout_s=5) == backend
+    if backend == "nccl":
+        assert fake_init["set_device"] == 0 and fake_init["device_id"] == torch.device("cuda", 0)
+    else:
+        assert "set_device" not in fake_init and "device_id" not in fake_init
+    assert (fake_init["backend"], fake_init["rank"], fake_init["world_size"]) == (backend, 3, 4)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_spawned_ranks_bind_their_gpu_and_create_nccl_eagerly(fake_init, backend):
+    import queue
+
+    ports = queue.Queue()
+    ports.put(1)
+    launch._join_group(5, 8, ports, backend, {}, timeout_s=5)
+    if backend == "nccl":
+        assert fake_init["set_device"] == 0 and fake_init["device_id"] == torch.device("cuda", 0)
+    else:
+        assert "set_device" not in fake_init and "device_id" not in fake_init
+    assert (fake_init["backend"], fake_init["rank"], fake_init["world_size"]) == (backend, 5, 8)
+
+
+def test_the_harness_starts_ranks_with_spawn_as_the_gpu_tests_do(run_ranks):
+    # a gpu-marked test's ranks are spawned (conftest.py): a test file's function runs there too
+    assert run_ranks(_sum_of_ranks, 2, 1.0, start_method="spawn") == [[3.0] * 4] * 2

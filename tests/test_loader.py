@@ -129,13 +129,27 @@ def test_training_on_an_image_folder_with_workers_equals_without_and_resumes_exa
     assert plan["execution"]["data_workers"] == 2
 
 
+ONE_RANK_RUN = """
+import sys
+from flashsgd.train import config as C
+from flashsgd.train.trainer import train
+
+cfg = C.resolve(cli=dict(dataset="imagefolder", data_dir=sys.argv[1], image_size=16, model="resnet20",
+                         recipe="goyal", global_batch=4, workers=1, backend="gloo", max_steps=2,
+                         progress=False, out=sys.argv[2], data_workers=0, timeout_s=60.0))
+assert train(cfg)["steps"] == 2
+"""
+
+
 def test_a_one_rank_image_run_after_decoding_here_does_not_hang(jpegs, tmp_path):
     """The launching process decodes a batch (check_input) before it forks: with one rank (all
-    cores' threads) the rank used to hang in DDP's first broadcast (GNU OpenMP after fork)."""
-    from flashsgd.train import config as C
-    from flashsgd.train.trainer import train
+    cores' threads) the rank used to hang in DDP's first broadcast (GNU OpenMP after fork).
 
-    cfg = C.resolve(cli=dict(dataset="imagefolder", data_dir=str(jpegs), image_size=16, model="resnet20",
-                             recipe="goyal", global_batch=4, workers=1, backend="gloo", max_steps=2,
-                             progress=False, out=str(tmp_path / "r"), data_workers=0, timeout_s=60.0))
-    assert train(cfg)["steps"] == 2
+    In a fresh process: this one has run parallel regions of earlier tests (any test before this
+    file that computes on large tensors), after which every one-rank fork hangs, guarded or not."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", ONE_RANK_RUN, str(jpegs), str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -170,3 +170,81 @@ def test_as_int():
     assert as_int("n", np.int16(7)) == 7 and as_int("step", 0, minimum=0) == 0
     with pytest.raises(ValueError, match=r"n must be an integer >= 1, got 2.5 \(float\)"):
         as_int("n", 2.5)
+
+
+# Local spawn layout (flashsgd.train.plan.build_plan): one node on GPUs, emulated nodes on CPUs
+
+def _run_plan(world, backend=None, **cli):
+    from flashsgd.train.config import resolve
+    from flashsgd.train.plan import build_plan
+
+    return build_plan(resolve(cli={"workers": world, "global_batch": 1024, **cli}), world=world, num_train=32000,
+                      local_spawn=True, backend=backend)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_local_ranks_per_node_is_one_node_over_nccl_and_emulated_pairs_over_gloo(world):
+    from flashsgd.train.plan import local_ranks_per_node
+
+    assert local_ranks_per_node(world, "nccl") == world
+    assert local_ranks_per_node(world, "gloo") == (2 if world % 2 == 0 else 1)
+
+
+@pytest.mark.parametrize("algorithm", ["torus2d", "hierarchical", "hgtopk"])
+def test_eight_gpus_are_one_node_of_eight_ranks(algorithm):
+    """An 8-GPU machine (NCCL) is 1 node x 8: torus2d's grid is 8x1 (its cross-node stage has one
+    rank), hierarchical and hgtopk get ranks_per_node 8; the banner says so."""
+    plan = _run_plan(8, "nccl", algorithm=algorithm, density=0.01)
+    assert (plan.backend, plan.ranks_per_node, plan.grid) == ("nccl", 8, (8, 1))
+    assert plan.describe().splitlines()[0] == "flashsgd train | world 8 (8 ranks/node, grid 8x1) | backend nccl"
+    if algorithm != "torus2d":
+        assert plan.hook_options["ranks_per_node"] == 8
+    assert plan.to_dict()["ranks_per_node"] == 8 and plan.to_dict()["backend"] == "nccl"
+
+
+def test_cpu_ranks_keep_their_emulated_nodes_of_two():
+    plan = _run_plan(8, "gloo")
+    assert (plan.backend, plan.ranks_per_node, plan.grid) == ("gloo", 2, (2, 4))
+    assert plan.describe().splitlines()[0] == "flashsgd train | world 8 (2 ranks/node, grid 2x4) | backend gloo"
+
+
+@pytest.mark.parametrize("cli, rpn, grid", [({"ranks_per_node": 2}, 2, (2, 4)), ({"grid": "2x4"}, 8, (2, 4)),
+                                            ({"ranks_per_node": 4, "grid": "4x2"}, 4, (4, 2))])
+def test_the_users_layout_wins_over_nccl_one_node(cli, rpn, grid):
+    plan = _run_plan(8, "nccl", **cli)
+    assert (plan.ranks_per_node, plan.grid) == (rpn, grid)
+
+
+def test_under_torchrun_the_backend_plays_no_part(monkeypatch):
+    from flashsgd.train.config import resolve
+    from flashsgd.train.plan import build_plan
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    plan = build_plan(resolve(cli={"global_batch": 1024}), world=8, num_train=32000, local_spawn=False,
+                      backend="nccl")
+    assert (plan.backend, plan.ranks_per_node, plan.grid) == (None, 4, (4, 2))
+
+
+@pytest.mark.parametrize("gpus, workers, backend, expect", [
+    (8, None, "auto", ("nccl", 8)),   # one rank per GPU: one node
+    (8, 4, "auto", ("nccl", 4)),      # ranks fit on the GPUs: one node of 4
+    (2, 8, "auto", ("gloo", 2)),      # more ranks than GPUs: CPU ranks, emulated nodes
+    (8, 8, "gloo", ("gloo", 2)),      # asked for CPU ranks
+    (0, 4, "auto", ("gloo", 2)),      # no GPU (this machine, CI): today's CPU plan
+])
+def test_the_plan_follows_the_backend_the_launcher_picks(monkeypatch, gpus, workers, backend, expect):
+    """Without ``backend=`` the plan asks :func:`flashsgd.launch.local_ranks`, the launcher's rule
+    (the GPUs stood in for by torch.cuda's answers)."""
+    import torch.distributed as dist
+
+    from flashsgd import launch
+    from flashsgd.train.config import resolve
+    from flashsgd.train.plan import build_plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    world, chosen, _ = launch.local_ranks(workers, backend)
+    cfg = resolve(cli={"workers": workers, "backend": backend, "global_batch": 1024})
+    plan = build_plan(cfg, world=world, num_train=32000, local_spawn=True)
+    assert (plan.backend, plan.ranks_per_node) == expect and chosen == expect[0]

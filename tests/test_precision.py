@@ -245,9 +245,9 @@ def _cuda_precisions():
     return _precisions("ring", "cuda")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Gloo carries CUDA tensors)")
+@pytest.mark.gpu
 def test_autocast_and_scaler_on_cuda(run_ranks):
-    for res in run_ranks(_cuda_precisions, 2):  # two ranks on one GPU
+    for res in run_ranks(_cuda_precisions, 2, cuda=True):  # two ranks on one GPU (Gloo carries CUDA tensors)
         ref = res["fp32"][0]
         for precision in ("bf16", "fp16"):
             assert res[precision][0] == pytest.approx(ref, rel=2e-2), precision

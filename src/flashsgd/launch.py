@@ -55,8 +55,8 @@ import torch.distributed as dist
 from flashsgd.fmt import plural
 from flashsgd.launch_failures import RankOutcome, WorkerError, attribute, describe_exception
 
-__all__ = ["Interrupted", "WorkerError", "default_backend", "init_from_env", "local_ranks", "run", "shutdown",
-           "spawn", "under_torchrun"]
+__all__ = ["Interrupted", "WorkerError", "cuda_index", "default_backend", "init_from_env", "local_ranks", "run",
+           "shutdown", "spawn", "under_torchrun"]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SETTLE_S = 5.0        # after a failure: quiet time before the ranks still silent are called hung
@@ -138,6 +138,33 @@ def local_ranks(workers: int | None, backend: str = "auto",
                              f"rank, so the ranks train on the CPU over Gloo (--workers {gpus} trains on the GPUs)")
 
 
+def cuda_index(local_rank: int, device_count: int) -> int:
+    """The GPU of local rank ``local_rank`` among the ``device_count`` this process sees.
+
+    ``local_rank % device_count``: one GPU per rank when the process sees all of the node's GPUs
+    (rank i -> GPU i), and GPU 0 where a scheduler gives each process one visible GPU
+    (``CUDA_VISIBLE_DEVICES`` per process, e.g. Slurm ``--gpus-per-task=1``), where LOCAL_RANK
+    itself names no visible device.
+    """
+    if device_count < 1:
+        raise RuntimeError(f"backend 'nccl' needs a visible GPU; this process sees none "
+                           f"(local rank {local_rank}; CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+    return local_rank % device_count
+
+
+def _device_id(backend: str, local_rank: int) -> dict[str, Any]:
+    """NCCL: bind this process to its GPU (:func:`cuda_index`) and return ``init_process_group``'s
+    ``device_id`` keyword (torch >= 2.3), with which the NCCL communicator is created eagerly (and
+    ``new_group`` can split it) instead of lazily inside the first collective, the first backward.
+    Gloo: nothing."""
+    if backend != "nccl":
+        return {}
+    index = cuda_index(local_rank, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return {"device_id": torch.device("cuda", index)}
+
+
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> str:
     """Join torchrun's process group from the environment; returns the backend.
 
@@ -149,8 +176,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> str:
     Gloo's ``connectFullMesh`` ("Connection refused"; seen on torch 2.13).
     """
     backend = backend or default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device_id = _device_id(backend, int(os.environ.get("LOCAL_RANK", 0)))  # NCCL: this rank's GPU
     if dist.is_initialized():
         return backend
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -161,7 +187,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> str:
                           multi_tenant=not agent_store)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(backend, store=dist.PrefixStore(f"flashsgd/attempt-{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
+                            rank=rank, world_size=world, timeout=timeout, **device_id)
     return backend
 
 
@@ -227,9 +253,8 @@ def _join_group(rank: int, world_size: int, ports: Any, backend: str, env: dict[
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            **_device_id(backend, rank))
 
 
 def _worker(rank: int, world_size: int, ports: Any, backend: str, fn: Callable, args: Sequence,

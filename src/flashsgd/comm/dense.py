@@ -26,10 +26,11 @@ neither sent nor received, and an empty tensor communicates nothing.
 Backends: on NCCL the stages are the native ``reduce_scatter_tensor`` /
 ``all_gather_into_tensor`` (input padded to a multiple of the group size) and the inner all-reduce
 is ``all_reduce`` on the subgroup. On Gloo, whose reduce-scatter is an all-reduce plus a slice, the
-stages are our own rings of paired ``isend``/``irecv`` (every rank posts its send to the right and
-its receive from the left before waiting, so no step can deadlock). A ring of 2 ranks sends and
-receives on the same connection, which Gloo serves one direction at a time; so every 2-rank group
-gets a twin (:func:`duplex_groups`) and each direction goes over its own connection.
+stages are our own rings of paired sends and receives (every rank posts its send to the right and
+its receive from the left as one round, :func:`~flashsgd.comm.p2p.exchange`, before waiting, so
+no step can deadlock). A ring of 2 ranks sends and receives on the same connection, which Gloo
+serves one direction at a time; so every 2-rank group gets a twin (:func:`duplex_groups`) and each
+direction goes over its own connection.
 
 Precision: fp32, fp16 and bf16. Reduction happens in the tensor's dtype, as NCCL does: each ring
 hop adds the received chunk into the local one (torch computes the add in fp32 and rounds to the
@@ -73,7 +74,7 @@ from torch.distributed import ProcessGroup
 
 from flashsgd.comm import topology as topology_module
 from flashsgd.comm.topology import Topology, default_timeout_s, get_topology
-from flashsgd.comm.waits import gather_from_peers, wait_peer
+from flashsgd.comm.p2p import exchange, gather_from_peers, grouped
 from flashsgd.registry import Registry
 
 AllReduceFn = Callable[..., torch.Tensor]
@@ -110,7 +111,7 @@ def check_consistent(flat: torch.Tensor, op: str, algorithm: str,
 
     One all-gather of 4 int64 per rank on the world group: cost a * lgP-ish, negligible next to any
     real message, but paid per call, hence opt-out (``check=False``) on the hook hot path. On CPU
-    it is a direct exchange (:func:`~flashsgd.comm.waits.gather_from_peers`) whose waits last at
+    it is a direct exchange (:func:`~flashsgd.comm.p2p.gather_from_peers`) whose waits last at
     most ``timeout_s`` (``None``: the default group's timeout) and name a missing rank.
     """
     world = dist.get_world_size()
@@ -174,23 +175,19 @@ def native_stages(flat: torch.Tensor, group: ProcessGroup | None = None) -> bool
     """True for CUDA tensors on an NCCL group (also "cpu:gloo,cuda:nccl"): use NCCL's collectives
     (asynchronous on the stream, futures for every collective). Gloo carrying CUDA tensors (several
     ranks on one GPU) takes the Gloo path: its send/recv rings and the communication thread."""
-    return flat.is_cuda and "nccl" in str(dist.get_backend(group))
+    return grouped(flat, group)
 
 
 def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
-              groups: tuple[ProcessGroup, ProcessGroup], ranks: Sequence[int], timeout_s: float,
-              where: str) -> None:
-    """One ring step: post the receive from ``src`` and the send to ``dst``, then wait for both.
+              groups: tuple[ProcessGroup, ProcessGroup], timeout_s: float, where: str) -> None:
+    """One ring step: send ``send`` to ``dst`` and receive ``recv`` from ``src`` as one round
+    (:func:`~flashsgd.comm.p2p.exchange`: issued together, then both waited for).
 
     ``groups`` = (send group, receive group), see :func:`_directions`; ``src``/``dst`` are
-    positions in ``ranks`` (the global ranks named if a wait passes ``timeout_s``).
+    positions in the ring, i.e. ranks of those groups (their global ranks are named if a wait
+    passes ``timeout_s``). Cost: a + m b for an m-byte chunk.
     """
-    recv_work = dist.irecv(recv, group=groups[1], group_src=src) if recv.numel() else None
-    send_work = dist.isend(send, group=groups[0], group_dst=dst) if send.numel() else None
-    if recv_work is not None:
-        wait_peer(recv_work, ranks[src], timeout_s, where)
-    if send_work is not None:
-        wait_peer(send_work, ranks[dst], timeout_s, where, sending=True)
+    exchange([(send, dst)], [(recv, src)], groups, timeout_s, where)
 
 
 SEGMENT_BYTES = 1 << 20
@@ -200,21 +197,20 @@ rings); chunks up to this size go as one message (no extra latency for small mes
 
 
 def _exchange_add(send: torch.Tensor, dst: int, into: torch.Tensor, tmp: torch.Tensor, src: int,
-                  groups: tuple[ProcessGroup, ProcessGroup], ranks: Sequence[int], timeout_s: float,
-                  where: str) -> None:
+                  groups: tuple[ProcessGroup, ProcessGroup], timeout_s: float, where: str) -> None:
     """One reduce step: send ``send`` to ``dst``; receive ``into.numel()`` values from ``src`` and
-    add them into ``into``, segment by segment as they arrive (each wait at most ``timeout_s``)."""
+    add them into ``into``, segment by segment as they arrive (each wait at most ``timeout_s``).
+    All segments of both directions are one round (:func:`~flashsgd.comm.p2p.exchange`)."""
     seg = max(1, SEGMENT_BYTES // max(1, into.element_size()))
     tmp = tmp[:into.numel()]
-    recvs = [(dist.irecv(tmp[lo:lo + seg], group=groups[1], group_src=src), lo)
-             for lo in range(0, into.numel(), seg)]
-    sends = [dist.isend(send[lo:lo + seg], group=groups[0], group_dst=dst)
-             for lo in range(0, send.numel(), seg)]
-    for work, lo in recvs:
-        wait_peer(work, ranks[src], timeout_s, where)
+    starts = range(0, into.numel(), seg)
+
+    def add(i: int) -> None:
+        lo = starts[i]
         into[lo:lo + seg].add_(tmp[lo:lo + seg])  # reduction in the tensor's dtype
-    for work in sends:
-        wait_peer(work, ranks[dst], timeout_s, where, sending=True)
+
+    exchange([(send[lo:lo + seg], dst) for lo in range(0, send.numel(), seg)],
+             [(tmp[lo:lo + seg], src) for lo in starts], groups, timeout_s, where, on_recv=add)
 
 
 def _directions(p: int, P: int, group: ProcessGroup, duplex: ProcessGroup | None
@@ -314,7 +310,7 @@ def reduce_scatter(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup
     for s in range(P - 1):
         k_send, k_recv = (p - s - 1) % P, (p - s - 2) % P
         _exchange_add(flat[b[k_send]:b[k_send + 1]], right, flat[b[k_recv]:b[k_recv + 1]], tmp, left,
-                      groups, ranks, timeout_s, f"{where}, reduce-scatter step {s}")
+                      groups, timeout_s, f"{where}, reduce-scatter step {s}")
     return b[p], b[p + 1]
 
 
@@ -353,7 +349,7 @@ def all_gather(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | N
     for s in range(P - 1):
         k_send, k_recv = (p - s) % P, (p - s - 1) % P
         _exchange(flat[b[k_send]:b[k_send + 1]], right, flat[b[k_recv]:b[k_recv + 1]], left, groups,
-                  ranks, timeout_s, f"{where}, all-gather step {s}")
+                  timeout_s, f"{where}, all-gather step {s}")
 
 
 def ring_allreduce(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | None,

@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from flashsgd.comm.p2p import exchange, gather_from_peers
 from flashsgd.comm.topology import default_timeout_s
 from flashsgd.exchanges import INT32_NUMEL, wire_index_bytes  # noqa: F401 (INT32_NUMEL re-exported)
-from flashsgd.comm.waits import gather_from_peers, global_rank, wait_peer
 
 # selection and density live in sparse_select; re-exported here (one import site for callers)
 from flashsgd.comm.sparse_select import (DEFAULT_DENSITY, SELECTIONS,  # noqa: F401
@@ -241,7 +241,9 @@ def _unpack(msg: torch.Tensor, k: int, dtype: torch.dtype, extra_bytes: int = 0)
     item, w = dtype.itemsize, msg.element_size()
     nv = math.ceil(k * item / w)
     indices = msg[:k].to(torch.int64)
-    values = msg[k:k + nv].view(torch.uint8)[:k * item].view(dtype)
+    raw = msg[k:k + nv].view(torch.uint8)[:k * item]
+    # a value wider than a word (float64 after int32 indices) may start off its alignment
+    values = (raw if raw.storage_offset() % item == 0 else raw.clone()).view(dtype)
     if not extra_bytes:
         return values, indices
     return values, indices, msg[k + nv:].view(torch.uint8)[:extra_bytes]
@@ -271,7 +273,7 @@ def check_sizes(k: int, numel: int, n_pairs: int, group: ProcessGroup | None, wh
                 timeout_s: float | None = None, device: torch.device | None = None) -> None:
     """Raise the same ValueError on every rank unless all ranks pass the same k, numel and #pairs.
 
-    One exchange of 3 int64 per rank (:func:`~flashsgd.comm.waits.gather_from_peers`, one alpha):
+    One exchange of 3 int64 per rank (:func:`~flashsgd.comm.p2p.gather_from_peers`, one alpha):
     mismatched sizes would otherwise make the send/recv of the exchange hang or fail with an
     opaque transport error. Each wait lasts at most ``timeout_s`` (``None``: the group's default);
     the header is made on ``device`` (the data's: NCCL needs it on the GPU).
@@ -296,7 +298,8 @@ def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
         1. Pack the k indices and the bit-cast values into one message (int32 words when
            ``numel < 2**31``, :func:`wire_index_dtype`).
         2. All-gather the P messages by direct exchange (every rank sends its message to each of
-           the P-1 others: :func:`~flashsgd.comm.waits.gather_from_peers`).
+           the P-1 others in one round; NCCL's all-gather on NCCL:
+           :func:`~flashsgd.comm.p2p.gather_from_peers`).
         3. Scatter-add the P k values into a zero vector of ``numel``, in rank order (the same
            order on every rank, so the result is identical everywhere).
 
@@ -348,14 +351,11 @@ def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
 
 def _swap(send: torch.Tensor | None, recv: torch.Tensor | None, peer: int,
           group: ProcessGroup | None, timeout_s: float, where: str) -> None:
-    """Send ``send`` to and receive ``recv`` from group rank ``peer`` at the same time (either may
-    be None: a one-way step); each wait lasts at most ``timeout_s``."""
-    recv_work = dist.irecv(recv, group=group, group_src=peer) if recv is not None else None
-    send_work = dist.isend(send, group=group, group_dst=peer) if send is not None else None
-    if recv_work is not None:
-        wait_peer(recv_work, global_rank(group, peer), timeout_s, where)
-    if send_work is not None:
-        wait_peer(send_work, global_rank(group, peer), timeout_s, where, sending=True)
+    """Send ``send`` to and receive ``recv`` from group rank ``peer`` as one round (either may be
+    None: a one-way step; :func:`~flashsgd.comm.p2p.exchange`); each wait lasts at most
+    ``timeout_s``. Cost: a + m b for an m-byte message."""
+    exchange([(send, peer)] if send is not None else [], [(recv, peer)] if recv is not None else [],
+             group, timeout_s, where)
 
 
 def _extra_rank(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int, partner: int,
@@ -487,8 +487,9 @@ def _butterfly(values, indices, mine, guest, k: int, numel: int, p2: int, group,
 
 def gtopk_bytes_sent(k: int, world: int, rank: int, dtype: torch.dtype = torch.float32,
                      numel: int = 1) -> int:
-    """Bytes :func:`gtopk_allreduce` hands to send/isend on ``rank`` (the size check excluded), for
-    a bucket of ``numel`` elements (the default: any under 2**31, int32 indices)."""
+    """Bytes :func:`gtopk_allreduce` hands to :func:`~flashsgd.comm.p2p.exchange` on ``rank`` (the
+    size check excluded), for a bucket of ``numel`` elements (the default: any under 2**31, int32
+    indices)."""
     if world == 1:
         return 0
     p2 = 1 << (world.bit_length() - 1)

@@ -32,11 +32,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
+from flashsgd.comm.p2p import exchange, gather_from_peers
 from flashsgd.comm.sparse import GTopk, _bytes_as_words, gtopk_allreduce, topk_exact, wire_index_dtype
 from flashsgd.comm.topology import Topology
-from flashsgd.comm.waits import gather_from_peers, global_rank, wait_peer
 
 
 def slice_bounds(numel: int, ranks: int) -> list[int]:
@@ -58,17 +57,11 @@ def _reduce_scatter(acc: torch.Tensor, out: torch.Tensor, bounds: list[int], top
     if group is None:
         return mine
     peers = [j for j in range(topology.ranks_per_node) if j != local]
-    bufs = {j: torch.empty_like(mine) for j in peers}
-    recvs = {j: dist.irecv(bufs[j], group=group, group_src=j) for j in peers}
-    sends = {j: dist.isend(acc[bounds[j]:bounds[j + 1]].contiguous(), group=group, group_dst=j)
-             for j in peers}
-    for j in peers:  # sum in local-rank order: the same on every node
-        wait_peer(recvs[j], global_rank(group, j), timeout_s, "hgtopk slices, node reduce-scatter")
-    for j in sorted(peers):
-        mine.add_(bufs[j])
-    for j in peers:
-        wait_peer(sends[j], global_rank(group, j), timeout_s, "hgtopk slices, node reduce-scatter",
-                  sending=True)
+    bufs = [torch.empty_like(mine) for _ in peers]
+    exchange([(acc[bounds[j]:bounds[j + 1]].contiguous(), j) for j in peers], list(zip(bufs, peers)),
+             group, timeout_s, "hgtopk slices, node reduce-scatter")
+    for buf in bufs:  # sum in local-rank order: the same on every node
+        mine.add_(buf)
     return mine
 
 

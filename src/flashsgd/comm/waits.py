@@ -8,11 +8,13 @@ for 589 s). ``work.wait(timeout=...)`` bounds each wait; on torch 2.13 Gloo then
 ("Connection closed by peer"). :func:`wait_peer` turns those into
 :class:`~flashsgd.comm.errors.PeerTimeout` / :class:`~flashsgd.comm.errors.PeerError` naming the
 peer rank that was waited for, so the rank that stopped can be told from the ranks that waited.
+The sends and receives themselves are issued by :func:`flashsgd.comm.p2p.exchange` (grouped, as
+NCCL needs), which waits for each through :func:`wait_peer`.
 
 Example::
 
-    >>> work = dist.irecv(buf, group=group, group_src=1)
-    >>> wait_peer(work, peer=1, timeout_s=10.0, where="ring all-reduce, all-gather step 0")
+    >>> works = dist.batch_isend_irecv([op])          # in flashsgd.comm.p2p only
+    >>> wait_peer(works[0], peer=1, timeout_s=10.0, where="ring all-reduce, all-gather step 0")
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from flashsgd.comm.errors import PeerError, PeerTimeout
@@ -60,24 +61,3 @@ def wait_collective(work: Any, group: Any, timeout_s: float, where: str) -> None
 def global_rank(group: Any, group_rank: int) -> int:
     """The global rank of ``group_rank`` in ``group`` (``None``: the default group)."""
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
-def gather_from_peers(msg: torch.Tensor, group: Any, timeout_s: float, where: str) -> torch.Tensor:
-    """All-gather equal-length flat messages by direct exchange: ``(P, len)``, row r from rank r.
-
-    Every rank posts a receive from and a send to each of the other P - 1 ranks, then waits for
-    each with the deadline, so a missing rank is named by every other rank (in a ring, only its
-    neighbour could see it). Cost: one round of P - 1 concurrent messages per rank,
-    a + (P-1) m b through one link: the bytes of a ring all-gather, with one latency instead of P-1.
-    """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    out = msg.new_empty(world, msg.numel())  # (P, len)
-    out[rank] = msg
-    peers = [p for p in range(world) if p != rank]
-    recvs = [dist.irecv(out[p], group=group, group_src=p) for p in peers]
-    sends = [dist.isend(msg, group=group, group_dst=p) for p in peers]
-    for p, work in zip(peers, recvs):
-        wait_peer(work, global_rank(group, p), timeout_s, where)
-    for p, work in zip(peers, sends):
-        wait_peer(work, global_rank(group, p), timeout_s, where, sending=True)
-    return out

@@ -65,7 +65,7 @@ def fixed_rounds(n: np.ndarray, rounds: int, setup: CommSetup) -> Cost:
 
 def direct_levels(setup: CommSetup) -> list[tuple[float, float]]:
     """Links of one round in which every rank sends one message to each of the P-1 others at once
-    (``comm/waits.gather_from_peers``), as (a, b per byte of one message): the L-1 messages to its
+    (``comm/p2p.gather_from_peers``), as (a, b per byte of one message): the L-1 messages to its
     own node share the rank's intra link ((L-1) b_intra); the P-L to other nodes leave through the
     node's link, which carries them for all L ranks of the node at once ((P-L) L b_inter); each
     message is a flow, at most the link's per-flow rate (:meth:`~flashsgd.sim.network.Link.flow_beta`).

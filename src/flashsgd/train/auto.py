@@ -142,17 +142,16 @@ def measure_devices(numel: int, selection: str, device: torch.device) -> dict[st
 
 def round_seconds(device: torch.device, timeout_s: float) -> float:
     """One message round as a sparse exchange runs it: an 8-byte send and receive with rank XOR 1
-    posted at once, then both waited for (ranks without a partner only take part in the barriers)."""
-    from flashsgd.comm.waits import wait_peer
+    posted at once (:func:`~flashsgd.comm.p2p.exchange`), then both waited for (ranks without a
+    partner only take part in the barriers)."""
+    from flashsgd.comm.p2p import exchange
 
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = rank ^ 1
     send, recv = torch.zeros(2, device=device), torch.zeros(2, device=device)
 
     def swap() -> None:
-        r, s = dist.irecv(recv, src=peer), dist.isend(send, dst=peer)
-        wait_peer(r, peer, timeout_s, "auto probe, one round")
-        wait_peer(s, peer, timeout_s, "auto probe, one round", sending=True)
+        exchange([(send, peer)], [(recv, peer)], None, timeout_s, "auto probe, one round")
 
     return _timed(swap, device, active=peer < world)
 

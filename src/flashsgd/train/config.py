@@ -153,7 +153,8 @@ class CommConfig:
     grid: Optional[str] = None
     """torus2d grid XxY with X*Y = world size; unset: X = ranks per node (2x2 on 4 local workers)."""
     ranks_per_node: Optional[int] = None
-    """Ranks per node; unset: torchrun's LOCAL_WORLD_SIZE, or 2 emulated per node on local spawn."""
+    """Ranks per node; unset: torchrun's LOCAL_WORLD_SIZE; on local spawn one node over NCCL (every GPU
+    of this machine), 2 emulated per node over Gloo."""
     density: float = option_default("density")
     """topk/gtopk/hgtopk: fraction of gradient entries sent per step, in (0, 1] (0.001: Shi et al.)."""
     density_warmup: Optional[float] = DENSITY_WARMUP_START

@@ -8,7 +8,8 @@ process before training), and is the only place that derives:
 
 1. the recipe: the registered recipe (or its dataset-tuned variant, ``optim.proxy_tuning``),
    rescaled to ``optim.epochs``, with the user's overrides;
-2. the world layout: world size, ranks per node (emulated 2 per node on local spawn), torus grid;
+2. the world layout: world size, ranks per node (:func:`local_ranks_per_node` on local spawn: one
+   node over NCCL, emulated nodes of 2 ranks over Gloo), torus grid;
 3. the batch table and the steps it gives (every worker needs >= 1 sample per step);
 4. the communication hook's options (deadline, grid, seed) and, for a sparse exchange, its density
    warm-up in steps: the user's, else the default rule :class:`flashsgd.exchanges.DensityWarmup`
@@ -62,6 +63,28 @@ def emulated_ranks_per_node(world: int) -> int:
     return 2 if world % 2 == 0 else 1
 
 
+def local_ranks_per_node(world: int, backend: str) -> int:
+    """Ranks per node of a run spawned on this machine, unless the user sets them.
+
+    NCCL: every rank is one of this machine's GPUs, so the run is ONE node of ``world`` ranks (an
+    8-GPU machine is 1 node x 8, not 4 emulated nodes x 2: the two-level algorithms' cross-node
+    stage must not run inside one NVLink domain, and torus2d's default grid is ``world`` x 1).
+    Gloo: CPU ranks emulate nodes of 2 (:func:`emulated_ranks_per_node`).
+    """
+    return world if backend == "nccl" else emulated_ranks_per_node(world)
+
+
+def local_backend(cfg: TrainConfig, world: int, gpus: int | None = None) -> str:
+    """The backend of ``world`` ranks spawned on this machine: ``run.backend`` when set, else the
+    choice of :func:`flashsgd.launch.local_ranks` (NCCL when the ranks fit on the visible GPUs,
+    ``gpus``: default ``torch.cuda.device_count()``; Gloo otherwise)."""
+    if cfg.run.backend != "auto":
+        return cfg.run.backend
+    from flashsgd.launch import local_ranks
+
+    return local_ranks(world, "auto", gpus=gpus)[1]
+
+
 def resolve_recipe(cfg: TrainConfig) -> tuple[Recipe, str]:
     """Step 1: the recipe this run trains with, and a one-line account of where it came from."""
     o = cfg.optim
@@ -110,6 +133,8 @@ class RunPlan:
     coverage (:func:`density_warmup_record`); empty for the other exchanges."""
     execution: dict[str, Any] = field(default_factory=dict)
     """Step 5: how :class:`~flashsgd.train.step.TrainStep` runs (:func:`execution`)."""
+    backend: str | None = None
+    """The backend of a local spawn (:func:`local_backend`); None under torchrun (the environment's)."""
 
     def batch_at(self, epoch: int) -> int:
         """Global batch of ``epoch`` (batch-size control; the last row past the end)."""
@@ -138,7 +163,7 @@ class RunPlan:
         layout = topology or (f"{plural(self.ranks_per_node, 'rank')}/node, grid {self.grid[0]}x{self.grid[1]}"
                               if self.grid else "ranks per node detected at start-up")
         return "\n".join([
-            f"flashsgd train | world {self.world} ({layout}) | backend {cfg.run.backend}",
+            f"flashsgd train | world {self.world} ({layout}) | backend {self.backend or cfg.run.backend}",
             f"  algorithm   {cfg.comm.algorithm} {self.hook_options or ''} bucket {cfg.comm.bucket_mb:g} MiB",
             *([f"  warm-up     {self.density_warmup['text']}"] if self.density_warmup else []),
             f"  batch       global {' -> '.join(map(str, batches))} (table {list(self.table.rows)}), "
@@ -165,7 +190,7 @@ class RunPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (``<out>/plan.json``)."""
-        return {"world": self.world, "ranks_per_node": self.ranks_per_node,
+        return {"world": self.world, "backend": self.backend, "ranks_per_node": self.ranks_per_node,
                 "grid": list(self.grid) if self.grid else None, "num_train": self.num_train,
                 "batch_rows": [list(r) for r in self.table.rows], "epochs": self.epochs,
                 "total_steps": self.total_steps, "peak_lr": self.peak_lr(),
@@ -257,21 +282,28 @@ def check_auto_cluster(spec: str, world: int, ranks_per_node: int | None) -> Non
         raise ValueError(f"config key comm.cluster={spec!r}: {exc}") from None
 
 
-def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) -> RunPlan:
+def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool,
+               backend: str | None = None) -> RunPlan:
     """Steps 1-4; ValueError (naming the config key) when the config cannot run on ``world`` ranks.
 
     Args:
         cfg: the validated config.
         world: ranks of the run (``run.workers`` on local spawn, torchrun's WORLD_SIZE).
         num_train: training samples per epoch.
-        local_spawn: True when flashsgd spawns the ranks itself (emulated nodes of 2 ranks).
+        local_spawn: True when flashsgd spawns the ranks itself: one node over NCCL, emulated
+            nodes of 2 ranks over Gloo (:func:`local_ranks_per_node`), unless
+            ``comm.ranks_per_node`` (or env FLASHSGD_RANKS_PER_NODE) says otherwise.
+        backend: the local spawn's backend (the launcher's choice); None: :func:`local_backend`.
+            Ignored under torchrun.
     """
     recipe, source = resolve_recipe(cfg)                                   # Step 1
-    rpn = cfg.comm.ranks_per_node                                          # Step 2
+    if local_spawn and backend is None:                                    # Step 2
+        backend = local_backend(cfg, world)
+    rpn = cfg.comm.ranks_per_node
     if rpn is None:
         env = os.environ.get("FLASHSGD_RANKS_PER_NODE") or (None if local_spawn else
                                                              os.environ.get("LOCAL_WORLD_SIZE"))
-        rpn = int(env) if env else (emulated_ranks_per_node(world) if local_spawn else None)
+        rpn = int(env) if env else (local_ranks_per_node(world, backend) if local_spawn else None)
     if rpn is not None and (rpn < 1 or world % rpn):
         raise ValueError(f"config key comm.ranks_per_node={rpn} must divide the world size {world}; "
                          f"valid: {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)}")
@@ -299,7 +331,7 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool) 
                    recipe_source=source, num_train=num_train, table=table,
                    schedule=recipe.schedule(), epochs=epochs, total_steps=total,
                    first_epoch_steps=first_epoch_steps, hook_options=options, warnings=tuple(warnings),
-                   density_warmup=warm,
+                   density_warmup=warm, backend=backend if local_spawn else None,
                    execution=execution(cfg, table, world,
                                        world if local_spawn else int(os.environ.get("LOCAL_WORLD_SIZE", world))))
 

@@ -101,7 +101,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     with launch.one_thread():  # before the fork: no OpenMP pool in this process
         data = load_data(cfg)
         check_input(cfg.model.model, cfg.model.channels, data, cfg.data.dataset)  # exit 2, not 4 failed ranks
-    plan = build_plan(cfg, workers, len(data.train), local_spawn=True)
+    plan = build_plan(cfg, workers, len(data.train), local_spawn=True, backend=backend)
     with open_run_dir(plan) as start:
         if start.kind == "complete":
             print(f"flashsgd train: {start.describe()}", flush=True)
