@@ -59,9 +59,9 @@ def run_ranks(request):
     ``args`` must then be importable / picklable: module-level functions of a test file are),
     ``fork`` otherwise.
     """
-    cuda = request.node.get_closest_marker("gpu") is not None
+    marked = request.node.get_closest_marker("gpu") is not None
 
-    def run(fn, world, *args, **kwargs):
+    def run(fn, world, *args, cuda=marked, **kwargs):
         return _run_ranks(fn, world, *args, cuda=cuda, **kwargs)
 
     return run

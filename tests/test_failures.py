@@ -129,7 +129,7 @@ def test_a_full_disk_names_the_rank_path_and_os_error_and_keeps_the_resume_point
     out = tmp_path / "run"
     cfg = _cfg(out)
     data = load_data(cfg)
-    plan = build_plan(cfg, 2, len(data.train), local_spawn=True)
+    plan = build_plan(cfg, 2, len(data.train), local_spawn=True, backend="gloo")
     with open_run_dir(plan) as start, pytest.raises(WorkerError) as err:
         run_ranks(_worker_on_a_full_disk, 2, plan, data, start, 8, timeout_s=60)
     first = str(err.value).splitlines()[0]
@@ -190,7 +190,7 @@ def test_an_error_of_a_rank_is_not_called_a_communication_failure(tmp_path, run_
 
     cfg = _cfg(tmp_path / "run")
     data = load_data(cfg)
-    plan = build_plan(cfg, 2, len(data.train), local_spawn=True)
+    plan = build_plan(cfg, 2, len(data.train), local_spawn=True, backend="gloo")
     with open_run_dir(plan) as start, pytest.raises(WorkerError) as err:
         run_ranks(_worker_with_a_bug, 2, plan, data, start, timeout_s=60)
     assert str(err.value) == ("ranks 0,1 failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied "

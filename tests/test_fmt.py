@@ -164,10 +164,10 @@ def test_run_banner_and_run_errors_count_one_of_each():
     from flashsgd.train.plan import build_plan
 
     one = {"workers": 2, "global_batch": 256, "epochs": 1, "algorithm": "ring", "ranks_per_node": 1}
-    banner = build_plan(resolve(cli=one), world=2, num_train=256, local_spawn=True).describe()
+    banner = build_plan(resolve(cli=one), world=2, num_train=256, local_spawn=True, backend="gloo").describe()
     assert "1 step in 1 epoch" in banner and "1 rank/node" in banner, banner
     assert "(s)" not in banner and "1 steps" not in banner and "1 epochs" not in banner, banner
     layout = SimpleNamespace(grid=(2, 1), world_size=2, num_nodes=2, ranks_per_node=1, timeout_s=300.0)
     assert Topology.describe(layout) == "world 2 = 2 nodes x 1 rank/node, grid 2x1, timeout 300 s"
     with pytest.raises(ValueError, match=r"but the run has 1 step; valid steps: 0-0"):
-        build_plan(resolve(cli={**one, "fail_at": "0:3:exit"}), world=2, num_train=256, local_spawn=True)
+        build_plan(resolve(cli={**one, "fail_at": "0:3:exit"}), world=2, num_train=256, local_spawn=True, backend="gloo")

@@ -37,8 +37,8 @@ def _batch(step: int):
 def _model(hook: str, options: dict):
     ddp = DDP(tiny_net(), bucket_cap_mb=0.005)  # several buckets
     state = register_hook(ddp, hook.split("_")[0], **options)
-    step = TrainStep(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), torch.nn.CrossEntropyLoss(reduction="sum"),
-                     hook_state=state)
+    step = TrainStep(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), torch.nn.CrossEntropyLoss(reduction="sum"))
+    assert step.hook_state is state  # found on ddp: the protocol cannot be forgotten
     return ddp, state, step
 
 
@@ -71,14 +71,16 @@ def _skip_leaves_no_trace(hook: str, options: dict):
     b_ddp, b_state, b_step = _model(hook, options)
     for s in range(6):
         if s == 3:
-            before = _comparable(a_state.state_dict())
+            before = _comparable(a_state.state_dict()), dict(getattr(a_state, "layer_norms", {}))
             res = a_step(lambda: _batch(99), 16, step=s, poison=dist.get_rank() == 0)
             assert res.skipped
-            _assert_same(before, _comparable(a_state.state_dict()), f"{hook} state after the skipped step")
+            after = _comparable(a_state.state_dict()), dict(getattr(a_state, "layer_norms", {}))
+            _assert_same(before, after, f"{hook} state and layer norms after the skipped step")
         for step, st in ((a_step, a_state), (b_step, b_state)):
             x, y = _batch(s)
             assert not step(lambda: (x, y), 16, step=s).skipped
     _assert_same(_comparable(a_state.state_dict()), _comparable(b_state.state_dict()), f"{hook} final state")
+    _assert_same(dict(getattr(a_state, "layer_norms", {})), dict(getattr(b_state, "layer_norms", {})), "norms")
     assert all(torch.isfinite(t).all() for t in floating_tensors(a_state.state_dict()))
     return torch.equal(flat_params(a_ddp), flat_params(b_ddp))
 

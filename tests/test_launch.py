@@ -235,6 +235,13 @@ def test_cuda_index_wraps_the_local_rank_onto_the_visible_gpus(local_rank, gpus,
     assert launch.cuda_index(local_rank, gpus) == index
 
 
+def test_cuda_index_refuses_two_ranks_on_one_gpu():
+    assert launch.cuda_index(3, 1, local_world=8) == 0  # one visible GPU per process: fine
+    assert launch.cuda_index(3, 4, local_world=4) == 3
+    with pytest.raises(RuntimeError, match="8 ranks on this node but 4 visible GPUs; NCCL cannot run two ranks"):
+        launch.cuda_index(5, 4, local_world=8)
+
+
 def test_cuda_index_without_a_visible_gpu_says_so():
     with pytest.raises(RuntimeError, match="backend 'nccl' needs a visible GPU; this process sees none "
                                            r"\(local rank 2; CUDA_VISIBLE_DEVICES="):
@@ -290,5 +297,6 @@ def test_spawned_ranks_bind_their_gpu_and_create_nccl_eagerly(fake_init, backend
 
 
 def test_the_harness_starts_ranks_with_spawn_as_the_gpu_tests_do(run_ranks):
-    # a gpu-marked test's ranks are spawned (conftest.py): a test file's function runs there too
-    assert run_ranks(_sum_of_ranks, 2, 1.0, start_method="spawn") == [[3.0] * 4] * 2
+    # a gpu-marked test's ranks are spawned (conftest.py: cuda=True, the marker's default, and what
+    # a gpu test may also pass itself): a test file's function runs there too
+    assert run_ranks(_sum_of_ranks, 2, 1.0, cuda=True) == [[3.0] * 4] * 2

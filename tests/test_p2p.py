@@ -129,22 +129,29 @@ def test_the_nccl_branch_groups_the_round_and_gathers_natively(run_ranks):
         assert "one process group" in out["duplex"]
 
 
-def _failed_round(where: str, peers, timeout_s: float):
+def _failed_round(where: str, peers, when: str):
     class Failed:
         def wait(self):
             raise RuntimeError("NCCL watchdog: Timed out after 600000 ms")
 
+    def issue(ops):
+        if when == "issue":
+            raise RuntimeError("NCCL error: unhandled system error")
+        return [Failed()]
+
     ops = [mock.Mock(peer=p) for p in peers]
     try:
-        p2p._wait_round([Failed()], ops, where)
+        with mock.patch.object(p2p.dist, "batch_isend_irecv", issue):
+            p2p._wait_round(ops, where)
     except PeerError as exc:
         return type(exc).__name__, exc.peer, str(exc)
 
 
-def test_an_nccl_failure_names_the_round_s_peer(run_ranks):
-    (name, peer, message), = run_ranks(_failed_round, 1, "gtopk all-reduce, butterfly round 0", [3, 3], 1.0)
+@pytest.mark.parametrize("when", ["issue", "wait"])
+def test_an_nccl_failure_names_the_round_s_peer(run_ranks, when):
+    (name, peer, message), = run_ranks(_failed_round, 1, "gtopk all-reduce, butterfly round 0", [3, 3], when)
     assert (name, peer) == ("PeerError", 3) and "butterfly round 0" in message and "[3]" in message
-    (_, peer, message), = run_ranks(_failed_round, 1, "topk all-gather", [1, 2], 1.0)
+    (_, peer, message), = run_ranks(_failed_round, 1, "topk all-gather", [1, 2], when)
     assert peer is None and "[1, 2]" in message
 
 
@@ -209,26 +216,33 @@ def test_every_send_and_receive_goes_through_p2p():
 
 # ------------------------------------------------------------------------------------- GPU -----
 
-def _cuda_rounds():
-    torch.cuda.set_device(0)
-    return _ring("cuda")
-
-
-@pytest.mark.gpu  # Gloo carries CUDA tensors: two ranks on one GPU; the ranks start with spawn
-def test_a_ring_round_of_cuda_tensors(run_ranks):
-    world = 2
-    for rank, out in enumerate(run_ranks(_cuda_rounds, world)):
-        want = [10.0 * ((rank - 1) % world + 1) + i for i in range(6)]
-        assert out["world"] == want and out["segments"] == want and out["on_recv"] == [0, 1]
-
-
 def _nccl_one_rank():
+    """One NCCL rank: a grouped round to itself (NCCL allows a self send/recv inside a group, as its
+    all-to-all does), two segments with on_recv, and the native gather."""
+    a, b = torch.arange(4.0, device="cuda"), torch.arange(10.0, 13.0, device="cuda")
+    x, y = torch.empty_like(a), torch.empty_like(b)
+    seen = []
+    exchange([(a, 0), (b, 0)], [(x, 0), (y, 0)], None, 10.0, "test nccl self round", on_recv=seen.append)
     msg = torch.tensor([3, 4, 5], device="cuda")
     rows = gather_from_peers(msg, None, 10.0, "test nccl gather")  # native all_gather_into_tensor
-    exchange([], [], None, 10.0, "test nccl empty round")
-    return p2p.grouped(msg, None), rows.tolist()
+    return p2p.grouped(msg, None), x.tolist(), y.tolist(), seen, rows.tolist()
 
 
-@pytest.mark.gpu  # NCCL cannot put two ranks on one GPU: a world of one
-def test_gather_on_nccl_is_the_native_all_gather(run_ranks):
-    assert run_ranks(_nccl_one_rank, 1, backend="nccl") == [(True, [[3, 4, 5]])]
+@pytest.mark.gpu  # NCCL cannot put two ranks on one GPU: a world of one, sending to itself
+def test_a_grouped_nccl_round_and_the_native_gather(run_ranks):
+    assert run_ranks(_nccl_one_rank, 1, backend="nccl") == [
+        (True, [0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0], [0, 1], [[3, 4, 5]])]
+
+
+def _cuda_on_gloo():
+    try:
+        exchange([(torch.ones(2, device="cuda"), 0)], [], None, 1.0, "test")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_on_gloo_are_refused(run_ranks):
+    (message,) = run_ranks(_cuda_on_gloo, 1)
+    assert message is not None and "Gloo sends and receives host memory only" in message

@@ -144,7 +144,7 @@ def test_the_plan_records_precision_accumulation_memory_format_and_compile():
     from flashsgd.train.plan import build_plan
 
     cfg = C.resolve(cli={"precision": "bf16", "grad_accum": "2", "channels_last": True, "compile": True})
-    plan = build_plan(cfg, 4, 32000, local_spawn=True)
+    plan = build_plan(cfg, 4, 32000, local_spawn=True, backend="gloo")
     e = plan.to_dict()["execution"]
     assert e == {"precision": "bf16", "autocast": "bfloat16", "loss_scaler": False, "grad_accum": 2,
                  "micro_batch_per_worker": [512], "channels_last": False, "compile": True, "data_workers": 0,
@@ -154,11 +154,11 @@ def test_the_plan_records_precision_accumulation_memory_format_and_compile():
         and "channels_last ignored" in line
     images = C.resolve(cli={"dataset": "synthetic", "image_shape": "cifar", "model": "resnet20",
                             "num_samples": 4096, "channels_last": True, "precision": "fp16"})
-    e = build_plan(images, 4, 4096, local_spawn=True).execution
+    e = build_plan(images, 4, 4096, local_spawn=True, backend="gloo").execution
     assert e["channels_last"] and e["loss_scaler"] and not e["notes"]
-    assert build_plan(C.resolve(), 4, 32000, local_spawn=True).execution["precision"] == "fp32"
+    assert build_plan(C.resolve(), 4, 32000, local_spawn=True, backend="gloo").execution["precision"] == "fp32"
     with pytest.raises(ValueError, match="optim.grad_accum=2000.*valid: optim.grad_accum <= 1024"):
-        build_plan(C.resolve(cli={"grad_accum": 2000}), 4, 32000, local_spawn=True)
+        build_plan(C.resolve(cli={"grad_accum": 2000}), 4, 32000, local_spawn=True, backend="gloo")
     with pytest.raises(ValueError, match="run.precision"):
         C.resolve(cli={"precision": "fp8"})
 

@@ -21,7 +21,7 @@ NUM_TRAIN = 32000
 
 
 def plan_of(**cli):
-    return build_plan(C.resolve(cli=cli), world=4, num_train=NUM_TRAIN, local_spawn=True)
+    return build_plan(C.resolve(cli=cli), world=4, num_train=NUM_TRAIN, local_spawn=True, backend="gloo")
 
 
 @pytest.mark.parametrize("algorithm", X.names("sparse"))

@@ -198,10 +198,10 @@ def test_sparse_hook_options_from_config():
     cfg = C.resolve(cli={"algorithm": "gtopk", "density": 0.001, "density_warmup": 0.25,
                          "density_warmup_epochs": 2.0, "selection": "exact", "global_batch": 1024,
                          "timeout_s": 30})
-    plan = build_plan(cfg, world=4, num_train=8192, local_spawn=True)
+    plan = build_plan(cfg, world=4, num_train=8192, local_spawn=True, backend="gloo")
     assert plan.hook_options == {"density": 0.001, "density_warmup": 0.25, "density_warmup_steps": 16,
                                  "selection": "exact", "seed": 0, "timeout_s": 30.0}  # no node layout: gtopk's is flat
-    dense = build_plan(C.resolve(cli={"timeout_s": 30}), world=4, num_train=8192, local_spawn=True)
+    dense = build_plan(C.resolve(cli={"timeout_s": 30}), world=4, num_train=8192, local_spawn=True, backend="gloo")
     assert dense.hook_options == {"ranks_per_node": 2, "grid": None, "timeout_s": 30.0}
     assert dense.grid == (2, 2) and dense.total_steps == 2 * 15
 
@@ -216,17 +216,17 @@ def test_plan_rejects_what_cannot_run_on_the_world(cli, world, needle):
     from flashsgd.train.plan import build_plan
 
     with pytest.raises(ValueError) as err:
-        build_plan(C.resolve(cli=cli), world=world, num_train=8192, local_spawn=True)
+        build_plan(C.resolve(cli=cli), world=world, num_train=8192, local_spawn=True, backend="gloo")
     assert needle in str(err.value)
 
 
 def test_default_plan_uses_the_tuned_variant():
     from flashsgd.train.plan import build_plan
 
-    plan = build_plan(C.resolve(), world=4, num_train=32000, local_spawn=True)
+    plan = build_plan(C.resolve(), world=4, num_train=32000, local_spawn=True, backend="gloo")
     assert plan.recipe.name == "fujitsu-mnist1d" and plan.recipe.trust_coefficient == 0.02
     assert "fujitsu-mnist1d (the mnist1d-tuned variant of fujitsu)" in plan.describe()
-    published = build_plan(C.resolve(cli={"proxy_tuning": False}), world=4, num_train=32000, local_spawn=True)
+    published = build_plan(C.resolve(cli={"proxy_tuning": False}), world=4, num_train=32000, local_spawn=True, backend="gloo")
     assert published.recipe.name == "fujitsu" and published.recipe.trust_coefficient == 0.0025
 
 
@@ -235,25 +235,25 @@ def test_momentum_correction_moves_the_momentum_into_the_hook():
 
     cli = {"algorithm": "gtopk", "recipe": "goyal", "global_batch": 256, "epochs": 10.0,
            "momentum_correction": True, "density_warmup": 0.25, "density_warmup_epochs": 4.0}
-    plan = build_plan(C.resolve(cli=cli), world=8, num_train=32000, local_spawn=True)
+    plan = build_plan(C.resolve(cli=cli), world=8, num_train=32000, local_spawn=True, backend="gloo")
     assert plan.recipe.momentum == 0.0 and plan.recipe.nesterov is False
     assert plan.hook_options["momentum_correction"] == 0.9 and plan.hook_options["nesterov"] is True
     assert plan.warnings == ()  # coverage with the warm-up is above the bound
     with pytest.raises(ValueError, match="comm.momentum_correction: hook 'ring' has no momentum correction"):
-        build_plan(C.resolve(cli={**cli, "algorithm": "ring"}), world=8, num_train=32000, local_spawn=True)
+        build_plan(C.resolve(cli={**cli, "algorithm": "ring"}), world=8, num_train=32000, local_spawn=True, backend="gloo")
     with pytest.raises(ValueError, match="longer than the run"):
         build_plan(C.resolve(cli={**cli, "density_warmup_epochs": 11.0, "warmup_epochs": 1.0}),
-                   world=8, num_train=32000, local_spawn=True)
+                   world=8, num_train=32000, local_spawn=True, backend="gloo")
 
 
 def test_sparse_runs_below_the_step_count_bound_are_warned():
     from flashsgd.train.plan import build_plan
 
     plan = build_plan(C.resolve(cli={"algorithm": "gtopk", "density": 0.01}), world=4, num_train=32000,
-                      local_spawn=True)
+                      local_spawn=True, backend="gloo")
     assert len(plan.warnings) == 1 and "step-count bound" in plan.warnings[0]
     assert "WARNING" in plan.describe()
-    assert build_plan(C.resolve(), world=4, num_train=32000, local_spawn=True).warnings == ()
+    assert build_plan(C.resolve(), world=4, num_train=32000, local_spawn=True, backend="gloo").warnings == ()
 
 
 def test_the_imagenet_preset_sits_between_the_defaults_and_the_users_values(tmp_path):

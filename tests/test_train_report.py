@@ -35,7 +35,7 @@ def _summarize(tmp_path, monkeypatch, cli: dict, steps: int):
 
     monkeypatch.setattr(plt, "close", keep_legend)
     cfg = C.resolve(cli={"out": str(tmp_path), **cli})
-    plan = build_plan(cfg, 2, 32000, local_spawn=True)
+    plan = build_plan(cfg, 2, 32000, local_spawn=True, backend="gloo")
     _metrics(tmp_path, steps)
     topo = SimpleNamespace(num_nodes=1, ranks_per_node=2, grid=(2, 1))
     progress = {"tta_s": None, "elapsed_s": 1.0, "step": steps, "epoch": 1, "skipped": 0}

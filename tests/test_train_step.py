@@ -161,7 +161,7 @@ def _rank_parts(algorithm: str, extra: dict):
     cfg = resolve(cli={"num_samples": 2000, "epochs": 2, "global_batch": 256, "algorithm": algorithm,
                        "recipe": "fujitsu", **extra})
     data = load_data(cfg)
-    plan = build_plan(cfg, dist.get_world_size(), len(data.train), local_spawn=True)
+    plan = build_plan(cfg, dist.get_world_size(), len(data.train), local_spawn=True, backend="gloo")
     parts = build_rank(plan, data, torch.device("cpu"))
     return (type(parts.optimizer).__name__, parts.optimizer.__dict__.get("grad_norm_source") is not None,
             parts.model_tweaks, parts.step.nonfinite)

@@ -138,18 +138,24 @@ def local_ranks(workers: int | None, backend: str = "auto",
                              f"rank, so the ranks train on the CPU over Gloo (--workers {gpus} trains on the GPUs)")
 
 
-def cuda_index(local_rank: int, device_count: int) -> int:
+def cuda_index(local_rank: int, device_count: int, local_world: int | None = None) -> int:
     """The GPU of local rank ``local_rank`` among the ``device_count`` this process sees.
 
     ``local_rank % device_count``: one GPU per rank when the process sees all of the node's GPUs
     (rank i -> GPU i), and GPU 0 where a scheduler gives each process one visible GPU
     (``CUDA_VISIBLE_DEVICES`` per process, e.g. Slurm ``--gpus-per-task=1``), where LOCAL_RANK
-    itself names no visible device.
+    itself names no visible device. ``local_world`` (torchrun's LOCAL_WORLD_SIZE): more ranks on
+    the node than the several GPUs each sees would put two ranks on one GPU, which NCCL refuses
+    (at its first collective, "Duplicate GPU detected"): a RuntimeError here, before it.
     """
     if device_count < 1:
         raise RuntimeError(f"backend 'nccl' needs a visible GPU; this process sees none "
                            f"(local rank {local_rank}; CUDA_VISIBLE_DEVICES="
                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+    if local_world is not None and device_count > 1 and local_world > device_count:
+        raise RuntimeError(f"backend 'nccl': {local_world} ranks on this node but {device_count} visible GPUs; "
+                           f"NCCL cannot run two ranks on one GPU: start at most {device_count} per node "
+                           "(torchrun --nproc-per-node), or give each process its own GPU")
     return local_rank % device_count
 
 
@@ -160,7 +166,7 @@ def _device_id(backend: str, local_rank: int) -> dict[str, Any]:
     Gloo: nothing."""
     if backend != "nccl":
         return {}
-    index = cuda_index(local_rank, torch.cuda.device_count())
+    index = cuda_index(local_rank, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
     torch.cuda.set_device(index)
     return {"device_id": torch.device("cuda", index)}
 

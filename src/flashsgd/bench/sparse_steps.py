@@ -3,9 +3,10 @@
 One step is what the sparse DDP hook (:mod:`flashsgd.comm.sparse_hooks`) does for one bucket,
 with the phases clocked separately (rank-local clocks, no extra synchronization):
 
-- ``accum``: ``residual += grad`` in place; with the ``threshold`` selector also the block maxima
-  (:func:`~flashsgd.comm.sparse_fused.add_block_maxima_`, fused by ``torch.compile`` in the
-  ``compiled`` variant);
+- ``accum``: ``acc = residual + grad`` into a new tensor, as the hook does (the residual a step
+  started from stays until the step is kept, :mod:`flashsgd.comm.hook_step`); with the
+  ``threshold`` selector also the block maxima (:func:`~flashsgd.comm.sparse_fused.add_block_maxima`,
+  fused by ``torch.compile`` in the ``compiled`` variant);
 - ``select``: the rest of the selection (threshold, candidates, trim to k);
 - ``exchange``: the communication: topk's all-gather with its scatter-add into a zeroed buffer;
   gTop-k's sends and waits; hgtopk's node step (``node_split``: the leader's reduce and broadcast,
@@ -38,7 +39,7 @@ import torch.distributed as dist
 
 from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, gtopk_allreduce, gtopk_bytes_sent,
                                   message_bytes, topk_allgather)
-from flashsgd.comm.sparse_fused import add_block_maxima_
+from flashsgd.comm.sparse_fused import add_block_maxima
 from flashsgd.comm.sparse_hier import hgtopk_allreduce
 from flashsgd.comm.sparse_select import ThresholdReuse, auto_block, topk_threshold
 from flashsgd.comm.topology import Topology
@@ -123,13 +124,15 @@ class SparseStep:
         return SELECTIONS[self.options.selector](x, k)
 
     def _accumulate(self) -> torch.Tensor | None:
-        """residual += grad (with the block maxima when they will be used)."""
+        """residual <- residual + grad, a new tensor as in the hook (with the block maxima when they
+        will be used)."""
         block = auto_block(self.grad.numel(), self.k)
         dense_in_node = self.algorithm == "hgtopk" and self.options.node_split in ("leader", "slices")
         # (they select over the node sum, not over this rank's residual)
         if self.options.selector == "threshold" and block and not dense_in_node:
-            return add_block_maxima_(self.residual, self.grad, block, compiled=self.options.compiled)
-        self.residual.add_(self.grad)
+            self.residual, bmax = add_block_maxima(self.residual, self.grad, block, compiled=self.options.compiled)
+            return bmax
+        self.residual = self.residual + self.grad
         return None
 
     def __call__(self) -> None:

@@ -12,12 +12,14 @@ PowerSGD's error and Q) break in two ways that a hook alone cannot see (Micikevi
   has already run the hook: its memories hold the poisoned step (a NaN residual stays NaN for the
   rest of the run) unless they are put back.
 
-The protocol, for every hook state (:mod:`flashsgd.comm.hooks` checks that each has it):
+The protocol, for every hook state (``tests/test_hook_step.py`` checks that each state of the
+catalog has it):
 
 1. ``state.begin_step(grad_scale)`` before the step's backward: the gradients that arrive are
    ``grad_scale`` (a 0-dim tensor, or None for 1) times the true ones; the state remembers what
-   it holds now (by reference: the hooks never edit a kept memory in place, they make new ones,
-   so remembering costs no copy).
+   it holds now (by reference: the sparse hooks never edit a kept memory in place, they make new
+   ones, so remembering costs no copy; PowerSGD's P and Q, which torch writes in place, are
+   copied: (n + m) r values per matrix).
 2. Inside the hook: :meth:`HookStep.unscale_` turns the bucket into true gradient units (and
    notes a non-finite entry: one reduction per bucket, no host sync), the exchange runs on true
    units, every memory is kept in them, and :meth:`HookStep.rescale_` gives DDP the bucket back
@@ -28,16 +30,21 @@ The protocol, for every hook state (:mod:`flashsgd.comm.hooks` checks that each 
    a sparse exchange did not select (and the output does not show) still skips the step
    everywhere.
 4. ``state.end_step(kept)`` after the agreed decision: kept, the new memories stay; skipped,
-   every memory (residuals, velocities, norms, PowerSGD error and Q, counters, RNG streams) is
-   exactly what it was at step 1, bit for bit. Traffic counters keep counting (those bytes were
-   sent).
+   everything ``state_dict()`` holds apart from its statistics (residuals, velocities, PowerSGD
+   error, P and Q, the iteration, RNG streams, kept thresholds and their counters), and the LARS
+   layer norms, is exactly what it was at step 1, bit for bit. The statistics (``stats``: bytes
+   sent, buckets, remaps; torch's PowerSGD compression counters) count what happened, the
+   skipped step included.
 
 A hook used without the protocol (no ``begin_step``: a user's own loop, or a trainer that has not
 called it) works as before: units as they arrive, nothing to roll back.
 
 Cost: fp16 adds two passes over each bucket of a stateful hook (unscale, rescale); every step
 adds one reduction per bucket (the non-finite check) and, on CUDA, one pass that zeroes non-finite
-entries (on the CPU only when there are some); no copies and no host synchronization on CUDA.
+entries (on the CPU only when there are some); no host synchronization on CUDA. Memory: the memories a step started from and the new ones both
+live while it is open, so each sparse memory is double-buffered (two bucket-sized tensors per
+residual or velocity, written alternately: no allocation per step; the write goes to the other
+buffer instead of adding in place).
 
 Example::
 

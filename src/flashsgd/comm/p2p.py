@@ -13,8 +13,12 @@ then waited for:
   one NCCL group and returns one work for it. It is waited with ``work.wait()``, which makes the
   current stream wait and does not block the CPU; ``work.wait(timeout=...)`` would block the CPU
   thread on NCCL. The wait is bounded by the process group's own timeout and NCCL's watchdog, not
-  by ``timeout_s``; a failure raises :class:`~flashsgd.comm.errors.PeerError` naming the round's
-  peer (or ``peer=None`` when the round has several). torch's note on ``batch_isend_irecv``: the
+  by ``timeout_s``: a silent peer is ended by the watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``,
+  torch's default: the process is torn down after the group's timeout, and the launcher names the
+  rank that died); only an error raised while issuing or waiting (with
+  ``TORCH_NCCL_BLOCKING_WAIT=1``, for instance) becomes :class:`~flashsgd.comm.errors.PeerError`
+  naming the round's peer (or ``peer=None`` when the round has several). CUDA tensors on a Gloo
+  group are refused (ValueError): Gloo's send and receive read host memory only. torch's note on ``batch_isend_irecv``: the
   first p2p call on an NCCL group must involve all of its ranks, unless its communicator was
   created eagerly (``init_process_group(device_id=...)``) or by an earlier collective.
 * Gloo: nothing to group (torch 2.13: ``supports_coalescing`` is False, and
@@ -91,9 +95,10 @@ def exchange(sends: Sequence[Message], recvs: Sequence[Message], group: Groups, 
 
     Raises:
         PeerTimeout: a peer sent (or took) nothing within ``timeout_s`` (names it; Gloo).
-        PeerError: the transport failed (a connection closed; NCCL's error).
+        PeerError: the transport failed (a connection closed; on NCCL only an error raised while
+            issuing or waiting: a silent peer is ended by NCCL's watchdog).
         ValueError: ``(send group, receive group)`` differ on NCCL (one NCCL group call needs one
-            communicator).
+            communicator), or CUDA tensors on a Gloo group.
 
     Example::
 
@@ -109,6 +114,10 @@ def exchange(sends: Sequence[Message], recvs: Sequence[Message], group: Groups, 
     first = to_recv[0][1] if to_recv else to_send[0][0] if to_send else None
     if first is not None and grouped(first, recv_group if to_recv else send_group):
         _grouped_round(to_recv, to_send, send_group, recv_group, where)  # and its Step 3
+    elif first is not None and first.is_cuda:
+        raise ValueError(f"{where}: CUDA tensors on a {dist.get_backend(recv_group if to_recv else send_group)} "
+                         "group: Gloo sends and receives host memory only; stage the bucket through the host "
+                         "(flashsgd.comm.hook_common.HostBucket) or use an NCCL group")
     else:  # Gloo: exactly what batch_isend_irecv does there, one work per operation
         recv_works = {i: dist.irecv(t, group=recv_group, group_src=p) for i, t, p in to_recv}
         send_works = [dist.isend(t, group=send_group, group_dst=p) for t, p in to_send]
@@ -130,14 +139,14 @@ def _grouped_round(to_recv: list, to_send: list, send_group: ProcessGroup | None
         raise ValueError(f"{where}: an NCCL round needs one process group for its sends and receives")
     ops = [dist.P2POp(dist.irecv, t, group=recv_group, group_peer=p) for _, t, p in to_recv]
     ops += [dist.P2POp(dist.isend, t, group=send_group, group_peer=p) for t, p in to_send]
-    _wait_round(dist.batch_isend_irecv(ops), ops, where)
+    _wait_round(ops, where)
 
 
-def _wait_round(works: list, ops: list, where: str) -> None:
-    """NCCL: wait for the round's work(s) on the current stream; a failure names the peer when the
-    round has one (``op.peer`` is the global rank)."""
+def _wait_round(ops: list, where: str) -> None:
+    """NCCL: issue the round and wait for its work(s) on the current stream; an error raised while
+    issuing or waiting names the peer when the round has one (``op.peer`` is the global rank)."""
     try:
-        for work in works:
+        for work in dist.batch_isend_irecv(ops):
             work.wait()  # stream wait; bounded by the group's timeout and NCCL's watchdog
     except RuntimeError as exc:
         peers = sorted({op.peer for op in ops})

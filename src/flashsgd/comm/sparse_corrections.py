@@ -67,16 +67,18 @@ def clip_local_(grad: torch.Tensor, max_norm: float | None) -> torch.Tensor:
 
 
 def accumulate_velocity(residual: torch.Tensor, velocity: torch.Tensor, grad: torch.Tensor,
-                        momentum: float, nesterov: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        momentum: float, nesterov: bool = False, *, out: torch.Tensor | None = None,
+                        out_velocity: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 2: ``(v + u', u')`` with ``u' = m*u + g`` (Nesterov: ``u' = m*(u + g)``, and
     ``v + u' + g``), as new tensors: ``residual`` v and ``velocity`` u are left as they were (the
     hooks keep a step's starting memories until the step is kept, :mod:`flashsgd.comm.hook_step`).
-    The same arithmetic, in the same order, as the in-place form ``u.mul_(m).add_(g); v.add_(u)``."""
+    The same arithmetic, in the same order, as the in-place form ``u.mul_(m).add_(g); v.add_(u)``.
+    ``out`` / ``out_velocity``: where to write them (buffers of the caller's), else new tensors."""
     if nesterov:
-        velocity = torch.add(velocity, grad).mul_(momentum)
-        return torch.add(residual, velocity).add_(grad), velocity
-    velocity = torch.mul(velocity, momentum).add_(grad)
-    return torch.add(residual, velocity), velocity
+        velocity = torch.add(velocity, grad, out=out_velocity).mul_(momentum)
+        return torch.add(residual, velocity, out=out).add_(grad), velocity
+    velocity = torch.mul(velocity, momentum, out=out_velocity).add_(grad)
+    return torch.add(residual, velocity, out=out), velocity
 
 
 def mask_momentum_(velocity: torch.Tensor, sent: torch.Tensor) -> None:

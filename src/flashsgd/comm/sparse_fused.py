@@ -7,7 +7,7 @@ Per bucket of m elements, in memory passes (one pass = one ``torch.add`` over th
 2 x 4m, write 4m bytes):
 
 1. ``acc = residual + grad`` (1 pass): in place for :func:`compress_` (the residual buffer becomes
-   acc), into a new tensor for the hooks (:func:`add_block_maxima`: the residual a step started
+   acc), into another buffer for the hooks (:func:`add_block_maxima`: the residual a step started
    from stays intact until the step is kept, :mod:`flashsgd.comm.hook_step`).
 2. Block maxima of |acc| (two read-only reductions, ~2/3 pass), fused with step 1 into one pass
    when ``compiled=True`` and ``torch.compile`` works.
@@ -135,12 +135,14 @@ def add_block_maxima_(residual: torch.Tensor, grad: torch.Tensor, block: int,
 
 
 def add_block_maxima(residual: torch.Tensor, grad: torch.Tensor, block: int,
-                     compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     compiled: bool = False, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 1-2 into a new tensor: ``(acc, bmax)`` with ``acc = residual + grad`` (``residual``
     is left as it was: the hooks keep a step's starting memory until the step is kept) and the
     block maxima of acc; one fused pass with ``compiled=True`` (eager, with a warning, if
     compiling fails: nothing was written, so there is nothing to undo). Same memory traffic as
-    the in-place :func:`add_block_maxima_` (read 2, write 1 bucket)."""
+    the in-place :func:`add_block_maxima_` (read 2, write 1 bucket). ``out``: the eager path
+    writes acc there (a buffer of the caller's: no fresh allocation); the compiled one returns
+    its own."""
     fn = _compiled_fn("new") if compiled else None
     if fn is not None:
         try:
@@ -149,4 +151,7 @@ def add_block_maxima(residual: torch.Tensor, grad: torch.Tensor, block: int,
             warnings.warn(f"compiled compression failed ({type(exc).__name__}: {exc}); eager passes",
                           RuntimeWarning, stacklevel=2)
             _COMPILED["new"] = None
-    return _sum_block_maxima(residual, grad, block)
+    if out is None:
+        return _sum_block_maxima(residual, grad, block)
+    acc = torch.add(residual, grad, out=out)
+    return acc, block_maxima(acc, block)

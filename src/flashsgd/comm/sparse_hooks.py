@@ -139,7 +139,8 @@ def _dense_momentum(state: SparseHookState, bucket: dist.GradBucket, buf: torch.
     (``u = m*u + g``, or ``g + m*u`` after ``u = m*u + g`` for Nesterov, torch.optim.SGD's forms)."""
     # DGC's velocity is m * (torch's buffer) in the Nesterov form; the update is the same
     update, velocity = accumulate_velocity(torch.zeros_like(buf), state.velocity(bucket), buf,
-                                           state.momentum, state.options.nesterov)
+                                           state.momentum, state.options.nesterov,
+                                           out_velocity=state.scratch("velocity", bucket.index(), buf))
     buf.copy_(update)
     state.keep(bucket.index(), state.layout(bucket), None, velocity)
 
@@ -147,20 +148,22 @@ def _dense_momentum(state: SparseHookState, bucket: dist.GradBucket, buf: torch.
 def _accumulate(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tensor, k: int
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Step 1: (acc, velocity or None, block maxima of acc or None). acc is the residual plus the
-    (clipped) gradient, or plus the velocity with momentum correction, in new tensors (the kept
-    residual and velocity stay as they were until the step is kept: :mod:`flashsgd.comm.hook_step`;
-    the same memory traffic as adding in place); the maxima come fused with the add when the
-    selection uses them."""
-    residual = state.residual(bucket)
+    (clipped) gradient, or plus the velocity with momentum correction, written into the state's
+    spare buffers (:meth:`~flashsgd.comm.sparse_state.SparseHookState.scratch`: the kept residual
+    and velocity stay as they were until the step is kept, :mod:`flashsgd.comm.hook_step`); the
+    maxima come fused with the add when the selection uses them."""
+    idx = bucket.index()
+    residual, out = state.residual(bucket), state.scratch("residual", idx, buf)
     if state.owns_momentum:
         acc, velocity = accumulate_velocity(residual, state.velocity(bucket), buf, state.momentum,
-                                            state.options.nesterov)
+                                            state.options.nesterov, out=out,
+                                            out_velocity=state.scratch("velocity", idx, buf))
         return acc, velocity, None
     reads_acc = EXCHANGE_STEPS[state.algorithm].selects_acc(state.options)
     block = auto_block(buf.numel(), k) if state.options.selection == "threshold" and reads_acc else None
     if block is None:
-        return residual + buf, None, None
-    acc, bmax = add_block_maxima(residual, buf, block, state.options.compiled)
+        return torch.add(residual, buf, out=out), None, None
+    acc, bmax = add_block_maxima(residual, buf, block, state.options.compiled, out=out)
     return acc, None, bmax
 
 

@@ -60,7 +60,7 @@ class SparseHookState:
         # internal state
         "iter", "residuals", "velocities", "layer_norms", "layouts", "pending", "pending_velocities",
         "param_positions", "generator", "saved_generator", "workspace", "checked", "reuse", "topology", "comm",
-        "pending_job", "step", "saved",
+        "pending_job", "step", "saved", "spare",
         # stats
         "bytes_sent", "sparse_buckets", "dense_buckets", "last_density", "residual_remaps",
     )
@@ -88,6 +88,7 @@ class SparseHookState:
         self.checked: set[int] = set()
         self.step = HookStep()  # the open training step: loss scale, non-finite inputs (hook_step)
         self.saved: tuple | None = None  # what the open step started from (begin_step)
+        self.spare: dict[tuple[str, int], torch.Tensor] = {}  # ("residual"|"velocity", bucket) -> free buffer
         self.bytes_sent = 0       # bytes handed to the backend by this rank (sparse + dense phase)
         self.sparse_buckets = 0
         self.dense_buckets = 0
@@ -176,13 +177,19 @@ class SparseHookState:
 
     def end_step(self, kept: bool) -> None:
         """Step 4: keep the step's new memories, or (``kept`` False: the trainer skipped the step)
-        put back exactly what :meth:`begin_step` saw. The traffic counters keep the skipped step's
-        bytes (they were sent). A call without :meth:`begin_step` does nothing."""
+        put back exactly what :meth:`begin_step` saw. The statistics (``stats``) keep counting the
+        skipped step (its bytes were sent). A call without :meth:`begin_step` only ends the step."""
         saved, self.saved = self.saved, None
-        self.step.end()
-        if kept or saved is None:
+        self.drain()  # before the scale goes: nothing is in flight after DDP's backward, but a
+        self.step.end()  # threaded bucket still running would rescale with it (a failure re-raises)
+        if saved is None:
             return
-        self.drain()  # (nothing is in flight after backward; a failed bucket re-raises here)
+        if kept:  # what the step started from is free now
+            self._recycle(saved[1], self.residuals, "residual")
+            self._recycle(saved[2], self.velocities, "velocity")
+            return
+        self._recycle(self.residuals, saved[1], "residual")  # the skipped step's new memories
+        self._recycle(self.velocities, saved[2], "velocity")
         (self.iter, self.residuals, self.velocities, self.layouts, self.pending, self.pending_velocities,
          self.layer_norms, thresholds, generator) = saved
         self.reuse.load_state_dict(thresholds)
@@ -240,6 +247,7 @@ class SparseHookState:
         for key, value in state.get("stats", {}).items():
             setattr(self, key, value)
         self.checked = set()
+        self.spare = {}
 
     @staticmethod
     def regroup(states: list[dict], rank: int, world: int) -> dict:
@@ -303,14 +311,35 @@ class SparseHookState:
         return _assemble(self.velocities.get(bucket.index()), self.pending_velocities,
                          self.layout(bucket), bucket.buffer())
 
+    def scratch(self, kind: str, idx: int, like: torch.Tensor) -> torch.Tensor:
+        """A buffer like ``like`` to write bucket ``idx``'s next ``kind`` ("residual", "velocity")
+        into: the one that memory replaced last time, when no kept memory and no open step still
+        holds it (double buffering: a fresh bucket-sized tensor per step costs the CPU its page
+        faults, 7x an in-place add at 25.6M floats), else a new one."""
+        t = self.spare.pop((kind, idx), None)
+        if t is None or t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
+            t = torch.empty_like(like)
+        return t
+
     def keep(self, idx: int, layout: tuple, residual: torch.Tensor | None,
              velocity: torch.Tensor | None) -> None:
-        """Store bucket ``idx``'s residual and velocity (None: none kept) with its ``layout``."""
-        if residual is not None:
-            self.residuals[idx] = residual
-        if velocity is not None:
-            self.velocities[idx] = velocity
+        """Store bucket ``idx``'s residual and velocity (None: none kept) with its ``layout``; the
+        tensors they replace become :meth:`scratch` buffers unless the open step holds them."""
+        for kind, store, new, at in (("residual", self.residuals, residual, 1),
+                                     ("velocity", self.velocities, velocity, 2)):
+            if new is None:
+                continue
+            old = store.get(idx)
+            store[idx] = new
+            if old is not None and old is not new and (self.saved is None or self.saved[at].get(idx) is not old):
+                self.spare[(kind, idx)] = old
         self.layouts[idx] = layout
+
+    def _recycle(self, unused: dict[int, torch.Tensor], used: dict[int, torch.Tensor], kind: str) -> None:
+        """The tensors of ``unused`` that ``used`` does not hold become :meth:`scratch` buffers."""
+        for idx, t in unused.items():
+            if used.get(idx) is not t:
+                self.spare[(kind, idx)] = t
 
     def layout_changed(self, bucket: dist.GradBucket) -> bool:
         """Whether this bucket's stored residual / velocity was kept for another layout."""

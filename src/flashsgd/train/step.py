@@ -135,8 +135,9 @@ class TrainStep:
         forward: what Step 2 calls on the input (default ``ddp``; ``run.compile``: the compiled
             ``ddp``, :func:`flashsgd.train.rank.compile_model`).
         hook_state: the state :func:`flashsgd.comm.hooks.register_hook` returned for ``ddp``
-            (None: a hook without memory, or none): told each step's loss scale, asked for
-            non-finite inputs, and told whether the step was kept (:mod:`flashsgd.comm.hook_step`).
+            (None: the state registered on ``ddp``, if any): told each step's loss scale, asked for
+            non-finite inputs, and told whether the step was kept (:mod:`flashsgd.comm.hook_step`);
+            a state without the protocol (a hook of torch's own) is left alone.
     """
 
     __slots__ = ("ddp", "optimizer", "loss_fn", "timer", "device", "nonfinite", "max_skipped", "world",
@@ -167,8 +168,11 @@ class TrainStep:
         self.grad_accum, self.channels_last = grad_accum, channels_last
         self.forward = forward if forward is not None else ddp
         # the hook's side of the step (flashsgd.comm.hook_step): loss scale in, non-finite inputs
-        # out, memories kept or put back; a hook with no memory has nothing to do
-        self.hook_state = hook_state if hook_state is not None else StatelessHookState("none")
+        # out, memories kept or put back; a hook with no memory has nothing to do. Not given: the
+        # state registered on ddp (DDP keeps its (hook, state) pairs), so it cannot be forgotten
+        if hook_state is None and getattr(ddp, "_comm_hooks", None):
+            hook_state = ddp._comm_hooks[-1][1]
+        self.hook_state = hook_state if hasattr(hook_state, "begin_step") else StatelessHookState("none")
         self.one = torch.ones((), device=self.device)  # scaled by the scaler: the scale, no host sync
         self.skipped_in_row = 0                    # consecutive skipped steps (Step 5)
         self.first_skipped: tuple[int, int | None] | None = None  # (step, epoch) starting the streak
