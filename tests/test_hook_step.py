@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_helpers import flat_params, tiny_net
-from flashsgd.comm.hook_common import floating_tensors
 from flashsgd.comm.hooks import HOOKS, register_hook
 from flashsgd.train.step import TrainStep
 
@@ -29,6 +28,15 @@ STATEFUL_THREADED = {**STATEFUL, "gtopk_threaded": dict(density=0.05, start_iter
                                                         selection="threshold")}
 
 
+def floating_tensors(state) -> list[torch.Tensor]:
+    """Every floating tensor of a nested state dict (as flashsgd.comm.hook_common's, written out so
+    that this file also runs against code without it)."""
+    if isinstance(state, torch.Tensor):
+        return [state] if state.is_floating_point() else []
+    items = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    return [t for item in items for t in floating_tensors(item)]
+
+
 def _batch(step: int):
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     return torch.randn(8, 20, generator=g), torch.randint(0, 5, (8,), generator=g)
@@ -37,8 +45,8 @@ def _batch(step: int):
 def _model(hook: str, options: dict):
     ddp = DDP(tiny_net(), bucket_cap_mb=0.005)  # several buckets
     state = register_hook(ddp, hook.split("_")[0], **options)
+    # no hook_state given: TrainStep finds it on ddp (test_the_step_finds_the_hook_state_on_ddp)
     step = TrainStep(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), torch.nn.CrossEntropyLoss(reduction="sum"))
-    assert step.hook_state is state  # found on ddp: the protocol cannot be forgotten
     return ddp, state, step
 
 
@@ -88,6 +96,17 @@ def _skip_leaves_no_trace(hook: str, options: dict):
 @pytest.mark.parametrize("hook", sorted(STATEFUL_THREADED))
 def test_a_skipped_step_leaves_every_hook_memory_as_it_was(run_ranks, hook):
     assert run_ranks(_skip_leaves_no_trace, 2, hook, STATEFUL_THREADED[hook]) == [True, True]
+
+
+def _found_on_ddp():
+    ddp, state, step = _model("gtopk", STATEFUL["gtopk"])
+    return step.hook_state is state
+
+
+def test_the_step_finds_the_hook_state_on_ddp(run_ranks):
+    """TrainStep without ``hook_state`` uses the state registered on the DDP model: the protocol
+    cannot be forgotten by a caller."""
+    assert run_ranks(_found_on_ddp, 2) == [True, True]
 
 
 def _protocol_of_every_hook():
@@ -199,7 +218,7 @@ def _follows_dtype(hook: str, options: dict, device: str):
     state2 = register_hook(ddp2, hook, **options)
     state2.load_state_dict(saved)
     step2 = TrainStep(ddp2, torch.optim.SGD(ddp2.parameters(), lr=0.05),
-                      torch.nn.CrossEntropyLoss(reduction="sum"), device=torch.device(device), hook_state=state2)
+                      torch.nn.CrossEntropyLoss(reduction="sum"), device=torch.device(device))
     for s in range(4, 7):
         x, y = _batch(s)
         assert not step2(lambda: (x.double(), y), 16, step=s).skipped
@@ -237,7 +256,7 @@ def _units_under(precision: str, hook: str, options: dict):
     opt = LARS(ddp.parameters(), lr=0.05, momentum=0.9)
     if getattr(state.options if hasattr(state, "options") else None, "layer_trust", False):
         opt.grad_norm_source = state.grad_norms
-    step = TrainStep(ddp, opt, torch.nn.CrossEntropyLoss(reduction="sum"), precision=precision, hook_state=state)
+    step = TrainStep(ddp, opt, torch.nn.CrossEntropyLoss(reduction="sum"), precision=precision)
     for s in range(5):
         x, y = _batch(s)
         assert not step(lambda: (x, y), 16, step=s).skipped
