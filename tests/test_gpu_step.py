@@ -91,13 +91,21 @@ def _fp16_run(hook: str, options: dict):
     return out
 
 
+def _fp16_every_hook():
+    """:func:`_fp16_run` for every compressing hook, in one spawned job (the GPU check's test step
+    has minutes, and each spawn starts CUDA and NCCL)."""
+    return {hook: _fp16_run(hook, options) for hook, options in COMPRESSING.items()}
+
+
 @pytest.mark.parametrize("backend,world", LAYOUTS)
-@pytest.mark.parametrize("hook", sorted(COMPRESSING))
-def test_fp16_on_cuda_keeps_memories_and_trust_norms_in_true_units(run_ranks, hook, backend, world):
-    for out in run_ranks(_fp16_run, world, hook, COMPRESSING[hook], backend=backend):
-        (mem32, norms32), (mem16, norms16) = out["fp32"], out["fp16"]
-        # fp16 skipped one more step (the overflow): the memories are of the same size, not equal
-        assert mem16 == pytest.approx(mem32, rel=0.5) and norms16 == pytest.approx(norms32, rel=0.5), out
+def test_fp16_on_cuda_keeps_memories_and_trust_norms_in_true_units(run_ranks, backend, world):
+    for per_hook in run_ranks(_fp16_every_hook, world, backend=backend):
+        for hook, out in per_hook.items():
+            (mem32, norms32), (mem16, norms16) = out["fp32"], out["fp16"]
+            # fp16 skipped one more step (the overflow): the memories are of the same size, not equal
+            # (before the hooks were told the loss scale: 65,536x)
+            assert mem16 == pytest.approx(mem32, rel=0.5), (hook, out)
+            assert norms16 == pytest.approx(norms32, rel=0.5), (hook, out)
 
 
 def _count_syncs(hook: str, options: dict):
@@ -119,12 +127,18 @@ def _count_syncs(hook: str, options: dict):
     return sum("synchronizing" in str(w.message).lower() for w in caught)
 
 
-@pytest.mark.parametrize("hook", ["native", "torus2d", "topk"])
-def test_host_synchronizations_of_one_step_are_counted(run_ranks, hook):
-    """The count is printed for docs/gpu.md; the bound is the review's count for the default step
-    (11-12: one agreed read, phase clocks, scalars) plus the sparse selection's data-dependent
-    shapes (issue 31 brings the dense step to one)."""
-    options = {"topk": dict(density=0.05, start_iter=2, selection="threshold")}.get(hook, {})
-    (syncs,) = run_ranks(_count_syncs, 1, hook, options, backend="nccl")
-    print(f"{hook}: {syncs} host synchronizations in one bf16 step (NCCL, 1 rank)")
-    assert 1 <= syncs <= (16 if hook != "topk" else 60), syncs
+SYNC_CASES = {"native": {}, "torus2d": {}, "topk": dict(density=0.05, start_iter=2, selection="threshold")}
+
+
+def _count_every_hook():
+    return {hook: _count_syncs(hook, options) for hook, options in SYNC_CASES.items()}
+
+
+def test_host_synchronizations_of_one_step_are_counted(run_ranks):
+    """The counts are printed for docs/gpu.md (``-s``); the bound is the review's count for the
+    default step (11-12: one agreed read, phase clocks, scalars) plus the sparse selection's
+    data-dependent shapes (issue 31 brings the dense step to one)."""
+    (counts,) = run_ranks(_count_every_hook, 1, backend="nccl")
+    for hook, syncs in counts.items():
+        print(f"{hook}: {syncs} host synchronizations in one bf16 step (NCCL, 1 rank)")
+        assert 1 <= syncs <= (16 if hook != "topk" else 60), (hook, syncs)
