@@ -146,3 +146,28 @@ def test_peer_errors_pickle_and_read_well():
     lost = PeerError(0, 1, "topk all-gather", "Connection closed by peer")
     assert str(lost) == "rank 0: lost peer rank 1 (topk all-gather): Connection closed by peer"
     assert pickle.loads(pickle.dumps(lost)).peer == 1
+
+
+class _RecordedWork:
+    """A work whose ``wait`` records how it was called."""
+
+    def __init__(self) -> None:
+        self.kwargs = None
+
+    def wait(self, **kwargs) -> None:
+        self.kwargs = kwargs
+
+
+@pytest.mark.parametrize("on_nccl", [True, False])
+def test_a_collective_on_nccl_is_waited_on_the_stream_not_the_host(monkeypatch, on_nccl):
+    """NCCL: ``work.wait(timeout=...)`` would block the CPU thread until the GPU work is done (torch's
+    Work.wait); a CUDA tensor on an NCCL group is waited for without one (the stream waits, the
+    group's timeout bounds it). Gloo keeps the deadline that names a late peer."""
+    import datetime
+
+    from flashsgd.comm import waits
+
+    monkeypatch.setattr(waits, "grouped", lambda tensor, group: on_nccl)
+    work = _RecordedWork()
+    waits.wait_collective(work, None, 5.0, "test", torch.zeros(1))
+    assert work.kwargs == ({} if on_nccl else {"timeout": datetime.timedelta(seconds=5.0)})

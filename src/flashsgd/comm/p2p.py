@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from flashsgd.comm.errors import PeerError
-from flashsgd.comm.waits import global_rank, wait_peer
+from flashsgd.comm.waits import global_rank, grouped, wait_peer
 
 Message = tuple[torch.Tensor, int]
 """``(tensor, peer)``: a contiguous tensor to send, or to receive into, and the peer's rank in the
@@ -61,12 +61,6 @@ round's group (its group rank, not its global rank)."""
 Groups = Union[ProcessGroup, None, tuple[Union[ProcessGroup, None], Union[ProcessGroup, None]]]
 """The round's process group (``None``: the default group), or ``(send group, receive group)``:
 two groups with the same members (see the module docstring; Gloo only)."""
-
-
-def grouped(tensor: torch.Tensor, group: ProcessGroup | None) -> bool:
-    """True where point-to-point operations must be grouped and collectives are native: a CUDA
-    tensor on an NCCL group (also "cpu:gloo,cuda:nccl"). Gloo carrying CUDA tensors is not."""
-    return tensor.is_cuda and "nccl" in str(dist.get_backend(group))
 
 
 def exchange(sends: Sequence[Message], recvs: Sequence[Message], group: Groups, timeout_s: float,

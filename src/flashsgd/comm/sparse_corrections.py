@@ -97,5 +97,5 @@ def layer_norms(buf: torch.Tensor, sizes: list[int], group: Any, timeout_s: floa
         else buf.new_zeros(0)
     squares.div_(dist.get_world_size(group))
     if squares.numel():
-        wait_collective(dist.all_reduce(squares, group=group, async_op=True), group, timeout_s, what)
+        wait_collective(dist.all_reduce(squares, group=group, async_op=True), group, timeout_s, what, squares)
     return squares.sqrt_()

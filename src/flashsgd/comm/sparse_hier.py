@@ -141,7 +141,7 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
     out.copy_(acc)
     if node is not None:
         work = dist.reduce(out, dst=topology.node_ranks[0], group=node, async_op=True)
-        wait_collective(work, node, timeout_s, "hgtopk, node reduce")
+        wait_collective(work, node, timeout_s, "hgtopk, node reduce", out)
     msg = torch.empty(broadcast_len(k, acc.dtype, n), dtype=wire_index_dtype(n), device=acc.device)
     if leader:
         # Step 2: the leader's selection over the node sum
@@ -156,7 +156,7 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
     # Step 4: the result to every rank of the node
     if node is not None:
         work = dist.broadcast(msg, src=topology.node_ranks[0], group=node, async_op=True)
-        wait_collective(work, node, timeout_s, "hgtopk, node broadcast")
+        wait_collective(work, node, timeout_s, "hgtopk, node broadcast", msg)
     res = _unpack_broadcast(msg, k, acc.dtype)
     out.zero_()
     out[res.indices] = res.values
@@ -186,7 +186,7 @@ def _sparse_in_node(acc: torch.Tensor, k: int, topology: Topology, out: torch.Te
         msg = _broadcast_msg(res, k, n)
     if node is not None:  # Step 4
         work = dist.broadcast(msg, src=topology.node_ranks[0], group=node, async_op=True)
-        wait_collective(work, node, timeout_s, "hgtopk, node broadcast")
+        wait_collective(work, node, timeout_s, "hgtopk, node broadcast", msg)
     res = _unpack_broadcast(msg, k, acc.dtype)
     out.zero_()
     out[res.indices] = res.values

@@ -128,7 +128,7 @@ def dense_iteration(state: SparseHookState, bucket: dist.GradBucket, buf: torch.
         work = dist.all_reduce(buf, group=state.process_group, async_op=True)
         timeout_s = default_timeout_s() if state.options.timeout_s is None else state.options.timeout_s
         wait_collective(work, state.process_group, timeout_s,
-                        f"{state.algorithm} hook, dense iteration {state.iter}")
+                        f"{state.algorithm} hook, dense iteration {state.iter}", buf)
     state.bytes_sent += (2 * (world - 1) * n * buf.element_size()) // world  # ring volume
     state.dense_buckets += 1
     state.last_density = 1.0

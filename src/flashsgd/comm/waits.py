@@ -11,6 +11,12 @@ peer rank that was waited for, so the rank that stopped can be told from the ran
 The sends and receives themselves are issued by :func:`flashsgd.comm.p2p.exchange` (grouped, as
 NCCL needs), which waits for each through :func:`wait_peer`.
 
+NCCL is different: ``work.wait(timeout=...)`` there blocks the CPU thread until the GPU work is
+done (torch's ``Work.wait`` docstring; ProcessGroupNCCL's ``synchronize`` with a timeout spins on
+the host), where a plain ``work.wait()`` only makes the current stream wait and lets the host run
+ahead. So for CUDA tensors on an NCCL group (:func:`grouped`) :func:`wait_collective` waits
+without a deadline; the process group's own timeout and NCCL's watchdog bound it.
+
 Example::
 
     >>> works = dist.batch_isend_irecv([op])          # in flashsgd.comm.p2p only
@@ -22,6 +28,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from flashsgd.comm.errors import PeerError, PeerTimeout
@@ -48,11 +55,23 @@ def wait_peer(work: Any, peer: int, timeout_s: float, where: str, sending: bool 
         raise _failure(exc, peer, timeout_s, where, sending=sending) from exc
 
 
-def wait_collective(work: Any, group: Any, timeout_s: float, where: str) -> None:
+def grouped(tensor: torch.Tensor, group: Any) -> bool:
+    """True where point-to-point operations must be grouped and collectives are native: a CUDA
+    tensor on an NCCL group (also "cpu:gloo,cuda:nccl"). Gloo carrying CUDA tensors is not."""
+    return tensor.is_cuda and "nccl" in str(dist.get_backend(group))
+
+
+def wait_collective(work: Any, group: Any, timeout_s: float, where: str,
+                    tensor: torch.Tensor | None = None) -> None:
     """Wait for a collective's work at most ``timeout_s``; a failure names the group's ranks
-    (``peer=None``: a collective does not say which member was late)."""
+    (``peer=None``: a collective does not say which member was late). ``tensor`` (the collective's):
+    a CUDA tensor on an NCCL group is waited for on the stream, without a host deadline (module
+    docstring)."""
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        if tensor is not None and grouped(tensor, group):
+            work.wait()  # the current stream waits; the host goes on (the group's timeout bounds it)
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         members = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
         raise _failure(exc, None, timeout_s, where, members) from exc
