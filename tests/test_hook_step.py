@@ -191,7 +191,7 @@ def _poisoned_memory_not_checkpointed():
         idx = next(iter(state.residuals))
         state.residuals[idx] = state.residuals[idx].clone().fill_(float("inf"))
     try:
-        step.check_parameters("after step 2", buffers=True)
+        step.check_parameters("after step 2", buffers=True, memories=state.state_dict())
     except FloatingPointError as exc:
         return str(exc)
     return None

@@ -66,15 +66,17 @@ class HookStep:
 
     Attributes:
         scale: the loss scale the bucket gradients carry (0-dim tensor), None for 1.
+        inverse: 1 / scale (computed once per step), None for 1.
         bad: buckets that arrived with a non-finite entry this step (0-dim float tensor, on the
             buckets' device), None before the first check.
         open: a step is open (``begin`` called, ``end`` not yet).
     """
 
-    __slots__ = ("scale", "bad", "open")
+    __slots__ = ("scale", "inverse", "bad", "open")
 
     def __init__(self) -> None:
         self.scale: torch.Tensor | None = None
+        self.inverse: torch.Tensor | None = None
         self.bad: torch.Tensor | None = None
         self.open = False
 
@@ -83,10 +85,11 @@ class HookStep:
         if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
             grad_scale = torch.tensor(float(grad_scale))
         self.scale, self.bad, self.open = grad_scale, None, True
+        self.inverse = None if grad_scale is None else grad_scale.reciprocal()
 
     def end(self) -> None:
         """Step 4's bookkeeping: no step open, units as they arrive."""
-        self.scale, self.bad, self.open = None, None, False
+        self.scale, self.inverse, self.bad, self.open = None, None, None, False
 
     def unscale_(self, buf: torch.Tensor) -> torch.Tensor:
         """Step 2: note a non-finite entry of ``buf`` and exchange it as 0 (a step is open: the
@@ -101,7 +104,7 @@ class HookStep:
             if buf.is_cuda or flag.item():
                 buf.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         if self.scale is not None:
-            buf.mul_(self.scale.to(buf.device).reciprocal())
+            buf.mul_(self.inverse.to(buf.device))
         return buf
 
     def rescale_(self, buf: torch.Tensor) -> torch.Tensor:

@@ -193,13 +193,10 @@ class SparseHookState:
         (self.iter, self.residuals, self.velocities, self.layouts, self.pending, self.pending_velocities,
          self.layer_norms, thresholds, generator) = saved
         self.reuse.load_state_dict(thresholds)
-        if generator["generator"] is None:
-            self.generator, self.saved_generator = None, None
-        elif self.generator is not None and generator["generator_device"] == self.generator.device.type:
-            self.generator.set_state(generator["generator"])
-        else:  # the generator was made during the skipped step: continue from the saved stream
-            self.generator = None
-            self.saved_generator = (generator["generator"], generator["generator_device"])
+        # the sampled selection's stream: re-made from the saved state at its next use
+        self.generator = None
+        self.saved_generator = None if generator["generator"] is None else (generator["generator"],
+                                                                            generator["generator_device"])
 
     # ---------------------------------------------------------------------- checkpointing ---
     def state_dict(self) -> dict:

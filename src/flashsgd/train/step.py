@@ -279,12 +279,13 @@ class TrainStep:
         for found in state["found_inf_per_device"].values():
             found.fill_(1.0 if skipped else 0.0)
 
-    def check_parameters(self, where: str, buffers: bool = False) -> None:
+    def check_parameters(self, where: str, buffers: bool = False, memories: Any = None) -> None:
         """FloatingPointError when any rank holds a non-finite parameter, or with ``buffers`` a
         non-finite floating buffer (BN running statistics, which a skipped step's forward has
-        updated) or hook memory (error-feedback residuals: never checkpointed non-finite);
-        collective: one all-reduce of three values, on every rank. ``where``: "at step 7
-        (epoch 0)", "after step 119"."""
+        updated), or a non-finite tensor in ``memories`` (the hook's state_dict about to be
+        checkpointed: error-feedback residuals are never checkpointed non-finite); collective: one
+        all-reduce of three values, on every rank. ``where``: "at step 7 (epoch 0)", "after step
+        119"."""
         model = self.ddp.module if hasattr(self.ddp, "module") else self.ddp
 
         def bad(tensors):
@@ -294,7 +295,7 @@ class TrainStep:
 
         flags = torch.stack([bad(model.parameters()).cpu(), bad(
             [b for b in model.buffers() if b.is_floating_point()] if buffers else []).cpu(),
-            bad(floating_tensors(self.hook_state.state_dict()) if buffers else []).cpu()]).to(self.device)
+            bad(floating_tensors(memories) if memories is not None else []).cpu()]).to(self.device)
         dist.all_reduce(flags)
         if flags.sum().item() > 0:
             what = ("model's parameters" if flags[0].item() > 0 else "model's BatchNorm running statistics "

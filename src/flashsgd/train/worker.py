@@ -152,9 +152,10 @@ class Worker:
         worker's own statistics, so that a resumed run continues exactly as an uninterrupted one.
         Never a diverged model (FloatingPointError instead); a failed write (a full disk) is an
         OSError naming the step, the path and the OS error, and ``latest`` stays where it was."""
-        self.step.check_parameters(f"after step {self.progress['step'] - 1}", buffers=True)
+        hook = self.hook_state.state_dict()
+        self.step.check_parameters(f"after step {self.progress['step'] - 1}", buffers=True, memories=hook)
         avg = average_buffers(self.model, inplace=False)
-        local = {"hook": self.hook_state.state_dict(), "rng": ckpt.rng_state(),
+        local = {"hook": hook, "rng": ckpt.rng_state(),
                  "buffers": {n: b.clone() for n, b in self.model.named_buffers() if n in avg}}
         shared = None
         if self.rank == 0:
