@@ -190,3 +190,31 @@ def test_resnet50_shapes_list():
     assert len(shapes) == RESNET50_TENSORS == 161
     assert sum(torch.Size(s).numel() for _, s in shapes) == RESNET50_PARAMS == 25_557_032
     assert sum(len(s) == 1 for _, s in shapes) == 107  # biases + BN: excluded from LARS
+
+
+def test_written_out_ratios_give_the_same_update_bit_for_bit(monkeypatch):
+    """CUDA's form of the per-tensor ratios (written out to each tensor's shape and strides, so the
+    foreach ops fuse) equals the 0-d form element by element, channels_last tensors included."""
+    from flashsgd.optim import lars as lars_module
+
+    ratio = torch.tensor([0.5, 2.0, 3.0])
+    tensors = [torch.randn(4, 3, 2, 2).contiguous(memory_format=torch.channels_last), torch.randn(5, 3),
+               torch.randn(7)]
+    out = lars_module.per_tensor(ratio, tensors, fused=True)
+    for r, o, t in zip(ratio, out, tensors):
+        assert o.shape == t.shape and o.stride() == t.stride() and bool((o == r).all())
+    assert lars_module.per_tensor(ratio, [t.t() for t in tensors[1:2]] + tensors[2:], fused=True)[0].dim() == 0
+
+    def run(fused):
+        monkeypatch.setattr(lars_module, "per_tensor", lambda r, ts: _per_tensor(r, ts, fused=fused))
+        gen = torch.Generator().manual_seed(0)
+        ps = [nn.Parameter(torch.randn(s, generator=gen)) for s in [(8, 3, 3, 3), (10, 16), (10,)]]
+        opt = LARS(ps, lr=0.3, momentum=0.9, weight_decay=1e-3, trust_coefficient=0.01, nesterov=True)
+        for step in range(3):
+            for i, p in enumerate(ps):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i))
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in ps])
+
+    _per_tensor = lars_module.per_tensor
+    assert torch.equal(run(True), run(False))

@@ -6,7 +6,9 @@ in ``benchmarks/``), so "a step's time" means the same thing everywhere (nccl-te
 doc/PERFORMANCE.md): warm-up calls excluded, each repetition after a barrier, a repetition's time
 is the maximum over ranks (a collective is done when its slowest rank is), the median over the
 repetitions reported with the min and max as the spread. :func:`clock` is the CUDA-aware clock
-the training step's phase times are read with.
+of those measurements (it synchronizes). The training step's phase times are read from
+:func:`stamp` instead: points on the device's timeline taken without a host sync (CUDA events),
+turned into seconds by :func:`elapsed_s` once the work before them has run (one step later).
 
 Example::
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,37 @@ def clock(device: torch.device | None = None) -> float:
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+Stamp = Union[float, "torch.cuda.Event"]
+"""A point in time on one device's timeline: ``time.perf_counter()`` or a recorded CUDA event."""
+
+
+def stamp(device: torch.device | None = None) -> Stamp:
+    """Now, on ``device``'s timeline, without waiting: on CUDA an event recorded on the current
+    stream (it is reached when the work queued before it has run), elsewhere ``perf_counter()``.
+    The CUDA clock of :func:`clock` costs a ``torch.cuda.synchronize`` per read; a training step
+    takes several stamps and reads them later (:func:`elapsed_s`), so its one host sync stays the
+    read of its result."""
+    if device is not None and device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+    return time.perf_counter()
+
+
+def reached(mark: Stamp) -> bool:
+    """Whether ``mark`` is in the past (a CUDA event: its work has run; asks without waiting)."""
+    return mark.query() if isinstance(mark, torch.cuda.Event) else True
+
+
+def elapsed_s(start: Stamp, end: Stamp) -> float:
+    """Seconds from ``start`` to ``end`` (two stamps of one device). A CUDA ``end`` not reached yet
+    is waited for: a host sync, which a reader avoids by asking once :func:`reached` says so."""
+    if isinstance(end, torch.cuda.Event):
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3  # milliseconds
+    return end - start
 
 
 @dataclass(frozen=True)

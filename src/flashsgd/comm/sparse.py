@@ -141,9 +141,11 @@ def _counted(mine: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return mine[kept[pos] == mine]
 
 
-def _canonical(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int
+def _canonical(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int, check: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate one rank's k pairs and sort them by index."""
+    """Validate one rank's k pairs and sort them by index. ``check=False`` (the hooks, whose own
+    selection gives distinct indices in range): the shapes only, and on CUDA the pairs are sorted
+    without first reading whether they already are (each read of a device value is a host sync)."""
     if values.dim() != 1 or indices.dim() != 1 or values.numel() != indices.numel():
         raise ValueError(f"values and indices must be flat and of equal length, got "
                          f"{tuple(values.shape)} and {tuple(indices.shape)}")
@@ -154,12 +156,13 @@ def _canonical(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int
     if values.numel() != k:
         raise ValueError(f"expected k={k} (value, index) pairs, got {values.numel()}")
     indices = indices.to(torch.int64)
-    if k > 1 and not bool((indices[1:] > indices[:-1]).all()):  # not yet ascending: sort, O(k log k)
+    unread = indices.is_cuda and not check  # sort blind: an ascending input keeps its order
+    if k > 1 and (unread or not bool((indices[1:] > indices[:-1]).all())):  # sort, O(k log k)
         order = indices.argsort()
         indices, values = indices[order], values[order]
-        if bool((indices[1:] == indices[:-1]).any()):
+        if check and bool((indices[1:] == indices[:-1]).any()):
             raise ValueError("indices must be distinct")
-    if indices[0] < 0 or indices[-1] >= numel:
+    if check and (indices[0] < 0 or indices[-1] >= numel):
         raise ValueError(f"indices must lie in [0, numel={numel}), got range "
                          f"[{int(indices[0])}, {int(indices[-1])}]")
     return values, indices
@@ -327,7 +330,7 @@ def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
         >>> total = topk_allgather(v, i, grad.numel())   # identical on every rank
     """
     k = values.numel()
-    values, indices = _canonical(values, indices, k, numel)
+    values, indices = _canonical(values, indices, k, numel, check)
     rank, world = _group_info(group)
     timeout_s = _timeout(timeout_s) if world > 1 else 0.0
     if check:
@@ -432,7 +435,7 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
         >>> update = torch.zeros_like(acc).index_put_((res.indices,), res.values / world)
         >>> residual = acc.index_fill_(0, res.counted, 0)
     """
-    values, indices = _canonical(values, indices, k, numel)
+    values, indices = _canonical(values, indices, k, numel, check)
     rank, world = _group_info(group)
     timeout_s = _timeout(timeout_s) if world > 1 else 0.0
     if check:

@@ -35,7 +35,9 @@ Algorithm of one :meth:`LARS.step` (the "# Step N" comments in the body):
    depends on how many of a layer's entries were sent, so the trust ratio is taken from the
    dense gradient's norm (:meth:`flashsgd.comm.sparse_hooks.SparseHookState.grad_norms`).
 3. Compute all trust ratios at once on a stacked (n,) vector, zero-norm guards included.
-4. Update the momentum buffers and the weights with ``torch._foreach_*`` ops, per group.
+4. Update the momentum buffers and the weights with ``torch._foreach_*`` ops, per group (on CUDA
+   the per-tensor ratios written out to each tensor's shape, so that every op is one fused
+   multi-tensor kernel: :func:`per_tensor`).
 
 Cost: memory traffic ~13 passes over the parameter bytes (2 norm reads, buffer scale, two
 multiply-adds into the buffer, the weight update); the per-tensor Python work is O(1) calls per
@@ -177,15 +179,34 @@ def _trust_ratios(group: dict, wn: torch.Tensor, gn: torch.Tensor) -> torch.Tens
     return ratio
 
 
+def per_tensor(ratio: torch.Tensor, tensors: list[torch.Tensor], fused: bool | None = None) -> list[torch.Tensor]:
+    """``ratio[i]`` as the multiplier of ``tensors[i]`` in the foreach ops of Step 4.
+
+    CPU: n 0-d tensors, broadcast. CUDA: torch's foreach kernels fuse a list only when every pair
+    of tensors has the same sizes and strides; a list of 0-d tensors sends each op down a loop of
+    n single-tensor kernels (n launches per op, ~4 ops per step). So each ratio is written out to
+    its tensor's size (one ``cat`` of expanded views: one kernel, no host sync) and viewed with the
+    tensor's own strides (any dense layout, channels_last included: every element is the same).
+    Same values element by element, so the same update bit for bit; costs one write of the
+    adapted parameters' size. A tensor that is not dense keeps the 0-d form (correct, unfused).
+    ``fused`` (default: on CUDA) picks the written-out form."""
+    if not (ratio.is_cuda if fused is None else fused) or not all(t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
+                                    for t in tensors):
+        return list(ratio.unbind(0))
+    sizes = [t.numel() for t in tensors]
+    flat = torch.cat([r.expand(n) for r, n in zip(ratio.unbind(0), sizes)])
+    return [f.as_strided(t.shape, t.stride()) for f, t in zip(flat.split(sizes), tensors)]
+
+
 def _adapted_update(group: dict, params: list, grads: list, bufs: list, ratio: torch.Tensor) -> None:
     """Step 4: v = m*v + ratio*(g + wd*w); w -= lr * (ratio*(g + wd*w) + m*v if nesterov else v)."""
     lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
-    scale = list(ratio.unbind(0))  # n 0-d tensors, broadcast by the foreach ops
+    scale = per_tensor(ratio, params)  # ratio[i] as a multiplier of tensor i
     if m != 0.0:
         torch._foreach_mul_(bufs, m)
     else:
         torch._foreach_zero_(bufs)
-    wd_scale = list((ratio * wd).unbind(0)) if wd != 0.0 else None  # ratio*wd, built once
+    wd_scale = per_tensor(ratio * wd, params) if wd != 0.0 else None  # ratio*wd, built once
     torch._foreach_addcmul_(bufs, grads, scale)
     if wd_scale is not None:
         torch._foreach_addcmul_(bufs, params, wd_scale)

@@ -344,8 +344,12 @@ def execution(cfg: TrainConfig, table: BatchTable, world: int, local_ranks: int 
     """Step 5: precision, autocast dtype, loss scaler, micro-batches (``optim.grad_accum``: each
     worker's shard of the unchanged global batch split into N; ValueError when the smallest shard
     has fewer than N samples), channels_last (effective only for 4-D image inputs; a note
-    otherwise), compile, as every rank's TrainStep runs them, and the input pipeline's worker
-    processes per rank (``data.data_workers``; image folders only, :mod:`flashsgd.train.loader`)."""
+    otherwise), compile, as every rank's TrainStep runs them, the input pipeline's worker
+    processes per rank (``data.data_workers``; image folders only, :mod:`flashsgd.train.loader`),
+    and ``cudnn_benchmark``: cuDNN times its algorithms for each new input shape and keeps the
+    fastest (``torch.backends.cudnn.benchmark``, as PyTorch's ImageNet example sets it); on by
+    default, since a run's shapes are few (one per batch-table row, plus an epoch's remainder),
+    off with ``run.deterministic`` (the timed choice may differ between runs)."""
     r, n = cfg.run, cfg.optim.grad_accum
     smallest = min(b for _, b in table.rows) // world  # the smallest shard of any step
     if smallest < n:
@@ -369,7 +373,7 @@ def execution(cfg: TrainConfig, table: BatchTable, world: int, local_ranks: int 
             "loss_scaler": r.precision == "fp16", "grad_accum": n,
             "micro_batch_per_worker": [-(-b // world // n) for _, b in table.rows],
             "channels_last": channels_last, "compile": r.compile, "data_workers": data_workers,
-            "notes": notes}
+            "cudnn_benchmark": not r.deterministic, "notes": notes}
 
 
 def describe_execution(e: dict[str, Any]) -> str:

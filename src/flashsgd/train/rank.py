@@ -27,28 +27,57 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from flashsgd.train.config import TrainConfig, parse_fail_at
 from flashsgd.train.data import Datasets, build_datasets
 from flashsgd.train.plan import RunPlan
+from flashsgd.timing import Stamp, elapsed_s, reached, stamp
 from flashsgd.train.step import TrainStep
 
 
 class CommTimer:
-    """Wraps the hook DDP calls, adding up each bucket's seconds from the hook call until its future
-    completes: the whole exchange for synchronous and threaded hooks alike (overlapped with backward
-    when the hook is asynchronous, so the sum can exceed the exposed time). DDP's built-in
-    all-reduce (``native``) registers no hook and is not measured."""
+    """Wraps the hook DDP calls and keeps, per bucket, a span from the hook call until its future
+    completes: the whole exchange for synchronous, threaded and NCCL hooks alike (overlapped with
+    backward when the hook is asynchronous, so the sum can exceed the exposed time). The spans are
+    :func:`~flashsgd.timing.stamp` pairs: on CUDA two events, the second recorded by the future's
+    callback on a stream that waits for the exchange's work, so the span is the exchange on the GPU
+    (not the time to enqueue it) and taking it syncs nothing; :meth:`take` hands a step its spans.
+    DDP's built-in all-reduce (``native``) registers no hook and is not measured."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.spans: list[tuple[Stamp, Stamp]] = []   # since the last take()
+        self.unread: list[tuple[Stamp, Stamp]] = []  # handed out, not yet added to total_s
+        self.total_s = 0.0                            # the spans read so far
 
     def wrap(self, hook):
         def timed(state, bucket):
-            t0 = time.perf_counter()
+            device = bucket.buffer().device
+            start = stamp(device)
 
-            def done(fut):  # runs when the exchange completes; never blocks (value is ready)
-                self.seconds += time.perf_counter() - t0
+            def done(fut):  # runs when the exchange completes (CUDA: is enqueued; never blocks)
+                self.spans.append((start, stamp(device)))
                 return fut.value()
 
             return hook(state, bucket).then(done)
         return timed
+
+    def take(self) -> tuple[tuple[Stamp, Stamp], ...]:
+        """The spans of the buckets exchanged since the last call (one step's)."""
+        spans, self.spans = tuple(self.spans), []
+        self._read(wait=False)  # the earlier steps' spans that have passed: no CUDA event piles up
+        self.unread.extend(spans)
+        return spans
+
+    def _read(self, wait: bool) -> None:
+        keep = []
+        for a, b in self.unread:
+            if wait or reached(b):
+                self.total_s += elapsed_s(a, b)
+            else:
+                keep.append((a, b))
+        self.unread = keep
+
+    @property
+    def seconds(self) -> float:
+        """Seconds of every exchange so far (on CUDA: waits until the last one has run)."""
+        self._read(wait=True)
+        return self.total_s + sum(elapsed_s(a, b) for a, b in self.spans)
 
 
 @torch.no_grad()
@@ -122,6 +151,7 @@ def setup_process(plan: RunPlan) -> torch.device:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world))
     torch.set_num_threads(r.threads or max(1, (os.cpu_count() or 1) // local_world))
     torch.use_deterministic_algorithms(r.deterministic)
+    torch.backends.cudnn.benchmark = bool(plan.execution.get("cudnn_benchmark", False))  # the plan's choice
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -40,9 +40,17 @@ Used by :class:`flashsgd.train.worker.Worker` (``flashsgd train``), ``bench scal
    (from GradScaler's 2^16 the early back-off is up to 16 skips in a row; a gradient that still
    overflows at a scale <= 1 is non-finite without any scaling, and counts).
 
-Each phase is timed with :func:`flashsgd.timing.clock` (on CUDA, after a synchronize); with N
-micro-batches forward and backward are the sums over them. Cost: one all-reduce of 3 float64
-values per step beyond the gradient exchange; fp16 adds one pass over the gradients (unscale).
+Host syncs: exactly one per step, the read of Step 4's three agreed values (the loss, the
+samples and the flag decide what Step 5 does, so that read must wait). Nothing else in the step
+waits for the device: the phases are timed with :func:`flashsgd.timing.stamp` (CUDA events on the
+device's timeline, elapsed times read when :attr:`StepResult.ready`, e.g. one step later; on CPU
+``perf_counter``), the sample count is filled on the device (no host-to-device copy), the
+non-finite check of the gradients is one batched ``torch._foreach_norm``, and fp16's loss scale
+is kept on the device until read (:attr:`StepResult.loss_scale`). A skipped step adds the
+parameter check (one more read). :func:`flashsgd.host_syncs.count_host_syncs` counts them (the
+test of this promise: tests/test_host_syncs.py). With N micro-batches forward and backward are
+the sums over them. Cost: one all-reduce of 3 float64 values per step beyond the gradient
+exchange; fp16 adds one pass over the gradients (unscale).
 
 Example::
 
@@ -64,7 +72,7 @@ import torch.distributed as dist
 
 from flashsgd.comm.hook_common import StatelessHookState, floating_tensors
 from flashsgd.fmt import plural
-from flashsgd.timing import clock
+from flashsgd.timing import Stamp, elapsed_s, reached, stamp
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``run.precision`` -> the autocast dtype (None: no autocast)."""
@@ -87,27 +95,63 @@ def _where(step: int, epoch: int | None) -> str:
 @dataclass(frozen=True)
 class StepResult:
     """What one step did: the global mean loss, the global sample count, whether it was skipped,
-    and the seconds of each phase on this rank."""
+    and the seconds of each phase on this rank. The phase times are read from the step's stamps
+    (:func:`flashsgd.timing.stamp`) when asked: on CUDA, asking before :attr:`ready` waits for the
+    device (the worker asks one step later, when they have passed)."""
 
     loss: float
     samples: int
     skipped: bool
-    data_s: float
-    forward_s: float
-    backward_s: float
-    """Backward, including the exchange of synchronous hooks."""
-    comm_s: float
-    """The hook's own seconds (CommTimer; overlaps backward when the hook is asynchronous)."""
-    sync_s: float
-    optimizer_s: float
+    marks: tuple[Stamp, ...]
+    """Start, batch on the device, backward done (with fp16's unscale), agreed, optimizer done."""
+    forward_marks: tuple[tuple[Stamp, Stamp], ...]
+    """(start, end) of each micro-batch's forward."""
+    comm_spans: tuple[tuple[Stamp, Stamp], ...] = ()
+    """(start, end) of each bucket's exchange (:class:`~flashsgd.train.rank.CommTimer`)."""
     overflow: bool = False
     """fp16: skipped for the loss scaler's gradient overflow (the loss was finite everywhere)."""
-    loss_scale: float | None = None
-    """fp16: the loss scaler's scale after this step (None without a scaler)."""
+    scale: torch.Tensor | None = None
+    """fp16: the loss scaler's scale after this step, on the device (read by :attr:`loss_scale`)."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether every phase time can be read without waiting for the device."""
+        return reached(self.marks[-1]) and all(reached(b) for _, b in self.comm_spans)
+
+    @property
+    def data_s(self) -> float:
+        return elapsed_s(self.marks[0], self.marks[1])
+
+    @property
+    def forward_s(self) -> float:
+        return sum(elapsed_s(a, b) for a, b in self.forward_marks)
+
+    @property
+    def backward_s(self) -> float:
+        """Backward, including the exchange of synchronous hooks (and fp16's unscale)."""
+        return elapsed_s(self.marks[1], self.marks[2]) - self.forward_s
+
+    @property
+    def comm_s(self) -> float:
+        """The hook's own seconds (overlaps backward when the hook is asynchronous)."""
+        return sum(elapsed_s(a, b) for a, b in self.comm_spans)
+
+    @property
+    def sync_s(self) -> float:
+        return elapsed_s(self.marks[2], self.marks[3])
+
+    @property
+    def optimizer_s(self) -> float:
+        return elapsed_s(self.marks[3], self.marks[4])
 
     @property
     def total_s(self) -> float:
-        return self.data_s + self.forward_s + self.backward_s + self.sync_s + self.optimizer_s
+        return elapsed_s(self.marks[0], self.marks[4])
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16: the loss scaler's scale after this step (None without a scaler)."""
+        return None if self.scale is None else float(self.scale)
 
     def times(self) -> dict[str, float]:
         """{phase: seconds}: data, forward, backward, comm, sync, optimizer."""
@@ -124,7 +168,7 @@ class TrainStep:
         loss_fn: a loss with ``reduction="sum"`` (Step 3 normalizes by the global batch).
         timer: the :class:`~flashsgd.train.rank.CommTimer` the hook was registered with (or None:
             ``comm_s`` is 0).
-        device: where the batch goes (and whose clock is synchronized).
+        device: where the batch goes (and on whose timeline the phases are stamped).
         nonfinite: ``"skip"`` or ``"stop"`` (``run.nonfinite``).
         max_skipped: stop after this many consecutive skipped steps (``run.max_skipped``; 0: no
             bound; non-finite parameters stop the run at once either way).
@@ -215,17 +259,19 @@ class TrainStep:
         return list(zip(torch.tensor_split(x, self.grad_accum), torch.tensor_split(y, self.grad_accum)))
 
     def agree(self, loss_sum: torch.Tensor, samples: int) -> torch.Tensor:
-        """Step 4: ``[global loss sum, global samples, ranks with a non-finite value]`` (float64)."""
+        """Step 4: ``[global loss sum, global samples, ranks with a non-finite value]`` (float64),
+        built on the loss's device without a host sync."""
         loss = loss_sum.detach()
         grads = [p.grad for p in self.ddp.parameters() if p.grad is not None]
         bad = (~torch.isfinite(loss)).float() * LOSS_FLAG
-        if grads:
-            bad = (~torch.isfinite(torch.stack([g.sum() for g in grads]).sum())).float().to(loss.device) + bad
+        if grads:  # sum_i |g_i| per tensor, one batched kernel: NaN and Inf propagate into it
+            l1 = torch.stack(torch._foreach_norm(grads, 1)).sum()
+            bad = (~torch.isfinite(l1)).float().to(loss.device) + bad
         hook_bad = self.hook_state.nonfinite_inputs()  # a NaN the sparse output does not show
         if hook_bad is not None:
             bad = bad + hook_bad.to(loss.device)
-        stats = torch.stack([loss.double(), torch.tensor(float(samples), dtype=torch.float64, device=loss.device),
-                             bad.double()])
+        count = torch.full((), float(samples), dtype=torch.float64, device=loss.device)  # a fill, no copy
+        stats = torch.stack([loss.double(), count, bad.double()])
         dist.all_reduce(stats)
         return stats
 
@@ -313,42 +359,43 @@ class TrainStep:
         """Steps 1-5 on ``batch()`` (this rank's shard of a global batch of ``global_batch``
         samples) at learning rate ``lr`` (None: as the optimizer has it); ``step`` and ``epoch``
         name the step in errors; ``poison`` makes the loss NaN (fault-injection tests)."""
-        t0 = clock(self.device)
+        dev = self.device
+        t0 = stamp(dev)
         if lr is not None:                                                             # Step 1
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         x, y = batch()
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         micro = self.micro_batches(x, y, global_batch)
         self.optimizer.zero_grad(set_to_none=False)
-        comm0 = self.timer.seconds if self.timer is not None else 0.0
+        if self.timer is not None:
+            self.timer.take()  # exchanges before this step (a bucket rebuild) are not its own
         self.hook_state.begin_step(self.scaler.scale(self.one) if self.scaler is not None else None)
-        t1 = clock(self.device)
-        forward_s = 0.0
+        t1 = stamp(dev)
+        forward: list[tuple[Stamp, Stamp]] = []
         loss_total = None
         for i, (xm, ym) in enumerate(micro):
             with self.exchange(sync=i == len(micro) - 1):
-                ta = clock(self.device) if i else t1
+                ta = stamp(dev) if i else t1
                 loss_sum = self.forward_loss(xm, ym)                                   # Step 2
                 if poison:
                     loss_sum = loss_sum * float("nan")
-                tb = clock(self.device)
+                forward.append((ta, stamp(dev)))
                 self.backward(loss_sum, global_batch)                                  # Step 3
-            forward_s += tb - ta
             loss_total = loss_sum if loss_total is None else loss_total + loss_sum.detach()
         if self.scaler is not None:  # the hook exchanged scaled gradients: unscale before Step 4
             self.scaler.unscale_(self.optimizer)
-        t3 = clock(self.device)
+        t3 = stamp(dev)
         stats = self.agree(loss_total, len(y))                                         # Step 4
-        t4 = clock(self.device)
-        flags = stats[2].item()
+        t4 = stamp(dev)
+        loss_sum_all, samples, flags = stats.tolist()  # the step's one host sync
         skipped = flags > 0
         self.hook_state.end_step(kept=not skipped)  # a skipped step leaves the hook's memories as they were
         overflow = self.apply(skipped, step, epoch, overflow=0 < flags < LOSS_FLAG)   # Step 5
-        t5 = clock(self.device)
-        comm = (self.timer.seconds - comm0) if self.timer is not None else 0.0
-        return StepResult(loss=stats[0].item() / stats[1].item(), samples=int(stats[1].item()),
-                          skipped=bool(skipped), data_s=t1 - t0, forward_s=forward_s,
-                          backward_s=t3 - t1 - forward_s,  # with fp16's unscale
-                          comm_s=comm, sync_s=t4 - t3, optimizer_s=t5 - t4, overflow=overflow,
-                          loss_scale=self.scaler.get_scale() if self.scaler is not None else None)
+        # fp16: the updated scale, copied on the device (reading it now would be a second sync)
+        scale = self.scaler._get_scale_async().clone() if self.scaler is not None else None
+        t5 = stamp(dev)
+        return StepResult(loss=loss_sum_all / samples, samples=int(samples), skipped=bool(skipped),
+                          marks=(t0, t1, t3, t4, t5), forward_marks=tuple(forward),
+                          comm_spans=self.timer.take() if self.timer is not None else (),
+                          overflow=overflow, scale=scale)

@@ -78,6 +78,7 @@ class Worker:
         self.metrics = Metrics(self.out, self.rank == 0,
                                resumed_from=self.progress["step"] if start.checkpoint else None)
         self.bar = None
+        self.pending: list[tuple[Any, dict[str, Any]]] = []  # (StepResult, row) not yet written
         self.fault = self.cfg.run.fail_at or os.environ.get("FLASHSGD_FAIL_AT", "")
 
     # ---------------------------------------------------------------- Step 3: checkpoints -------
@@ -152,6 +153,7 @@ class Worker:
         worker's own statistics, so that a resumed run continues exactly as an uninterrupted one.
         Never a diverged model (FloatingPointError instead); a failed write (a full disk) is an
         OSError naming the step, the path and the OS error, and ``latest`` stays where it was."""
+        self.write_rows()
         hook = self.hook_state.state_dict()
         self.step.check_parameters(f"after step {self.progress['step'] - 1}", buffers=True, memories=hook)
         avg = average_buffers(self.model, inplace=False)
@@ -194,18 +196,26 @@ class Worker:
                 self.progress["overflow_skipped"] = self.progress.get("overflow_skipped", 0) + 1
         self.progress["step"] = step + 1
         self.progress["elapsed_s"] = time.perf_counter() - self.t_start
-        local = self.stream.last_size
-        self.metrics.step(step=step, epoch=epoch + (i + 1) / len(sizes), loss=res.loss, lr=lr,
-                          global_batch=sizes[i], scheduled_batch=self.sampler.global_batch,
-                          local_batch=local, images_per_s=sizes[i] / res.total_s, t_step_s=res.total_s,
-                          t_data_s=res.data_s, t_forward_s=res.forward_s, t_backward_s=res.backward_s,
-                          t_comm_s=res.comm_s, t_sync_s=res.sync_s, t_optimizer_s=res.optimizer_s,
-                          skipped=res.skipped,
-                          **({"loss_scale": res.loss_scale, "overflow": res.overflow}
-                             if res.loss_scale is not None else {}))
+        self.pending.append((res, dict(step=step, epoch=epoch + (i + 1) / len(sizes), loss=res.loss, lr=lr,
+                                       global_batch=sizes[i], scheduled_batch=self.sampler.global_batch,
+                                       local_batch=self.stream.last_size)))
+        self.write_rows(wait=False)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(epoch=epoch, loss=f"{res.loss:.3f}", lr=f"{lr:.3g}", refresh=False)
+
+    def write_rows(self, wait: bool = True) -> None:
+        """The metrics rows of the steps whose phase times can be read: on CPU at once, on CUDA when
+        the device has passed the step's last stamp (after the next step's one host sync), so
+        reading the times never waits; ``wait``: every row now (before a checkpoint, an evaluation,
+        the end)."""
+        while self.pending and (wait or self.pending[0][0].ready):
+            res, row = self.pending.pop(0)
+            self.metrics.step(**row, images_per_s=row["global_batch"] / res.total_s, t_step_s=res.total_s,
+                              t_data_s=res.data_s, t_forward_s=res.forward_s, t_backward_s=res.backward_s,
+                              t_comm_s=res.comm_s, t_sync_s=res.sync_s, t_optimizer_s=res.optimizer_s,
+                              skipped=res.skipped, **({"loss_scale": res.loss_scale, "overflow": res.overflow}
+                                 if res.scale is not None else {}))
 
     # ---------------------------------------------------------------- Steps 4-5: epochs ---------
     def run_epoch(self, epoch: int) -> bool:
@@ -227,10 +237,12 @@ class Worker:
     def evaluate_now(self, epoch: float, at_stop: bool = False) -> None:
         """Step 5: worker-averaged BN statistics, test accuracy and loss, time to accuracy (never of
         a diverged model: FloatingPointError instead)."""
+        self.write_rows()
         self.step.check_parameters(f"after step {self.progress['step'] - 1}", buffers=True)
         average_buffers(self.model)
         acc, test_loss = evaluate(self.model, self.data.test, self.rank, self.world, self.device,
-                                  workers=self.data_workers)
+                                  workers=self.data_workers, autocast=self.step.autocast,
+                                  channels_last=self.step.channels_last)
         p = self.progress
         p["elapsed_s"] = time.perf_counter() - self.t_start
         if p["tta_s"] is None and acc >= self.cfg.run.target_accuracy:
@@ -288,6 +300,7 @@ class Worker:
             if isinstance(exc, CheckpointWriteError):
                 raise
             raise OSError(f"failed at step {self.progress['step']}: {exc}") from exc
+        self.write_rows()
         if self.bar is not None:
             self.bar.close()
         result = {}

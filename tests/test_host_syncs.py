@@ -1,0 +1,90 @@
+"""Host synchronizations of the training step (issue 31): the default step waits for the device
+once, the read of the agreed [loss, samples, non-finite]; the sparse hooks' waits are counted.
+
+On CPU the count is :func:`flashsgd.host_syncs.count_host_syncs`' (the calls that would wait on
+CUDA); tests/test_gpu_step.py counts the same step on CUDA with torch's sync debug mode."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flashsgd.host_syncs import count_host_syncs, watched
+
+
+def test_the_counter_sees_what_would_wait_on_cuda_and_nothing_else():
+    x = torch.randn(8)
+    with count_host_syncs() as syncs:
+        y = (x * 2 + 1).sum()                       # arithmetic: stays on the device
+        torch.full((), 3.0, dtype=torch.float64)    # a fill: no copy
+        _ = x[torch.arange(3)]                      # integer indexing: no size to read
+        torch.repeat_interleave(x, torch.ones(8, dtype=torch.long), output_size=8)
+    assert syncs.count == 0, syncs.calls
+    with count_host_syncs() as syncs:
+        y.item()
+        x.tolist()
+        bool(x[0] > 0)
+        float(x[1])
+        x.nonzero()
+        _ = x[x > 0]                                # a boolean mask: its size is read
+        torch.tensor(1.0, device=x.device)          # a blocking host-to-device copy on CUDA
+        torch.repeat_interleave(x, torch.ones(8, dtype=torch.long))
+    assert syncs.calls == ["item", "tolist", "__bool__", "__float__", "nonzero", "__getitem__", "tensor",
+                           "repeat_interleave"]
+
+
+def _count_default_step(extra: dict, steps: int = 3, unthreaded: bool = False):
+    """Host syncs of each of ``steps`` steps (after 2 warm-up steps) of the default run's rank
+    (MNIST-1D, the fujitsu recipe's LARS, the default exchange), as bench scaling builds it;
+    ``unthreaded``: the hook exchanges on the calling thread (the one the counter watches)."""
+    from flashsgd.train.config import resolve
+    from flashsgd.train.data import ShardedSampler
+    from flashsgd.train.loader import augmentation_key
+    from flashsgd.train.plan import build_plan
+    from flashsgd.train.rank import CommTimer, build_rank, load_data
+
+    timed = CommTimer.wrap  # this forked rank's class: the hook runs where the counter cannot see
+    CommTimer.wrap = lambda self, hook: timed(self, watched(hook))
+    cfg = resolve(cli={"num_samples": 2000, "epochs": 2, "global_batch": 128, "progress": False, **extra})
+    data = load_data(cfg)
+    plan = build_plan(cfg, dist.get_world_size(), len(data.train), local_spawn=True, backend="gloo")
+    parts = build_rank(plan, data, torch.device("cpu"))
+    if unthreaded:
+        parts.hook_state.comm = None
+    sampler = ShardedSampler(plan.num_train, dist.get_rank(), dist.get_world_size(), cfg.run.seed)
+    sampler.set_epoch(0, plan.batch_at(0))
+    sizes, batches, key = sampler.global_sizes(), iter(sampler), augmentation_key(cfg.run.seed, 0)
+    counts, calls = [], []
+    for s in range(2 + steps):
+        idx = next(batches)
+        with count_host_syncs() as syncs:
+            res = parts.step(lambda: data.train.batch(idx, True, key), sizes[s], lr=plan.lr_at(0.1), step=s)
+        assert not res.skipped and res.total_s > 0 and res.forward_s > 0
+        if s >= 2:
+            counts.append(syncs.count)
+            calls.append([f"{c} {w}" for c, w in zip(syncs.calls, syncs.sites)])
+    return counts, calls, cfg.comm.algorithm
+
+
+def test_the_default_step_has_exactly_one_host_sync(run_ranks):
+    # on the old step: 4 .item() reads, a host-to-device scalar copy, 6 synchronizing clocks on CUDA
+    for counts, calls, algorithm in run_ranks(_count_default_step, 2, {}):
+        assert counts == [1, 1, 1], (algorithm, calls)
+        assert calls[0][0].startswith("tolist step.py:"), calls
+
+
+def test_the_dense_hooks_add_no_host_sync_on_the_calling_thread(run_ranks):
+    # unthreaded: the hook's own calls run on the thread the counter watches
+    for algorithm in ("ring", "torus2d"):
+        for counts, calls, _ in run_ranks(_count_default_step, 2, {"algorithm": algorithm}, 2, True):
+            assert counts == [1, 1], (algorithm, calls)
+
+
+def test_the_sparse_hooks_host_syncs_are_counted(run_ranks):
+    """The sparse exchanges read sizes on the host (a selection's count, a merge's length): counted
+    here and stated in docs/training.md ("Host synchronizations"); printed with ``-s``."""
+    for algorithm in ("topk", "gtopk"):
+        extra = {"algorithm": algorithm, "density": 0.05, "density_warmup": 0}
+        counts, calls, _ = run_ranks(_count_default_step, 2, extra, 2, True)[0]
+        print(f"{algorithm}: {counts} host syncs per step at 2 ranks: {calls}")
+        assert 1 <= min(counts) and max(counts) <= 40, (algorithm, calls)
