@@ -141,7 +141,7 @@ def test_save_never_leaves_latest_dangling_over_an_older_run(tmp_path, run_ranks
     # this run reaches the old run's step 16: its directory now holds only this run's files
     run_ranks(_save_steps, 2, str(tmp_path), [16], 2)
     assert sorted(p.name for p in (tmp_path / "step-00000016").iterdir()) == \
-        ["rank-00000.pt", "rank-00001.pt", "shared.pt"]
+        ["manifest.json", "rank-00000.pt", "rank-00001.pt", "shared.pt"]
     assert [s for s, _ in ckpt.step_dirs(tmp_path)] == [12, 16, 24]
     assert ckpt.resume_point(tmp_path)[0].name == "step-00000016"
 
@@ -194,3 +194,112 @@ def test_cuda_rng_state_round_trip(tmp_path):
     torch.rand(7, device="cuda")
     ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert torch.equal(first, torch.rand(5, device="cuda"))
+
+
+# ------------------------------------------------------------------------------ damage -----------
+W = torch.full((300,), 1.2345)  # a tensor whose bytes are easy to find in shared.pt
+
+
+def _save_two(root: str) -> None:
+    """Checkpoints of steps 4 and 8 by 2 ranks, through :func:`ckpt.save`."""
+    rank = dist.get_rank()
+    for step in (4, 8):
+        shared = {"model": {"w": W * step, "b": torch.zeros(7)}} if rank == 0 else None
+        ckpt.save(root, step, shared, {"rank": rank, "residual": torch.full((50,), float(step + rank))}, keep=2)
+
+
+class Payload:
+    """Anything but tensors and plain values: what ``weights_only=True`` refuses to unpickle."""
+
+
+def test_a_byte_flipped_anywhere_in_a_checkpoint_is_found_and_the_older_one_resumed(tmp_path, run_ranks):
+    """Issue 33 item 1: torch.load checks no record, so a flipped byte used to load silently. The
+    manifest's CRC-32 of every file finds it wherever it is (zip padding included)."""
+    import random
+
+    run_ranks(_save_two, 2, str(tmp_path))
+    new = tmp_path / "step-00000008"
+    assert ckpt.damage(new) is None and ckpt.resume_point(tmp_path) == (new, None)
+    rng = random.Random(33)
+    for name in ("shared.pt", "rank-00000.pt", "rank-00001.pt"):
+        path = new / name
+        original = path.read_bytes()
+        for offset in rng.sample(range(len(original)), 10):
+            flipped = bytearray(original)
+            flipped[offset] ^= 1 << rng.randrange(8)
+            path.write_bytes(bytes(flipped))
+            problem = ckpt.damage(new)
+            assert problem is not None and str(path) in problem, (name, offset)
+            target, note = ckpt.resume_point(tmp_path)
+            assert target.name == "step-00000004" and "resuming from the older intact checkpoint" in note
+            with pytest.raises(ckpt.CheckpointError, match="newest intact checkpoint before it is"):
+                ckpt.load(new, int(name == "rank-00001.pt"), 2)  # what that rank's worker reads
+        path.write_bytes(original)
+    assert ckpt.damage(new) is None
+
+
+def test_a_checkpoint_without_manifest_is_checked_record_by_record(tmp_path, run_ranks):
+    run_ranks(_save_two, 2, str(tmp_path))
+    new = tmp_path / "step-00000008"
+    (new / "manifest.json").unlink()  # as a flashsgd before the manifest wrote it
+    assert ckpt.damage(new) is None
+    path = new / "shared.pt"
+    data = bytearray(path.read_bytes())
+    at = bytes(data).index((W * 8)[:4].numpy().tobytes())  # inside the tensor's record
+    data[at + 1] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert "fails its CRC-32 check" in ckpt.damage(new)  # torch.load alone loads it
+
+
+def test_a_file_holding_objects_is_refused_before_start_without_the_unsafe_advice(tmp_path, run_ranks):
+    """Issue 33 item 2: a rank file that is not tensors and plain values is refused when the resume
+    point is chosen (before any worker starts), the older checkpoint resumed, and torch's advice to
+    load it with weights_only=False is never repeated."""
+    run_ranks(_save_two, 2, str(tmp_path))
+    new = tmp_path / "step-00000008"
+    meta = {"format": ckpt.FORMAT, "step": 8, "world_size": 2}
+    torch.save({"meta": meta, "rank": 1, "x": Payload()}, new / "rank-00001.pt")
+    (new / "manifest.json").unlink()  # the manifest would already refuse it: check the content itself
+    problem = ckpt.damage(new)
+    assert "rank-00001.pt holds objects other than tensors and plain values" in problem
+    assert "weights_only" not in problem and "trust" not in problem
+    assert ckpt.resume_point(tmp_path)[0].name == "step-00000004"
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.verify(new)
+    assert f"the newest intact checkpoint before it is {tmp_path / 'step-00000004'}" in str(err.value)
+    with pytest.raises(ckpt.CheckpointError, match="holds no checkpoint .*the newest intact one in it is"):
+        ckpt.verify(tmp_path)  # the checkpoints directory itself, not a step of it
+
+
+def test_a_run_whose_newest_checkpoint_was_altered_resumes_exactly_from_the_older_one(tmp_path):
+    """Issue 33: a byte flipped in the newest checkpoint's weights; the rerun says so, resumes from
+    the checkpoint before it, and ends with the uninterrupted run's losses and weights."""
+    import json
+
+    from flashsgd.train import config as C
+    from flashsgd.train.trainer import train
+
+    def cfg(out, **cli):
+        return C.resolve(cli={"num_samples": 2000, "epochs": 2.0, "global_batch": 256, "progress": False,
+                              "deterministic": True, "seed": 3, "workers": 2, "checkpoint_every": 3,
+                              "out": str(tmp_path / out), **cli})
+
+    def losses(out):  # by step: a step run again after the resume supersedes its first row
+        rows = [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        by_step = {r["step"]: r["loss"] for r in rows if r.get("kind") == "step"}
+        return [by_step[s] for s in sorted(by_step)]
+
+    train(cfg("a"))
+    train(cfg("b", max_steps=7))  # checkpoints at steps 3, 6 and the stop at 7
+    newest = tmp_path / "b" / "checkpoints" / "step-00000007" / "shared.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    newest.write_bytes(bytes(data))
+    train(cfg("b"))
+    resumed = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+               if '"resume"' in line]
+    assert [r["step"] for r in resumed] == [6]  # the checkpoint before the altered one
+    assert losses("a") == losses("b") and len(losses("a")) == 14
+    final = [tmp_path / run / "checkpoints" / "step-00000014" / "shared.pt" for run in ("a", "b")]
+    fa, fb = (torch.load(f, weights_only=True)["model"] for f in final)
+    assert all(torch.equal(fa[k], fb[k]) for k in fa)

@@ -4,23 +4,32 @@ Layout of ``<out>/checkpoints``::
 
     step-00000120/shared.pt      rank 0: model, optimizer, step, epoch, sampler position, meta
     step-00000120/rank-00003.pt  every rank: its hook state (error-feedback residuals) and RNG states
+    step-00000120/manifest.json  rank 0: every file's size and CRC-32, as written
     latest                       text: the name of the newest complete checkpoint directory
 
 Writing (:func:`save`), collective over the run's group:
 
 1. Every rank writes its file to ``<name>.tmp<pid>`` and renames it (``os.replace`` is atomic on
-   POSIX): a reader never sees half a file.
-2. Barrier: all ranks have written.
+   POSIX): a reader never sees half a file. The bytes are CRC-32'd as they are written.
+2. All-gather of every file's (size, CRC-32): all ranks have written.
 3. Rank 0 removes files in the new directory that are not this run's (rank files beyond this
-   world size, temp files of a killed writer), points ``latest`` at it (temp + rename again) and
-   prunes (:func:`prune`): of the checkpoints at or below this step it keeps the newest ``keep``;
+   world size, temp files of a killed writer), writes ``manifest.json`` (the sizes and CRCs), points
+   ``latest`` at the directory (temp + rename again) and prunes (:func:`prune`): of the checkpoints at or below this step it keeps the newest ``keep``;
    checkpoints above this step are left alone (they are not this run's: an older run in the same
    directory), so ``latest`` never names a deleted directory. A crash at any point leaves
    ``latest`` at a complete checkpoint.
 
+Intact (:func:`damage`): every file present, of the size and CRC-32 the manifest records (one
+read of each file, which is then unpickled from the bytes read: a flipped byte anywhere, padding
+included, is found; ``torch.load`` itself checks no record), and loadable with
+``weights_only=True`` (a file holding anything but tensors and plain values is refused, never
+loaded unsafely). A checkpoint of a flashsgd before the manifest is checked record by record (the
+CRC-32 torch's zip writer keeps per record: ``zipfile.testzip``).
+
 Resuming (:func:`resume_point`): one rule, the newest intact checkpoint, whatever ``latest``
 says (at or below the step it names, when it names one). When ``latest`` is missing, empty or
-invalid, or the checkpoint it names is damaged (a file missing, truncated or not a checkpoint), the
+invalid, or the checkpoint it names is damaged (a file missing, truncated, altered or not a
+checkpoint), the
 run resumes from that checkpoint and says so in a note for the caller to print: every checkpoint
 continues the run exactly, so the only cost is the steps between the two. Only when ``latest``
 names a checkpoint and none is intact is it an error. The decision reads
@@ -44,11 +53,14 @@ Example::
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import random
 import re
 import shutil
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -59,6 +71,7 @@ import torch.distributed as dist
 from flashsgd.fmt import plural
 
 FORMAT = 1
+MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"step-(\d{8,})")  # f"step-{step:08d}"
 
 
@@ -78,24 +91,43 @@ class _Damaged(CheckpointError):
     """A checkpoint file is missing, unreadable or not a flashsgd checkpoint (not a mismatch)."""
 
 
-def _write_atomic(write: Any, path: Path) -> None:
-    """``write(file)`` into ``<path>.tmp<pid>``, then rename it to ``path``. An OSError (a full
-    disk: ENOSPC) names ``path`` and leaves no temp file; torch.save into an open file (not a
-    path) reports the OS error itself instead of "[enforce fail at inline_container.cc] ..."."""
+class _Checksummed:
+    """A file being written, its bytes counted and CRC-32'd on the way (what ``torch.save`` writes
+    into a file object goes through ``write``)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.size, self.crc = f, 0, 0
+
+    def write(self, data: Any) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += memoryview(data).nbytes
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_atomic(write: Any, path: Path) -> tuple[int, int]:
+    """``write(file)`` into ``<path>.tmp<pid>``, then rename it to ``path``; returns the file's
+    (size, CRC-32). An OSError (a full disk: ENOSPC) names ``path`` and leaves no temp file;
+    torch.save into an open file (not a path) reports the OS error itself instead of
+    "[enforce fail at inline_container.cc] ..."."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            out = _Checksummed(f)
+            write(out)
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         if exc.filename is not None:
             raise
         raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+    return out.size, out.crc
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    _write_atomic(lambda f: torch.save(obj, f), path)
+def _atomic_save(obj: Any, path: Path) -> tuple[int, int]:
+    return _write_atomic(lambda f: torch.save(obj, f), path)
 
 
 def _atomic_text(text: str, path: Path) -> None:
@@ -162,16 +194,22 @@ def save(ckpt_dir: str | Path, step: int, shared: dict[str, Any] | None, local: 
     target.mkdir(parents=True, exist_ok=True)
     # Step 1
     meta = {"format": FORMAT, "step": step, "world_size": world}
+    written = {}  # file name -> [size, CRC-32]
     if rank == 0:
         if shared is None:
             raise ValueError("rank 0 must pass the shared state")
-        _atomic_save({"meta": meta, **shared}, target / "shared.pt")
-    _atomic_save({"meta": meta, **local}, target / f"rank-{rank:05d}.pt")
+        written["shared.pt"] = _atomic_save({"meta": meta, **shared}, target / "shared.pt")
+    name = f"rank-{rank:05d}.pt"
+    written[name] = _atomic_save({"meta": meta, **local}, target / name)
     # Step 2
-    dist.barrier(group=group)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, written, group=group)
     # Step 3
     if rank == 0:
         _remove_strays(target, world)
+        files = {n: {"bytes": size, "crc32": crc} for part in every for n, (size, crc) in part.items()}
+        _atomic_text(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1) + "\n",
+                     target / MANIFEST)
         _atomic_text(target.name + "\n", root / "latest")
         prune(root, step, keep)
     return target
@@ -237,12 +275,58 @@ def find_latest(ckpt_dir: str | Path) -> Path | None:
     return resume_point(ckpt_dir)[0]
 
 
-def _load(path: Path) -> dict[str, Any]:
+def _manifest(target: Path) -> dict[str, dict[str, int]] | None:
+    """``{file: {"bytes", "crc32"}}`` of ``target``'s manifest; None when it has none (a checkpoint
+    of a flashsgd before the manifest, or hand-made); _Damaged when it is unreadable."""
+    path = target / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+        return {str(n): {"bytes": int(f["bytes"]), "crc32": int(f["crc32"])} for n, f in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _Damaged(f"checkpoint manifest {path} is corrupt ({type(exc).__name__}: {exc})") from None
+
+
+UNSAFE = "Weights only load failed"  # torch's message when weights_only refuses a file's contents
+
+
+def _load(path: Path, manifest: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    """The checkpoint file ``path``, read once: checked against its ``manifest`` entry (size and
+    CRC-32) or, without a manifest, record by record (the zip's own CRC-32s), then unpickled with
+    ``weights_only=True`` from the bytes read. _Damaged names the file and what is wrong."""
     if not path.is_file():
         raise _Damaged(f"checkpoint file {path} is missing")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        data = path.read_bytes()
+    except OSError as exc:
+        raise _Damaged(f"checkpoint file {path} cannot be read ({exc.strerror or exc})") from None
+    if manifest is not None:
+        want = manifest.get(path.name)
+        if want is None:
+            raise _Damaged(f"checkpoint file {path} is not in its manifest ({path.parent / MANIFEST})")
+        if len(data) != want["bytes"]:
+            raise _Damaged(f"checkpoint file {path} is {len(data):,} bytes, {want['bytes']:,} were written "
+                           "(truncated or overwritten)")
+        if zlib.crc32(data) != want["crc32"]:
+            raise _Damaged(f"checkpoint file {path} is corrupt: its CRC-32 differs from the one "
+                           f"written ({path.parent / MANIFEST}); a byte changed on disk")
+    else:
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                bad = archive.testzip()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, zlib.error) as exc:
+            raise _Damaged(f"checkpoint file {path} is corrupt or not a flashsgd checkpoint "
+                           f"({type(exc).__name__}: {exc})") from None
+        if bad is not None:
+            raise _Damaged(f"checkpoint file {path} is corrupt: its record {bad} fails its CRC-32 check")
+    try:
+        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
+        if UNSAFE in str(exc):  # never repeat torch's advice to load it unsafely
+            raise _Damaged(f"checkpoint file {path} holds objects other than tensors and plain values, "
+                           "which a flashsgd checkpoint never does; refused (loading it could run "
+                           "arbitrary code)") from None
         reason = (str(exc).splitlines() or [""])[0][:200]  # an empty file gives an empty message
         detail = f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
         raise _Damaged(f"checkpoint file {path} is corrupt or not a flashsgd checkpoint "
@@ -252,27 +336,33 @@ def _load(path: Path) -> dict[str, Any]:
     return obj
 
 
-def damage(target: str | Path) -> str | None:
-    """What is wrong with the files of checkpoint directory ``target``, or None when it is intact.
+def _load_checked(target: Path, rank: int, world_size: int | None = None,
+                  shared: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(shared, rank ``rank``'s file or None when ``world_size`` differs from the writer's),
+    each checked (:func:`_load`) and of the same step; ``shared``: already loaded."""
+    manifest = _manifest(target)
+    if shared is None:
+        shared = _load(target / "shared.pt", manifest)
+    if world_size is not None and shared["meta"]["world_size"] != world_size:
+        return shared, None
+    local = _load(target / f"rank-{rank:05d}.pt", manifest)
+    if local["meta"]["step"] != shared["meta"]["step"]:
+        raise _Damaged(f"checkpoint {target}: rank {rank}'s file is from step "
+                       f"{local['meta']['step']}, shared.pt from {shared['meta']['step']}")
+    return shared, local
 
-    ``shared.pt`` is loaded in full; each rank file (one per rank of the world that wrote it) must
-    exist and have a readable zip directory (``torch.save``'s format; a truncated or overwritten
-    file has none), which reads only the end of each file.
-    """
+
+def damage(target: str | Path) -> str | None:
+    """What is wrong with the files of checkpoint directory ``target``, or None when it is intact:
+    every file of it read once and checked (module docstring, "Intact"), the writer's every rank
+    file present and of the same step."""
     target = Path(target)
     try:
-        world = _load(target / "shared.pt")["meta"]["world_size"]
+        shared, _ = _load_checked(target, 0)
+        for r in range(1, shared["meta"]["world_size"]):
+            _load_checked(target, r, shared=shared)
     except _Damaged as exc:
         return str(exc)
-    for r in range(world):
-        path = target / f"rank-{r:05d}.pt"
-        if not path.is_file():
-            return f"checkpoint file {path} is missing"
-        try:
-            with zipfile.ZipFile(path) as archive:
-                archive.namelist()
-        except (zipfile.BadZipFile, OSError) as exc:
-            return f"checkpoint file {path} is corrupt ({exc})"
     return None
 
 
@@ -288,6 +378,25 @@ def _intact_hint(ckpt_dir: Path, below: int | None) -> str:
     older = _newest_intact(ckpt_dir, below)
     return (f"; the newest intact checkpoint{' before it' if below is not None else ''} is "
             f"{older}: resume from it explicitly, or start over in a new directory" if older else "")
+
+
+def verify(target: str | Path) -> None:
+    """Raise CheckpointError unless checkpoint directory ``target`` is intact (:func:`damage`),
+    naming the file, what is wrong and the newest older intact checkpoint: what a launcher asks of
+    an explicitly named checkpoint before any worker starts."""
+    target = Path(target)
+    problem = damage(target)
+    if problem is None:
+        return
+    step = STEP_DIR.fullmatch(target.name)
+    if step:
+        raise CheckpointError(f"{problem}{_intact_hint(target.parent, int(step.group(1)))}")
+    if not (target / "shared.pt").exists():  # not a step directory: perhaps a checkpoints root
+        inner = _newest_intact(target, None)
+        problem = (f"{target} holds no checkpoint (no shared.pt); a checkpoint is a step-NNNNNNNN "
+                   "directory" + (f": the newest intact one in it is {inner}" if inner else
+                                  " such as <out>/checkpoints/step-00000050"))
+    raise CheckpointError(problem)
 
 
 def resume_point(ckpt_dir: str | Path) -> tuple[Path | None, str | None]:
@@ -342,16 +451,12 @@ def load(target: str | Path, rank: int, world_size: int) -> tuple[dict[str, Any]
         raise CheckpointError(f"checkpoint {target} is not a directory")
     step = STEP_DIR.fullmatch(target.name)
     try:
-        shared = _load(target / "shared.pt")
-        if shared["meta"]["world_size"] != world_size:
+        shared, local = _load_checked(target, rank, world_size)
+        if local is None:
             raise WorldSizeChanged(
                 f"checkpoint {target} was written by {plural(shared['meta']['world_size'], 'worker')}, this "
                 f"run has {world_size}; its per-worker state must be regrouped "
                 "(load_all_ranks; flashsgd train does it)", shared["meta"]["world_size"])
-        local = _load(target / f"rank-{rank:05d}.pt")
-        if local["meta"]["step"] != shared["meta"]["step"]:
-            raise _Damaged(f"checkpoint {target}: rank {rank}'s file is from step "
-                           f"{local['meta']['step']}, shared.pt from {shared['meta']['step']}")
     except _Damaged as exc:
         hint = _intact_hint(target.parent, int(step.group(1))) if step else ""
         raise CheckpointError(f"{exc}{hint}") from None
@@ -368,12 +473,9 @@ def load_all_ranks(target: str | Path) -> tuple[dict[str, Any], list[dict[str, A
     """
     target = Path(target)
     try:
-        shared = _load(target / "shared.pt")
-        ranks = [_load(target / f"rank-{r:05d}.pt") for r in range(shared["meta"]["world_size"])]
-        for r, local in enumerate(ranks):
-            if local["meta"]["step"] != shared["meta"]["step"]:
-                raise _Damaged(f"checkpoint {target}: rank {r}'s file is from step "
-                               f"{local['meta']['step']}, shared.pt from {shared['meta']['step']}")
+        shared, first = _load_checked(target, 0)
+        ranks = [first] + [_load_checked(target, r, shared=shared)[1]
+                           for r in range(1, shared["meta"]["world_size"])]
     except _Damaged as exc:
         step = STEP_DIR.fullmatch(target.name)
         hint = _intact_hint(target.parent, int(step.group(1))) if step else ""

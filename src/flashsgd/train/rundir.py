@@ -205,7 +205,11 @@ def decide(cfg: TrainConfig, target_steps: int) -> Start:
                 f"{home} holds a run with other settings ({'; '.join(changes)}); to keep it, "
                 "train into a new directory (--out NEW); to start over here, --resume never "
                 "(moves the old run aside)")
-    if explicit is not None:
+    if explicit is not None:  # every file of it checked here, before any worker starts
+        try:
+            ckpt.verify(explicit)
+        except ckpt.CheckpointError as exc:
+            raise RunDirError(f"config key run.resume: {exc}") from None
         return Start("resume", checkpoint=explicit)
     if saved is None:
         return Start("fresh")
