@@ -115,3 +115,21 @@ def test_a_damaged_newest_checkpoint_falls_back_and_an_empty_latest_is_named(tmp
     assert _train(out, "--checkpoint-every", "4", "--max-steps", "14") == 0
     printed = capfd.readouterr().out
     assert "latest is empty" in printed and "resuming from the newest intact checkpoint step-00000014" in printed
+
+
+def test_an_edited_config_toml_does_not_pass_the_changed_settings_guard(tmp_path, capfd):
+    """Issue 33 item 3: editing the run's own config.toml (epochs 2 -> 3) and training with it
+    used to extend the run with a stretched LR schedule, reported as done."""
+    out = tmp_path / "run"
+    assert _train(out, "--max-steps", "5") == 0  # stopped early: a checkpoint to resume from
+    path = out / "config.toml"
+    path.write_text(path.read_text().replace("epochs = 2.0", "epochs = 3.0"))
+    assert "epochs = 3.0" in path.read_text()
+    capfd.readouterr()
+    assert main(["train", "--config", str(path), "--out", str(out), "--no-progress", "--workers", "2"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.toml was edited after the run started" in err[0], err
+    assert "optim.epochs: 2.0 -> 3.0" in err[0], err
+    # the settings it started with still resume it
+    assert _train(out) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 14

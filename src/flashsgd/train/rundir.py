@@ -132,14 +132,28 @@ def lock(out: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock (forked workers that inherited it close theirs on exit)
 
 
-def _saved_config(out: Path) -> TrainConfig | None:
+def _saved_config(out: Path) -> tuple[TrainConfig | None, bool]:
+    """(the config the run in ``out`` started with, whether its ``config.toml`` was edited since).
+
+    The file is the run's record for people, and editable; what the run ran with is also in
+    ``plan.json`` (``config_file``: the text written at its last start). When the two differ the
+    file was edited, and the recorded text is the run's config: an edit must not pass the
+    changed-settings guard (``epochs 2 -> 3`` in the file would stretch the LR schedule mid-run)."""
     path = out / "config.toml"
     if not path.is_file():
-        return None
+        return None, False
+    text, source = path.read_text(), str(path)
     try:
-        return resolve(path)
+        recorded = json.loads((out / "plan.json").read_text()).get("config_file")
+    except (OSError, ValueError, AttributeError):
+        recorded = None  # a run of a flashsgd before the record, or no plan: the file is all there is
+    edited = isinstance(recorded, str) and recorded != text
+    if edited:
+        text, source = recorded, f"{out / 'plan.json'} (config_file)"
+    try:
+        return resolve(toml_text=text), edited
     except ValueError as exc:
-        raise RunDirError(f"{path} holds a run whose config cannot be read ({exc}); use another "
+        raise RunDirError(f"{source} holds a run whose config cannot be read ({exc}); use another "
                           "--out, or --resume never to move that run aside") from None
 
 
@@ -194,15 +208,18 @@ def decide(cfg: TrainConfig, target_steps: int) -> Start:
         return Start("fresh")
     explicit = None if cfg.run.resume == "auto" else Path(cfg.run.resume)
     home = explicit.parent.parent if explicit is not None else out
-    saved = _saved_config(home)
+    saved, edited = _saved_config(home)
     if saved is not None:
         changes = config_changes(saved, cfg)
         if changes and explicit is None and not _completed_a_step(out):
             # a start that failed before step 1 (a bad flag, a crash at start-up): nothing to keep
             return Start("fresh", note="the previous attempt, with other settings, never completed a step")
         if changes:
+            why = (f"{home / 'config.toml'} was edited after the run started, and the run continues "
+                   "only with the settings it started with (recorded in plan.json); "
+                   if edited else "")
             raise RunDirError(
-                f"{home} holds a run with other settings ({'; '.join(changes)}); to keep it, "
+                f"{why}{home} holds a run with other settings ({'; '.join(changes)}); to keep it, "
                 "train into a new directory (--out NEW); to start over here, --resume never "
                 "(moves the old run aside)")
     if explicit is not None:  # every file of it checked here, before any worker starts
@@ -223,8 +240,15 @@ def decide(cfg: TrainConfig, target_steps: int) -> Start:
 
 
 def write_plan(out: Path, plan: Any, **extra: Any) -> None:
-    """``<out>/plan.json``: the resolved run (rewritten once ``--comm auto`` has chosen)."""
-    (out / "plan.json").write_text(json.dumps({**plan.to_dict(), **extra}, indent=2, default=str) + "\n")
+    """``<out>/plan.json``: the resolved run (rewritten once ``--comm auto`` has chosen), with
+    ``config_file``, the text of ``config.toml`` as this start wrote it (kept by a rewrite)."""
+    path = out / "plan.json"
+    if "config_file" not in extra and path.is_file():
+        try:
+            extra["config_file"] = json.loads(path.read_text())["config_file"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    path.write_text(json.dumps({**plan.to_dict(), **extra}, indent=2, default=str) + "\n")
 
 
 @contextlib.contextmanager
@@ -237,6 +261,7 @@ def open_run_dir(plan: Any) -> Iterator[Start]:
         if start.kind == "fresh":
             start = dataclasses.replace(start, moved_aside=_move_aside(out))
         if start.kind != "complete":
-            (out / "config.toml").write_text(dumps_run_config(cfg))
-            write_plan(out, plan)
+            text = dumps_run_config(cfg)
+            (out / "config.toml").write_text(text)
+            write_plan(out, plan, config_file=text)
         yield start
