@@ -27,7 +27,10 @@ A checkpoint (state_dict -> torch.save -> torch.load(map_location="cpu") -> load
 on the CPU, must follow the device of the bucket it serves.
 
 Also here, the premise of the whole GPU suite: the availability check that conftest.py makes
-before it forks does not poison fork.
+before it forks does not poison fork; and the overlap of the dense hooks on NCCL (issue 31): the
+chain of collectives they return is issued without a host synchronization, and neither the host
+nor the calling (backward) stream waits for it (its numerics are checked on CPU ranks by
+tests/test_dense_native.py, where the same chain runs on Gloo).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -45,6 +49,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_helpers import flat_params, tiny_net
+from flashsgd.comm.dense_native import native_chain
+from flashsgd.comm.dense_hooks import DENSE_HOOKS, DenseHookState, dense_hook
 from flashsgd.comm.hooks import HOOKS, rebuild_buckets, register_hook
 from flashsgd.exchanges import EXCHANGES
 
@@ -256,3 +262,116 @@ def test_a_process_forked_after_the_nvml_check_can_use_cuda():
     leaves a forked child free to use CUDA; torch's default check does not (the control)."""
     assert _fork_after_check(nvml=True) == "2.0"
     assert "Cannot re-initialize CUDA in forked subprocess" in _fork_after_check(nvml=False)
+
+
+# ------------------------------------------------------------------------------ overlap on NCCL ------
+
+HOLD_CYCLES = 2 ** 31  # GPU clock cycles of torch.cuda._sleep: about 0.7-1.2 s at 1.8-3 GHz
+POLL_S = 0.3           # well inside the hold: what completed by then did not wait for the held exchange
+
+
+class _Bucket:
+    """What the dense hook reads of a ``dist.GradBucket``: its flat buffer."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+
+    def buffer(self) -> torch.Tensor:
+        return self.buf
+
+
+def _held(issue, strict: bool = True) -> dict:
+    """Run ``issue()`` (it queues an exchange on the default group and returns its Future, or None)
+    while the default group's NCCL stream is held: a side stream sleeps HOLD_CYCLES, then queues an
+    all-reduce there, so every later collective of the group waits for the sleep on the GPU.
+
+    Returns ``issue_s`` (host seconds of the call, under ``set_sync_debug_mode("error")`` when
+    ``strict``: a host synchronization inside raises), ``caller_free`` (an event recorded on the
+    calling stream right after the call completed within POLL_S: that stream, backward's in a hook,
+    did not wait for the exchange) and ``pending`` (the exchange had not completed by then: the
+    call returned before its work did).
+    """
+    hold, x = torch.cuda.Stream(), torch.ones(1, device="cuda")
+    torch.cuda.synchronize()
+    hold.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(hold):
+        torch.cuda._sleep(HOLD_CYCLES)
+        dist.all_reduce(x, async_op=True)
+    t0 = time.perf_counter()
+    torch.cuda.set_sync_debug_mode("error" if strict else "default")
+    try:
+        fut = issue()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    issue_s = time.perf_counter() - t0
+    after = torch.cuda.current_stream().record_event()  # the next backward kernel, in a hook
+    done = after
+    if fut is not None:
+        finished = torch.cuda.Stream()
+        with torch.cuda.stream(finished):
+            fut.wait()  # this stream waits for the chain's last stage (the host does not)
+            done = finished.record_event()
+    deadline = time.perf_counter() + POLL_S
+    while not after.query() and time.perf_counter() < deadline:
+        time.sleep(0.005)
+    out = {"issue_s": issue_s, "caller_free": after.query(), "pending": not done.query()}
+    torch.cuda.synchronize()
+    return out
+
+
+def _overlap() -> dict:
+    """Inside an NCCL rank (one per GPU): the dense exchanges under :func:`_held`, and a control
+    (a synchronous all-reduce, which must hold the calling stream: else the check proves nothing).
+
+    Cases: :func:`native_chain` with the default group as inner group (and, at world 1, as outer
+    group too: one rank, so all three stages run; at world 2 inner x outer must partition the
+    ranks, so no outer group: the ring), lengths 1000 (in place) and 1001 (padded when the world
+    is 2); at world 2 also each dense hook on a bucket of those lengths (default topology: its
+    groups of 2 ranks are the default group, the one held). Values: element i of rank r is
+    16 i + r + 1; the average over W ranks is 16 i + (W + 1) / 2.
+    """
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inner, outer = dist.group.WORLD, dist.group.WORLD if world == 1 else None
+
+    def chain(b: torch.Tensor) -> torch.futures.Future:
+        return native_chain(b, inner, outer, "avg", timeout_s=60.0, where="overlap check")
+
+    cases = {f"chain n={n}": (n, chain) for n in (1000, 1001)}
+    if world > 1:
+        for name in DENSE_HOOKS:
+            state = DenseHookState(name)
+            for n in (1000, 1001):
+                cases[f"hook {name} n={n}"] = (n, lambda b, state=state: dense_hook(state, _Bucket(b)))
+    def values(n: int, offset: float) -> torch.Tensor:
+        return torch.arange(n, device=dev, dtype=torch.float32) * 16 + offset
+
+    out = {}
+    for key, (n, call) in cases.items():
+        call(values(n, rank + 1)).wait()  # warm-up: communicators created, allocations cached
+        torch.cuda.synchronize()
+        buf = values(n, rank + 1)
+        result = _held(lambda: call(buf))
+        expected = values(n, (world + 1) / 2)
+        result["value"] = bool(torch.equal(buf, expected))
+        out[key] = result
+    y = torch.ones(4, device=dev)
+    dist.all_reduce(y)
+    out["control: synchronous all_reduce"] = _held(lambda: dist.all_reduce(y), strict=False)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [pytest.param(1, id="cuda-nccl-1"),
+                                   pytest.param(2, id="cuda-nccl-2", marks=pytest.mark.skipif(
+                                       torch.cuda.device_count() < 2, reason="needs 2 GPUs"))])
+def test_dense_hooks_overlap_backward_on_nccl(run_ranks, world):
+    """Issue 31: the dense hooks' NCCL chain returns before its work completes, without a host
+    synchronization, and leaves the calling (backward) stream free; a synchronous collective
+    (the control) does hold that stream."""
+    for rank, result in enumerate(run_ranks(_overlap, world, backend="nccl", timeout_s=TIMEOUT_S)):
+        control = result.pop("control: synchronous all_reduce")
+        assert not control["caller_free"], (rank, control)  # the premise: async_op=False holds the stream
+        for key, r in result.items():
+            assert r["caller_free"] and r["pending"] and r["value"], (rank, key, r)
+            assert r["issue_s"] < POLL_S, (rank, key, r)

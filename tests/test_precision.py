@@ -148,7 +148,7 @@ def test_the_plan_records_precision_accumulation_memory_format_and_compile():
     e = plan.to_dict()["execution"]
     assert e == {"precision": "bf16", "autocast": "bfloat16", "loss_scaler": False, "grad_accum": 2,
                  "micro_batch_per_worker": [512], "channels_last": False, "compile": True, "data_workers": 0,
-                 "notes": ["channels_last ignored: mnist1d inputs are not 4-D images"]}
+                 "cudnn_benchmark": True, "notes": ["channels_last ignored: mnist1d inputs are not 4-D images"]}
     line = next(x for x in plan.describe().splitlines() if x.lstrip().startswith("step"))
     assert "bf16 autocast" in line and "grad accum 2" in line and "torch.compile" in line \
         and "channels_last ignored" in line
@@ -157,6 +157,9 @@ def test_the_plan_records_precision_accumulation_memory_format_and_compile():
     e = build_plan(images, 4, 4096, local_spawn=True, backend="gloo").execution
     assert e["channels_last"] and e["loss_scaler"] and not e["notes"]
     assert build_plan(C.resolve(), 4, 32000, local_spawn=True, backend="gloo").execution["precision"] == "fp32"
+    # cuDNN's autotuner (PyTorch's ImageNet example sets it): on, except for a deterministic run
+    deterministic = C.resolve(cli={"deterministic": True})
+    assert not build_plan(deterministic, 4, 32000, local_spawn=True, backend="gloo").execution["cudnn_benchmark"]
     with pytest.raises(ValueError, match="optim.grad_accum=2000.*valid: optim.grad_accum <= 1024"):
         build_plan(C.resolve(cli={"grad_accum": 2000}), 4, 32000, local_spawn=True, backend="gloo")
     with pytest.raises(ValueError, match="run.precision"):

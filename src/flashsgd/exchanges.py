@@ -144,8 +144,8 @@ class DenseOptions(CommonOptions):
     grid: Optional[str] = None
     """torus2d grid "XxY" with X*Y = world size (None: X = ranks per node)."""
     threaded: bool = True
-    """Gloo: run each bucket's all-reduce on a communication thread, overlapping backward (CUDA
-    buckets ignore it: NCCL calls return at once)."""
+    """Gloo: run each bucket's all-reduce on a communication thread, overlapping backward (NCCL
+    buckets ignore it: the hook returns a chain of asynchronous collectives)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

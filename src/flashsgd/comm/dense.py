@@ -23,21 +23,28 @@ shard a rank owns does not depend on the backend; the largest chunk is ceil(n/P)
 step time of a ring is its largest chunk). Lengths < P leave some chunks empty: empty chunks are
 neither sent nor received, and an empty tensor communicates nothing.
 
-Backends: on NCCL the stages are the native ``reduce_scatter_tensor`` /
-``all_gather_into_tensor`` (input padded to a multiple of the group size) and the inner all-reduce
-is ``all_reduce`` on the subgroup. On Gloo, whose reduce-scatter is an all-reduce plus a slice, the
-stages are our own rings of paired sends and receives (every rank posts its send to the right and
-its receive from the left as one round, :func:`~flashsgd.comm.p2p.exchange`, before waiting, so
-no step can deadlock). A ring of 2 ranks sends and receives on the same connection, which Gloo
-serves one direction at a time; so every 2-rank group gets a twin (:func:`duplex_groups`) and each
-direction goes over its own connection.
+Backends: on NCCL (CUDA tensors on an NCCL group, :func:`native_stages`) ``ring``,
+``hierarchical`` and ``torus2d`` are one chain of NCCL's own collectives (reduce-scatter,
+all-reduce of the shard, all-gather), issued asynchronously, in place, with the averaging folded
+in (:func:`flashsgd.comm.dense_native.native_chain`, which states the copies and the overlap). The DDP hooks return its
+Future (:func:`allreduce_future`); the direct calls (``torus2d(t, topo)``) wait for it, which on
+CUDA makes the current stream wait and lets the host run on. On Gloo, whose reduce-scatter is an
+all-reduce plus a slice (twice the traffic) and gives no Future, the stages are our own rings of
+paired sends and receives (every rank posts its send to the right and its receive from the left
+as one round, :func:`~flashsgd.comm.p2p.exchange`, before waiting, so no step can deadlock), run
+synchronously (the hooks may hand them to a communication thread). A ring of 2 ranks sends and
+receives on the same connection, which Gloo serves one direction at a time; so every 2-rank group
+gets a twin (:func:`duplex_groups`) and each direction goes over its own connection. The chain
+runs on Gloo too (each collective waited for with the deadline; the tests check it on CPU ranks),
+but the algorithms do not use it there.
 
 Precision: fp32, fp16 and bf16. Reduction happens in the tensor's dtype, as NCCL does: each ring
 hop adds the received chunk into the local one (torch computes the add in fp32 and rounds to the
 dtype once per hop), so a half-precision result carries up to P-1 roundings of partial sums, i.e.
 a relative error of order (P-1) * eps_dtype * sum|x_i| / |sum x_i| (eps = 2^-11 for fp16, 2^-8 for
 bf16). Upcasting chunks to fp32 would need fp32 on the wire (twice the bytes) to help. ``avg``
-divides the sum by the world size once at the end (DDP's averaging).
+divides the sum by the world size once at the end (DDP's averaging); on NCCL each reducing stage
+averages over its group instead (:func:`native_chain`: 1/X then 1/Y is 1/P).
 
 Deadline: every send and receive of the rings waits at most ``topology.timeout_s`` (see
 :func:`~flashsgd.comm.topology.get_topology`; the stage functions take ``timeout_s=``) and then
@@ -74,15 +81,14 @@ from torch.distributed import ProcessGroup
 
 from flashsgd.comm import topology as topology_module
 from flashsgd.comm.topology import Topology, default_timeout_s, get_topology
+from flashsgd.comm.dense_native import (STAGE_GROUPS, _all_gather_single, _collective, _padded,
+                                        native_chain, stage_group)
 from flashsgd.comm.p2p import exchange, gather_from_peers, grouped
 from flashsgd.registry import Registry
 
 AllReduceFn = Callable[..., torch.Tensor]
 ALLREDUCE: Registry[AllReduceFn] = Registry("all-reduce algorithm")
 
-# torch >= 2.13 renames the tensor-in/tensor-out collectives (the old names warn); accept both.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 OPS = ("sum", "avg")
@@ -294,18 +300,16 @@ def reduce_scatter(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup
     b = chunk_bounds(n, P)
     if n == 0:
         return 0, 0
-    if native_stages(flat, group):  # native sub-collective on an input padded to P * c
-        c = b[1]
-        padded = flat.new_zeros(P * c)
-        padded[:n].copy_(flat)
-        out = flat.new_empty(c)
-        _reduce_scatter_single(out, padded, group=group)
-        flat[b[p]:b[p + 1]].copy_(out[:b[p + 1] - b[p]])
+    timeout_s = default_timeout_s() if timeout_s is None else timeout_s
+    if native_stages(flat, group):  # NCCL's, in place (a copy in and out only if P does not divide n)
+        work, c = _padded(flat, P)
+        _collective("reduce-scatter", work[p * c:(p + 1) * c], work, group, "sum", timeout_s, where).wait()
+        if work is not flat:
+            flat[b[p]:b[p + 1]].copy_(work[b[p]:b[p + 1]])
         return b[p], b[p + 1]
     # Step 2: (P-1) steps, each moving one chunk of <= n/P elements per rank.
     right, left = (p + 1) % P, (p - 1) % P
     groups = _directions(p, P, group, duplex)
-    timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     tmp = flat.new_empty(b[1])
     for s in range(P - 1):
         k_send, k_recv = (p - s - 1) % P, (p - s - 2) % P
@@ -334,18 +338,16 @@ def all_gather(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | N
     p = ranks.index(dist.get_rank())
     # Step 1
     b = chunk_bounds(n, P)
-    if native_stages(flat, group):
-        c = b[1]
-        shard = flat.new_zeros(c)
-        shard[:b[p + 1] - b[p]].copy_(flat[b[p]:b[p + 1]])
-        out = flat.new_empty(P * c)
-        _all_gather_single(out, shard, group=group)
-        flat.copy_(out[:n])
+    timeout_s = default_timeout_s() if timeout_s is None else timeout_s
+    if native_stages(flat, group):  # NCCL's, in place (through one padded copy if P does not divide n)
+        work, c = _padded(flat, P)
+        _collective("all-gather", work[p * c:(p + 1) * c], work, group, "sum", timeout_s, where).wait()
+        if work is not flat:
+            flat.copy_(work[:n])
         return
     # Step 2
     right, left = (p + 1) % P, (p - 1) % P
     groups = _directions(p, P, group, duplex)
-    timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     for s in range(P - 1):
         k_send, k_recv = (p - s) % P, (p - s - 1) % P
         _exchange(flat[b[k_send]:b[k_send + 1]], right, flat[b[k_recv]:b[k_recv + 1]], left, groups,
@@ -363,10 +365,29 @@ def ring_allreduce(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup
     if len(ranks) == 1 or group is None or flat.numel() == 0:
         return
     if native_stages(flat, group):
-        dist.all_reduce(flat, group=group)
+        timeout_s = default_timeout_s() if timeout_s is None else timeout_s
+        _collective("all-reduce", flat, flat, group, "sum", timeout_s, where).wait()
         return
     reduce_scatter(flat, ranks, group, duplex, timeout_s=timeout_s, where=where)
     all_gather(flat, ranks, group, duplex, timeout_s=timeout_s, where=where)
+
+
+def allreduce_future(tensor: torch.Tensor, algorithm: str, topology: Topology,
+                     op: str = "sum") -> torch.futures.Future:
+    """``algorithm`` ("ring", "hierarchical" or "torus2d") as :func:`native_chain` over
+    ``topology``'s groups (:data:`STAGE_GROUPS`): a Future of ``tensor`` reduced in place.
+
+    What the DDP hooks return on NCCL, and what the algorithms wait for there. No input check
+    (``check=False``: the caller guarantees identical inputs on every rank).
+
+    Example::
+
+        >>> fut = allreduce_future(bucket, "torus2d", get_topology(grid="2x4"), op="avg")
+    """
+    validate(tensor, op)
+    inner, outer = STAGE_GROUPS[algorithm]
+    return native_chain(tensor, stage_group(topology, inner), stage_group(topology, outer), op,
+                        timeout_s=topology.timeout_s, where=f"{algorithm} all-reduce")
 
 
 # ------------------------------------------------------------------------------ algorithms ------
@@ -414,8 +435,10 @@ def ring(tensor: torch.Tensor, topology: Topology | None = None, op: str = "sum"
         >>> ring(torch.full((5,), float(dist.get_rank() + 1)), topo)  # 4 ranks: all 10.0
     """
     flat, topo = _prepare(tensor, op, check, "ring", topology)
+    if native_stages(flat):  # NCCL: Steps 1-2 as one chain of native collectives
+        return allreduce_future(tensor, "ring", topo, op).wait()
     world = list(range(topo.world_size))
-    group = dist.group.WORLD if topo.world_size > 1 else None
+    group = stage_group(topo, "world")
     # Step 1
     duplex = duplex_groups(topo)["world"]
     reduce_scatter(flat, world, group, duplex, timeout_s=topo.timeout_s, where="ring all-reduce")
@@ -450,7 +473,9 @@ def hierarchical(tensor: torch.Tensor, topology: Topology | None = None, op: str
         >>> hierarchical(t, get_topology(ranks_per_node=4))  # 8 ranks = 2 nodes x 4
     """
     flat, topo = _prepare(tensor, op, check, "hierarchical", topology)
-    _two_level(flat, topo, "hierarchical", inner="node", outer="cross")  # Steps 1-3
+    if native_stages(flat):  # NCCL: Steps 1-3 as one chain of native collectives
+        return allreduce_future(tensor, "hierarchical", topo, op).wait()
+    _two_level(flat, topo, "hierarchical")  # Steps 1-3
     return _finish(tensor, op, topo.world_size)
 
 
@@ -479,18 +504,22 @@ def torus2d(tensor: torch.Tensor, topology: Topology | None = None, op: str = "s
         >>> torus2d(t, get_topology(grid="2x4"))  # 8 ranks: rows of 2, columns of 4
     """
     flat, topo = _prepare(tensor, op, check, "torus2d", topology)
-    _two_level(flat, topo, "torus2d", inner="row", outer="col")  # Steps 1-3
+    if native_stages(flat):  # NCCL: Steps 1-3 as one chain of native collectives
+        return allreduce_future(tensor, "torus2d", topo, op).wait()
+    _two_level(flat, topo, "torus2d")  # Steps 1-3
     return _finish(tensor, op, topo.world_size)
 
 
-def _two_level(flat: torch.Tensor, topo: Topology, algorithm: str, inner: str, outer: str) -> None:
-    """The three stages shared by hierarchical (node/cross) and torus2d (row/col), in place.
+def _two_level(flat: torch.Tensor, topo: Topology, algorithm: str) -> None:
+    """The three stages shared by hierarchical (node/cross) and torus2d (row/col), in place
+    (the group kinds: :data:`STAGE_GROUPS`).
 
     Step 1: ring reduce-scatter over the ``inner`` group: this rank owns its group's sum of one
     1/|inner| shard. Step 2: ring all-reduce of that shard over the ``outer`` group (the |inner|
     outer groups run concurrently). Step 3: ring all-gather over the ``inner`` group.
     """
     duplex, timeout_s = duplex_groups(topo), topo.timeout_s
+    inner, outer = STAGE_GROUPS[algorithm]
     inner_ranks, inner_group = getattr(topo, f"{inner}_ranks"), getattr(topo, f"{inner}_group")
     outer_ranks, outer_group = getattr(topo, f"{outer}_ranks"), getattr(topo, f"{outer}_group")
     # Step 1

@@ -20,24 +20,35 @@ a rank that stops makes its peers raise :class:`~flashsgd.comm.errors.PeerTimeou
 ``backward()`` within about ``timeout_s``. ``native`` accepts ``timeout_s`` too, so one set of
 options fits every hook, but DDP's built-in all-reduce is bounded by its process group's timeout
 (``init_process_group(timeout=...)``); ``noop`` never waits. They call the algorithm with
-``op="avg"`` (sum, then divide by the world size: DDP's default semantics) and ``check=False``
+``op="avg"`` (the average over the world: DDP's default semantics) and ``check=False``
 (DDP gives every rank identical buckets; a per-bucket length check would add latency).
 
 Futures and overlap. DDP calls a hook when a bucket's gradients are ready, during backward, and
-waits for the returned futures at the end of backward. On NCCL the algorithm's collectives are
-enqueued on NCCL's stream and return at once, so the completed Future we return still overlaps
-the communication with the rest of backward on the GPU. Gloo gives no futures for send/recv, so
-two modes:
+waits for the returned futures at the end of backward. Three cases:
 
-* ``threaded=True`` (default): the bucket is handed to one communication thread per state (FIFO,
-  so every rank issues the same collectives in the same order, since DDP launches buckets in index
-  order) and the hook returns its pending Future at once; backward continues meanwhile, and DDP
-  waits for the Futures at the end of backward. Not for models that run collectives inside
-  backward themselves (SyncBatchNorm): two threads would then issue collectives concurrently.
-  CUDA buckets ignore it (NCCL calls return at once; no thread, no device/stream hand-over).
-* ``threaded=False``: the bucket is reduced synchronously inside the hook and a completed Future
-  is returned. Lost: overlap of this bucket's communication with the backward computation of the
-  layers that remain; the backward thread waits for each bucket's all-reduce.
+* NCCL (CUDA buckets on an NCCL group): the hook returns the Future of a chain of asynchronous
+  native collectives (:func:`flashsgd.comm.dense.allreduce_future`: reduce-scatter, all-reduce
+  of the shard, all-gather; each issued with ``async_op=True`` from a ``.then()`` of the
+  previous one's Future, as torch's PowerSGD hook chains its all-reduces). Each stage waits for
+  the previous one on the GPU; neither the host nor the backward stream waits for the exchange,
+  so the backward kernels of the layers that remain run while it is in flight, as with DDP's own
+  hook. DDP's wait at the end of backward makes its stream wait for the chain's last stage. (A
+  collective with ``async_op=False`` would instead make the backward stream wait for it: every
+  later backward kernel would queue behind this bucket's exchange.) ``threaded`` is ignored.
+  Averaging is folded into the stages (``ReduceOp.AVG``); a bucket whose length is a multiple of
+  the inner group's size is never copied, another is padded once and copied back once.
+* Gloo, ``threaded=True`` (default): Gloo gives no futures for send/recv, so the bucket is handed
+  to one communication thread per state (FIFO, so every rank issues the same collectives in the
+  same order, since DDP launches buckets in index order) and the hook returns its pending Future
+  at once; backward continues meanwhile, and DDP waits for the Futures at the end of backward.
+  Not for models that run collectives inside backward themselves (SyncBatchNorm): two threads
+  would then issue collectives concurrently.
+* Gloo, ``threaded=False``: the bucket is reduced synchronously inside the hook and a completed
+  Future is returned. Lost: overlap of this bucket's communication with the backward computation
+  of the layers that remain; the backward thread waits for each bucket's all-reduce.
+
+CUDA buckets on a Gloo group (several ranks on one GPU) are staged through the host and reduced
+there (:func:`flashsgd.comm.hook_common.ddp_hook`): no overlap.
 
 Measured (``python benchmarks/hook_threading.py --workers 4 --grid 2x2 --rounds 4 --steps 5``,
 docs/benchmarks.md "DDP hooks: synchronous vs communication thread"), on the shared 2-core
@@ -50,7 +61,7 @@ each call: one bucket = one all-reduce. Large buckets put the algorithms in the 
 where ring, hierarchical and torus2d move the same 2(P-1)/P n bytes per rank and differ little;
 small buckets are latency-bound, where torus2d's 2(X-1) + 2(Y-1) steps and hierarchical's
 2(L-1) + 2(N-1) beat the flat ring's 2(P-1). Fewer, larger buckets also start later in backward,
-which reduces overlap (with ``threaded=True`` or NCCL). A bucket shorter than P elements still
+which reduces overlap (on NCCL, or with ``threaded=True``). A bucket shorter than P elements still
 works (empty chunks are skipped).
 
 Example::
@@ -67,7 +78,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.dense import ALLREDUCE, DTYPES, duplex_groups, native_stages
+from flashsgd.comm.dense import ALLREDUCE, DTYPES, allreduce_future, duplex_groups, native_stages
 from flashsgd.comm.hook_common import (CommThread, HookFactory, StatelessHookState,
                                        completed_future, ddp_hook)
 from flashsgd.comm.topology import Topology, get_topology
@@ -125,9 +136,11 @@ def dense_hook(state: DenseHookState, bucket: dist.GradBucket) -> torch.futures.
     """Average one DDP bucket with ``state.name``'s algorithm (in place on the bucket's buffer).
 
     1. Take the bucket's flat buffer (DDP's gradients of several parameters, contiguous).
-    2. All-reduce it with ``op="avg"`` (sum, then / world size), on the calling thread or on the
-       state's communication thread.
-    3. Return a Future of the buffer (completed, or completed later by the thread).
+    2. All-reduce it with ``op="avg"``: on NCCL as a chain of asynchronous collectives (averaging
+       folded in); on Gloo on the calling thread or on the state's communication thread (sum,
+       then / world size).
+    3. Return a Future of the buffer: the chain's (NCCL), completed later by the thread, or
+       completed.
     """
     # Step 1
     buf = bucket.buffer()
@@ -137,8 +150,9 @@ def dense_hook(state: DenseHookState, bucket: dist.GradBucket) -> torch.futures.
     state.buckets += 1
     state.elements += buf.numel()
     # Step 2
-    if state.comm is not None and not native_stages(buf):  # NCCL enqueues asynchronously anyway
-        # Step 3 (pending Future, completed by the thread)
+    if native_stages(buf):  # NCCL: Steps 2-3, a Future chained from asynchronous collectives
+        return allreduce_future(buf, state.name, topo, op="avg")
+    if state.comm is not None:  # Step 3 (pending Future, completed by the thread)
         return state.comm.submit(lambda: fn(buf, topo, op="avg", check=False))
     fn(buf, topo, op="avg", check=False)
     # Step 3
