@@ -59,7 +59,8 @@ def test_which_keys_each_exchange_reads():
     assert all(applies(gtopk, "comm", k) for k in SPARSE_KEYS if k != "node_split")
     assert not applies(gtopk, "comm", "node_split") and not applies(gtopk, "comm", "grid")
     assert applies(resolve(cli={"algorithm": "hgtopk"}), "comm", "node_split")
-    assert applies(resolve(cli={"algorithm": "ring"}), "comm", "grid")
+    assert applies(resolve(cli={"algorithm": "torus2d"}), "comm", "grid")
+    assert not applies(resolve(cli={"algorithm": "ring"}), "comm", "grid")  # its options class has it
     auto = resolve(cli={"algorithm": "auto"})
     assert unread_keys(auto) == [k for k in unread_keys(auto) if not k.startswith("comm.")]
     assert "comm.matrix_approximation_rank" not in unread_keys(resolve(cli={"algorithm": "powersgd"}))
@@ -105,10 +106,10 @@ def test_resume_ignores_keys_neither_run_reads_and_compares_the_rest(tmp_path):
     (tmp_path / "config.toml").write_text(dumps_run_config(old))
     (tmp_path / "summary.json").write_text("{}")  # the run completed steps: changes are refused
     # what the file says is what the run was: nothing changed
-    assert rundir.config_changes(rundir._saved_config(tmp_path), old) == []
+    assert rundir.config_changes(rundir._saved_config(tmp_path)[0], old) == []
     # keys the run does not read: no change that matters
     same = resolve(cli={"out": str(tmp_path), "algorithm": "torus2d", "density": 0.5, "image_shape": "cifar"})
-    assert rundir.config_changes(rundir._saved_config(tmp_path), same) == []
+    assert rundir.config_changes(rundir._saved_config(tmp_path)[0], same) == []
     assert rundir.decide(same, target_steps=10).kind == "fresh"  # no checkpoint: not refused
     # a key the run reads, or a key one of the two runs reads: refused, named
     with pytest.raises(rundir.RunDirError, match="data.num_samples: 40000 -> 2000"):
@@ -123,3 +124,16 @@ def test_doctest():
     from flashsgd.train import config_file
 
     assert doctest.testmod(config_file).failed == 0
+
+
+def test_a_key_set_but_not_read_by_the_exchange_is_named_in_the_plan():
+    """Issue 33 item 4: ``--comm ring --grid 4x1`` was accepted silently (the grid is torus2d's)."""
+    from flashsgd.train.plan import build_plan
+
+    plan = build_plan(resolve(cli={"algorithm": "ring", "grid": "4x1"}), 4, 32000, local_spawn=True,
+                      backend="gloo")
+    assert "config key comm.grid is set but not read by exchange ring: ignored" in plan.warnings
+    assert "WARNING     config key comm.grid" in plan.describe()
+    torus = build_plan(resolve(cli={"algorithm": "torus2d", "grid": "4x1"}), 4, 32000, local_spawn=True,
+                       backend="gloo")
+    assert not any("comm.grid" in w for w in torus.warnings)

@@ -79,9 +79,16 @@ def test_a_second_run_on_a_locked_directory_stops_at_once(tmp_path, capfd):
     (["--global-batch", "1"], "every worker needs >= 1 sample per step"),
     (["--resume", "/nonexistent"], "run.resume: '/nonexistent' is not a checkpoint directory"),
     (["--timeout-s", "nan"], "'run.timeout_s': expected a finite number"),
+    # issue 33 item 4: found only after the workers started (SIGSEGV, an overflow) or accepted
+    (["--threads", "100000"], "run.threads must be at most this machine's"),
+    (["--seed", str(2 ** 70)], "run.seed must be in [0, 2**30 - 1]"),
+    (["--target-accuracy", "101"], "run.target_accuracy is a test accuracy in percent: valid 0-100"),
+    (["--resume", "EMPTY"], "holds no checkpoint (no shared.pt); a checkpoint is a step-NNNNNNNN directory"),
 ])
 def test_bad_input_is_one_line_before_any_process(tmp_path, capfd, flags, needle):
     out = tmp_path / "run"
+    (tmp_path / "empty").mkdir()
+    flags = [str(tmp_path / "empty") if f == "EMPTY" else f for f in flags]
     assert _train(out, *flags) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err

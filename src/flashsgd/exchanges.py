@@ -287,6 +287,8 @@ class Exchange:
     """What one rank puts on the wire per bucket."""
     cost: str | None
     """Name of its cost function in :mod:`flashsgd.sim.algorithms` (None: sends nothing)."""
+    ignores: tuple[str, ...] = ()
+    """Options of its (shared) options class that this algorithm never reads (ring: the grid)."""
 
     @property
     def compresses(self) -> bool:
@@ -295,6 +297,10 @@ class Exchange:
 
     def option_names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self.options)]
+
+    def reads(self, option: str) -> bool:
+        """Whether this algorithm reads ``option`` (its class has it, and it is not ignored)."""
+        return option in self.option_names() and option not in self.ignores
 
     def defaults(self) -> dict[str, Any]:
         """Every option's default."""
@@ -310,8 +316,9 @@ class Exchange:
 
     def options_from(self, **offered: Any) -> Any:
         """The options object from the subset of ``offered`` this exchange takes (for callers, such
-        as the trainer, that hold one set of settings for every exchange)."""
-        return self.options(**{k: v for k, v in offered.items() if k in self.option_names()})
+        as the trainer, that hold one set of settings for every exchange; an option it ignores
+        keeps its default)."""
+        return self.options(**{k: v for k, v in offered.items() if self.reads(k)})
 
 
 EXCHANGES: Registry[Exchange] = Registry("exchange")
@@ -321,9 +328,10 @@ for _e in (
     Exchange("noop", "none", CommonOptions, "no exchange: every rank steps on its own gradient "
              "(the benchmarks' ceiling, never for training)", "-", "nothing", None),
     Exchange("ring", "dense", DenseOptions, "ring all-reduce (reduce-scatter + all-gather)",
-             "Patarasuk & Yuan 2009", "2(P-1)/P of the bucket", "ring"),
+             "Patarasuk & Yuan 2009", "2(P-1)/P of the bucket", "ring", ignores=("grid",)),
     Exchange("hierarchical", "dense", DenseOptions, "node reduce-scatter, cross-node rings, node "
-             "all-gather", "Goyal et al. 2017; Jia et al. 2018", "2(P-1)/P of the bucket", "hierarchical"),
+             "all-gather", "Goyal et al. 2017; Jia et al. 2018", "2(P-1)/P of the bucket", "hierarchical",
+             ignores=("grid",)),
     Exchange("torus2d", "dense", DenseOptions, "2D-Torus: reduce-scatter along rows, all-reduce "
              "along columns, all-gather along rows", "Mikami et al. 2018", "2(P-1)/P of the bucket",
              "torus2d"),

@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -311,6 +312,20 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for s, k in (("run", "checkpoint_every"), ("run", "max_steps"), ("run", "threads"),
                  ("run", "max_skipped")):
         _positive(cfg, s, k, allow_zero=True)
+    cores = os.cpu_count() or 1
+    if cfg.run.threads > cores:  # torch.set_num_threads(100000) kills the workers with SIGSEGV
+        raise ValueError(f"config key run.threads must be at most this machine's {cores} cores, got "
+                         f"{cfg.run.threads}; valid: 0 (automatic: the cores shared by a node's "
+                         f"ranks) to {cores}")
+    for s, k in (("run", "seed"), ("data", "data_seed")):
+        v = getattr(getattr(cfg, s), k)
+        # the derived streams must fit torch's 64-bit seeds: a sample's augmentation seed is
+        # (seed * 7919 + epoch) * 1_000_003 + index (flashsgd.train.images), < 2**63 for seed < 2**30
+        if not 0 <= v < 2 ** 30:
+            raise ValueError(f"config key {s}.{k} must be in [0, 2**30 - 1] = [0, 1073741823], got {v}")
+    if not 0 <= cfg.run.target_accuracy <= 100:
+        raise ValueError(f"config key run.target_accuracy is a test accuracy in percent: valid 0-100, "
+                         f"got {cfg.run.target_accuracy:g}")
     if cfg.data.dataset == "mnist1d" and cfg.data.num_samples % 10:
         raise ValueError(f"config key data.num_samples must be a multiple of 10 for mnist1d, "
                          f"got {cfg.data.num_samples}")

@@ -70,7 +70,7 @@ def applies(cfg: TrainConfig, section: str, key: str) -> bool:
 
         return cfg.data.dataset in IMAGE_DATASETS
     if section == "comm" and key not in COMM_ALWAYS and cfg.comm.algorithm != "auto":
-        return COMM_OPTION.get(key, key) in EXCHANGES[cfg.comm.algorithm].option_names()
+        return EXCHANGES[cfg.comm.algorithm].reads(COMM_OPTION.get(key, key))
     return True
 
 
@@ -84,19 +84,28 @@ def dumps_run_config(cfg: TrainConfig) -> str:
     default, and kept under a comment when it was set (so the file loads back to ``cfg``)."""
     import tomli_w  # noqa: PLC0415
 
-    defaults = to_dict(TrainConfig())
+    ignored = set_but_unread(cfg)
     lines = ["# flashsgd train: resolved configuration (unset optional keys take the recipe's value;",
              "# keys this run does not read are left out at their defaults)"]
     for section, values in to_dict(cfg).items():
         used = {k: v for k, v in values.items() if applies(cfg, section, k)}
-        unused = {k: v for k, v in values.items() if k not in used and
-                  (k not in defaults[section] or defaults[section][k] != v)}
+        unused = {k: v for k, v in values.items() if f"{section}.{k}" in ignored}
         lines += ["", f"[{section}]"]
         lines += tomli_w.dumps(used).splitlines()
         if unused:
             lines.append(f"# set, but not read by {_why_not(cfg, section)}:")
             lines += tomli_w.dumps(unused).splitlines()
     return "\n".join(lines) + "\n"
+
+
+def set_but_unread(cfg: TrainConfig) -> dict[str, str]:
+    """``{section.key: "what does not read it"}`` for every key set away from its default that the
+    run of ``cfg`` does not read (``--comm ring --grid 4x1``: the grid is torus2d's): the plan warns
+    about each, and config.toml keeps them under a comment."""
+    defaults = to_dict(TrainConfig())
+    return {f"{section}.{k}": _why_not(cfg, section) for section, values in to_dict(cfg).items()
+            for k, v in values.items() if not applies(cfg, section, k)
+            and (k not in defaults[section] or defaults[section][k] != v)}
 
 
 def unread_keys(cfg: TrainConfig) -> list[str]:

@@ -46,6 +46,7 @@ from flashsgd.optim.plan import build_batch_table
 from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
 from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at, steps_in_epochs, steps_per_epoch
 from flashsgd.train.config import TrainConfig, parse_fail_at, to_dict
+from flashsgd.train.config_file import set_but_unread
 
 # Recipe fields a config key may override (config key -> Recipe field; the same names).
 RECIPE_OVERRIDES = ("lr_per_ref", "ref_batch", "momentum", "nesterov", "weight_decay",
@@ -441,4 +442,6 @@ def _derive_comm(cfg: TrainConfig, recipe: Recipe, world: int, rpn: int | None, 
     except ValueError as exc:
         raise ValueError(f"config keys comm.density_warmup_epochs / comm.momentum_correction: {exc}") from None
     warm = density_warmup_record(cfg, checked, total_steps) if sparse else {}
+    warnings += [f"config key {key} is set but not read by {reader}: ignored"
+                 for key, reader in set_but_unread(cfg).items()]
     return grid, options, recipe, warnings, warm

@@ -110,7 +110,10 @@ def config_changes(old: TrainConfig, new: TrainConfig) -> list[str]:
 
 @contextlib.contextmanager
 def lock(out: Path) -> Iterator[None]:
-    """Step 1: hold ``<out>/.lock`` (flock) for the block; RunDirError if another process holds it."""
+    """Step 1: hold ``<out>/.lock`` (flock) for the block; RunDirError if another process holds it.
+    A directory made here that holds nothing but the lock afterwards (a start refused before it
+    wrote anything) is removed again: a refused start leaves no run directory."""
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     path = out / ".lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -130,6 +133,9 @@ def lock(out: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock (forked workers that inherited it close theirs on exit)
+        if created and [p.name for p in out.iterdir()] == [".lock"]:
+            path.unlink(missing_ok=True)
+            out.rmdir()
 
 
 def _saved_config(out: Path) -> tuple[TrainConfig | None, bool]:
