@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from flashsgd.cli import main
 
@@ -19,6 +20,27 @@ def test_bench_data_compares_workers_with_in_process_decode(tmp_path, capsys):
     rows = {r["data_workers"]: r for r in res["pipeline"]}
     assert set(rows) == {0, 2} and rows[0]["images"] == 16
     assert rows[0]["ratio_to_in_process"] == 1.0 and rows[2]["images_per_s"] > 0
+    assert {r["decode"] for r in rows.values()} == {"host"}
+    if not torch.cuda.is_available():  # the GPU row says why it is absent, and the run succeeds
+        why = "no CUDA device (torch.cuda.is_available() is False)"
+        assert res["gpu_decode"] == {"decode": "device", "absent": why}
+        assert "gpu (nvjpeg)             -  absent: no CUDA device" in text
+
+
+def test_bench_data_gpu_decode_row_and_its_ratio(tmp_path, capsys, monkeypatch):
+    """The device-decode pipeline's row and its ratio to CPU decode with the same workers, run on
+    the CPU (decode="device" there decodes in the receiving process: the plumbing, not nvJPEG)."""
+    from flashsgd.train import images
+
+    monkeypatch.setattr(images, "device_decode_unavailable", lambda device: None)
+    out = tmp_path / "data.json"
+    assert main(["bench", "data", "--images", "16", "--photo-size", "60x45", "--image-size", "32",
+                 "--batch", "4", "--reps", "1", "--data-workers", "0,1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    gpu = json.loads(out.read_text())["gpu_decode"]
+    assert gpu["decode"] == "device" and gpu["data_workers"] == 1 and gpu["images"] == 16
+    assert gpu["images_per_s"] > 0 and gpu["ratio_to_cpu_decode"] > 0
+    assert "gpu (nvjpeg)" in text and "gpu decode vs cpu decode, 1 data worker each:" in text
 
 
 def test_bench_data_training_rows_show_the_data_wait(tmp_path, capsys):

@@ -153,3 +153,101 @@ def test_a_one_rank_image_run_after_decoding_here_does_not_hang(jpegs, tmp_path)
     run = subprocess.run([sys.executable, "-c", ONE_RANK_RUN, str(jpegs), str(tmp_path / "r")],
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ issue 31 item 5 -------------
+# The CPU path is unchanged: uint8 crops of the committed JPEGs (tests/data/jpegs: 2 classes x 3,
+# 40x30, Pillow quality 90) as the pipeline made them before device decoding existed (sha256 of the
+# stacked (6, 3, 24, 24) tensors, computed with that code; libjpeg-turbo's decode is bit-exact
+# across its versions). Train: stream 7; eval: center crop.
+GOLDEN = {"train": "c8e30a9b40c3f6830aeced639090388f7a85cc6174ba9fa57892ba57a2b34e52",
+          "eval": "6cdc6bb78ae058cb03ac46dfdcb76208707ea0921812853845946266bfec6c71"}
+NORMALIZE_ATOL = 1e-6
+"""|normalize - (x - 255 mean) / (255 std)| over every level of every channel: 4 float32 ulps at
+the largest |value| (2.64); measured 4.8e-7 on the CPU (two roundings against the former two)."""
+
+
+def test_cpu_decode_and_augmentation_are_bit_identical_to_before():
+    import hashlib
+    from pathlib import Path
+
+    files, labels, _ = scan_folder(Path(__file__).parent / "data" / "jpegs")
+    split = ImageFolderSplit(files, labels, 24, how="pillow")
+    for name, train in (("train", True), ("eval", False)):
+        x = torch.stack([split.sample(i, train, 7)[0] for i in range(len(split))])
+        assert x.dtype == torch.uint8 and hashlib.sha256(x.numpy().tobytes()).hexdigest() == GOLDEN[name]
+
+
+def test_device_normalization_equals_the_former_cpu_formula_and_is_channels_last_when_asked(jpegs):
+    from flashsgd.train.images import IMAGENET_MEAN, IMAGENET_STD
+
+    split = _split(jpegs)
+    levels = torch.arange(256, dtype=torch.uint8).repeat(2, 3, 1, 1)  # (2, 3, 1, 256): every level
+    old = levels.float().sub_(torch.tensor(IMAGENET_MEAN).view(3, 1, 1) * 255).div_(
+        torch.tensor(IMAGENET_STD).view(3, 1, 1) * 255)
+    new = split.normalize(levels)
+    assert new.dtype == torch.float32 and (new - old).abs().max() <= NORMALIZE_ATOL
+    x = torch.stack([split.sample(i, True, 3)[0] for i in range(4)])  # (4, 3, 16, 16)
+    cl = split.normalize(x, channels_last=True)
+    assert cl.is_contiguous(memory_format=torch.channels_last) and not cl.is_contiguous()
+    assert torch.equal(cl, split.normalize(x))
+    assert cl.contiguous(memory_format=torch.channels_last).data_ptr() == cl.data_ptr()  # the step copies nothing
+    scale, _ = split.constants(x.device)
+    split.normalize(x)
+    assert split.constants(x.device)[0] is scale  # made once per device, not per batch
+    import pickle
+
+    assert pickle.loads(pickle.dumps(split))._constants == {}  # workers get no device tensors
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_decoding_from_bytes_in_the_receiving_process_gives_the_worker_tensors(jpegs, workers):
+    """decode='device' on the CPU: workers only read the files, this process decodes (Pillow here,
+    nvJPEG on a CUDA rank) and augments - the same tensors as decoding in the workers, bit for bit."""
+    split = _split(jpegs)
+    host, _ = _epoch(split, 0)
+    sampler = ShardedSampler(len(split), rank=1, world_size=2, seed=0)
+    sampler.set_epoch(0, global_batch=8)
+    stream = BatchStream(split, workers, decode="device", channels_last=True)
+    got = list(stream.epoch(sampler, key=5))
+    assert stream.decode == "device" and sampler.position == len(got) == len(host)
+    for (xa, ya), (xb, yb) in zip(host, got):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb) and xb.is_contiguous(memory_format=torch.channels_last)
+    a = list(eval_batches(split, 3, 20, chunk=5, workers=0))
+    b = list(eval_batches(split, 3, 20, chunk=5, workers=workers, decode="device", channels_last=True))
+    assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
+
+
+def test_decode_place_is_the_host_without_cuda_and_checked():
+    from flashsgd.train.images import device_decode_unavailable
+
+    d = build_datasets("synthetic", num_samples=20, image_shape="cifar")
+    assert BatchStream(d.train, 0).decode == "host"
+    assert "not to a CUDA device" in device_decode_unavailable(torch.device("cpu"))
+    with pytest.raises(ValueError, match="decode must be 'host' or 'device'"):
+        BatchStream(d.train, 0, decode="gpu")
+    with pytest.raises(ValueError, match="needs a split that reads encoded files"):
+        BatchStream(d.train, 0, decode="device")
+
+
+def _eval_rank(root, precision):
+    from flashsgd.train.models import build_model
+    from flashsgd.train.rank import evaluate
+    from flashsgd.train.step import PRECISIONS
+
+    torch.manual_seed(0)
+    model = build_model("resnet20", 3, 8).to(memory_format=torch.channels_last)
+    seen = []
+    model.register_forward_hook(lambda m, inp, out: seen.append(
+        (inp[0].is_contiguous(memory_format=torch.channels_last), out.dtype)))
+    acc, loss = evaluate(model, _split(root), 0, 1, torch.device("cpu"), workers=1,
+                         autocast=PRECISIONS[precision], channels_last=True)
+    return acc, loss, seen
+
+
+def test_evaluation_runs_under_the_training_autocast_on_cpu(jpegs, run_ranks):
+    (acc32, loss32, seen32), = run_ranks(_eval_rank, 1, jpegs, "fp32")
+    (acc16, loss16, seen16), = run_ranks(_eval_rank, 1, jpegs, "bf16")
+    assert {s for s in seen32} == {(True, torch.float32)}  # channels_last input, fp32 without autocast
+    assert {s for s in seen16} == {(True, torch.bfloat16)}  # under bf16 autocast
+    assert 0 <= acc16 <= 100 and loss16 == pytest.approx(loss32, rel=0.05)

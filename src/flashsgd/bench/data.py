@@ -1,18 +1,25 @@
-"""`flashsgd bench data`: images/s of the image-folder input pipeline, in-process vs DataLoader workers.
+"""`flashsgd bench data`: images/s of the image-folder pipeline: in-process vs DataLoader workers, CPU vs GPU decode.
 
 What it answers: how many ImageNet-sized JPEGs per second one rank's pipeline decodes and
 augments (random-resized crop to 224, flip, normalize: :mod:`flashsgd.train.images`) with the
 decoding in the training process (``--data-workers 0``: what the trainer did before it had a
-pipeline) and with N DataLoader workers (:mod:`flashsgd.train.loader`), on the same files.
+pipeline), with N DataLoader workers decoding on the CPU (:mod:`flashsgd.train.loader`), and with
+the workers reading bytes while the rank decodes on its GPU (nvJPEG), on the same files. Every
+pipeline delivers what a rank trains on: normalized float32 batches on the rank's device (CUDA
+when available, else the CPU).
 
 1. Files: ``--data-dir`` (an image folder, ``train/<class>/*`` or ``<class>/*``), or ``--images`` JPEGs
    of ``--photo-size`` (default 500x375, ImageNet's median photo) generated into a temporary folder
    (:func:`flashsgd.train.images.write_jpeg_folder`).
-2. Pipelines: one :class:`~flashsgd.train.loader.BatchStream` per worker count (persistent workers
-   started once), each read once untimed (warm-up: worker start, page cache).
+2. Pipelines: one :class:`~flashsgd.train.loader.BatchStream` per worker count with CPU decoding
+   (``decode="host"``), and one with GPU decoding (``decode="device"``, the most workers) where
+   torchvision decodes JPEG batches on CUDA (:func:`flashsgd.train.images.device_decode_unavailable`;
+   elsewhere its row says why it is absent); persistent workers started once, each pipeline read
+   once untimed (warm-up: worker start, page cache, nvJPEG's first batch).
 3. Repetitions, interleaved (every pipeline once per repetition, the order rotating): one epoch of
-   ``--batch``-image batches through each; images/s = images / seconds; the median over
-   repetitions with min and max, and the ratio to the in-process pipeline of the same repetitions.
+   ``--batch``-image batches through each, timed to a CUDA synchronize on a GPU; images/s =
+   images / seconds; the median over repetitions with min and max, the ratio to the in-process
+   pipeline of the same repetitions, and GPU decode's ratio to CPU decode with the same workers.
 4. ``--train-steps K``: ``flashsgd train`` of ``--model`` (resnet18) on those files, one rank,
    ``max_steps`` K, with 0 and with the largest worker count: median images/s per step and the
    data wait per step (``t_data_s``: the time the step waited for its batch), from metrics.jsonl
@@ -20,7 +27,7 @@ pipeline) and with N DataLoader workers (:mod:`flashsgd.train.loader`), on the s
 
 Example::
 
-    flashsgd bench data --images 512 --data-workers 0,1,2 --reps 3
+    flashsgd bench data --images 512 --data-workers 0,1,2 --reps 3    # + a GPU-decode row on CUDA
     flashsgd bench data --images 256 --train-steps 8
 """
 
@@ -33,9 +40,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from flashsgd.fmt import plural
 from flashsgd.outputs import add_output
 
-HELP = "images/s of the image-folder pipeline: in-process decode vs DataLoader workers"
+HELP = "images/s of the image-folder pipeline: in-process decode vs DataLoader workers vs GPU (nvJPEG) decode"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,48 +96,67 @@ def _folder(args: argparse.Namespace, tmp: str) -> Path:
                              size=_photo_size(args.photo_size))
 
 
-def time_pipelines(root: Path, counts: list[int], image_size: int, batch: int, reps: int) -> list[dict]:
-    """Steps 2-3: rows of images/s per worker count (median, min, max, ratio to in-process). The
-    in-process pipeline runs with a one-rank run's intra-op threads (all cores), each DataLoader
-    worker with one, and the receiving process with one."""
+def time_pipelines(root: Path, counts: list[int], image_size: int, batch: int, reps: int,
+                   device: str | None = None) -> tuple[list[dict], dict]:
+    """Steps 2-3: (rows of images/s per worker count with CPU decoding (median, min, max, ratio to
+    in-process), the GPU-decode row or ``{"absent": why}``). ``device``: where the batches go
+    (default: CUDA when available, else the CPU). The in-process pipeline runs with a one-rank run's
+    intra-op threads (all cores), each DataLoader worker with one, and the receiving process with one."""
     import os
 
     import torch
 
     from flashsgd.train.data import ShardedSampler
-    from flashsgd.train.images import ImageFolderSplit, scan_folder
+    from flashsgd.train.images import ImageFolderSplit, device_decode_unavailable, scan_folder
     from flashsgd.train.loader import BatchStream
 
     threads = os.cpu_count() or 1
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     files, labels, _ = scan_folder(root)
     split = ImageFolderSplit(files, labels, image_size)
     n = len(split)
-    streams = {w: BatchStream(split, w) for w in counts}
+    pipes = {("host", w): BatchStream(split, w, dev, decode="host") for w in counts}
+    absent = device_decode_unavailable(dev if device else "cuda")  # auto on a CPU machine: "no CUDA device"
+    if absent is None:
+        pipes[("device", counts[-1])] = BatchStream(split, counts[-1], dev, decode="device")
     sampler = ShardedSampler(n, 0, 1, seed=0)
 
-    def epoch(w: int, key: int) -> float:
+    def epoch(pipe: tuple[str, int], key: int) -> float:
         sampler.set_epoch(key, min(batch, n))
         # in-process: a one-rank run's intra-op threads; with workers this process only receives
         # and normalizes (on a GPU rank: on the device), one thread, no OpenMP spinning beside them
-        torch.set_num_threads(threads if w == 0 else 1)
+        torch.set_num_threads(threads if pipe[1] == 0 else 1)
         t0 = time.perf_counter()
-        for x, _ in streams[w].epoch(sampler, key):
+        for x, _ in pipes[pipe].epoch(sampler, key):
             assert x.shape[-1] == image_size
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         return n / (time.perf_counter() - t0)
 
-    for w in counts:  # Step 2: warm-up
-        epoch(w, 0)
-    rates: dict[int, list[float]] = {w: [] for w in counts}
+    order0 = list(pipes)
+    for pipe in order0:  # Step 2: warm-up
+        epoch(pipe, 0)
+    rates: dict[tuple[str, int], list[float]] = {pipe: [] for pipe in order0}
     for r in range(reps):  # Step 3: interleaved, rotating
-        order = counts[r % len(counts):] + counts[:r % len(counts)]
-        for w in order:
-            rates[w].append(epoch(w, r + 1))
-    for stream in streams.values():  # before any fork (training below): no loader threads left
+        k = r % len(order0)
+        for pipe in order0[k:] + order0[:k]:
+            rates[pipe].append(epoch(pipe, r + 1))
+    for stream in pipes.values():  # before any fork (training below): no loader threads left
         stream.close()
-    base = statistics.median(rates[counts[0]]) if counts[0] == 0 else None
-    return [{"data_workers": w, "images": n, "images_per_s": statistics.median(v), "min": min(v),
-             "max": max(v), "ratio_to_in_process": statistics.median(v) / base if base else None}
-            for w, v in rates.items()]
+    base = statistics.median(rates[("host", 0)]) if counts[0] == 0 else None
+
+    def row(pipe: tuple[str, int], v: list[float]) -> dict:
+        return {"decode": pipe[0], "decoder": "nvjpeg" if pipe[0] == "device" else split.decoder,
+                "device": str(dev), "data_workers": pipe[1], "images": n,
+                "images_per_s": statistics.median(v), "min": min(v), "max": max(v),
+                "ratio_to_in_process": statistics.median(v) / base if base else None}
+
+    rows = [row(p, v) for p, v in rates.items() if p[0] == "host"]
+    gpu = {"decode": "device", "absent": absent}
+    if absent is None:
+        gpu = row(("device", counts[-1]), rates[("device", counts[-1])])
+        gpu["ratio_to_cpu_decode"] = gpu["images_per_s"] / rows[-1]["images_per_s"]
+    return rows, gpu
 
 
 def time_training(root: Path, workers: list[int], model: str, image_size: int, batch: int,
@@ -174,15 +201,22 @@ def run(args: argparse.Namespace) -> int:
         root = _folder(args, tmp)
         meta = run_metadata(benchmark="data", data_workers=counts, batch=args.batch,
                             image_size=args.image_size)
-        rows = time_pipelines(root, counts, args.image_size, args.batch, args.reps)
+        rows, gpu = time_pipelines(root, counts, args.image_size, args.batch, args.reps)
         print(f"# bench data: {rows[0]['images']} images in {root}, crop {args.image_size}, batch "
-              f"{args.batch}; {meta['cpu_count']} CPUs, load avg {meta['loadavg_1m']:.1f}, torch "
-              f"{meta['torch']}; median of {args.reps} interleaved epochs after one warm-up epoch")
-        print(f"{'data workers':>13} {'images/s':>10} {'min..max':>15} {'vs in-process':>14}")
-        for r in rows:
+              f"{args.batch}, normalized on {rows[0]['device']}; {meta['cpu_count']} CPUs, load avg "
+              f"{meta['loadavg_1m']:.1f}, torch {meta['torch']}; median of {args.reps} interleaved "
+              "epochs after one warm-up epoch")
+        print(f"{'decode':>16} {'data workers':>13} {'images/s':>10} {'min..max':>15} {'vs in-process':>14}")
+        for r in rows + ([gpu] if "images_per_s" in gpu else []):
             ratio = "-" if r["ratio_to_in_process"] is None else f"{r['ratio_to_in_process']:.2f}x"
-            print(f"{r['data_workers']:>13} {r['images_per_s']:>10.1f} "
+            name = f"{'gpu' if r['decode'] == 'device' else 'cpu'} ({r['decoder']})"
+            print(f"{name:>16} {r['data_workers']:>13} {r['images_per_s']:>10.1f} "
                   f"{r['min']:>7.1f}..{r['max']:<7.1f} {ratio:>14}")
+        if "images_per_s" in gpu:
+            print(f"# gpu decode vs cpu decode, {plural(gpu['data_workers'], 'data worker')} each: "
+                  f"{gpu['ratio_to_cpu_decode']:.2f}x")
+        else:
+            print(f"{'gpu (nvjpeg)':>16} {'-':>13}  absent: {gpu['absent']}")
         train_rows = []
         if args.train_steps:
             train_rows = time_training(root, [counts[0], counts[-1]], args.model, args.image_size,
@@ -193,6 +227,6 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{r['data_workers']:>13} {r['images_per_s']:>10.2f} {r['step_s']:>8.3f} "
                       f"{r['data_wait_s']:>12.4f} {r['data_wait_s'] / r['step_s']:>10.1%}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "pipeline": rows, "training": train_rows},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"meta": meta, "pipeline": rows, "gpu_decode": gpu,
+                                               "training": train_rows}, indent=2))
     return 0

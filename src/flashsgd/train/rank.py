@@ -104,10 +104,14 @@ def average_buffers(model: torch.nn.Module, inplace: bool = True) -> dict[str, t
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, split, rank: int, world: int, device: torch.device,
-             chunk: int = 1024, workers: int = 0) -> tuple[float, float]:
+             chunk: int = 1024, workers: int = 0, autocast: torch.dtype | None = None,
+             channels_last: bool = False) -> tuple[float, float]:
     """(accuracy %, mean loss) on ``split``, each rank scoring a contiguous shard (image folders
-    decoded by ``workers`` DataLoader processes, in chunks of at most 256 images). The sums stay
-    on the device until the one all-reduce (no host sync per chunk)."""
+    decoded by ``workers`` DataLoader processes, in chunks of at most 256 images, handed over as
+    uint8 or encoded files and normalized on ``device``, in ``channels_last`` when asked:
+    :func:`flashsgd.train.loader.eval_batches`). The forward runs under the training step's
+    autocast (``autocast``: :data:`flashsgd.train.step.PRECISIONS`' dtype, None: fp32), the loss
+    in fp32. The sums stay on the device until the one all-reduce (no host sync per chunk)."""
     from flashsgd.train.loader import eval_batches, streams
 
     model.eval()
@@ -115,9 +119,11 @@ def evaluate(model: torch.nn.Module, split, rank: int, world: int, device: torch
     lo, hi = rank * n // world, (rank + 1) * n // world
     stats = torch.zeros(3, dtype=torch.float64, device=device)
     chunk = min(chunk, 256) if streams(split) else chunk
-    for x, y in eval_batches(split, lo, hi, chunk, workers, pin_memory=device.type == "cuda"):
-        out = model(x.to(device, non_blocking=True))
-        y = y.to(device, non_blocking=True)
+    for x, y in eval_batches(split, lo, hi, chunk, workers, device=device, channels_last=channels_last):
+        if channels_last and x.dim() == 4:  # as the step does (a no-op for image folders: made so)
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            out = model(x)
         stats[0] += (out.argmax(1) == y).sum()
         stats[1] += len(y)
         stats[2] += torch.nn.functional.cross_entropy(out.float(), y, reduction="sum")
@@ -174,38 +180,75 @@ def build_ddp(plan: RunPlan, model: torch.nn.Module, device: torch.device, timer
 
 
 class _CompiledOrEager:
-    """``torch.compile(ddp)`` whose first call falls back to ``ddp`` itself (one line on rank 0) when
-    compiling raises; later calls are not guarded (a model error surfaces as itself)."""
+    """``torch.compile(ddp)`` that compiles once for every batch size of a run, and runs ``ddp``
+    itself for good once compiling fails, at the first compile or at any later one.
+
+    Dynamo specializes a graph to its input's sizes: a size that changes recompiles, and only then
+    becomes dynamic (automatic dynamic shapes), the storage offset with it (0/1-specialized:
+    ``2 <= offset``, one more graph for offset 0). A run changes the shard size: the epoch's last
+    batch (a merged remainder), ``grad_accum`` micro-batches that differ by one sample (views of
+    the shard, at offsets > 0 after the first), the 2-sample forward of
+    :func:`~flashsgd.comm.hooks.rebuild_buckets` after a resume. So, on each call:
+
+    1. Dim 0 (the batch) is marked dynamic (``maybe_mark_dynamic``) before the call: the first
+       compile makes the graph that every later batch size >= 2 and every micro-batch reuses (the
+       graph automatic dynamic shapes reached only after a recompile; its first input is at offset
+       0, which leaves the offset free). Every other dim stays static. Sizes 0 and 1 stay
+       specialized (torch's default; ``backed_size_oblivious`` would lift it but is experimental):
+       a 1-sample shard (a last remainder of W..2W-1 samples gives some) compiles one more graph,
+       once per run. A model that needs a fixed batch size still compiles, one graph per size
+       (``maybe``: no error).
+    2. A call that raises is run again eagerly on the same input: when eager succeeds, the
+       failure was the compiler's (``BackendCompilerFailed``, ``InductorError``, DDPOptimizer's
+       assertions, a ``TorchRuntimeError`` of Dynamo's own), at the first compile or a later
+       recompile: one line on rank 0 (:func:`_compile_fallback`) and ``ddp`` from then on; when
+       eager raises too, that is the model's own error, raised as eager raises it (no line). A
+       collective's failure and out-of-memory propagate at once (no second try). What ran before
+       the failing graph runs twice on that call (DDP's pre-forward; with graph breaks inside the
+       model, its first part: BN statistics). A backward graph compiled lazily (at
+       ``loss.backward()``) fails outside this call and is not caught here.
+    """
 
     def __init__(self, compiled, eager) -> None:
-        self.fn, self.eager, self.checked = compiled, eager, False
+        self.fn, self.eager = compiled, eager
 
     def __call__(self, x):
-        if self.checked:
-            return self.fn(x)
+        if self.fn is self.eager:
+            return self.eager(x)
+        if isinstance(x, torch.Tensor) and x.dim() > 0:                                # Step 1
+            torch._dynamo.maybe_mark_dynamic(x, 0)
         try:
-            out = self.fn(x)
-        except Exception as exc:  # noqa: BLE001 - any backend failure means: run eagerly
-            _compile_fallback(exc)
-            self.fn = self.eager
-            out = self.fn(x)
-        self.checked = True
+            return self.fn(x)
+        except (dist.DistError, torch.OutOfMemoryError):                              # Step 2
+            raise
+        except Exception as exc:  # noqa: BLE001 - the compiler's when eager succeeds (below)
+            failure = exc
+        out = self.eager(x)  # the model's own error raises here, as itself
+        _compile_fallback(failure)
+        self.fn = self.eager
         return out
 
 
 def _compile_fallback(exc: BaseException) -> None:
+    """The one line on rank 0 that says the run goes on eagerly, naming the compiler's error (the
+    backend's own exception, not Dynamo's wrapper of it)."""
+    while getattr(exc, "inner_exception", None) is not None:  # BackendCompilerFailed, InductorError
+        exc = exc.inner_exception
     if not dist.is_initialized() or dist.get_rank() == 0:
         reason = (str(exc).strip().splitlines() or [""])[0][:160]
         print(f"[flashsgd] torch.compile failed ({type(exc).__name__}: {reason}); "
               "training the model eagerly (run.compile = false)", flush=True)
 
 
-def compile_model(ddp: torch.nn.Module):
+def compile_model(ddp: torch.nn.Module, backend=None):
     """``run.compile``: what the step calls on its input, ``torch.compile(ddp)`` (DDP wrapped, so
-    its buckets and the hook stay; TorchDynamo splits the graph at bucket boundaries), or ``ddp``
-    itself with one line on rank 0 when compiling fails, at the call or at the first forward."""
+    its buckets and the hook stay; TorchDynamo's DDPOptimizer splits the graph at bucket
+    boundaries, which is one compile, not a recompile) with the batch dimension dynamic from the
+    first call, or ``ddp`` itself with one line on rank 0 when compiling fails, at the call or at
+    any compile of a forward (:class:`_CompiledOrEager`). ``backend``: torch.compile's (None: its
+    default, inductor; the tests use ``aot_eager``, which needs no C++ compiler)."""
     try:
-        return _CompiledOrEager(torch.compile(ddp), ddp)
+        return _CompiledOrEager(torch.compile(ddp, **({} if backend is None else {"backend": backend})), ddp)
     except Exception as exc:  # noqa: BLE001
         _compile_fallback(exc)
         return ddp

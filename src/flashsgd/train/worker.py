@@ -67,7 +67,7 @@ class Worker:
                 write_plan(self.out, self.plan, chosen_by="auto (auto.json)")
         self.sampler = ShardedSampler(plan.num_train, self.rank, self.world, self.cfg.run.seed)
         self.data_workers = self.plan.execution.get("data_workers", 0)
-        self.stream = BatchStream(data.train, self.data_workers, self.device)
+        self.stream = BatchStream(data.train, self.data_workers, self.device, channels_last=self.step.channels_last)
         self.progress: dict[str, Any] = {"step": 0, "epoch": 0, "elapsed_s": 0.0, "skipped": 0,
                                          "tta_s": None, "evals": []}
         self.start = start
