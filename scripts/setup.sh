@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Set up flashsgd in ./.venv: one command, fresh machine, no multi-GB CUDA download on CPU machines.
 #
-# 1. The venv sees the system's site-packages, so a GPU user's own (CUDA) torch is used as it is.
+# 1. The torch of the Python the user runs is used as it is: the venv sees the system's
+#    site-packages, and a torch in the virtual environment the user activated (which a venv made
+#    from it does not see: only the base interpreter's) joins .venv's path through a .pth file.
 # 2. Only when no torch is importable is torch installed:
 #    - FLASHSGD_TORCH set: that spec, as given (e.g. FLASHSGD_TORCH="torch==2.13.0+cu126");
 #    - an NVIDIA driver present (nvidia-smi): torch from the package registry (a CUDA build);
 #    - otherwise: PyTorch's CPU wheel index (https://download.pytorch.org/whl/cpu, ~200 MB instead
-#      of several GB of nvidia-* wheels), falling back to the registry when that index cannot be
-#      reached (a mirror-only or offline machine; a registry that pins a CPU wheel, as ours do).
+#      of several GB of nvidia-* wheels). When that fails, its reason is shown, and the registry's
+#      torch is installed only if it is a CPU build (a mirror that pins a CPU wheel, as ours do;
+#      pip resolves it without downloading: scripts/torch_build.py); a CUDA build is not downloaded
+#      onto a machine without a GPU unless asked (FLASHSGD_TORCH, or FLASHSGD_ALLOW_CUDA_TORCH=1).
 # 3. flashsgd itself, editable, with the test extras - skipped when this checkout is already
 #    installed in .venv with the same pyproject.toml (so a second run works offline: compute nodes
 #    often are); FLASHSGD_REINSTALL=1 forces it.
@@ -23,6 +27,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 
+# Step 1: the user's own torch (an activated venv's too), unless .venv already imports that one
+bash scripts/use_user_torch.sh "$PYTHON" .venv
+
 # Step 2
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     if [ -n "${FLASHSGD_TORCH:-}" ] || command -v nvidia-smi >/dev/null 2>&1; then
@@ -30,9 +37,21 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
         "${PIP[@]}" install "$TORCH_SPEC"
     else
         echo "setup: no NVIDIA driver: installing the CPU build of $TORCH_SPEC from $CPU_INDEX" >&2
-        if ! "${PIP[@]}" install --timeout 15 --retries 1 --index-url "$CPU_INDEX" "$TORCH_SPEC" 2>/dev/null; then
-            echo "setup: $CPU_INDEX not reachable; falling back to the package registry" >&2
-            "${PIP[@]}" install "$TORCH_SPEC"
+        if ! err="$("${PIP[@]}" install --timeout 15 --retries 1 --index-url "$CPU_INDEX" "$TORCH_SPEC" 2>&1)"; then
+            echo "setup: the CPU build could not be installed from $CPU_INDEX:" >&2
+            echo "$err" | grep -v '^\s*$' | tail -n 4 | sed 's/^/setup:   /' >&2
+            build="$({ "${PIP[@]}" install --dry-run --report - "$TORCH_SPEC" 2>/dev/null || true; } \
+                     | .venv/bin/python scripts/torch_build.py)"
+            if [ "$build" = cpu ] || [ "${FLASHSGD_ALLOW_CUDA_TORCH:-0}" = 1 ]; then
+                echo "setup: installing $TORCH_SPEC from the package registry (a $build build)" >&2
+                "${PIP[@]}" install "$TORCH_SPEC"
+            else
+                echo "setup: the package registry's $TORCH_SPEC is a $build build (CUDA: several GB of" \
+                     "nvidia-* wheels) and this machine has no NVIDIA driver, so it was not installed;" \
+                     "fix the CPU index's problem above, or install it anyway with" \
+                     "FLASHSGD_ALLOW_CUDA_TORCH=1 (or FLASHSGD_TORCH=SPEC)" >&2
+                exit 1
+            fi
         fi
     fi
 fi

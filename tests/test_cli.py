@@ -148,3 +148,12 @@ def test_retired_spellings_are_refused_not_abbreviated(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_bench_train_refuses_a_bad_model_before_any_worker_starts(capfd):
+    """Issue 33 item 4: a 16-line traceback after spawning the workers, before."""
+    from flashsgd.cli import main
+
+    assert main(["bench", "train", "--model", "nope", "--workers", "2", "--comm", "native"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown model 'nope'; valid choices:" in err[0], err

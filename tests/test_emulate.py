@@ -135,6 +135,13 @@ def test_unavailable_is_reported(monkeypatch, capsys):
     assert "NODESxRANKS" in capsys.readouterr().err
     assert emulate.run(parser.parse_args(["--cluster", "2x2", "--probe-comm", "ring,topk"])) == 2
     assert "--probe-comm 'ring,topk': unknown topk" in capsys.readouterr().err  # before any setup
+    # issue 33 item 4: found only after the cluster was built, or accepted
+    for flags, needle in [(["--timeout-s", "0"], "--timeout-s must be a finite number of seconds > 0"),
+                          (["--probe-mb", "-1"], "--probe-mb must be a size in MiB >= 0"),
+                          (["--", "bogusbench"], "the benchmark to run must be one of allreduce, sparse"),
+                          (["--", "emulate"], "the benchmark to run must be one of")]:
+        assert emulate.run(parser.parse_args(["--cluster", "2x2", *flags])) == 2
+        assert needle in capsys.readouterr().err, flags
 
 
 def test_probe_takes_comm():

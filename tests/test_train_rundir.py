@@ -84,11 +84,13 @@ def test_a_second_run_on_a_locked_directory_stops_at_once(tmp_path, capfd):
     (["--seed", str(2 ** 70)], "run.seed must be in [0, 2**30 - 1]"),
     (["--target-accuracy", "101"], "run.target_accuracy is a test accuracy in percent: valid 0-100"),
     (["--resume", "EMPTY"], "holds no checkpoint (no shared.pt); a checkpoint is a step-NNNNNNNN directory"),
+    (["--config", "BINARY"], "binary.toml': not a readable TOML text file (UnicodeDecodeError"),
 ])
 def test_bad_input_is_one_line_before_any_process(tmp_path, capfd, flags, needle):
     out = tmp_path / "run"
     (tmp_path / "empty").mkdir()
-    flags = [str(tmp_path / "empty") if f == "EMPTY" else f for f in flags]
+    (tmp_path / "binary.toml").write_bytes(bytes(range(256)))
+    flags = [{"EMPTY": str(tmp_path / "empty"), "BINARY": str(tmp_path / "binary.toml")}.get(f, f) for f in flags]
     assert _train(out, *flags) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err

@@ -137,14 +137,21 @@ def run(args: argparse.Namespace) -> int:
                            flow_rate_bps=parse_flow_rate(args.flow_rate, link))
         if args.probe_comm is not None:
             comm_list(args.probe_comm, ALLREDUCE.names(), "--probe-comm")
+        if not args.timeout_s > 0 or args.timeout_s == float("inf"):
+            raise ValueError(f"--timeout-s must be a finite number of seconds > 0, got {args.timeout_s:g}")
+        if not args.probe_mb >= 0 or args.probe_mb == float("inf"):
+            raise ValueError(f"--probe-mb must be a size in MiB >= 0 (0: no probe), got {args.probe_mb:g}")
+        bench = list(args.bench)
+        if bench and bench[0] == "--":
+            bench = bench[1:]
+        if bench:  # the benchmark must exist before a cluster is built for it
+            from flashsgd.bench.cli import BENCHMARKS
+
+            if bench[0] not in BENCHMARKS or bench[0] == "emulate":
+                valid = ", ".join(n for n in BENCHMARKS if n != "emulate")
+                raise ValueError(f"the benchmark to run must be one of {valid}, got {bench[0]!r}")
     except ValueError as exc:
         print(f"flashsgd bench emulate: {exc}", file=sys.stderr)
-        return 2
-    bench = list(args.bench)
-    if bench and bench[0] == "--":
-        bench = bench[1:]
-    if bench and bench[0] == "emulate":
-        print("flashsgd bench emulate: the benchmark to run cannot be 'emulate' itself", file=sys.stderr)
         return 2
     try:
         check_available()

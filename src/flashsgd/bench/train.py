@@ -134,6 +134,19 @@ def _bench(opts: dict, emulate: bool) -> dict:
             "global_batch": gb, "recipe": recipe, "plain": plain_row}
 
 
+def _check(opts: dict, world: int) -> None:
+    """Every input by the trainer's own rules (model, recipe, precision, grid...), before a worker
+    starts: the run config each rank will resolve (:func:`flashsgd.bench.scaling_rank.run_config`),
+    resolved here once; a ValueError names the key and the valid values."""
+    import tempfile
+
+    from flashsgd.bench.scaling_rank import run_config
+    from flashsgd.train.config import resolve
+
+    resolve(cli=run_config(spec_of(opts, world, not launch.under_torchrun(), tempfile.gettempdir()),
+                           "noop", world))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.batch < 1 or args.iters < 1 or args.warmup < 0 or args.workers < 1:
         raise ValueError("--batch, --iters and --workers must be >= 1 and --warmup >= 0")
@@ -141,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
                                            "density", "selection", "bucket_mb", "iters", "warmup",
                                            "recipe", "precision", "plain_loop")}
     opts["comm"] = comm_list(args.comm, exchange_names())  # HOOKS has one hook per exchange
+    _check(opts, args.workers)
     if launch.under_torchrun():
         res = launch.run(_bench, (opts, False), world_size=args.workers)
     else:

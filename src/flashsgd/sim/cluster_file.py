@@ -98,12 +98,20 @@ _LINK = {"bandwidth_gbit", "latency_us"}
 _LINK_OPTIONAL = {"flow_bandwidth_gbit"}
 
 
+LIMITS = {"bandwidth_gbit": 1e5, "flow_bandwidth_gbit": 1e5, "latency_us": 1e7, "ranks_per_node": 4096,
+          "nodes": 10 ** 6}
+"""The largest value a cluster file may give (a key's last part): far past any machine (100 Tbit/s,
+10 s, 4,096 ranks per node, a million nodes), so that a typo (1e308, 1e30) is refused instead of
+planned with infinite or absurd costs."""
+
+
 def _number(where: str, key: str, value, *, positive: bool) -> float:
+    high = LIMITS.get(key.rsplit(".", 1)[-1])
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-        and (value > 0 if positive else value >= 0)
+        and (value > 0 if positive else value >= 0) and (high is None or value <= high)
     if not ok:
-        raise ValueError(f"{where}: {key} must be a finite number {'> 0' if positive else '>= 0'}, "
-                         f"got {value!r}")
+        bound = f"{'> 0' if positive else '>= 0'}" + (f" and <= {high:g}" if high is not None else "")
+        raise ValueError(f"{where}: {key} must be a finite number {bound}, got {value!r}")
     return float(value)
 
 
@@ -192,8 +200,8 @@ def _count(where: str, doc: dict, key: str, required: bool) -> int | None:
         if required:
             raise ValueError(f"{where}: missing {key} (an integer >= 1)")
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= LIMITS[key]:
+        raise ValueError(f"{where}: {key} must be an integer in [1, {LIMITS[key]:,}], got {value!r}")
     return value
 
 
@@ -239,7 +247,12 @@ def load_cluster(spec: str) -> ClusterModel:
     if spec.endswith(".toml") or path.exists():
         if not path.is_file():
             raise ValueError(f"cluster file {spec!r} does not exist (presets: {', '.join(CLUSTERS.names())})")
-        return load_cluster_text(path.read_text(), f"cluster file {spec!r}", default_name=path.stem)
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:  # a binary file, unreadable: named
+            raise ValueError(f"cluster file {spec!r} is not a readable TOML text file "
+                             f"({type(exc).__name__}: {exc})") from None
+        return load_cluster_text(text, f"cluster file {spec!r}", default_name=path.stem)
     try:
         return CLUSTERS.get(spec)
     except ValueError as exc:

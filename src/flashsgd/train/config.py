@@ -445,7 +445,11 @@ def resolve(toml_path: str | Path | None = None, cli: dict[str, Any] | None = No
         path = Path(toml_path)
         if not path.is_file():
             raise ValueError(f"--config {str(path)!r}: no such file")
-        toml_text, source = path.read_text(), str(path)
+        try:
+            toml_text, source = path.read_text(), str(path)
+        except (OSError, UnicodeDecodeError) as exc:  # a binary file, unreadable: named
+            raise ValueError(f"--config {str(path)!r}: not a readable TOML text file "
+                             f"({type(exc).__name__}: {exc})") from None
     else:
         source = "config"
     if toml_text is not None:  # Step 2
