@@ -66,6 +66,10 @@ def choice(default: str, names: Callable[[], list[str]]) -> Any:
     return field(default=default, metadata={"choices": names})
 
 
+IMAGE_DATASETS = ("synthetic", "imagefolder")
+"""Datasets whose inputs are 4-D (N, C, H, W) images: where ``run.channels_last`` means something."""
+
+
 @dataclass
 class DataConfig:
     """``[data]``: what to train on."""

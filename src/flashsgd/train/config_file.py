@@ -9,7 +9,7 @@ A key applies when the run reads it (:func:`applies`):
   (the planner may choose any exchange); otherwise a key applies when the exchange's options
   class (:mod:`flashsgd.exchanges`) has the option it sets (``density_warmup_epochs`` sets
   ``density_warmup_steps``), so ``torus2d`` reads no sparse key and ``gtopk`` no ``grid``;
-* ``[run]``: ``channels_last`` only for 4-D image inputs (:data:`flashsgd.train.plan.IMAGE_DATASETS`);
+* ``[run]``: ``channels_last`` only for 4-D image inputs (:data:`flashsgd.train.config.IMAGE_DATASETS`);
   every other key applies.
 
 :func:`dumps_run_config` leaves out a key that does not apply and holds its default; one that does
@@ -33,7 +33,7 @@ import dataclasses
 import inspect
 
 from flashsgd.exchanges import EXCHANGES
-from flashsgd.train.config import SECTIONS, TrainConfig, to_dict
+from flashsgd.train.config import IMAGE_DATASETS, SECTIONS, TrainConfig, to_dict
 
 DATASET_KEYS: dict[str, tuple[str, ...]] = {
     "num_samples": ("mnist1d", "synthetic"),
@@ -66,8 +66,6 @@ def applies(cfg: TrainConfig, section: str, key: str) -> bool:
     if section == "model" and key == "channels":
         return _model_takes_channels(cfg.model.model)
     if section == "run" and key == "channels_last":
-        from flashsgd.train.plan import IMAGE_DATASETS  # noqa: PLC0415 - torch-free, but heavy
-
         return cfg.data.dataset in IMAGE_DATASETS
     if section == "comm" and key not in COMM_ALWAYS and cfg.comm.algorithm != "auto":
         return EXCHANGES[cfg.comm.algorithm].reads(COMM_OPTION.get(key, key))

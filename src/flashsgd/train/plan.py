@@ -45,7 +45,7 @@ from flashsgd.fmt import number, plural
 from flashsgd.optim.plan import build_batch_table
 from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
 from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at, steps_in_epochs, steps_per_epoch
-from flashsgd.train.config import TrainConfig, parse_fail_at, to_dict
+from flashsgd.train.config import IMAGE_DATASETS, TrainConfig, parse_fail_at, to_dict
 from flashsgd.train.config_file import set_but_unread
 
 # Recipe fields a config key may override (config key -> Recipe field; the same names).
@@ -336,9 +336,6 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool,
                    execution=execution(cfg, table, world,
                                        world if local_spawn else int(os.environ.get("LOCAL_WORLD_SIZE", world))))
 
-
-# datasets whose inputs are 4-D (N, C, H, W) images: where channels_last means something
-IMAGE_DATASETS = ("synthetic", "imagefolder")
 
 
 def execution(cfg: TrainConfig, table: BatchTable, world: int, local_ranks: int = 1) -> dict[str, Any]:
