@@ -3,7 +3,6 @@
 import argparse
 import json
 import re
-import socket
 
 import pytest
 
@@ -12,6 +11,7 @@ from flashsgd.bench.common import (ALLREDUCE_COLUMNS, bandwidths, bus_factor, ch
                                    format_header, format_row, human_size, parse_size, parse_sizes,
                                    ranks_on_this_host)
 from flashsgd.cli import main as cli_main
+from ports import free_port
 
 RESULT_KEYS = {"algorithm", "size_bytes", "count", "dtype", "time_us", "time_us_min", "time_us_max",
                "algbw_gbps", "busbw_gbps", "ratio_to_native"}
@@ -106,9 +106,7 @@ def test_tiny_run_prints_rows_and_writes_json(tmp_path, capfd):
 
 def test_runs_under_an_env_rendezvous(tmp_path, monkeypatch, capfd):
     """The torchrun / emulated-cluster path: RANK, WORLD_SIZE, MASTER_* set, no spawning."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(key, value)

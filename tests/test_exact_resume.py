@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_helpers import flat_params, tiny_net
+from ports import free_port
 from flashsgd.comm.hooks import rebuild_buckets, register_hook
 from flashsgd.comm.sparse_state import SparseHookState
 from flashsgd.exchanges import SparseOptions
@@ -244,7 +245,6 @@ def test_torchrun_elastic_range_resumes_on_another_world(tmp_path):
     membership changes here happen between launches (each launch ends at --max-steps); a live
     join/leave restarts the workers through the same resume path."""
     import os
-    import socket
     import subprocess
     import sys
     from pathlib import Path
@@ -253,9 +253,7 @@ def test_torchrun_elastic_range_resumes_on_another_world(tmp_path):
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(repo / "src"), "OMP_NUM_THREADS": "1"}
 
     def launch(agents: int, *extra: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
                "--rdzv-conf", "last_call_timeout=3", "-m", "flashsgd", "train", "--num-samples", "2000",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from flashsgd.launch import WorkerError
 from flashsgd.train import config as C
 from flashsgd.train.report import read_metrics
 from flashsgd.train.trainer import train
+from ports import free_port
 
 TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--no-progress"]
 REPO = Path(__file__).resolve().parents[1]
@@ -84,12 +84,6 @@ def test_dead_or_hung_worker_fails_the_run_in_time(tmp_path, mode):
     assert str(err.value).startswith(expected), str(err.value)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(args, out, env_extra=None):
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO / "src"),
            "OMP_NUM_THREADS": "1", **(env_extra or {})}
@@ -99,7 +93,7 @@ def _torchrun(args, out, env_extra=None):
 
 
 def test_two_torchrun_agents_train_together(tmp_path):
-    port = _free_port()
+    port = free_port()
     rdzv = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pytest"]
     agents = [_torchrun(rdzv, tmp_path) for _ in range(2)]

@@ -47,6 +47,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -373,9 +374,33 @@ def _interrupt(job: _Job, signum: int, caught: list[int]) -> Interrupted:
     return Interrupted(signum)
 
 
-def _wait(job: _Job, deadline_s: float | None, caught: list[int]) -> WorkerError | Interrupted | None:
-    """Collect the ranks' results; the error to raise when the job failed, was stopped or late."""
+STALL_CPU_S = 0.25
+"""CPU seconds the ranks together must use within ``stall_s`` to count as making progress: a rank
+blocked on a peer, a socket or a sleep uses none; one that runs, however starved by a loaded
+machine, uses far more."""
+
+
+def cpu_seconds(procs: Sequence[Any]) -> float | None:
+    """CPU seconds the processes ``procs`` (and their reaped children) have used so far, from
+    ``/proc/PID/stat`` (utime + stime + cutime + cstime); None where there is no /proc."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    tick, total = os.sysconf("SC_CLK_TCK"), 0
+    for p in procs:
+        try:  # the fields after the command name: state is the first, utime the 12th
+            fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += sum(int(v) for v in fields[11:15])
+        except (OSError, IndexError, ValueError, TypeError):  # exited: its time is no longer counted
+            continue
+    return total / tick
+
+
+def _wait(job: _Job, deadline_s: float | None, caught: list[int],
+          stall_s: float | None = None) -> WorkerError | Interrupted | None:
+    """Collect the ranks' results; the error to raise when the job failed, was stopped, late, or
+    stalled (its ranks used less than :data:`STALL_CPU_S` of CPU in ``stall_s`` seconds)."""
     deadline = time.monotonic() + deadline_s if deadline_s is not None else math.inf
+    moved_at, used = time.monotonic(), cpu_seconds(job.procs)
     while not job.done():
         job.collect(POLL_S)
         if caught:
@@ -383,9 +408,18 @@ def _wait(job: _Job, deadline_s: float | None, caught: list[int]) -> WorkerError
         if job.failed():
             _settle(job, SETTLE_S, caught)
             return _interrupt(job, caught[0], caught) if caught else attribute(job.outcomes())
-        if time.monotonic() > deadline and not job.done():
+        now = time.monotonic()
+        if now > deadline and not job.done():
             return attribute([o for o in job.outcomes() if o.state != "ok"],
                              reason=f"the run passed its deadline (deadline_s={deadline_s:g})")
+        if stall_s is not None and used is not None and not job.done():
+            current = cpu_seconds(job.procs)
+            if current is not None and current - used >= STALL_CPU_S:
+                moved_at, used = now, current
+            elif now - moved_at > stall_s:
+                return attribute([o for o in job.outcomes() if o.state != "ok"],
+                                 reason=f"no rank used the CPU for {stall_s:g} s: every rank was waiting "
+                                        f"(a hang; stall_s={stall_s:g})")
     return None
 
 
@@ -417,7 +451,8 @@ def _check_spawn_args(world_size: int, backend: str, timeout_s: float, deadline_
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
           backend: str = "gloo", timeout_s: float = 300.0, deadline_s: float | None = None,
-          start_method: str | None = None, env: dict[str, str] | None = None) -> list[Any]:
+          start_method: str | None = None, env: dict[str, str] | None = None,
+          stall_s: float | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` local ranks in a fresh process group; return per-rank results.
 
     Args:
@@ -433,13 +468,19 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
             :func:`one_thread`, or a rank may hang in OpenMP) or ``"spawn"`` (default for NCCL:
             CUDA needs it).
         env: extra environment variables for the workers.
+        stall_s: deadline of progress, or None (default) for none: the run fails when its ranks
+            together use less than :data:`STALL_CPU_S` of CPU in ``stall_s`` seconds (all blocked:
+            a hang), however long a loaded machine makes it otherwise (Linux; elsewhere ignored).
 
     Raises:
         WorkerError: a rank raised, exited without a result, or stopped responding, or the
-            deadline passed; the cause is named first (see :mod:`flashsgd.launch_failures`).
+            deadline passed, or the ranks stalled; the cause is named first (see
+            :mod:`flashsgd.launch_failures`).
         Interrupted: this process received SIGTERM or SIGINT; the workers were stopped.
     """
     _check_spawn_args(world_size, backend, timeout_s, deadline_s, start_method)
+    if stall_s is not None and not (isinstance(stall_s, (int, float)) and math.isfinite(stall_s) and stall_s > 0):
+        raise ValueError(f"stall_s must be None or a finite number > 0, got {stall_s!r}")
     if start_method is None:
         fork_ok = backend == "gloo" and "fork" in mp.get_all_start_methods()
         start_method = "fork" if fork_ok else "spawn"
@@ -462,7 +503,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
                                   timeout=datetime.timedelta(seconds=timeout_s))
             for _ in procs:
                 ports.put(store.port)
-            error = _wait(job, deadline_s, caught)
+            error = _wait(job, deadline_s, caught, stall_s)
     finally:
         _reap(procs, grace_s=5.0 if job.done() else 0.5)
         results.close()
