@@ -70,7 +70,7 @@ def test_train_says_what_it_starts_first_and_writes_progress_lines_to_a_pipe(tmp
                          cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     first = out.stdout.splitlines()[0]
-    assert first == (f"flashsgd train: starting 4 workers (gloo); generating MNIST-1D (2,000 samples; "
-                     f"cached in {tmp_path / 'data'} for the next run) ..."), out.stdout[:500]
+    assert first == (f"flashsgd train: generating MNIST-1D (2,000 samples; cached in {tmp_path / 'data'} "
+                     f"for the next run) for 4 workers (gloo) ..."), out.stdout[:500]
     assert "\r" not in out.stderr
     assert "step 14/14 (100%)" in out.stderr and "acc=" in out.stderr, out.stderr[-2000:]

@@ -35,10 +35,12 @@ from flashsgd.train.worker import Worker
 
 def say_starting(cfg: TrainConfig, workers: int, backend: str) -> None:
     """The first line of a run, printed before the data are made (generating MNIST-1D the first
-    time takes seconds): ``flashsgd train: starting 4 workers (gloo); generating MNIST-1D ...``."""
+    time takes seconds): ``flashsgd train: generating MNIST-1D (...) for 4 workers (gloo) ...``.
+    It says what happens now, not that workers started: the checks that need the data (model vs
+    inputs, the plan, the run directory) can still refuse the run after it."""
     d = cfg.data
     loading = describe_loading(d.dataset, d.num_samples, d.data_dir, d.image_shape, d.data_seed)
-    print(f"flashsgd train: starting {plural(workers, 'worker')} ({backend}); {loading} ...", flush=True)
+    print(f"flashsgd train: {loading} for {plural(workers, 'worker')} ({backend}) ...", flush=True)
 
 
 def worker(plan: RunPlan, data: Datasets, start: Start) -> dict[str, Any]:
