@@ -11,7 +11,8 @@ that depends on the global batch, the dataset size and the run length is derived
    running-statistics momentum and zero-gamma of residual blocks' last BN; what it changed is
    recorded in ``RecipeSetup.model_tweaks`` and printed by :meth:`RecipeSetup.describe`.
 2. :func:`build_optimizer` - parameter groups (no decay / no LARS adaptation for bias and norm
-   parameters), then SGD (Nesterov) or :class:`~flashsgd.optim.lars.LARS`, LR set for step 0.
+   parameters), then the recipe's optimizer from :data:`~flashsgd.optim.optimizers.OPTIMIZERS` (SGD,
+   :class:`~flashsgd.optim.lars.LARS`, :class:`~flashsgd.optim.lamb.LAMB`), LR set for step 0.
 3. :func:`build_schedule` + :func:`build_batch_table` - the LR schedule and the batch-size table.
 4. :func:`build_loss` - ``torch.nn.CrossEntropyLoss(label_smoothing=...)`` (torch's, not ours).
 
@@ -53,7 +54,8 @@ import torch
 from torch import nn
 
 from flashsgd.fmt import plural
-from flashsgd.optim.lars import LARS, param_groups
+from flashsgd.optim.lars import param_groups
+from flashsgd.optim.optimizers import OPTIMIZERS
 from flashsgd.optim.plan_checks import LRWatch, RecipeWarning, forbid_steps, replaced_settings, rescale_note
 from flashsgd.optim.recipes import PRESET_EPOCHS, Recipe
 from flashsgd.optim.schedules import (BatchTable, Schedule, as_int, batch_at, epoch_at_step, lr_at,
@@ -127,7 +129,8 @@ def apply_model_tweaks(recipe: Recipe, model: nn.Module) -> list[str]:
 
 
 def build_optimizer(recipe: Recipe, model: nn.Module, global_batch: int) -> torch.optim.Optimizer:
-    """Step 2: SGD or LARS over :func:`param_groups`, LR set to the schedule's value at step 0.
+    """Step 2: the recipe's optimizer (:data:`~flashsgd.optim.optimizers.OPTIMIZERS`) over
+    :func:`param_groups`, LR set to the schedule's value at step 0.
 
     ``global_batch`` is the final global batch; the first row of the batch table sets the LR. A
     recipe whose warm-up starts from 0 gives an optimizer at LR 0: the loop sets each step's LR
@@ -136,12 +139,7 @@ def build_optimizer(recipe: Recipe, model: nn.Module, global_batch: int) -> torc
     groups = param_groups(model, recipe.weight_decay, recipe.exclude_bias_and_norm)
     table = build_batch_table(recipe, global_batch)
     lr0 = lr_at(0.0, recipe.schedule(), table)
-    if recipe.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr0, momentum=recipe.momentum, nesterov=recipe.nesterov,
-                               weight_decay=recipe.weight_decay)
-    return LARS(groups, lr=lr0, momentum=recipe.momentum, weight_decay=recipe.weight_decay,
-                trust_coefficient=recipe.trust_coefficient, eps=recipe.lars_eps,
-                nesterov=recipe.nesterov, clip=recipe.lars_clip)
+    return OPTIMIZERS.get(recipe.optimizer).build(groups, recipe, lr0)
 
 
 @dataclass
@@ -276,7 +274,7 @@ class RecipeSetup:
                 f"decay={s.decay} epochs={s.epochs:g} label_smoothing={r.label_smoothing:g} "
                 f"weight_decay={r.weight_decay:g} momentum={r.momentum:g} nesterov={r.nesterov}"
                 + (f" bn_momentum={r.bn_momentum:g}" if r.bn_momentum is not None else "")
-                + (f" eta={r.trust_coefficient:g} clip={r.lars_clip}" if r.optimizer == "lars" else "")
+                + OPTIMIZERS.get(r.optimizer).describe(r)
                 + f" model_tweaks=[{'; '.join(self.model_tweaks) or 'none'}]")
 
     def describe_batch(self) -> str:

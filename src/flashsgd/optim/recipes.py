@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 from flashsgd.optim.schedules import DecayKind, Schedule, as_int
 from flashsgd.registry import Registry
@@ -38,8 +37,9 @@ class Recipe:
 
     name: str
     """Registry name."""
-    optimizer: Literal["sgd", "lars"] = "sgd"
-    """sgd: torch.optim.SGD (momentum, LR outside the buffer); lars: flashsgd LARS."""
+    optimizer: str = "sgd"
+    """A name in :data:`flashsgd.optim.optimizers.OPTIMIZERS` (sgd: torch.optim.SGD, momentum, LR
+    outside the buffer; lars: flashsgd LARS; lamb: flashsgd LAMB)."""
     lr_per_ref: float = 0.1
     """Peak LR per ``ref_batch`` samples; the effective LR is lr_per_ref * batch / ref_batch (linear
     scaling, Goyal et al. sec. 2.1)."""
@@ -96,8 +96,10 @@ class Recipe:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ref_batch", as_int("ref_batch", self.ref_batch))
-        if self.optimizer not in ("sgd", "lars"):
-            raise ValueError(f"optimizer must be 'sgd' or 'lars', got {self.optimizer!r}")
+        from flashsgd.optim.optimizers import OPTIMIZERS
+
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS.names())}, got {self.optimizer!r}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
         if not 0.0 <= self.momentum < 1.0:

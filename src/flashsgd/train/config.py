@@ -60,6 +60,12 @@ def _recipe_names() -> list[str]:
     return list(RECIPES)
 
 
+def _optimizer_names() -> list[str]:
+    from flashsgd.optim.optimizers import OPTIMIZERS
+
+    return OPTIMIZERS.names()
+
+
 def choice(default: str, names: Callable[[], list[str]]) -> Any:
     """A ``str`` field whose valid values are a registry's names (read when a value is checked,
     so registering a new algorithm or recipe is the only change needed)."""
@@ -111,6 +117,8 @@ class OptimConfig:
     recipe: str = choice("fujitsu", _recipe_names)
     """A name in flashsgd.optim.recipes.RECIPES: optimizer, LR rule, warmup, decay, batch-size
     control, label smoothing."""
+    optimizer: Optional[str] = field(default=None, metadata={"choices": _optimizer_names})
+    """A name in flashsgd.optim.optimizers.OPTIMIZERS (sgd, lars, lamb); unset: the recipe's."""
     global_batch: int = 4096
     """Final global batch (all workers together; batch-size control starts below it)."""
     epochs: float = 15.0

@@ -49,7 +49,7 @@ from flashsgd.train.config import IMAGE_DATASETS, TrainConfig, parse_fail_at, to
 from flashsgd.train.config_file import set_but_unread
 
 # Recipe fields a config key may override (config key -> Recipe field; the same names).
-RECIPE_OVERRIDES = ("lr_per_ref", "ref_batch", "momentum", "nesterov", "weight_decay",
+RECIPE_OVERRIDES = ("optimizer", "lr_per_ref", "ref_batch", "momentum", "nesterov", "weight_decay",
                     "warmup_epochs", "label_smoothing", "trust_coefficient")
 
 

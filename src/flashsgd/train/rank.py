@@ -281,7 +281,7 @@ def build_rank(plan: RunPlan, data: Datasets, device: torch.device, *, out: Path
     in the step), ``--comm auto``'s choice, DDP + hook timed by a :class:`CommTimer`, the momentum
     and trust-ratio wiring of the sparse hooks, and the :class:`TrainStep`."""
     from flashsgd.comm.sparse_checks import check_optimizer_momentum
-    from flashsgd.optim.lars import LARS
+    from flashsgd.optim.optimizers import OPTIMIZERS
     from flashsgd.optim.plan import apply_model_tweaks, build_optimizer
     from flashsgd.train.models import build_model
 
@@ -302,7 +302,8 @@ def build_rank(plan: RunPlan, data: Datasets, device: torch.device, *, out: Path
     timer = CommTimer()
     ddp, hook_state, topology = build_ddp(plan, model, device, timer)
     check_optimizer_momentum(hook_state, optimizer)  # momentum applied once, not twice
-    if getattr(getattr(hook_state, "options", None), "layer_trust", False) and isinstance(optimizer, LARS):
+    if getattr(getattr(hook_state, "options", None), "layer_trust", False) \
+            and OPTIMIZERS.get(plan.recipe.optimizer).layer_norms:
         optimizer.grad_norm_source = hook_state.grad_norms  # trust ratios from dense norms
     step = TrainStep(ddp, optimizer, loss_fn, timer, device, nonfinite=plan.config.run.nonfinite,
                      max_skipped=plan.config.run.max_skipped,

@@ -1,0 +1,77 @@
+"""The catalog of optimizers a recipe can name: one entry per optimizer, read by everything else.
+
+Each entry says how to build the optimizer from a recipe (over :func:`~flashsgd.optim.lars.param_groups`,
+at the schedule's first LR), what the start-up line says of it, and whether it takes layer norms from
+a sparse exchange (``grad_norm_source``: LARS's trust ratio from the dense gradient's norms,
+``comm.layer_trust``). :class:`~flashsgd.optim.recipes.Recipe` checks its ``optimizer`` against the
+names here, :func:`~flashsgd.optim.plan.build_optimizer` and the plan's description read the entry,
+the train config's ``optim.optimizer`` key offers the names, and the rank wires the layer norms by
+the entry's flag. Adding an optimizer is its module and one entry below.
+
+=========== ================================================================= ====================
+``sgd``     ``torch.optim.SGD``: momentum, LR outside the buffer (Goyal et al. 2017)
+``lars``    :class:`~flashsgd.optim.lars.LARS`: layer-wise trust ratio on momentum SGD (You et   layer norms
+            al. 2017; batched norms, Yamazaki et al. 2019)
+``lamb``    :class:`~flashsgd.optim.lamb.LAMB`: layer-wise trust ratio on Adam's direction (You
+            et al. 2019), the recipe's ``momentum`` as beta1 and ``trust_coefficient`` as eta
+=========== ================================================================= ====================
+
+Example::
+
+    >>> OPTIMIZERS.get("lamb").summary
+    "LAMB (You et al. 2019): Adam's direction, a layer-wise trust ratio"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from flashsgd.registry import Registry
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """One optimizer: how a recipe builds it and what is said of it."""
+
+    name: str
+    summary: str
+    build: Callable[[list, Any, float], torch.optim.Optimizer]
+    """``(param groups, recipe, first LR) -> optimizer``."""
+    describe: Callable[[Any], str] = lambda recipe: ""
+    """The recipe's hyper-parameters of this optimizer for the start-up line (empty: none beyond
+    the common ones)."""
+    layer_norms: bool = False
+    """Takes ``grad_norm_source`` (a sparse exchange's dense layer norms, ``comm.layer_trust``)."""
+
+
+def _sgd(groups: list, r: Any, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(groups, lr=lr, momentum=r.momentum, nesterov=r.nesterov, weight_decay=r.weight_decay)
+
+
+def _lars(groups: list, r: Any, lr: float) -> torch.optim.Optimizer:
+    from flashsgd.optim.lars import LARS
+
+    return LARS(groups, lr=lr, momentum=r.momentum, weight_decay=r.weight_decay,
+                trust_coefficient=r.trust_coefficient, eps=r.lars_eps, nesterov=r.nesterov, clip=r.lars_clip)
+
+
+def _lamb(groups: list, r: Any, lr: float) -> torch.optim.Optimizer:
+    from flashsgd.optim.lamb import LAMB
+
+    return LAMB(groups, lr=lr, betas=(r.momentum, 0.999), weight_decay=r.weight_decay,
+                trust_coefficient=r.trust_coefficient)
+
+
+OPTIMIZERS: Registry[Optimizer] = Registry("optimizer")
+for _o in (
+    Optimizer("sgd", "momentum SGD (torch.optim.SGD, LR outside the buffer)", _sgd),
+    Optimizer("lars", "LARS (You et al. 2017): momentum SGD, a layer-wise trust ratio", _lars,
+              describe=lambda r: f" eta={r.trust_coefficient:g} clip={r.lars_clip}", layer_norms=True),
+    Optimizer("lamb", "LAMB (You et al. 2019): Adam's direction, a layer-wise trust ratio", _lamb,
+              describe=lambda r: f" eta={r.trust_coefficient:g} betas=({r.momentum:g}, 0.999)"),
+):
+    OPTIMIZERS.add(_o.name, _o)
+del _o
