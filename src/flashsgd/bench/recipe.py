@@ -10,7 +10,8 @@ process, the same number of epochs at every batch size:
    (b) ``sgd+warmup``: (a) plus gradual warmup;
    (c) ``full``: the registered ``fujitsu-mnist1d`` recipe (LARS, warmup, linear decay, no
        decay/adaptation on bias and BN, BN momentum 0.3, no label smoothing) - see :data:`FULL`;
-   (d) ``full+bsc``: (c) plus batch-size control (Sony) growing to B - see :data:`FULL_BSC`.
+   (d) ``full+bsc``: (c) plus batch-size control (Sony) growing to B - see :data:`FULL_BSC`;
+   (e) ``full-lamb`` (asked for by name): (c) with LAMB in place of LARS - see :data:`FULL_LAMB`.
 3. Each run is repeated over ``--seeds`` (model init + shuffling); the table reports the mean and
    min..max test accuracy, the gap to the baseline, steps and seconds; a PNG plots the test
    accuracy per epoch. A diagnostic column gives the final accuracy after re-estimating the BN
@@ -55,9 +56,13 @@ FULL = dataclasses.replace(RECIPES["fujitsu-mnist1d"], name="full")
 # (d): (c) plus Sony's batch-size control: 1/8 of the batch for 3 epochs, 1/2 for 3, then all of it
 # (the final batch is B; fewer samples per step early on, so more steps than (c)).
 FULL_BSC = dataclasses.replace(FULL, name="full+bsc", batch_fractions=((0, 0.125), (3, 0.5), (6, 1.0)))
+# (e): (c) with LAMB in place of LARS (You et al. 2019), the same LR rule and trust coefficient
+# (flashsgd.optim.lamb: an adapted tensor moves lr * eta * ||w|| under both): not in the default set.
+FULL_LAMB = dataclasses.replace(FULL, name="full-lamb", optimizer="lamb")
 
 
-VARIANTS = {"sgd": BASE, "sgd+warmup": WARMUP, "full": FULL, "full+bsc": FULL_BSC}
+VARIANTS = {"sgd": BASE, "sgd+warmup": WARMUP, "full": FULL, "full+bsc": FULL_BSC, "full-lamb": FULL_LAMB}
+DEFAULT_VARIANTS = ("sgd", "sgd+warmup", "full", "full+bsc")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[4096, 8192],
                         help="large global batches to compare with batch 128")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds per run")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS),
                         help="large-batch variants to run (default: all)")
     parser.add_argument("--num-samples", type=int, default=40000,
                         help="MNIST-1D samples (80%% train), default 40000")
