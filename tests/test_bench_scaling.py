@@ -437,3 +437,105 @@ def test_a_flow_capped_accumulating_run_on_an_emulated_cluster(tmp_path):
     # quarter of the time the cap gives them: more than half the capped time proves the cap
     wire_at_flow = scaling.ring_link_bytes(doc["meta"]["grad_bytes"], 2) * 8 / 25e6
     assert rows["ring"]["split_s"]["hook"] > 0.5 * wire_at_flow
+
+
+# ---- rows that contradict their noop baseline (issue 33 item 7) --------------------------------
+
+def _timed(comm: str, steps: list[float], nodes: int = 2) -> dict:
+    return {"comm": comm, "nodes": nodes, "ranks_per_node": 1, "world": nodes, "step_s": steps,
+            "link_bps": 2e7, "loadavg": [6.0]}
+
+
+def test_a_row_faster_than_its_noop_beyond_both_spreads_contradicts_it():
+    # the noop slowed by load for its whole measurement (200..250 ms), the hook's row not (100..120 ms):
+    # its slowest step beats the noop's fastest, so every pairing of steps says efficiency > 100%
+    ev = sim.baseline_contradiction([0.10, 0.11, 0.12], [0.20, 0.22, 0.25])
+    assert ev["row_max_ms"] == pytest.approx(120.0) and ev["noop_min_ms"] == pytest.approx(200.0)
+    assert ev["margin_ms"] == pytest.approx(80.0) and ev["efficiency_at_least"] == pytest.approx(200 / 120)
+    assert "baseline slowed by load more than this row; rerun on a quiet machine" in ev["why"]
+
+
+@pytest.mark.parametrize("row, noop", [
+    ([0.0990, 0.0995, 0.1010], [0.098, 0.100, 0.102]),  # efficiency 100.5%, spreads overlap: noise
+    ([0.10, 0.11, 0.20], [0.20, 0.22, 0.25]),           # median 183%, but its slowest step ties the noop's fastest
+    ([0.30, 0.31], [0.20, 0.21]),                       # an ordinary row: slower than the noop
+])
+def test_a_row_within_the_spread_of_its_noop_is_noise_not_a_contradiction(row, noop):
+    assert sim.baseline_contradiction(row, noop) is None
+
+
+def test_summarize_marks_the_row_in_the_json_and_keeps_noise_as_measured():
+    from flashsgd.bench.scaling_report import summarize
+
+    rows = summarize([_timed("noop", [0.20, 0.22, 0.25]), _timed("ring", [0.10, 0.11, 0.12]),
+                      _timed("gtopk", [0.20, 0.21, 0.26]), _timed("native", [0.40, 0.41, 0.45])], 32)
+    by = {r["comm"]: r for r in rows}
+    assert by["ring"]["contradicts_baseline"] is True and by["ring"]["efficiency"] == pytest.approx(2.0)
+    assert by["ring"]["contradiction"]["noop_min_ms"] == pytest.approx(200.0)
+    # gtopk: median 210 ms < noop 220 ms (efficiency 104.8%), but within the spreads: kept, unclamped
+    assert by["gtopk"]["contradicts_baseline"] is False and "contradiction" not in by["gtopk"]
+    assert by["gtopk"]["exposed_comm_ms"] == pytest.approx(-10.0)
+    assert by["native"]["contradicts_baseline"] is False and by["noop"]["contradicts_baseline"] is False
+
+
+def test_the_table_marks_the_row_and_says_why():
+    from flashsgd.bench.scaling_report import format_table, summarize
+
+    rows = summarize([_timed("noop", [0.20, 0.22, 0.25]), _timed("ring", [0.10, 0.11, 0.12]),
+                      _timed("gtopk", [0.20, 0.21, 0.26])], 32)
+    meta = {"model": "resnet20", "params": 1000, "grad_bytes": 4000, "batch": 32, "recipe": "goyal",
+            "link_bps": 2e7, "comm_compute": None, "cpus": 2, "loadavg_start": [6.0], "loadavg_end": [6.0],
+            "iters": 3, "warmup": 2, "elapsed_s": 1.0}
+    sim_fit = {"params": {}, "calibration_shapes": [[2, 1]], "max_error_calibration": 0.01,
+               "max_error_validation": math.nan, "describe": "(model)",
+               "exclusion_note": "excluded 1 row faster than their noop step beyond the spread of both "
+                                 "(baseline slowed by load): ring 2x1"}
+    lines = format_table({"meta": meta, "rows": rows, "simulator": sim_fit}).splitlines()
+    ring = next(line for line in lines if " ring " in line)
+    gtopk = next(line for line in lines if " gtopk " in line)
+    assert "200.0%!" in ring and "104.8% " in gtopk and "!" not in gtopk
+    text = "\n".join(lines)
+    assert "# !: faster than the noop step at the same shape beyond the spread of both (1 row)" in text
+    assert "#   2x1 ring: slowest step 120.0 ms < the noop's fastest 200.0 ms: baseline slowed by load" in text
+    assert "exposed < 0 (eff > 100%) without !: within the min..max" in text
+    assert "; excluded 1 row faster than their noop step" in text
+
+
+def _rows_with_a_contradiction() -> list[dict]:
+    """The exact model's rows, with ring at 8x1 (a calibration shape) measured at 10 ms against a
+    200 ms noop: a row no exchange cost can explain."""
+    rows = _rows_from_model(TRUE)
+    ring = next(r for r in rows if r["comm"] == "ring" and r["nodes"] == 8)
+    ring["step_s"] = [0.010]
+    return rows
+
+
+def test_the_fit_ignores_a_row_that_contradicts_its_noop_and_says_so():
+    rows = _rows_with_a_contradiction()
+    f = sim.fit(rows, [(2, 1), (8, 1)], 0.001)
+    assert f.excluded == (("ring", 8, 1),) and ("ring", 8, 1) not in f.calibration
+    assert "excluded 1 row faster than their noop step beyond the spread of both" in f.exclusion_note()
+    preds = sim.predict(f, rows)
+    # the other rows still determine the true parameters exactly; the marked row is in neither error
+    assert sim.max_error(preds, "calibration") < 1e-6 and sim.max_error(preds, "validation") < 1e-6
+    role = {(p["comm"], p["nodes"], p["ranks_per_node"]): p["role"] for p in preds}
+    assert role["ring", 8, 1] == "contradicts noop" and role["ring", 4, 1] == "validation"
+    assert sim.fit(_rows_from_model(TRUE), [(2, 1), (8, 1)], 0.001).excluded == ()
+
+
+def test_bench_and_simulate_report_the_excluded_rows(tmp_path, capsys):
+    from flashsgd.bench.scaling_report import simulate_rows
+    from flashsgd.sim.scaling_cli import run_calibration
+
+    rows = _rows_with_a_contradiction()
+    fit, preds = simulate_rows([{k: v for k, v in r.items() if k != "matrices"} for r in rows], 0.001, MATRICES)
+    assert fit["excluded"] == [{"comm": "ring", "nodes": 8, "ranks_per_node": 1}]
+    assert fit["max_error_calibration"] < 1e-6 and "excluded 1 row" in fit["exclusion_note"]
+    path = tmp_path / "scaling.json"
+    path.write_text(json.dumps({"meta": {"density": 0.001, "matrices": MATRICES}, "rows": rows}))
+    report = run_calibration([str(path)], "2x1,8x1", None)
+    assert report["excluded"] == [{"comm": "ring", "nodes": 8, "ranks_per_node": 1}]
+    out = capsys.readouterr().out
+    assert "excluded 1 row faster than their noop step beyond the spread of both (baseline slowed by load): " \
+           "ring 8x1; role 'contradicts noop' below, in neither error" in out
+    assert report["max_error"]["calibration"] < 1e-6

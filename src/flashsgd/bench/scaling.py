@@ -30,9 +30,12 @@ Algorithm (:func:`run`):
    exposed communication (step - compute), compression (sparse
    hooks' selection, timed apart), scaling efficiency vs noop at the same N and vs one node
    (:mod:`flashsgd.bench.scaling_report`); each row records ``link_bps``, ``flow_bps`` (None: no
-   per-flow cap) and ``grad_accum``.
-5. Simulator: :func:`flashsgd.sim.scaling.fit` on the calibration rows, prediction of every row;
-   table, JSON (``--json``), plot of efficiency vs nodes with the prediction beside each line.
+   per-flow cap) and ``grad_accum``. A row whose slowest step beat the noop's fastest contradicts
+   its baseline (load slowed the noop more: :func:`flashsgd.sim.scaling.baseline_contradiction`):
+   ``contradicts_baseline`` and its evidence in the JSON, ``!`` and a footnote in the table.
+5. Simulator: :func:`flashsgd.sim.scaling.fit` on the calibration rows (those that contradict
+   their baseline left out, and counted), prediction of every row; table, JSON (``--json``), plot
+   of efficiency vs nodes with the prediction beside each line.
 
 Example::
 

@@ -6,7 +6,12 @@ slowest rank's), samples/s = global batch / median step (the global batch: ``bat
 count, exposed communication = step - compute, compression = the sparse hooks' selection (timed
 apart), scaling efficiency = noop step / step at the same node count (the fair ceiling: W ranks
 share this machine's cores, so compute per rank changes with N) and efficiency vs one node =
-samples/s / (N x samples/s of the noop row at the smallest node count).
+samples/s / (N x samples/s of the noop row at the smallest node count). A row whose every step was
+faster than every step of its noop row contradicts its baseline (the noop was slowed by load more
+than the row; rule and derivation: :func:`flashsgd.sim.scaling.baseline_contradiction`): it carries
+``contradicts_baseline: true`` and the evidence (``contradiction``), is marked ``!`` in the table
+with a footnote, drawn apart in the plot and kept out of the simulator's fit. Rows within the
+spread (efficiency a little over 100%) are noise, kept as measured.
 
 The simulator (:mod:`flashsgd.sim.scaling`) is fitted on the calibration shapes (the smallest and
 the largest multi-rank shape) and predicts every row; the plot draws each measured line solid and
@@ -23,15 +28,20 @@ import time
 from pathlib import Path
 
 from flashsgd.fmt import number, percent, plural, size
+from flashsgd.sim.scaling import baseline_contradiction
 
 AUTO_TARGET = 1.10
 """``train --comm auto``'s target: its measured step <= this x the best measured hook's."""
 
 
 def summarize(rows: list[dict], batch: int) -> list[dict]:
-    """Add the derived columns to every measured row (in place); returns ``rows``."""
-    noop = {(r["nodes"], r["ranks_per_node"]): statistics.median(r["step_s"])
-            for r in rows if r["comm"] == "noop" and "step_s" in r}
+    """Add the derived columns to every measured row (in place); returns ``rows``.
+
+    Every row with a noop row at its shape gets ``contradicts_baseline`` (bool) and, when true,
+    ``contradiction``: :func:`~flashsgd.sim.scaling.baseline_contradiction`'s evidence."""
+    noop_steps = {(r["nodes"], r["ranks_per_node"]): r["step_s"]
+                  for r in rows if r["comm"] == "noop" and "step_s" in r}
+    noop = {shape: statistics.median(steps) for shape, steps in noop_steps.items()}
     one = min(noop, key=lambda s: (s[0], s[1])) if noop else None
     for r in rows:
         if "step_s" not in r:
@@ -44,6 +54,11 @@ def summarize(rows: list[dict], batch: int) -> list[dict]:
                  exposed_comm_ms=(step - compute) * 1e3 if compute else None,
                  compression_ms=r["compression_s"] * 1e3 if "compression_s" in r else None,
                  efficiency=compute / step if compute else None)
+        if shape in noop_steps:
+            evidence = None if r["comm"] == "noop" else baseline_contradiction(r["step_s"], noop_steps[shape])
+            r["contradicts_baseline"] = evidence is not None
+            if evidence is not None:
+                r["contradiction"] = evidence
         if one is not None:
             base = batch * r.get("grad_accum", 1) * one[0] * one[1] / noop[one]  # the smallest shape's noop
             r["efficiency_vs_1node"] = r["samples_per_s"] / (base * r["nodes"] / one[0])
@@ -82,6 +97,8 @@ def simulate_rows(rows: list[dict], density: float, matrices: list | None) -> tu
         return {"error": str(exc)}, []
     preds = sim.predict(f, measured)
     return {"params": f.params, "calibration_shapes": [list(s) for s in shapes],
+            "excluded": [{"comm": c, "nodes": n, "ranks_per_node": r} for c, n, r in f.excluded],
+            "exclusion_note": f.exclusion_note(),
             "max_error_calibration": sim.max_error(preds, "calibration"),
             "max_error_validation": sim.max_error(preds, "validation"),
             "describe": f.describe()}, preds
@@ -130,6 +147,23 @@ def _flow(meta: dict) -> str:
     return f", one TCP flow at most {meta['flow_bps'] / 1e6:.3f} Mbit/s (--flow-rate {meta['flow_rate']})"
 
 
+def baseline_notes(rows: list[dict]) -> list[str]:
+    """The table's footnotes on efficiency over 100%: why each ``!`` row is marked, and that the
+    unmarked ones are noise."""
+    marked = [r for r in rows if r.get("contradicts_baseline")]
+    lines = []
+    if marked:
+        lines.append(f"# !: faster than the noop step at the same shape beyond the spread of both ("
+                     f"{plural(len(marked), 'row')}): eff and exposed are the load's, not the hook's; kept out "
+                     "of the simulator's fit and errors")
+        lines += [f"#   {r['nodes']}x{r['ranks_per_node']} {r['comm']}: {r['contradiction']['why']}" for r in marked]
+    if any(r["comm"] != "noop" and not r.get("contradicts_baseline") and (r.get("exposed_comm_ms") or 0) < 0
+           for r in rows if "step_s" in r):
+        lines.append("# exposed < 0 (eff > 100%) without !: within the min..max of the row and its noop row "
+                     "(noise), kept as measured")
+    return lines
+
+
 def format_table(doc: dict) -> str:
     """The table printed at the end of a run (one line per row, skipped/failed rows with why)."""
     m = doc["meta"]
@@ -140,7 +174,7 @@ def format_table(doc: dict) -> str:
              f"# {m['cpus']} CPUs, load avg {m['loadavg_start'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} "
              f"at end; median of {plural(m['iters'], 'step')} after {m['warmup']} warm-up; {m['elapsed_s']:.0f} s",
              f"{'shape':>5} {'comm':>12} {'step ms':>8} {'min..max':>15} {'samples/s':>9} {'compute':>8} "
-             f"{'exposed':>8} {'compr.':>7} {'eff':>6} {'eff/1n':>6} {'sim ms':>8} {'err':>7} {'Mbit/s':>7} {'load':>5}"]
+             f"{'exposed':>8} {'compr.':>7} {'eff':>6}  {'eff/1n':>6} {'sim ms':>8} {'err':>7} {'Mbit/s':>7} {'load':>5}"]
     for r in doc["rows"]:
         shape = f"{r['nodes']}x{r['ranks_per_node']}"
         if "step_s" not in r:
@@ -151,9 +185,11 @@ def format_table(doc: dict) -> str:
         lines.append(
             f"{shape:>5} {r['comm']:>12} {r['step_ms']:8.1f} {r['min_ms']:7.1f}..{r['max_ms']:<7.1f} "
             f"{r['samples_per_s']:9.1f} {_fmt(r['compute_ms'], '8.1f')} {_fmt(r['exposed_comm_ms'], '8.1f')} "
-            f"{_fmt(r['compression_ms'], '7.1f')} {_fmt(r['efficiency'], '6.1%')} "
+            f"{_fmt(r['compression_ms'], '7.1f')} {_fmt(r['efficiency'], '6.1%')}"
+            f"{'!' if r.get('contradicts_baseline') else ' '} "
             f"{_fmt(r.get('efficiency_vs_1node'), '6.1%')} {_fmt(r.get('predicted_ms'), '8.1f')} "
             f"{_fmt(r.get('prediction_error'), '+7.1%')} {r['link_bps'] / 1e6:7.2f} {r['loadavg'][0]:5.2f}")
+    lines += baseline_notes(doc["rows"])
     for v in auto_verdicts(doc["rows"]):
         lines.append(f"# auto at {v['nodes']}x{v['ranks_per_node']} chose {v['chosen']}: {v['auto_ms']:.1f} ms "
                      f"vs the best measured hook {v['best_comm']} {v['best_ms']:.1f} ms = "
@@ -163,7 +199,8 @@ def format_table(doc: dict) -> str:
         lines.append(f"# simulator fitted on shapes {sim['calibration_shapes']} (the other shapes validate): "
                      f"max |error| calibration {percent(sim['max_error_calibration'], missing='none')}, "
                      f"validation {percent(sim['max_error_validation'], than=0.25, missing='none (no other shape)')}"
-                     f"\n{sim['describe']}")
+                     + (f"; {sim['exclusion_note']}" if sim.get("exclusion_note") else "")
+                     + f"\n{sim['describe']}")
     elif sim:
         lines.append(f"# simulator: {sim['error']}")
     return "\n".join(lines)
@@ -181,7 +218,11 @@ def plot(doc: dict, path: str | Path) -> None:
     for i, comm in enumerate(dict.fromkeys(r["comm"] for r in rows)):
         rs = sorted((r for r in rows if r["comm"] == comm), key=lambda r: r["nodes"])
         color = f"C{i % 10}"
-        ax.plot([r["nodes"] for r in rs], [100 * r["efficiency"] for r in rs], "-o", color=color, label=comm)
+        good = [r for r in rs if not r.get("contradicts_baseline")]  # marked rows: apart, not on the line
+        ax.plot([r["nodes"] for r in good], [100 * r["efficiency"] for r in good], "-o", color=color, label=comm)
+        bad = [r for r in rs if r.get("contradicts_baseline")]
+        if bad:
+            ax.plot([r["nodes"] for r in bad], [100 * r["efficiency"] for r in bad], "x", color=color, markersize=8)
         sim = [r for r in rs if r.get("predicted_ms")]
         if sim:
             ax.plot([r["nodes"] for r in sim], [100 * r["compute_ms"] / r["predicted_ms"] for r in sim],
@@ -201,8 +242,10 @@ def plot(doc: dict, path: str | Path) -> None:
         link += f", flow {m['flow_bps'] / 1e6:.3g} Mbit/s"
     if m.get("grad_accum", 1) > 1:
         link += f", {m['grad_accum']} micro-batches per exchange"
+    marked = any(r.get("contradicts_baseline") for r in rows)
     ax.set_title(f"{m['model']}, {m['batch']}/rank, {link}{ratio}\nsolid: measured; dashed: simulator "
-                 "(fitted on the calibration shapes)", fontsize=8)
+                 "(fitted on the calibration shapes)"
+                 + ("\nx: faster than its noop beyond the spread of both (load), not fitted" if marked else ""), fontsize=8)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, ncol=3, loc="lower left")
     fig.tight_layout()

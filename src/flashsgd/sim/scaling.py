@@ -44,7 +44,10 @@ models measured here the exchange is taken as exposed (no overlap term).
 Algorithm (:func:`fit`): build the (A, B, Bcpu, E, C, S) row of every calibration row, scale the CPU
 columns by s(N), subtract compute(N) from the measured median step, and solve a non-negative least
 squares problem on the relative error of the step (:func:`_nnls_weighted`). :func:`predict` gives
-every row; rows of hooks the simulator does not model (``powersgd``...) are listed as such.
+every row; rows of hooks the simulator does not model (``powersgd``...) are listed as such. Rows
+that contradict their noop row (every step faster than every noop step, :func:`baseline_contradiction`:
+the noop was slowed by load more than they were) are measurement errors: never fitted, and
+predicted with the role ``"contradicts noop"``, outside both error figures (:attr:`ScalingFit.excluded`).
 
 Example::
 
@@ -63,6 +66,7 @@ from pathlib import Path
 import numpy as np
 
 from flashsgd.exchanges import WIRE_INDEX_BYTES
+from flashsgd.fmt import plural
 from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.calibrate import load_json
 from flashsgd.sim.costs import CommSetup
@@ -174,6 +178,61 @@ def compute_by_setting(rows: list[dict]) -> dict[Setting, float]:
     return {setting(r): median_step_s(r) for r in rows if r["comm"] == "noop"}
 
 
+def baseline_contradiction(steps_s: list[float], noop_steps_s: list[float]) -> dict | None:
+    """The evidence that a row contradicts its noop baseline, or None (consistent, or within noise).
+
+    A hook's step is the noop step at the same setting plus its exchange (>= 0 s: the noop hook
+    runs the same forward, backward and optimizer and sends nothing), so step >= noop step and
+    efficiency = noop / step <= 1, exposed communication = step - noop >= 0, up to noise. The
+    noise is what the two timings show: their min..max over the timed steps.
+
+    Derivation: the table's efficiency and exposed communication are medians' ratio and
+    difference; over every pair of measured steps (one of the row, one of the noop) they span::
+
+        exposed    in [min(row) - max(noop),  max(row) - min(noop)]
+        efficiency in [min(noop) / max(row),  max(noop) / min(row)]
+
+    The row contradicts its baseline when the whole interval is impossible::
+
+        max(row) - min(noop) < 0   <=>   min(noop) / max(row) > 1   <=>   max(row) < min(noop)
+
+    i.e. its slowest step beat the noop's fastest: every step with the exchange was faster than
+    every step without it. Load (other jobs on these cores) only slows steps, so this happens when
+    the noop was slowed more than the row, for its whole measurement; its efficiency and exposed
+    communication are then those of the load, not of the hook. A row whose interval still holds
+    1 (efficiency 100.5%, spreads overlapping) is noise and is kept as measured: its negative
+    exposed communication is not clamped at 0, since the fit regresses step - compute and
+    clamping the noise of cheap exchanges at 0 would bias their fitted costs upwards. One timed
+    step has no spread: any row faster than its noop is then marked (``--iters >= 2`` measures
+    the noise).
+
+    Returns ``{"row_max_ms", "noop_min_ms", "margin_ms" (noop's fastest - row's slowest, > 0),
+    "efficiency_at_least" (min(noop) / max(row), > 1), "why"}``.
+
+    Example::
+
+        >>> baseline_contradiction([0.10, 0.11], [0.20, 0.25])["efficiency_at_least"]  # 0.20 / 0.11
+        1.8181818181818183
+        >>> baseline_contradiction([0.10, 0.21], [0.20, 0.25]) is None  # overlapping spreads: noise
+        True
+    """
+    row_max, noop_min = max(steps_s), min(noop_steps_s)
+    if not row_max < noop_min:
+        return None
+    return {"row_max_ms": row_max * 1e3, "noop_min_ms": noop_min * 1e3, "margin_ms": (noop_min - row_max) * 1e3,
+            "efficiency_at_least": noop_min / row_max,
+            "why": f"slowest step {row_max * 1e3:.1f} ms < the noop's fastest {noop_min * 1e3:.1f} ms: "
+                   "baseline slowed by load more than this row; rerun on a quiet machine"}
+
+
+def contradicting(rows: list[dict]) -> list[dict]:
+    """The rows (noop rows excluded) that contradict the noop row of their own :func:`setting`
+    (:func:`baseline_contradiction`); rows whose setting has no noop row are not judged."""
+    noop = {setting(r): r["step_s"] for r in rows if r["comm"] == "noop"}
+    return [r for r in rows if r["comm"] != "noop" and setting(r) in noop
+            and baseline_contradiction(r["step_s"], noop[setting(r)]) is not None]
+
+
 def cpu_share(rows: list[dict]) -> dict[Setting, float]:
     """s(N): each setting's noop step per micro-batch over that of the smallest world's first noop
     row (CPU-sharing slowdown)."""
@@ -200,6 +259,17 @@ class ScalingFit:
     density: float
     compute: dict[Setting, float]
     share: dict[Setting, float]
+    excluded: tuple[tuple[str, int, int], ...] = ()
+    """(comm, nodes, ranks per node) of every modelled multi-rank row given to :func:`fit` that
+    contradicts its noop row (:func:`contradicting`): kept out of the fit and of both error figures."""
+
+    def exclusion_note(self) -> str:
+        """``""``, or one line saying how many rows were kept out and which."""
+        if not self.excluded:
+            return ""
+        rows = ", ".join(f"{c} {n}x{r}" for c, n, r in self.excluded)
+        return (f"excluded {plural(len(self.excluded), 'row')} faster than their noop step beyond "
+                f"the spread of both (baseline slowed by load): {rows}")
 
     def describe(self) -> str:
         """The calibrated parameters, one per line with its unit (printed by bench and simulate)."""
@@ -235,16 +305,22 @@ def fit(rows: list[dict], calibration_shapes: list[tuple[int, int]], density: fl
     """Fit :data:`PARAMS` to the modelled, non-noop rows of ``calibration_shapes`` (N, L) (rows of
     every setting at those shapes whose noop row was measured)."""
     share, compute = cpu_share(rows), compute_by_setting(rows)
+    # measurement errors: out of the fit and of predict's error figures (the rows either could use)
+    bad = [r for r in contradicting(rows) if modelled(r) and r["world"] > 1]
+    bad_ids = {id(r) for r in bad}
     cal = [r for r in rows if (r["nodes"], r["ranks_per_node"]) in calibration_shapes
-           and r["comm"] != "noop" and modelled(r) and r["world"] > 1 and setting(r) in compute]
+           and r["comm"] != "noop" and modelled(r) and r["world"] > 1 and setting(r) in compute
+           and id(r) not in bad_ids]
     shapes = {k[:2] for k in compute}
     missing = [s for s in calibration_shapes if s not in shapes]
     if missing:
         raise ValueError(f"calibration shapes {missing} have no noop row (compute unknown); measured "
                          f"shapes: {sorted(shapes)}")
     if len(cal) < len(PARAMS):
+        dropped = sum((r["nodes"], r["ranks_per_node"]) in calibration_shapes for r in bad)
+        why = (f" ({dropped} more contradict their noop row: rerun on a quiet machine)" if dropped else "")
         raise ValueError(f"calibration needs >= {len(PARAMS)} measured rows of modelled hooks at "
-                         f"{calibration_shapes}, got {len(cal)}")
+                         f"{calibration_shapes}, got {len(cal)}{why}")
     x = np.array([_scaled_row(r, density, share) for r in cal])
     comm = np.array([median_step_s(r) - compute[setting(r)] for r in cal])
     # Relative error of the predicted step (not of the small, noisy communication part alone);
@@ -253,7 +329,8 @@ def fit(rows: list[dict], calibration_shapes: list[tuple[int, int]], density: fl
     scale = np.maximum(np.linalg.norm(x, axis=0), 1e-300)
     coef = _nnls_weighted(x / scale, comm, t) / scale
     return ScalingFit(dict(zip(PARAMS, map(float, coef))),
-                      [(r["comm"], r["nodes"], r["ranks_per_node"]) for r in cal], density, compute, share)
+                      [(r["comm"], r["nodes"], r["ranks_per_node"]) for r in cal], density, compute, share,
+                      tuple((r["comm"], r["nodes"], r["ranks_per_node"]) for r in bad))
 
 
 def _nnls_weighted(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -270,8 +347,10 @@ def _nnls_weighted(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def predict(f: ScalingFit, rows: list[dict]) -> list[dict]:
-    """Predicted step of every row: role (calibration / validation / input / not modelled), error."""
+    """Predicted step of every row: role (calibration / validation / input / not modelled /
+    contradicts noop: :func:`contradicting`, outside :func:`max_error`'s roles), error."""
     cal = set(f.calibration)
+    bad = {id(r) for r in contradicting(rows)}
     coef = np.array([f.params[p] for p in PARAMS])
     out = []
     for r in rows:
@@ -292,7 +371,8 @@ def predict(f: ScalingFit, rows: list[dict]) -> list[dict]:
             out.append({**base, "role": why, "predicted_s": None, "error": None})
             continue
         pred = f.compute[key] + float(_scaled_row(r, f.density, f.share) @ coef)
-        role = "calibration" if (r["comm"], *shape) in cal else "validation"
+        role = ("contradicts noop" if id(r) in bad else
+                "calibration" if (r["comm"], *shape) in cal else "validation")
         out.append({**base, "role": role, "predicted_s": pred, "error": (pred - measured) / measured})
     return out
 

@@ -9,7 +9,9 @@ Steps (:func:`run_calibration`):
 2. Calibration shapes: ``--calibrate-on`` (e.g. ``2x1,8x1``), default the smallest and the largest
    multi-rank shape of the first file; every other measured row validates.
 3. Fit (:func:`flashsgd.sim.scaling.fit`), print the parameters, predict every row, print each
-   row's role, measured and predicted step and error, and the worst error per role.
+   row's role, measured and predicted step and error, and the worst error per role. Rows that
+   contradict their noop row (:func:`flashsgd.sim.scaling.baseline_contradiction`) are neither
+   fitted nor counted in the errors; how many and which is printed and in the report's ``excluded``.
 
 Example::
 
@@ -63,13 +65,16 @@ def run_calibration(files: list[str], shapes_text: str | None, json_path: str | 
     print(f"calibrated on {plural(len(f.calibration), 'row')} at shapes "
           f"{', '.join(f'{n}x{r}' for n, r in shapes)} of {', '.join(files)}; parameters:")
     print(f.describe())
+    if f.exclusion_note():
+        print(f"{f.exclusion_note()}; role 'contradicts noop' below, in neither error")
     print_predictions(preds)
     worst = {role: sim.max_error(preds, role) for role in ("calibration", "validation")}
     none = "none (no modelled row outside the calibration shapes)"
     print(f"max |step error|: calibration rows {percent(worst['calibration'], missing='none')}, "
           f"validation rows {percent(worst['validation'], than=0.25, missing=none)} (target 25%)")
     report = {"files": files, "calibration_shapes": [list(s) for s in shapes], "params": f.params,
-              "predictions": preds, "max_error": worst}
+              "predictions": preds, "max_error": worst,
+              "excluded": [{"comm": c, "nodes": n, "ranks_per_node": r} for c, n, r in f.excluded]}
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=1))
