@@ -24,14 +24,28 @@ def test_catalog_is_torch_free_and_at_the_bottom():
     assert out.returncode == 0, out.stderr
 
 
-def test_hooks_are_the_catalog():
+def test_every_catalog_entry_has_its_implementation_and_its_cost():
+    """The catalog walked, not pinned (issue 34): a new entry is checked by its family, so one that
+    registers without an implementation fails here, not at its first backward."""
+    from flashsgd.comm.dense import ALLREDUCE
     from flashsgd.comm.hooks import HOOKS
     from flashsgd.comm.sparse_hooks import ALGORITHMS, EXCHANGE_STEPS
+    from flashsgd.sim.algorithms import ALGORITHMS as SIMULATED
 
     assert HOOKS.names() == X.names()
     assert list(ALGORITHMS) == X.names("sparse") and set(EXCHANGE_STEPS) == set(ALGORITHMS)
-    assert X.names("dense") == ["native", "ring", "hierarchical", "torus2d"]
-    assert X.names("lowrank") == ["powersgd"] and X.names("none") == ["noop"]
+    for name, exchange in X.EXCHANGES.items():
+        assert exchange.family in ("dense", "sparse", "lowrank", "none"), name
+        if exchange.family == "dense":
+            assert name in ALLREDUCE, f"dense exchange {name!r} has no all-reduce in ALLREDUCE"
+        if exchange.family == "sparse":
+            assert name in EXCHANGE_STEPS, f"sparse exchange {name!r} has no exchange step"
+        if exchange.cost is None:
+            assert exchange.family == "none", f"{name!r} sends something but has no cost"
+        else:
+            assert name in SIMULATED, f"{name!r} has no cost function in the simulator"
+        assert set(exchange.ignores) <= set(exchange.option_names()), name
+    assert X.names("none") == ["noop"]  # the one exchange that sends nothing (the benchmark ceiling)
 
 
 def test_every_option_is_documented_and_defaults_agree():
