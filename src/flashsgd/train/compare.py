@@ -35,9 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from flashsgd.outputs import add_output
+from flashsgd.train.report import WARMUP_STEPS
 
-WARMUP_STEPS = 2
-"""Steps left out of throughput and communication share (DDP bucket rebuild), as in summary.json."""
 
 
 @dataclass
@@ -136,7 +135,7 @@ def time_to_target(evals: list[dict], target: float) -> float | None:
 
 
 def run_numbers(run: Run, target: float) -> dict[str, float | None]:
-    """One run's table numbers (throughput and comm share: median / mean over steps >= 2)."""
+    """One run's table numbers (throughput and comm share: median / mean over steps >= WARMUP_STEPS)."""
     timed = [s for s in run.steps if s["step"] >= WARMUP_STEPS] or run.steps
     shares = [s["t_comm_s"] / s["t_step_s"] for s in timed if s["t_step_s"] > 0]
     return {

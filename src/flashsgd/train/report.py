@@ -18,7 +18,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from flashsgd.exchanges import DENSE_ITERATIONS
 from flashsgd.fmt import percent, plural
+
+WARMUP_STEPS = DENSE_ITERATIONS
+"""Steps left out of a run's throughput and communication share (summary.json, ``flashsgd compare``):
+DDP's bucket rebuild after the first, and the dense iterations every compressing exchange starts
+with (the catalog's ``start_iter`` default), so every exchange is timed from the same step."""
 
 
 class Metrics:
@@ -87,7 +93,7 @@ def summarize(plan, progress: dict, topo, metrics, timer_total: float) -> dict[s
     cfg, world = plan.config, plan.world
     out = Path(cfg.run.out)
     steps, evals = read_metrics(out / "metrics.jsonl")
-    timed = [s for s in steps if s["step"] >= 2] or steps  # first steps: DDP bucket rebuild, warm-up
+    timed = [s for s in steps if s["step"] >= WARMUP_STEPS] or steps
     med = lambda key: statistics.median(s[key] for s in timed) if timed else float("nan")  # noqa: E731
     ips = med("images_per_s")
     t_step, t_comm = med("t_step_s"), med("t_comm_s")
