@@ -52,8 +52,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Literal
 
-from flashsgd.exchanges import (DEFAULT_DENSITY, DENSE_ITERATIONS, EXCHANGES, MIN_COVERAGE, NODE_SPLITS,
-                                WIRE_INDEX_BYTES, SparseOptions, coverage, names)
+from flashsgd.exchanges import (DEFAULT_DENSITY, DENSE_ITERATIONS, DENSITY_WARMUP_START, EXCHANGES,
+                                MIN_COVERAGE, NODE_SPLITS, WIRE_INDEX_BYTES, SparseOptions, coverage, names)
 from flashsgd.fmt import plural
 from flashsgd.sim.engine import SimConfig, SimResult, simulate
 from flashsgd.sim.network import ClusterModel
@@ -68,9 +68,10 @@ DENSITIES = (DEFAULT_DENSITY, 0.01, 0.1)
 LOWRANKS = (1, 2, 4)
 SPARSE_START_ITER = DENSE_ITERATIONS
 """The sparse hooks exchange densely for their first steps (the catalog's ``start_iter``)."""
-DENSITY_WARMUP = (0.25, 0.4)
+DENSITY_WARMUP = (DENSITY_WARMUP_START, 0.4)
 """(start density, fraction of the run): the warm-up a sparse choice runs with at low accuracy risk,
-DGC's 0.25 decaying exponentially, over 4 of 10 epochs as in the measured runs (Lin et al. 2018)."""
+the catalog's start (DGC's 0.25, :class:`~flashsgd.exchanges.DensityWarmup`) decaying exponentially,
+over 4 of 10 epochs as in the measured runs (Lin et al. 2018)."""
 POWERSGD_MIN_STEPS = 1250
 POWERSGD_MIN_RANK = 2
 BUCKET_TIE = 1.01
