@@ -303,3 +303,25 @@ def test_a_run_whose_newest_checkpoint_was_altered_resumes_exactly_from_the_olde
     final = [tmp_path / run / "checkpoints" / "step-00000014" / "shared.pt" for run in ("a", "b")]
     fa, fb = (torch.load(f, weights_only=True)["model"] for f in final)
     assert all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def test_a_full_disk_inside_torch_save_is_reported_as_the_os_error(tmp_path, monkeypatch):
+    """Issue 33 item 5: torch.save turns a refused write into "[enforce fail at inline_container.cc]
+    ... unexpected pos"; the cause (ENOSPC, the file) is what is raised, and no temp file is left."""
+    import errno
+
+    real = ckpt._Checksummed.write
+
+    def full_after_4k(self, data):
+        if self.size > 4096:
+            self.failed = OSError(errno.ENOSPC, "No space left on device")
+            raise self.failed
+        return real(self, data)
+
+    monkeypatch.setattr(ckpt._Checksummed, "write", full_after_4k)
+    path = tmp_path / "shared.pt"
+    with pytest.raises(OSError) as err:
+        ckpt._atomic_save({"w": torch.randn(10_000)}, path)
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(path)
+    assert "No space left on device" in str(err.value) and "inline_container" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []

@@ -237,3 +237,54 @@ def test_an_interrupted_run_without_a_checkpoint_does_not_promise_a_resume(tmp_p
     assert proc.returncode == 143, err
     assert "no checkpoint was written yet: a rerun starts over" in err
     assert "can be resumed" not in err and "resumes from" not in err, err
+
+
+# ------------------------------------------------------------------ faults by their real cause ---
+def test_a_partition_is_named_as_the_lost_connection_not_as_ranks_blaming_each_other():
+    """Issue 33 item 5: a node cut off for good made both sides fail by timeout, each blaming a rank
+    of the other; every failed rank timing out on the other node, on both sides, is a lost link."""
+    from flashsgd.launch_failures import RankOutcome, attribute, lost_connections
+
+    both = {0: 2, 1: 3, 2: 0, 3: 1}
+    assert lost_connections(both, 2) == (
+        "the connection between node 0 (ranks 0,1) and node 1 (ranks 2,3) was lost: every failed rank "
+        "timed out waiting for a rank of the other node, and none died or failed on its own")
+    assert lost_connections({0: 2, 1: 3}, 2) is None           # node 1 silent: it stopped, not a link
+    assert lost_connections({**both, 3: None}, 2) is None      # a rank died or failed on its own
+    assert lost_connections({0: 1, 1: 0}, 2) is None           # inside a node
+    outcomes = [RankOutcome(r, "raised", error=f"rank {r}: no data from peer rank {p} within 10 s",
+                            comm=True, timeout=True, peer=p) for r, p in both.items()]
+    err = attribute(outcomes, ranks_per_node=2)
+    assert str(err).splitlines()[0].startswith("the connection between node 0 (ranks 0,1) and node 1")
+    assert not attribute(outcomes).summary.startswith("the connection")  # one node: no partition
+    died = [RankOutcome(3, "exited", exitcode=-9)] + outcomes[:3]
+    assert str(attribute(died, ranks_per_node=2)).startswith("rank 3 exited with code -9 (SIGKILL)")
+
+
+def test_a_rank_timing_out_on_another_node_says_it_may_be_the_link():
+    """The rank's own line: a timeout on a rank of another node is that rank, or the link."""
+    from types import SimpleNamespace
+
+    from flashsgd.comm.errors import PeerTimeout
+    from flashsgd.train.worker import Worker
+
+    me = SimpleNamespace(rank=0, cfg=SimpleNamespace(run=SimpleNamespace(timeout_s=30.0)),
+                         topology=SimpleNamespace(ranks_per_node=2))
+    across = Worker._what_failed(me, [PeerTimeout(0, 2, 30.0, "torus2d all-reduce, col stage")])
+    assert across == ("no data from rank 2 (node 1) within 30 s: rank 2 stopped, or the connection "
+                      "between node 0 and node 1 was lost")
+    inside = Worker._what_failed(me, [PeerTimeout(0, 1, 30.0, "ring")])
+    assert inside.startswith("a collective failed, so a worker died or hung")
+
+
+def test_the_emulated_launcher_reads_the_peer_each_rank_waited_for(tmp_path):
+    from flashsgd.emulate.ranks import waited_for
+
+    log = tmp_path / "rank0.log"
+    log.write_text("...\nRuntimeError: rank 0: failed at step 3 - no data from rank 2 (node 1) within 10 s: "
+                   "... (rank 0: no data from peer rank 2 within 10 s (torus2d all-reduce, col stage))\n")
+    assert waited_for(log) == 2
+    log.write_text("RuntimeError: rank 0: peer rank 3 did not receive our data within 10 s (gtopk)\n")
+    assert waited_for(log) == 3
+    log.write_text("ValueError: a bug\n")
+    assert waited_for(log) is None and waited_for(tmp_path / "missing.log") is None

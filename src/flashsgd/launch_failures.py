@@ -210,6 +210,34 @@ def _hang_summary(causes: list[RankOutcome], comm: list[RankOutcome],
     return f"{_ranks(causes)} stopped responding ({'; '.join(how)}; killed)"
 
 
+def lost_connections(waited: dict[int, int | None], ranks_per_node: int) -> str | None:
+    """The network partition a job's failures describe, in words, or None when they describe none.
+
+    ``waited``: every failed rank -> the peer rank it timed out waiting for (None: it died, raised
+    an error of its own, or named no peer). A partition is when every failed rank timed out on a
+    peer of another node, and ranks on both sides of a cut failed (one side waiting on a silent
+    other side is a stop there, not a lost link): the two nodes then blame each other, and neither
+    is the cause. Example: ``{0: 2, 1: 3, 2: 0, 3: 1}`` at 2 ranks per node -> "the connection between
+    node 0 (ranks 0,1) and node 1 (ranks 2,3) was lost: every failed rank timed out waiting for a
+    rank of the other node, and none died or failed on its own".
+    """
+    if not waited or ranks_per_node < 1 or any(p is None for p in waited.values()):
+        return None
+    node = lambda r: r // ranks_per_node  # noqa: E731
+    links = {tuple(sorted((node(r), node(p)))) for r, p in waited.items()}
+    if any(a == b for a, b in links):
+        return None  # a wait inside a node: a rank stopped, not a link
+    sides = {node(r) for r in waited}
+    if not all(a in sides and b in sides for a, b in links):
+        return None  # one side waited on a node none of whose ranks failed: that node stopped
+    ranks = lambda n: ",".join(str(r) for r in range(n * ranks_per_node, (n + 1) * ranks_per_node))  # noqa: E731
+    named = " and ".join(f"node {a} (ranks {ranks(a)})" for a in sorted({n for link in links for n in link}))
+    which = "the connection between" if len(links) == 1 else "the connections between"
+    pairs = "" if len(links) == 1 else " (" + ", ".join(f"{a}-{b}" for a, b in sorted(links)) + ")"
+    return (f"{which} {named}{pairs} {'was' if len(links) == 1 else 'were'} lost: every failed rank "
+            "timed out waiting for a rank of the other node, and none died or failed on its own")
+
+
 def _details(summary: str, outcomes: list[RankOutcome]) -> str:
     sections = [summary]
     for o in sorted(outcomes, key=lambda o: o.rank):
@@ -222,13 +250,15 @@ def _details(summary: str, outcomes: list[RankOutcome]) -> str:
     return "\n\n".join(sections)
 
 
-def attribute(outcomes: list[RankOutcome], reason: str = "") -> WorkerError:
+def attribute(outcomes: list[RankOutcome], reason: str = "", ranks_per_node: int | None = None) -> WorkerError:
     """Steps 1-4: the error for a failed job, its cause first.
 
     Args:
         outcomes: one per rank (ranks that returned may be omitted).
         reason: why the launcher stopped when no rank failed (a passed deadline); it heads the
             summary then, followed by the ranks still running.
+        ranks_per_node: the job's layout, when it spans nodes: ranks of two nodes that all timed
+            out on each other lead with the lost connection (:func:`lost_connections`).
     """
     by_state = {s: [o for o in outcomes if o.state == s] for s in ("raised", "exited", "silent")}
     comm = [o for o in by_state["raised"] if o.comm]
@@ -250,4 +280,7 @@ def attribute(outcomes: list[RankOutcome], reason: str = "") -> WorkerError:
     else:  # only communication failures, nobody silent: name the waited-for peer when known
         causes = comm
         summary = "\n".join(_grouped(comm, lambda o: f"failed: {o.error}"))
+        cut = lost_connections({o.rank: o.peer if o.timeout else None for o in comm}, ranks_per_node or 0)
+        if cut:
+            summary = f"{cut}\n{summary}"
     return WorkerError(summary, _details(summary, outcomes), tuple(sorted(o.rank for o in causes)))

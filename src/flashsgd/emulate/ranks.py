@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from flashsgd.emulate.netns import EmulatedCluster
+from flashsgd.launch_failures import lost_connections
 
 MASTER_PORT = 29500  # a fresh namespace has every port free
 FLOW_ENV = "FLASHSGD_EMULATED_FLOW_BPS"
@@ -81,6 +83,20 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+
+
+PEER_TIMEOUT = re.compile(r"rank \d+: (?:no data from peer rank (\d+)|peer rank (\d+) did not receive)")
+"""The wait a rank timed out on, as :class:`flashsgd.comm.errors.PeerTimeout` words it."""
+
+
+def waited_for(log: Path) -> int | None:
+    """The peer rank whose data a failed rank's log says it timed out waiting for (None: none named:
+    it died, or failed on its own, or in a collective that names no peer)."""
+    try:
+        found = PEER_TIMEOUT.search(log.read_text(errors="replace"))
+    except OSError:
+        return None
+    return int(found.group(1) or found.group(2)) if found else None
 
 
 def run_ranks(cluster: EmulatedCluster, command: list[str], log_dir: str | Path, *,
@@ -135,8 +151,12 @@ def run_ranks(cluster: EmulatedCluster, command: list[str], log_dir: str | Path,
                 grace = time.monotonic() + GRACE_S
                 while time.monotonic() < grace and any(p.poll() is None for p in procs):
                     time.sleep(0.05)
+                codes = [p.poll() for p in procs]
+                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
                 r = failed[0]
-                raise RankError(f"rank {r} (node {r // spec.ranks_per_node}) exited with code "
+                cut = lost_connections({f: waited_for(logs[f]) for f in failed}, spec.ranks_per_node)
+                raise RankError((f"{cut}; " if cut else "")
+                                + f"rank {r} (node {r // spec.ranks_per_node}) exited with code "
                                 f"{codes[r]}; its log {logs[r]} ends with:\n{_tail(logs[r])}")
             if all(c == 0 for c in codes):
                 return time.monotonic() - start

@@ -97,11 +97,16 @@ class _Checksummed:
 
     def __init__(self, f: Any) -> None:
         self.f, self.size, self.crc = f, 0, 0
+        self.failed: OSError | None = None  # the OS's refusal (a full disk), which torch.save hides
 
     def write(self, data: Any) -> int:
         self.crc = zlib.crc32(data, self.crc)
         self.size += memoryview(data).nbytes
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.failed = exc
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -109,20 +114,26 @@ class _Checksummed:
 
 def _write_atomic(write: Any, path: Path) -> tuple[int, int]:
     """``write(file)`` into ``<path>.tmp<pid>``, then rename it to ``path``; returns the file's
-    (size, CRC-32). An OSError (a full disk: ENOSPC) names ``path`` and leaves no temp file;
-    torch.save into an open file (not a path) reports the OS error itself instead of
-    "[enforce fail at inline_container.cc] ..."."""
+    (size, CRC-32). An OSError (a full disk: ENOSPC) names ``path`` and leaves no temp file; a
+    write the OS refused inside ``torch.save`` (which reports it as "[enforce fail at
+    inline_container.cc] ... unexpected pos") is raised as that OSError."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    out = None
     try:
         with open(tmp, "wb") as f:
             out = _Checksummed(f)
             write(out)
         os.replace(tmp, path)
-    except OSError as exc:
+    except Exception as exc:
         tmp.unlink(missing_ok=True)
-        if exc.filename is not None:
+        # torch.save reports a failed write as "[enforce fail at inline_container.cc] unexpected
+        # pos": the OS's error (ENOSPC) is the cause, so it is what is raised, naming the file
+        failed = exc if isinstance(exc, OSError) else getattr(out, "failed", None)
+        if failed is None:
             raise
-        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+        if failed.filename is not None and failed is exc:
+            raise
+        raise OSError(failed.errno, failed.strerror or str(failed), str(path)) from exc
     return out.size, out.crc
 
 

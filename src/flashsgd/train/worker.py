@@ -274,6 +274,21 @@ class Worker:
             self.end_epoch(epoch)
             epoch += 1
 
+    def _what_failed(self, failures: list[BaseException]) -> str:
+        """A failed collective in words: a timeout on a rank of another node may be that rank
+        stopping or the link between the two nodes (the launcher, seeing every rank, tells them
+        apart: :func:`flashsgd.launch_failures.lost_connections`); else a worker died or hung."""
+        timeout_s = self.cfg.run.timeout_s
+        late = next((e for e in failures
+                     if isinstance(e, TimeoutError) and isinstance(getattr(e, "peer", None), int)), None)
+        rpn = self.topology.ranks_per_node
+        if late is not None and late.peer // rpn != self.rank // rpn:
+            mine, theirs = self.rank // rpn, late.peer // rpn
+            return (f"no data from rank {late.peer} (node {theirs}) within "
+                    f"{getattr(late, 'timeout_s', timeout_s):g} s: rank {late.peer} stopped, or the "
+                    f"connection between node {mine} and node {theirs} was lost")
+        return f"a collective failed, so a worker died or hung longer than run.timeout_s={timeout_s:g} s"
+
     def run(self) -> dict[str, Any]:
         """Steps 4-6; returns the summary (rank 0) or {} (other ranks)."""
         r = self.cfg.run
@@ -291,11 +306,11 @@ class Worker:
         try:
             self.train_loop()
         except RuntimeError as exc:  # a peer died or hung: say so, with the step
-            if not comm_failures(exc):  # this rank's own error (a bad input, a bug): as it is
+            failures = comm_failures(exc)
+            if not failures:  # this rank's own error (a bad input, a bug): as it is
                 raise
-            raise RuntimeError(
-                f"rank {self.rank}: failed at step {self.progress['step']} - a collective failed, so a "
-                f"worker died or hung longer than run.timeout_s={r.timeout_s:g} s ({one_line(exc)})") from exc
+            raise RuntimeError(f"rank {self.rank}: failed at step {self.progress['step']} - "
+                               f"{self._what_failed(failures)} ({one_line(exc)})") from exc
         except OSError as exc:  # a full disk: the path and the OS error, never "a collective failed"
             if isinstance(exc, CheckpointWriteError):
                 raise
