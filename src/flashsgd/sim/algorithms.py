@@ -6,7 +6,7 @@ The exchanges flashsgd runs come from :data:`flashsgd.exchanges.EXCHANGES`: each
 name gets the function of that name in :data:`COSTS` (``native`` is costed as the ring, ``noop``
 sends nothing and has none); a catalog entry whose cost is missing here fails at import. The
 simulator-only references (:data:`REFERENCES`: ``recursive_doubling``, ``rabenseifner``,
-``binomial``, ``gtopk_tree``) are listed explicitly. The CLI (``--comm``), the calibration and the
+``binomial``, ``gtopk_tree``) are registered as references where they are defined. The CLI (``--comm``), the calibration and the
 tests read the names from :data:`ALGORITHMS`.
 
 Example::
@@ -27,23 +27,13 @@ from flashsgd.registry import Registry
 from flashsgd.sim import costs, costs_hier, costs_lowrank, costs_sparse
 from flashsgd.sim.costs import CommSetup, Cost, CostFn, zero_cost
 
-COSTS: dict[str, CostFn] = {
-    "ring": costs.ring,  # also native's: NCCL/Gloo pick a ring for large messages (stated assumption)
-    "hierarchical": costs.hierarchical,
-    "torus2d": costs.torus2d,
-    "topk": costs_sparse.topk,
-    "gtopk": costs_sparse.gtopk,
-    "hgtopk": costs_hier.hgtopk,       # node_split from CommSetup.node_split
-    "powersgd": costs_lowrank.powersgd,
-}
-"""Cost function of each ``cost`` name of the catalog (:attr:`flashsgd.exchanges.Exchange.cost`)."""
-
-REFERENCES: dict[str, CostFn] = {
-    "recursive_doubling": costs.recursive_doubling,
-    "rabenseifner": costs.rabenseifner,
-    "binomial": costs.binomial,
-    "gtopk_tree": costs_sparse.gtopk_tree,
-}
+# the modules that define cost functions, for their registrations (@cost, :data:`COSTS`)
+_REGISTERING = (costs, costs_hier, costs_lowrank, costs_sparse)
+COSTS = costs.COSTS
+"""Cost function of each ``cost`` name of the catalog (:attr:`flashsgd.exchanges.Exchange.cost`),
+registered where each is defined (``@cost("ring")``). ``native`` is costed as the ring: NCCL/Gloo
+pick a ring for large messages (a stated assumption)."""
+REFERENCES = {name: COSTS[name] for name in costs.REFERENCES}
 """Simulator-only algorithms (no hook runs them): references for the papers' figures."""
 
 ALGORITHMS: Registry[CostFn] = Registry("simulated algorithm")

@@ -74,6 +74,7 @@ from typing import Callable
 import numpy as np
 
 from flashsgd.exchanges import DEFAULT_DENSITY, NODE_SPLITS, WIRE_INDEX_BYTES, option_default
+from flashsgd.registry import Registry
 from flashsgd.sim.network import ClusterModel
 
 
@@ -184,6 +185,23 @@ CostFn = Callable[[object, CommSetup], Cost]
 """``cost(n_bytes, setup) -> Cost``: the signature of every function registered in
 :data:`flashsgd.sim.algorithms.ALGORITHMS`."""
 
+COSTS: Registry[CostFn] = Registry("cost function")
+"""Every cost function by its name, registered where it is defined (:func:`cost`): the catalog's
+exchanges name theirs (:attr:`flashsgd.exchanges.Exchange.cost`), :mod:`flashsgd.sim.algorithms`
+looks them up."""
+REFERENCES: list[str] = []
+"""The names of :data:`COSTS` no hook runs (``reference=True``): the papers' figures' algorithms."""
+
+
+def cost(name: str, reference: bool = False) -> Callable[[CostFn], CostFn]:
+    """Register the decorated function in :data:`COSTS` as ``name`` (``reference``: simulator-only)."""
+    def register(fn: CostFn) -> CostFn:
+        COSTS.add(name, fn)
+        if reference:
+            REFERENCES.append(name)
+        return fn
+    return register
+
 
 # ---------------------------------------------------------------- link selection ------------------
 
@@ -234,12 +252,14 @@ def _ring(n: np.ndarray, members: int, stride: int, setup: CommSetup, phases: in
     return Cost(lat, bw, red, np.full_like(n, setup.cluster.call_overhead_s))
 
 
+@cost("ring")
 def ring(n_bytes, setup: CommSetup) -> Cost:
     """Ring all-reduce over all P ranks: 2(P-1) a + 2(P-1)/P n b + (P-1)/P n g (bandwidth-optimal)."""
     n = np.asarray(n_bytes, dtype=float)
     return _ring(n, setup.gpus, 1, setup, phases=2, reduce=True)
 
 
+@cost("hierarchical")
 def hierarchical(n_bytes, setup: CommSetup) -> Cost:
     """Reduce-scatter in node, all-reduce of n/L across nodes, all-gather in node (3 calls)."""
     n = np.asarray(n_bytes, dtype=float)
@@ -253,6 +273,7 @@ def hierarchical(n_bytes, setup: CommSetup) -> Cost:
     return cost + _ring(n, lr, 1, setup, phases=1, reduce=False)
 
 
+@cost("torus2d")
 def torus2d(n_bytes, setup: CommSetup) -> Cost:
     """2D-Torus (Mikami et al. 2018): horizontal RS, vertical all-reduce of n/X, horizontal AG."""
     n = np.asarray(n_bytes, dtype=float)
@@ -284,6 +305,7 @@ def _fold(n: np.ndarray, setup: CommSetup) -> tuple[int, Cost]:
     return p2, Cost(lat, bw, n * setup.cluster.gamma_s_per_byte, np.zeros_like(n))
 
 
+@cost("recursive_doubling", reference=True)
 def recursive_doubling(n_bytes, setup: CommSetup) -> Cost:
     """Recursive doubling: lgP steps exchanging the full n with partner rank XOR 2^i."""
     n = np.asarray(n_bytes, dtype=float)
@@ -297,6 +319,7 @@ def recursive_doubling(n_bytes, setup: CommSetup) -> Cost:
     return cost + _call_overhead(n, setup, calls=1)
 
 
+@cost("rabenseifner", reference=True)
 def rabenseifner(n_bytes, setup: CommSetup) -> Cost:
     """Recursive-halving reduce-scatter then recursive-doubling all-gather (Rabenseifner 2004)."""
     n = np.asarray(n_bytes, dtype=float)
@@ -313,6 +336,7 @@ def rabenseifner(n_bytes, setup: CommSetup) -> Cost:
     return cost + _call_overhead(n, setup, calls=1)
 
 
+@cost("binomial", reference=True)
 def binomial(n_bytes, setup: CommSetup) -> Cost:
     """Binomial-tree reduce to rank 0 then binomial broadcast: 2 ceil(lgP) full-size steps."""
     n = np.asarray(n_bytes, dtype=float)

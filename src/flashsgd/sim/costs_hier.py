@@ -33,7 +33,7 @@ import math
 import numpy as np
 
 from flashsgd.exchanges import NODE_SPLITS
-from flashsgd.sim.costs import CommSetup, Cost, CostFn, step_cost, zero_cost
+from flashsgd.sim.costs import CommSetup, Cost, CostFn, cost, step_cost, zero_cost
 from flashsgd.sim.costs_sparse import _k, _sparse_start, fixed_rounds, gtopk, sparse_message_bytes
 
 
@@ -163,6 +163,7 @@ NODE_SPLIT_COSTS: dict[str, CostFn] = {"leader": hgtopk_leader, "slices": hgtopk
 assert tuple(NODE_SPLIT_COSTS) == NODE_SPLITS, "a node split of the catalog has no cost here"
 
 
+@cost("hgtopk")
 def hgtopk(n_bytes, setup: CommSetup) -> Cost:
     """hgtopk with ``setup.node_split`` (:data:`NODE_SPLIT_COSTS`)."""
     return NODE_SPLIT_COSTS[setup.node_split](n_bytes, setup)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashsgd.sim.costs import CommSetup, Cost, ring, zero_cost
+from flashsgd.sim.costs import CommSetup, Cost, cost, ring, zero_cost
 
 MIN_COMPRESSION_RATE = 2.0  # flashsgd.comm.powersgd_hooks.make_powersgd's default (torch's: 2.0)
 
@@ -52,6 +52,7 @@ def split(matrices, rank: int) -> tuple[float, float, float, float, float]:
     return u, ps, qs, flops, nm
 
 
+@cost("powersgd")
 def powersgd(n_bytes, setup: CommSetup) -> Cost:
     """Steps 1-4 of the module docstring for a message of ``n_bytes`` (or ``setup.matrices``)."""
     n = np.asarray(n_bytes, dtype=float)

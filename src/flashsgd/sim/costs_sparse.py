@@ -46,7 +46,7 @@ import math
 
 import numpy as np
 
-from flashsgd.sim.costs import CommSetup, Cost, pair_levels, step_cost, zero_cost
+from flashsgd.sim.costs import CommSetup, Cost, cost, pair_levels, step_cost, zero_cost
 
 
 def _k(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarray]:
@@ -79,6 +79,7 @@ def direct_levels(setup: CommSetup) -> list[tuple[float, float]]:
     return levels
 
 
+@cost("topk")
 def topk(n_bytes, setup: CommSetup) -> Cost:
     """Top-k S-SGD as ``comm/sparse.py`` ``topk_allgather`` runs it: local top-k, one round of direct
     exchange (every rank's k pairs to each of the P-1 others at once), scatter-add of P k values.
@@ -150,6 +151,7 @@ def _sparse_start(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarr
     return k, merge, Cost(np.zeros_like(n), np.zeros_like(n), comp, np.full_like(n, c.exchange_fixed_s))
 
 
+@cost("gtopk")
 def gtopk(n_bytes, setup: CommSetup) -> Cost:
     """Global Top-k as ``comm/sparse.py`` runs it: a butterfly of pairwise merges (critical path)."""
     n = np.asarray(n_bytes, dtype=float)
@@ -182,6 +184,7 @@ def gtopk(n_bytes, setup: CommSetup) -> Cost:
     return cost + fixed_rounds(n, _rounds_gtopk(p), setup)  # every round's fixed cost
 
 
+@cost("gtopk_tree", reference=True)
 def gtopk_tree(n_bytes, setup: CommSetup) -> Cost:
     """gTop-k as in Shi et al.'s reference implementation: tree of lgP merges, then broadcast."""
     n = np.asarray(n_bytes, dtype=float)
