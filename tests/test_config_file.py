@@ -137,3 +137,22 @@ def test_a_key_set_but_not_read_by_the_exchange_is_named_in_the_plan():
     torus = build_plan(resolve(cli={"algorithm": "torus2d", "grid": "4x1"}), 4, 32000, local_spawn=True,
                        backend="gloo")
     assert not any("comm.grid" in w for w in torus.warnings)
+
+
+def test_the_dataset_catalog_is_what_the_config_and_the_plan_read():
+    """Issue 34 item 2: one entry per dataset; the config's choices, the keys config.toml keeps,
+    channels_last and the data-workers rule come from it."""
+    from flashsgd.train.datasets import DATASETS, dataset_keys
+    from flashsgd.train.plan import build_plan
+
+    with pytest.raises(ValueError, match="valid choices: mnist1d, synthetic, imagefolder"):
+        resolve(cli={"dataset": "cifar10"})
+    for name, entry in DATASETS.items():
+        cfg = resolve(cli={"dataset": name, **({"data_dir": "/tmp/x"} if name == "imagefolder" else {})})
+        assert {k for k in dataset_keys() if applies(cfg, "data", k)} == set(entry.reads), name
+        assert applies(cfg, "run", "channels_last") == entry.images
+    plan = build_plan(resolve(cli={"dataset": "synthetic", "image_shape": "cifar", "num_samples": 4096,
+                                   "data_workers": 2, "channels_last": True, "model": "resnet20"}),
+                      4, 4096, local_spawn=True, backend="gloo")
+    assert plan.execution["data_workers"] == 0 and plan.execution["channels_last"]
+    assert "data_workers ignored: synthetic is in memory" in plan.execution["notes"]

@@ -72,15 +72,17 @@ def choice(default: str, names: Callable[[], list[str]]) -> Any:
     return field(default=default, metadata={"choices": names})
 
 
-IMAGE_DATASETS = ("synthetic", "imagefolder")
-"""Datasets whose inputs are 4-D (N, C, H, W) images: where ``run.channels_last`` means something."""
+def _dataset_names() -> list[str]:
+    from flashsgd.train.datasets import DATASETS
+
+    return DATASETS.names()
 
 
 @dataclass
 class DataConfig:
     """``[data]``: what to train on."""
 
-    dataset: Literal["mnist1d", "synthetic", "imagefolder"] = "mnist1d"
+    dataset: str = choice("mnist1d", _dataset_names)
     """mnist1d: generated locally; synthetic: random images (throughput); imagefolder: a directory."""
     num_samples: int = 40000
     """mnist1d: total samples (80% train / 20% test, a multiple of 10); synthetic: train samples."""
@@ -338,18 +340,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if not 0 <= cfg.run.target_accuracy <= 100:
         raise ValueError(f"config key run.target_accuracy is a test accuracy in percent: valid 0-100, "
                          f"got {cfg.run.target_accuracy:g}")
-    if cfg.data.dataset == "mnist1d" and cfg.data.num_samples % 10:
-        raise ValueError(f"config key data.num_samples must be a multiple of 10 for mnist1d, "
-                         f"got {cfg.data.num_samples}")
+    from flashsgd.train.datasets import DATASETS
+
+    DATASETS.get(cfg.data.dataset).check(cfg.data)  # the dataset's own rules (catalog)
     if cfg.run.workers is not None and cfg.run.workers < 1:
         raise ValueError(f"config key run.workers must be >= 1 (or unset: one per GPU, else 4), "
                          f"got {cfg.run.workers}")
     if cfg.data.data_workers is not None and cfg.data.data_workers < 0:
         raise ValueError(f"config key data.data_workers must be >= 0 (0: decode in the training "
                          f"process) or unset (automatic), got {cfg.data.data_workers}")
-    if cfg.data.dataset == "imagefolder" and not cfg.data.data_dir:
-        raise ValueError("config key data.data_dir is required for dataset 'imagefolder' "
-                         "(a folder with train/<class>/ images)")
     if not 0 < cfg.comm.density <= 1:
         raise ValueError(f"config key comm.density must be in (0, 1], got {cfg.comm.density}")
     if cfg.comm.density_warmup is None:  # `none` was given (unset is DENSITY_WARMUP_START): off,

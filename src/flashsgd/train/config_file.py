@@ -2,14 +2,13 @@
 
 A key applies when the run reads it (:func:`applies`):
 
-* ``[data]``: the keys each dataset reads (:data:`DATASET_KEYS`, from
-  :func:`flashsgd.train.data.build_datasets` and :func:`flashsgd.train.plan.execution`);
+* ``[data]``: the keys each dataset reads (its entry in :data:`flashsgd.train.datasets.DATASETS`);
 * ``[model]``: ``channels`` only for a model whose builder takes it (``mnist1d_cnn``);
 * ``[comm]``: ``algorithm``, ``ranks_per_node`` and ``bucket_mb`` always; under ``auto`` every key
   (the planner may choose any exchange); otherwise a key applies when the exchange's options
   class (:mod:`flashsgd.exchanges`) has the option it sets (``density_warmup_epochs`` sets
   ``density_warmup_steps``), so ``torus2d`` reads no sparse key and ``gtopk`` no ``grid``;
-* ``[run]``: ``channels_last`` only for 4-D image inputs (:data:`flashsgd.train.config.IMAGE_DATASETS`);
+* ``[run]``: ``channels_last`` only for 4-D image inputs (the dataset entry's ``images``);
   every other key applies.
 
 :func:`dumps_run_config` leaves out a key that does not apply and holds its default; one that does
@@ -33,17 +32,8 @@ import dataclasses
 import inspect
 
 from flashsgd.exchanges import EXCHANGES
-from flashsgd.train.config import IMAGE_DATASETS, SECTIONS, TrainConfig, to_dict
-
-DATASET_KEYS: dict[str, tuple[str, ...]] = {
-    "num_samples": ("mnist1d", "synthetic"),
-    "data_dir": ("mnist1d", "imagefolder"),     # mnist1d: its cache folder
-    "image_shape": ("synthetic",),
-    "image_size": ("imagefolder",),
-    "data_seed": ("mnist1d", "synthetic"),
-    "data_workers": ("imagefolder",),           # in-memory datasets are indexed in the training process
-}
-"""``[data]`` keys read by some datasets only -> the datasets that read them (others: every dataset)."""
+from flashsgd.train.config import SECTIONS, TrainConfig, to_dict
+from flashsgd.train.datasets import DATASETS, dataset_keys
 
 COMM_ALWAYS = ("algorithm", "ranks_per_node", "bucket_mb")
 """``[comm]`` keys every exchange's run reads (the hook, the topology, DDP's bucket cap)."""
@@ -61,12 +51,12 @@ def _model_takes_channels(name: str) -> bool:
 
 def applies(cfg: TrainConfig, section: str, key: str) -> bool:
     """Whether the run of ``cfg`` reads ``section.key`` (module docstring)."""
-    if section == "data" and key in DATASET_KEYS:
-        return cfg.data.dataset in DATASET_KEYS[key]
+    if section == "data" and key in dataset_keys():
+        return key in DATASETS.get(cfg.data.dataset).reads
     if section == "model" and key == "channels":
         return _model_takes_channels(cfg.model.model)
     if section == "run" and key == "channels_last":
-        return cfg.data.dataset in IMAGE_DATASETS
+        return DATASETS.get(cfg.data.dataset).images
     if section == "comm" and key not in COMM_ALWAYS and cfg.comm.algorithm != "auto":
         return EXCHANGES[cfg.comm.algorithm].reads(COMM_OPTION.get(key, key))
     return True

@@ -49,6 +49,7 @@ import torch
 
 from flashsgd.fmt import plural
 from flashsgd.optim.schedules import batch_ends
+from flashsgd.train.datasets import DATASETS
 from flashsgd.train.images import ImageFolderSplit, scan_folder
 
 
@@ -195,51 +196,80 @@ class Datasets:
 
 def build_datasets(dataset: str, num_samples: int = 40000, data_dir: str = "",
                    image_shape: str = "imagenet", image_size: int = 224, data_seed: int = 42) -> Datasets:
-    """The train and test splits of ``dataset`` (see the module docstring)."""
-    if dataset == "mnist1d":
-        from flashsgd.train.mnist1d import load_mnist1d
-
-        x, y, xt, yt = load_mnist1d(num_samples, seed=data_seed, cache_dir_=data_dir or None)
-        return Datasets(TensorSplit(x, y), TensorSplit(xt, yt), 10,
-                        f"mnist1d {len(y)} train / {len(yt)} test")
-    if dataset == "synthetic":
-        shape, classes = ((3, 224, 224), 1000) if image_shape == "imagenet" else ((3, 32, 32), 10)
-        test_n = max(1, num_samples // 10)
-        return Datasets(SyntheticSplit(num_samples, shape, classes, data_seed),
-                        SyntheticSplit(test_n, shape, classes, data_seed + 1), classes,
-                        f"synthetic {image_shape} {num_samples} x {'x'.join(map(str, shape))}")
-    if dataset == "imagefolder":
-        root = Path(data_dir)
-        if not root.is_dir():
-            raise ValueError(f"data_dir {data_dir!r} is not a directory")
-        train_root = root / "train" if (root / "train").is_dir() else root
-        files, labels, classes = scan_folder(train_root)
-        if (root / "val").is_dir():
-            vfiles, vlabels, _ = scan_folder(root / "val", classes)
-        else:  # hold out every 10th image of each class (deterministic)
-            keep = [i % 10 != 9 for i in range(len(files))]
-            vfiles = [f for f, k in zip(files, keep) if not k]
-            vlabels = [c for c, k in zip(labels, keep) if not k]
-            files = [f for f, k in zip(files, keep) if k]
-            labels = [c for c, k in zip(labels, keep) if k]
-        return Datasets(ImageFolderSplit(files, labels, image_size),
-                        ImageFolderSplit(vfiles, vlabels, image_size), len(classes),
-                        f"imagefolder {len(files)} train / {len(vfiles)} val, "
-                        f"{plural(len(classes), 'class', 'classes')}")
-    raise ValueError(f"unknown dataset {dataset!r}; valid choices: mnist1d, synthetic, imagefolder")
+    """The train and test splits of ``dataset`` (see the module docstring): its catalog entry's
+    loader (:data:`flashsgd.train.datasets.DATASETS`)."""
+    entry = DATASETS.get(dataset)
+    settings = DataSettings(dataset, num_samples, data_dir, image_shape, image_size, data_seed)
+    return globals()[entry.loader](settings)
 
 
 def describe_loading(dataset: str, num_samples: int = 40000, data_dir: str = "",
                      image_shape: str = "imagenet", data_seed: int = 42) -> str:
     """What :func:`build_datasets` (same arguments) is about to do, in words: `flashsgd train`
     says it before the seconds that generating MNIST-1D the first time takes."""
-    if dataset == "mnist1d":
-        from flashsgd.train.mnist1d import cache_file
+    entry = DATASETS.get(dataset)
+    return globals()[entry.describe](DataSettings(dataset, num_samples, data_dir, image_shape, 224, data_seed))
 
-        path = cache_file(num_samples, data_seed, data_dir or None)
-        if path.exists():
-            return f"loading MNIST-1D ({num_samples:,} samples) from {path}"
-        return f"generating MNIST-1D ({num_samples:,} samples; cached in {path.parent} for the next run)"
-    if dataset == "synthetic":
-        return f"synthetic {image_shape}-shaped images ({num_samples:,} samples)"
-    return f"scanning the image folder {data_dir}"
+
+@dataclass(frozen=True)
+class DataSettings:
+    """The ``[data]`` values a loader reads (the fields of :class:`flashsgd.train.config.DataConfig`)."""
+
+    dataset: str
+    num_samples: int = 40000
+    data_dir: str = ""
+    image_shape: str = "imagenet"
+    image_size: int = 224
+    data_seed: int = 42
+
+
+def load_mnist1d_splits(d: DataSettings) -> Datasets:
+    from flashsgd.train.mnist1d import load_mnist1d
+
+    x, y, xt, yt = load_mnist1d(d.num_samples, seed=d.data_seed, cache_dir_=d.data_dir or None)
+    return Datasets(TensorSplit(x, y), TensorSplit(xt, yt), 10, f"mnist1d {len(y)} train / {len(yt)} test")
+
+
+def describe_mnist1d(d: DataSettings) -> str:
+    from flashsgd.train.mnist1d import cache_file
+
+    path = cache_file(d.num_samples, d.data_seed, d.data_dir or None)
+    if path.exists():
+        return f"loading MNIST-1D ({d.num_samples:,} samples) from {path}"
+    return f"generating MNIST-1D ({d.num_samples:,} samples; cached in {path.parent} for the next run)"
+
+
+def synthetic_splits(d: DataSettings) -> Datasets:
+    shape, classes = ((3, 224, 224), 1000) if d.image_shape == "imagenet" else ((3, 32, 32), 10)
+    test_n = max(1, d.num_samples // 10)
+    return Datasets(SyntheticSplit(d.num_samples, shape, classes, d.data_seed),
+                    SyntheticSplit(test_n, shape, classes, d.data_seed + 1), classes,
+                    f"synthetic {d.image_shape} {d.num_samples} x {'x'.join(map(str, shape))}")
+
+
+def describe_synthetic(d: DataSettings) -> str:
+    return f"synthetic {d.image_shape}-shaped images ({d.num_samples:,} samples)"
+
+
+def image_folder_splits(d: DataSettings) -> Datasets:
+    root = Path(d.data_dir)
+    if not root.is_dir():
+        raise ValueError(f"data_dir {d.data_dir!r} is not a directory")
+    train_root = root / "train" if (root / "train").is_dir() else root
+    files, labels, classes = scan_folder(train_root)
+    if (root / "val").is_dir():
+        vfiles, vlabels, _ = scan_folder(root / "val", classes)
+    else:  # hold out every 10th image of each class (deterministic)
+        keep = [i % 10 != 9 for i in range(len(files))]
+        vfiles = [f for f, k in zip(files, keep) if not k]
+        vlabels = [c for c, k in zip(labels, keep) if not k]
+        files = [f for f, k in zip(files, keep) if k]
+        labels = [c for c, k in zip(labels, keep) if k]
+    return Datasets(ImageFolderSplit(files, labels, d.image_size),
+                    ImageFolderSplit(vfiles, vlabels, d.image_size), len(classes),
+                    f"imagefolder {len(files)} train / {len(vfiles)} val, "
+                    f"{plural(len(classes), 'class', 'classes')}")
+
+
+def describe_image_folder(d: DataSettings) -> str:
+    return f"scanning the image folder {d.data_dir}"

@@ -45,8 +45,9 @@ from flashsgd.fmt import number, plural
 from flashsgd.optim.plan import build_batch_table
 from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
 from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at, steps_in_epochs, steps_per_epoch
-from flashsgd.train.config import IMAGE_DATASETS, TrainConfig, parse_fail_at, to_dict
+from flashsgd.train.config import TrainConfig, parse_fail_at, to_dict
 from flashsgd.train.config_file import set_but_unread
+from flashsgd.train.datasets import DATASETS
 
 # Recipe fields a config key may override (config key -> Recipe field; the same names).
 RECIPE_OVERRIDES = ("optimizer", "lr_per_ref", "ref_batch", "momentum", "nesterov", "weight_decay",
@@ -357,14 +358,15 @@ def execution(cfg: TrainConfig, table: BatchTable, world: int, local_ranks: int 
                          f"and every micro-batch needs >= 1; valid: optim.grad_accum <= {smallest}")
     notes = []
     data_workers = 0  # in-memory datasets are indexed in the training process
-    if cfg.data.dataset == "imagefolder":
+    dataset = DATASETS.get(cfg.data.dataset)
+    if not dataset.in_memory:
         from flashsgd.train.loader import default_data_workers
 
         data_workers = (cfg.data.data_workers if cfg.data.data_workers is not None
                         else default_data_workers(local_ranks))
     elif cfg.data.data_workers:
         notes.append(f"data_workers ignored: {cfg.data.dataset} is in memory")
-    channels_last = r.channels_last and cfg.data.dataset in IMAGE_DATASETS
+    channels_last = r.channels_last and dataset.images
     if r.channels_last and not channels_last:
         notes.append(f"channels_last ignored: {cfg.data.dataset} inputs are not 4-D images")
     return {"precision": r.precision, "autocast": {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}[r.precision],
