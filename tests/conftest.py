@@ -31,6 +31,13 @@ import torch._dynamo  # noqa: E402,F401  DDP imports it (~800 modules): once her
 
 from flashsgd.launch import spawn  # noqa: E402
 
+# GNU OpenMP (torch's intra-op pool) does not survive a fork: a rank forked after this process ran a
+# parallel region hangs in its own first one (flashsgd.launch.one_thread), and a test that passed
+# alone hung when an earlier test in the same process had computed on two threads. The test
+# process itself computes on one thread, so the pool never starts here; the ranks it forks set
+# their own threads (flashsgd.train.rank.setup_process) and start theirs safely.
+torch.set_num_threads(1)
+
 STALL_S = float(os.environ.get("FLASHSGD_TEST_TIMEOUT", "120"))
 """A job whose ranks use no CPU for this long is hung (every rank waiting): it fails. Not a wall-clock
 deadline: a loaded machine (load 12-50 on 2 cores) slows a job many times over, and a test must not
