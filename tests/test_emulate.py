@@ -267,3 +267,37 @@ def test_ctrl_c_tears_down_with_one_line_and_exit_130(tmp_path):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("flashsgd bench emulate: interrupted; "), err
     assert netns.list_namespaces(prefix) == []
+
+
+@needs_netns
+@pytest.mark.parametrize("comm", ["native", "torus2d"])  # Gloo's collectives name no peer; flashsgd's do
+def test_a_cut_link_is_named_as_the_lost_connection_between_the_nodes(tmp_path, comm):
+    """Issue 33 item 5: node 1 cut off for good mid-training (its switch port down: no RST, no
+    FIN, both sides time out). Before, both nodes blamed each other and the launcher named rank 0
+    of the healthy node; now the first line is the lost connection."""
+    import threading
+
+    from flashsgd.emulate.ranks import RankError, run_ranks
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "flashsgd", "train", "--num-samples", "4000", "--epochs", "40",
+           "--global-batch", "256", "--no-progress", "--timeout-s", "8", "--comm", comm,
+           "--out", str(out)]
+    with netns.emulated_cluster(ClusterSpec(2, 2, parse_rate("1gbit"))) as cluster:
+        def cut():  # after a few steps, so the failure is in training, not in the rendezvous
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                rows = out / "metrics.jsonl"
+                if rows.exists() and len(rows.read_text().splitlines()) >= 3:
+                    break
+                time.sleep(0.1)
+            subprocess.run(["ip", "-n", cluster.switch_ns, "link", "set", "n1", "down"], check=True)
+
+        cutter = threading.Thread(target=cut, daemon=True)
+        cutter.start()
+        with pytest.raises(RankError) as err:
+            run_ranks(cluster, cmd, tmp_path / "logs", timeout_s=300)
+        cutter.join(timeout=1)
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("the connection between node 0 (ranks 0,1) and node 1 (ranks 2,3) was lost or "
+                            "stalled beyond the 8 s timeout: ranks of both nodes timed out"), str(err.value)[:2000]

@@ -14,7 +14,9 @@ A spawned job never hangs, never leaves orphans and names the rank at fault:
   nothing new has arrived for ``SETTLE_S``; then the rank that died or stopped
   responding is named first and its peers' errors are summarised as consequences
   (:mod:`flashsgd.launch_failures`): "rank 1 exited with code -9 (SIGKILL); ranks 0,2,3 then
-  failed: Connection closed by peer".
+  failed: Connection closed by peer". Ranks of two nodes (the layout the ranks report) that all
+  timed out on each other lead with the lost connection between the nodes, and a full disk leads
+  with the path and the space left there.
 - SIGTERM or SIGINT to the launcher is forwarded to the workers as SIGTERM; after
   ``SIGNAL_GRACE_S`` the stragglers are killed and :class:`Interrupted` is raised (exit code
   128 + signal, as a shell reports it). Workers ignore SIGINT themselves (a terminal's Ctrl-C

@@ -11,8 +11,12 @@ Algorithm (:func:`run_ranks`):
 1. Start the rendezvous store in node 0's namespace (:mod:`flashsgd.emulate.store`), then W
    processes, each in its node's namespace and its own session (so it can be killed with
    everything it started), output to ``<log_dir>/rank<r>.log``.
-2. Poll: all exit 0 -> done. One exits non-zero -> give the others a short grace, kill them, raise
-   naming the rank with the tail of its log. Deadline passed -> kill all, raise naming the ranks.
+2. Poll: all exit 0 -> done. One exits non-zero -> let the others finish failing (until all have
+   exited, or none has for ``GRACE_S``), kill the rest, and raise naming the cause as
+   :func:`flashsgd.launch_failures.attribute` finds it from every rank's exit and log
+   (:func:`rank_outcome`): the rank that died or stopped, or the connection between nodes whose
+   ranks all timed out on each other; then the tail of the blamed rank's log. Deadline passed ->
+   kill all, raise naming the ranks.
 
 Example::
 
@@ -23,7 +27,6 @@ Example::
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -32,11 +35,11 @@ from pathlib import Path
 from typing import Callable
 
 from flashsgd.emulate.netns import EmulatedCluster
-from flashsgd.launch_failures import lost_connections
+from flashsgd.launch_failures import RankOutcome, attribute, describe_log
 
 MASTER_PORT = 29500  # a fresh namespace has every port free
 FLOW_ENV = "FLASHSGD_EMULATED_FLOW_BPS"
-GRACE_S = 3.0
+GRACE_S = 3.0  # after a rank failed: quiet time before the ranks still running are called stopped
 
 
 class RankError(RuntimeError):
@@ -85,18 +88,44 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             pass
 
 
-PEER_TIMEOUT = re.compile(r"rank \d+: (?:no data from peer rank (\d+)|peer rank (\d+) did not receive)")
-"""The wait a rank timed out on, as :class:`flashsgd.comm.errors.PeerTimeout` words it."""
-
-
-def waited_for(log: Path) -> int | None:
-    """The peer rank whose data a failed rank's log says it timed out waiting for (None: none named:
-    it died, or failed on its own, or in a collective that names no peer)."""
+def rank_outcome(rank: int, code: int | None, log: Path) -> RankOutcome:
+    """How ``rank`` ended, from its exit code (None: still running) and its log: ``ok`` (exit 0);
+    ``raised`` (its log ends in a traceback, :func:`flashsgd.launch_failures.describe_log`; also a
+    rank still running after printing it); ``silent`` (still running); else ``exited``."""
+    if code == 0:
+        return RankOutcome(rank, "ok")
     try:
-        found = PEER_TIMEOUT.search(log.read_text(errors="replace"))
+        text = log.read_text(errors="replace")
     except OSError:
-        return None
-    return int(found.group(1) or found.group(2)) if found else None
+        text = ""
+    report = describe_log(text)
+    last = next((line for line in reversed(text.splitlines()) if line.strip()), "")
+    if report is not None and (code is not None or describe_log(last) is not None):  # it reported
+        return RankOutcome(rank, "raised", **report)
+    return RankOutcome(rank, "silent") if code is None else RankOutcome(rank, "exited", exitcode=code)
+
+
+def _settle(procs: list[subprocess.Popen], quiet_s: float, deadline: float) -> None:
+    """Wait until every rank has exited, or none has for ``quiet_s`` (or the deadline passed)."""
+    running, since = sum(p.poll() is None for p in procs), time.monotonic()
+    while running and time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now_running = sum(p.poll() is None for p in procs)
+        if now_running != running:
+            running, since = now_running, time.monotonic()
+
+
+def _failure(spec, procs: list[subprocess.Popen], logs: list[Path]) -> RankError:
+    """The error of a failed job: the cause as :func:`attribute` names it, then the log of the
+    rank blamed (or of the first that failed, when no rank is: a lost connection)."""
+    codes = [p.poll() for p in procs]
+    outcomes = [rank_outcome(r, codes[r], logs[r]) for r in range(len(procs))]
+    err = attribute(outcomes, ranks_per_node=spec.ranks_per_node)
+    failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+    r = err.causes[0] if err.causes else failed[0]
+    how = f"exited with code {codes[r]}" if codes[r] is not None else "was still running (killed)"
+    return RankError(f"{err.summary}\nrank {r} (node {r // spec.ranks_per_node}) {how}; its log {logs[r]} "
+                     f"ends with:\n{_tail(logs[r])}")
 
 
 def run_ranks(cluster: EmulatedCluster, command: list[str], log_dir: str | Path, *,
@@ -148,16 +177,8 @@ def run_ranks(cluster: EmulatedCluster, command: list[str], log_dir: str | Path,
             codes = [p.poll() for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                grace = time.monotonic() + GRACE_S
-                while time.monotonic() < grace and any(p.poll() is None for p in procs):
-                    time.sleep(0.05)
-                codes = [p.poll() for p in procs]
-                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-                r = failed[0]
-                cut = lost_connections({f: waited_for(logs[f]) for f in failed}, spec.ranks_per_node)
-                raise RankError((f"{cut}; " if cut else "")
-                                + f"rank {r} (node {r // spec.ranks_per_node}) exited with code "
-                                f"{codes[r]}; its log {logs[r]} ends with:\n{_tail(logs[r])}")
+                _settle(procs, GRACE_S, start + timeout_s)
+                raise _failure(spec, procs, logs)
             if all(c == 0 for c in codes):
                 return time.monotonic() - start
             if time.monotonic() > deadline:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from flashsgd.fmt import plural
-from flashsgd.launch_failures import comm_failures, one_line
+from flashsgd.launch_failures import TIMEOUT_TEXT, comm_failures, one_line
 from flashsgd.train import checkpoint as ckpt
 from flashsgd.train.data import Datasets, ShardedSampler
 from flashsgd.train.loader import BatchStream, augmentation_key
@@ -275,9 +275,10 @@ class Worker:
             epoch += 1
 
     def _what_failed(self, failures: list[BaseException]) -> str:
-        """A failed collective in words: a timeout on a rank of another node may be that rank
-        stopping or the link between the two nodes (the launcher, seeing every rank, tells them
-        apart: :func:`flashsgd.launch_failures.lost_connections`); else a worker died or hung."""
+        """A failed collective in words: a timeout on a rank of another node (or, in a job of
+        several nodes, a timeout that names no rank) may be a rank stopping or the link between
+        nodes (the launcher, seeing every rank, tells them apart:
+        :func:`flashsgd.launch_failures.lost_connections`); else a worker died or hung."""
         timeout_s = self.cfg.run.timeout_s
         late = next((e for e in failures
                      if isinstance(e, TimeoutError) and isinstance(getattr(e, "peer", None), int)), None)
@@ -287,6 +288,10 @@ class Worker:
             return (f"no data from rank {late.peer} (node {theirs}) within "
                     f"{getattr(late, 'timeout_s', timeout_s):g} s: rank {late.peer} stopped, or the "
                     f"connection between node {mine} and node {theirs} was lost")
+        timed_out = any(isinstance(e, TimeoutError) or TIMEOUT_TEXT.search(str(e)) for e in failures)
+        if late is None and timed_out and self.world > rpn:  # Gloo's own collectives name no rank
+            return (f"a collective timed out after run.timeout_s={timeout_s:g} s: a worker died or hung, "
+                    f"or the connection between nodes was lost")
         return f"a collective failed, so a worker died or hung longer than run.timeout_s={timeout_s:g} s"
 
     def run(self) -> dict[str, Any]:
@@ -309,8 +314,10 @@ class Worker:
             failures = comm_failures(exc)
             if not failures:  # this rank's own error (a bad input, a bug): as it is
                 raise
-            raise RuntimeError(f"rank {self.rank}: failed at step {self.progress['step']} - "
-                               f"{self._what_failed(failures)} ({one_line(exc)})") from exc
+            err = RuntimeError(f"rank {self.rank}: failed at step {self.progress['step']} - "
+                               f"{self._what_failed(failures)} ({one_line(exc)})")
+            err.ranks_per_node = self.topology.ranks_per_node  # the launcher's nodes (describe_exception)
+            raise err from exc
         except OSError as exc:  # a full disk: the path and the OS error, never "a collective failed"
             if isinstance(exc, CheckpointWriteError):
                 raise
