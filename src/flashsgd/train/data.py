@@ -208,7 +208,8 @@ def describe_loading(dataset: str, num_samples: int = 40000, data_dir: str = "",
     """What :func:`build_datasets` (same arguments) is about to do, in words: `flashsgd train`
     says it before the seconds that generating MNIST-1D the first time takes."""
     entry = DATASETS.get(dataset)
-    return globals()[entry.describe](DataSettings(dataset, num_samples, data_dir, image_shape, 224, data_seed))
+    settings = DataSettings(dataset, num_samples, data_dir, image_shape, data_seed=data_seed)
+    return globals()[entry.describe](settings)
 
 
 @dataclass(frozen=True)
