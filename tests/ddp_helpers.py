@@ -15,10 +15,12 @@ def tiny_net(seed: int = 0) -> nn.Module:
 
 
 def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int, first: int = 0) -> None:
-    """``steps`` optimizer steps on batches that depend on the step and the rank only."""
+    """``steps`` optimizer steps on batches that depend on the step and the rank only (made on the
+    CPU, moved to the model's device)."""
+    device = next(model.parameters()).device
     for s in range(first, first + steps):
         g = torch.Generator().manual_seed(1000 * s + dist.get_rank())
-        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 5, (16,), generator=g)
+        x, y = torch.randn(16, 20, generator=g).to(device), torch.randint(0, 5, (16,), generator=g).to(device)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()

@@ -27,9 +27,10 @@ def test_bench_data_compares_workers_with_in_process_decode(tmp_path, capsys):
         assert "gpu (nvjpeg)             -  absent: no CUDA device" in text
 
 
-def test_bench_data_gpu_decode_row_and_its_ratio(tmp_path, capsys, monkeypatch):
-    """The device-decode pipeline's row and its ratio to CPU decode with the same workers, run on
-    the CPU (decode="device" there decodes in the receiving process: the plumbing, not nvJPEG)."""
+def test_bench_data_gpu_decode_rows_their_ratios_and_the_default(tmp_path, capsys, monkeypatch):
+    """The device-decode pipelines' rows (one per worker count), their ratios to CPU decode with the
+    same workers and the trainer's default pick, run on the CPU (decode="device" there decodes in
+    the receiving process: the plumbing, not nvJPEG)."""
     from flashsgd.train import images
 
     monkeypatch.setattr(images, "device_decode_unavailable", lambda device: None)
@@ -38,9 +39,11 @@ def test_bench_data_gpu_decode_row_and_its_ratio(tmp_path, capsys, monkeypatch):
                  "--batch", "4", "--reps", "1", "--data-workers", "0,1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     gpu = json.loads(out.read_text())["gpu_decode"]
-    assert gpu["decode"] == "device" and gpu["data_workers"] == 1 and gpu["images"] == 16
-    assert gpu["images_per_s"] > 0 and gpu["ratio_to_cpu_decode"] > 0
-    assert "gpu (nvjpeg)" in text and "gpu decode vs cpu decode, 1 data worker each:" in text
+    assert [(r["decode"], r["data_workers"], r["images"]) for r in gpu] == [("device", 0, 16), ("device", 1, 16)]
+    assert all(r["images_per_s"] > 0 and r["ratio_to_cpu_decode"] > 0 for r in gpu)
+    assert [r["default"] for r in gpu] == ["device", "device"]  # below HOST_DECODE_FROM_WORKERS
+    assert "gpu (nvjpeg)" in text
+    assert "gpu decode vs cpu decode with the same data workers: 0 workers" in text and "1 worker " in text
 
 
 def test_bench_data_training_rows_show_the_data_wait(tmp_path, capsys):

@@ -5,8 +5,11 @@ arrives normalized on CUDA in channels_last (the step's conversion is then no co
 batches too, and the host-decode path normalizes on CUDA what the CPU normalizes.
 
 Tolerances: nvJPEG and libjpeg(-turbo) implement the IDCT and the chroma upsampling differently, so
-one JPEG decodes to pixels a level or two apart (a few edge pixels more): each image's mean
-absolute difference must stay under :data:`LEVELS` uint8 levels. The crops then take the same
+one JPEG decodes to pixels a few levels apart (more at edges): each image's mean absolute
+difference must stay under :data:`LEVELS` uint8 levels (measured on an H100, torch 2.11 +
+torchvision 0.26: up to 4.46 levels for the whole decoded photos of this fixture, 3.13 for the
+training crops, 3.28 after normalization; a channel swap, a shifted crop window or a wrong resize
+gives tens of levels). The crops then take the same
 windows (same generator, same decoded size); the resize on the GPU goes through float32, on the
 CPU through torch's uint8 kernel (within one level of each other), so the same bound holds after
 augmentation. Normalization of the same uint8 batch on CUDA and on the CPU: within 1e-6.
@@ -24,8 +27,8 @@ from flashsgd.train.loader import BatchStream, eval_batches
 
 pytestmark = pytest.mark.gpu
 
-LEVELS = 2.0
-"""Largest mean |GPU - CPU| per image, in uint8 levels."""
+LEVELS = 6.0
+"""Largest mean |GPU - CPU| per image, in uint8 levels (the module docstring: measured <= 4.46)."""
 STD_255 = torch.tensor(IMAGENET_STD).view(3, 1, 1) * 255
 
 

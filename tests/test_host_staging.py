@@ -1,5 +1,6 @@
-"""Gloo carrying CUDA buckets (several ranks on one GPU): every flashsgd hook runs on a host copy
-of the bucket (hook_common.ddp_hook) and gives what it gives on the host.
+"""Gloo carrying CUDA buckets (several ranks on one GPU): every flashsgd hook but PowerSGD runs on a
+host copy of the bucket (hook_common.ddp_hook) and gives what it gives on the host; PowerSGD
+all-reduces the CUDA bucket through Gloo itself (torch's hook needs the bucket's own device).
 
 Forced on CPU buckets here (``stages_on_host`` patched to say yes), so CI checks the plumbing: the
 copy out, the exchange on the copy, the copy back, the Future; the ``gpu``-marked test runs the
@@ -48,7 +49,7 @@ def _cuda_vs_cpu(name: str):
 
 
 @pytest.mark.gpu  # Gloo carries CUDA tensors; the ranks start with spawn (conftest.py)
-@pytest.mark.parametrize("name", ["ring", "gtopk"])
+@pytest.mark.parametrize("name", ["ring", "gtopk", "topk", "powersgd"])
 def test_gloo_ranks_on_one_gpu_match_cpu_ranks(run_ranks, name):
     for cpu, cuda in run_ranks(_cuda_vs_cpu, 2, name):
         assert cuda == pytest.approx(cpu, rel=1e-5, abs=1e-6)

@@ -86,3 +86,19 @@ def _many_buckets(steps: int):
 def test_powersgd_many_buckets_keeps_the_collective_order(run_ranks):
     a, b = run_ranks(_many_buckets, 2, 12, timeout_s=60)
     assert a == b
+
+
+def _cpu_buckets_where_cuda_is_available():
+    """CPU ranks on a machine with a GPU (made to look like one): torch's PowerSGD hook would call
+    ``torch.cuda.synchronize(cpu)`` after each decompression (a ValueError on a GPU machine; on
+    this CPU build an AssertionError) unless flashsgd's view of torch skips it."""
+    torch.cuda.is_available = lambda: True  # this rank's process only
+    model = DDP(_net())
+    state = register_hook(model, "powersgd", matrix_approximation_rank=2)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 4)
+    return state.powersgd.iter, bool(state.powersgd.q_memory_dict)
+
+
+def test_cpu_buckets_train_where_cuda_is_available(run_ranks):
+    """Found by the GPU check (H100): every powersgd run of CPU ranks on a GPU machine failed."""
+    assert run_ranks(_cpu_buckets_where_cuda_is_available, 2) == [(4, True)] * 2

@@ -12,14 +12,17 @@ when available, else the CPU).
    of ``--photo-size`` (default 500x375, ImageNet's median photo) generated into a temporary folder
    (:func:`flashsgd.train.images.write_jpeg_folder`).
 2. Pipelines: one :class:`~flashsgd.train.loader.BatchStream` per worker count with CPU decoding
-   (``decode="host"``), and one with GPU decoding (``decode="device"``, the most workers) where
+   (``decode="host"``), and one per worker count with GPU decoding (``decode="device"``) where
    torchvision decodes JPEG batches on CUDA (:func:`flashsgd.train.images.device_decode_unavailable`;
    elsewhere its row says why it is absent); persistent workers started once, each pipeline read
-   once untimed (warm-up: worker start, page cache, nvJPEG's first batch).
+   once untimed (warm-up: worker start, page cache, nvJPEG's first batch). Each worker count's
+   GPU row says which of the two the trainer picks by default
+   (:func:`flashsgd.train.loader.decode_place`, :data:`~flashsgd.train.loader.HOST_DECODE_FROM_WORKERS`).
 3. Repetitions, interleaved (every pipeline once per repetition, the order rotating): one epoch of
    ``--batch``-image batches through each, timed to a CUDA synchronize on a GPU; images/s =
    images / seconds; the median over repetitions with min and max, the ratio to the in-process
-   pipeline of the same repetitions, and GPU decode's ratio to CPU decode with the same workers.
+   pipeline of the same repetitions, and GPU decode's ratio to CPU decode with the same workers
+   (the measurement the default's break-even comes from).
 4. ``--train-steps K``: ``flashsgd train`` of ``--model`` (resnet18) on those files, one rank,
    ``max_steps`` K, with 0 and with the largest worker count: median images/s per step and the
    data wait per step (``t_data_s``: the time the step waited for its batch), from metrics.jsonl
@@ -108,7 +111,7 @@ def time_pipelines(root: Path, counts: list[int], image_size: int, batch: int, r
 
     from flashsgd.train.data import ShardedSampler
     from flashsgd.train.images import ImageFolderSplit, device_decode_unavailable, scan_folder
-    from flashsgd.train.loader import BatchStream
+    from flashsgd.train.loader import BatchStream, decode_place
 
     threads = os.cpu_count() or 1
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -118,7 +121,7 @@ def time_pipelines(root: Path, counts: list[int], image_size: int, batch: int, r
     pipes = {("host", w): BatchStream(split, w, dev, decode="host") for w in counts}
     absent = device_decode_unavailable(dev if device else "cuda")  # auto on a CPU machine: "no CUDA device"
     if absent is None:
-        pipes[("device", counts[-1])] = BatchStream(split, counts[-1], dev, decode="device")
+        pipes.update({("device", w): BatchStream(split, w, dev, decode="device") for w in counts})
     sampler = ShardedSampler(n, 0, 1, seed=0)
 
     def epoch(pipe: tuple[str, int], key: int) -> float:
@@ -151,11 +154,15 @@ def time_pipelines(root: Path, counts: list[int], image_size: int, batch: int, r
                 "images_per_s": statistics.median(v), "min": min(v), "max": max(v),
                 "ratio_to_in_process": statistics.median(v) / base if base else None}
 
-    rows = [row(p, v) for p, v in rates.items() if p[0] == "host"]
-    gpu = {"decode": "device", "absent": absent}
-    if absent is None:
-        gpu = row(("device", counts[-1]), rates[("device", counts[-1])])
-        gpu["ratio_to_cpu_decode"] = gpu["images_per_s"] / rows[-1]["images_per_s"]
+    rows = [row(("host", w), rates[("host", w)]) for w in counts]
+    if absent is not None:
+        return rows, {"decode": "device", "absent": absent}
+    gpu = []
+    for w, cpu in zip(counts, rows):
+        r = row(("device", w), rates[("device", w)])
+        r["ratio_to_cpu_decode"] = r["images_per_s"] / cpu["images_per_s"]
+        r["default"] = decode_place(split, dev, None, w)  # what the trainer picks with w workers
+        gpu.append(r)
     return rows, gpu
 
 
@@ -207,14 +214,15 @@ def run(args: argparse.Namespace) -> int:
               f"{meta['loadavg_1m']:.1f}, torch {meta['torch']}; median of {args.reps} interleaved "
               "epochs after one warm-up epoch")
         print(f"{'decode':>16} {'data workers':>13} {'images/s':>10} {'min..max':>15} {'vs in-process':>14}")
-        for r in rows + ([gpu] if "images_per_s" in gpu else []):
+        for r in rows + (gpu if isinstance(gpu, list) else []):
             ratio = "-" if r["ratio_to_in_process"] is None else f"{r['ratio_to_in_process']:.2f}x"
             name = f"{'gpu' if r['decode'] == 'device' else 'cpu'} ({r['decoder']})"
             print(f"{name:>16} {r['data_workers']:>13} {r['images_per_s']:>10.1f} "
                   f"{r['min']:>7.1f}..{r['max']:<7.1f} {ratio:>14}")
-        if "images_per_s" in gpu:
-            print(f"# gpu decode vs cpu decode, {plural(gpu['data_workers'], 'data worker')} each: "
-                  f"{gpu['ratio_to_cpu_decode']:.2f}x")
+        if isinstance(gpu, list):
+            print("# gpu decode vs cpu decode with the same data workers: " + ", ".join(
+                f"{plural(r['data_workers'], 'worker')} {r['ratio_to_cpu_decode']:.2f}x (default: "
+                f"{'gpu' if r['default'] == 'device' else 'cpu'})" for r in gpu))
         else:
             print(f"{'gpu (nvjpeg)':>16} {'-':>13}  absent: {gpu['absent']}")
         train_rows = []

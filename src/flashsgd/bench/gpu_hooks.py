@@ -141,7 +141,8 @@ def _per_param(memories: dict, layouts: dict, params: list[torch.Tensor]) -> tor
             numel = size if isinstance(size, int) else math.prod(size)
             per_param[pos] = flat[offset:offset + numel]
             offset += numel
-    return torch.cat([per_param[i].detach().flatten() if i in per_param else torch.zeros_like(p).flatten()
+    # (Gloo on CUDA: a sparse hook keeps its residuals on the host, hook_common.HostBucket)
+    return torch.cat([per_param[i].detach().flatten().to(p.device) if i in per_param else torch.zeros_like(p).flatten()
                       for i, p in enumerate(params)])
 
 

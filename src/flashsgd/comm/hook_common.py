@@ -113,9 +113,12 @@ class HostBucket:
         return views
 
 
-def ddp_hook(fn: Callable) -> Callable:
+def ddp_hook(fn: Callable | None = None, *, host_staged: bool = True) -> Callable:
     """Give a hook the real annotations DDP's ``register_comm_hook`` checks, and run it on a host
-    copy of a CUDA bucket when the group is Gloo (:func:`stages_on_host`).
+    copy of a CUDA bucket when the group is Gloo (:func:`stages_on_host`); ``host_staged=False``
+    for a hook whose collectives Gloo runs on CUDA tensors itself (all-reduce only: PowerSGD) and
+    that needs the bucket's own device (torch's PowerSGD hook calls ``torch.cuda.synchronize``
+    on the bucket's device whenever CUDA is available, which a host copy makes fail).
 
     With ``from __future__ import annotations`` annotations are strings, and DDP refuses a hook
     whose ``bucket`` annotation is not ``dist.GradBucket`` (or whose return is not
@@ -127,8 +130,12 @@ def ddp_hook(fn: Callable) -> Callable:
     Cost: two copies of the bucket over PCIe per exchange, and no overlap with backward (Gloo
     itself stages CUDA all-reduces through the host the same way).
     """
+    if fn is None:
+        return functools.partial(ddp_hook, host_staged=host_staged)
     fn.__annotations__["bucket"] = dist.GradBucket
     fn.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+    if not host_staged:
+        return fn
 
     @functools.wraps(fn)
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:

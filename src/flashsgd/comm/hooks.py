@@ -104,7 +104,7 @@ def _gated(ddp_model: Any, hook: Callable) -> Callable:
     (no exchange, the hook state unchanged)."""
     key = id(ddp_model)
 
-    @ddp_hook
+    @ddp_hook(host_staged=False)  # ``hook`` stages a CUDA bucket on Gloo itself (or not: powersgd)
     def gated(state, bucket):
         if key in _REBUILDING:
             return completed_future(bucket.buffer())

@@ -43,6 +43,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _torch_powersgd
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDState, _should_compress,
                                                                       powerSGD_hook)
 
@@ -192,7 +193,7 @@ class PowerSGDHookState:
         return out
 
 
-@ddp_hook
+@ddp_hook(host_staged=False)  # Gloo all-reduces CUDA tensors itself
 def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.futures.Future:
     """Step 3: torch's ``powerSGD_hook`` on the inner ``PowerSGDState`` (memories re-ordered first
     when DDP changed the bucket's parameters, and moved to the bucket's device), in true gradient
@@ -217,6 +218,42 @@ def _tensor(value: Any) -> torch.Tensor:
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
+class _CudaForAnyBucket:
+    """``torch.cuda`` as torch's PowerSGD module sees it after :func:`_sync_cuda_buckets_only`:
+    everything is torch.cuda's, except that ``synchronize`` of a non-CUDA device does nothing."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        if device is not None and torch.device(device).type != "cuda":
+            return  # a CPU bucket: nothing on a GPU to wait for
+        torch.cuda.synchronize(device)
+
+
+class _TorchForAnyBucket:
+    """``torch`` as torch's PowerSGD module sees it: torch itself but for ``torch.cuda``."""
+
+    cuda = _CudaForAnyBucket()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _sync_cuda_buckets_only() -> None:
+    """Let torch's PowerSGD hook run on CPU buckets where CUDA is available (torch 2.11-2.13).
+
+    Its decompression ends with ``if torch.cuda.is_available(): torch.cuda.synchronize(device)``
+    on the bucket's device, which raises ``ValueError: Expected a cuda device, but got: cpu`` for
+    a CPU bucket on any machine with a GPU (Gloo ranks computing on the CPU beside it; found by
+    the GPU check on an H100). The module's name ``torch`` is pointed at a view of torch whose
+    ``cuda.synchronize`` skips non-CUDA devices; every other name, and CUDA buckets, are torch's
+    own. Idempotent; affects that one module only."""
+    if not isinstance(_torch_powersgd.torch, _TorchForAnyBucket):
+        _torch_powersgd.torch = _TorchForAnyBucket()
+
+
 def make_powersgd(ddp_model: Any, options: LowRankOptions) -> tuple[PowerSGDHookState, Callable]:
     """``powersgd`` (Step 1): torch's PowerSGD hook on DDP's process group.
 
@@ -227,6 +264,7 @@ def make_powersgd(ddp_model: Any, options: LowRankOptions) -> tuple[PowerSGDHook
     initial Q, the same on every rank), ``timeout_s`` (validated only: torch's hook waits with the
     process group's own timeout).
     """
+    _sync_cuda_buckets_only()
     group = getattr(ddp_model, "process_group", None) or dist.group.WORLD
     inner = PowerSGDState(group, matrix_approximation_rank=options.matrix_approximation_rank,
                           start_powerSGD_iter=options.start_iter,

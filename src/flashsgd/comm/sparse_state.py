@@ -100,7 +100,10 @@ class SparseHookState:
         :class:`flashsgd.optim.lars.LARS`'s ``grad_norm_source``; None when one is unknown."""
         pos = self.param_positions or {}
         norms = [self.layer_norms.get(pos.get(id(p), -1)) for p in params]
-        return None if any(n is None for n in norms) else torch.stack(norms)
+        if not norms or any(n is None for n in norms):
+            return None
+        # on the parameters' device: Gloo carrying CUDA buckets records them on the host (HostBucket)
+        return torch.stack(norms).to(params[0].device)
 
     def record_layer_norms(self, layout: tuple, idx: int, buf: torch.Tensor) -> None:
         """Step 1b (``layer_trust``): the dense norm of each parameter's gradient in bucket

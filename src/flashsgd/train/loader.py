@@ -12,12 +12,14 @@ tensors) are indexed in the training process: a worker would only add a copy.
 Where the images are decoded (``decode``, chosen per rank; :func:`decode_place`):
 
 * ``"device"`` - on a CUDA rank where torchvision decodes JPEG batches there
-  (:func:`flashsgd.train.images.device_decode_unavailable` is None): the workers only read the
-  files' bytes; the rank decodes each batch with nvJPEG and crops, flips and resizes on the GPU
-  (:meth:`~flashsgd.train.images.ImageFolderSplit.decode_batch`). CPU JPEG decoding (~100-250
-  images/s per worker process here) no longer bounds a GPU that trains thousands per second.
+  (:func:`flashsgd.train.images.device_decode_unavailable` is None) and the rank has fewer than
+  :data:`HOST_DECODE_FROM_WORKERS` data workers: the workers only read the files' bytes; the rank
+  decodes each batch with nvJPEG and crops, flips and resizes on the GPU
+  (:meth:`~flashsgd.train.images.ImageFolderSplit.decode_batch`). A rank with few CPU cores
+  (~250-300 images/s per worker process) is then no longer bound by CPU decoding.
 * ``"host"`` - everywhere else: the workers decode and augment (libjpeg-turbo) and hand over
-  uint8 crops, copied to the device pinned and non-blocking.
+  uint8 crops, copied to the device pinned and non-blocking. With many workers this is the faster
+  path: nvJPEG's batched decode runs its Huffman stage on the rank's one CPU thread.
 
 Either way the uint8 batch is normalized on the rank's device (:meth:`~flashsgd.train.images.
 ImageFolderSplit.normalize`: one fused op, constants made once per device), straight into
@@ -77,10 +79,20 @@ def streams(split: Any) -> bool:
     return callable(getattr(split, "sample", None))
 
 
-def decode_place(split: Any, device: torch.device, decode: Decode | None = None) -> Decode:
-    """Where ``split``'s images are decoded for a rank on ``device`` (module docstring): ``decode``
-    when given (``"device"`` on the CPU decodes there from the bytes: the same tensors as
-    ``"host"``), else ``"device"`` exactly when torchvision decodes JPEG batches on ``device``."""
+HOST_DECODE_FROM_WORKERS = 7
+"""From this many data workers a rank decodes on the host even where nvJPEG is available. Measured
+by ``flashsgd bench data --images 512 --data-workers 0,4,8,16`` on an NVIDIA H100 node (16 CPUs,
+torch 2.11, torchvision 0.26, crop 224, batch 32): CPU decode 1,252 / 2,404 / 3,910 images/s with
+4 / 8 / 16 workers (245-313 per worker), nvJPEG 2,019 images/s (16 workers reading bytes), i.e.
+0.52x CPU decode at 16 workers; the two meet near 7 workers (7 x ~300 = ~2,100)."""
+
+
+def decode_place(split: Any, device: torch.device, decode: Decode | None = None,
+                 workers: int = 0) -> Decode:
+    """Where ``split``'s images are decoded for a rank on ``device`` with ``workers`` data workers
+    (module docstring): ``decode`` when given (``"device"`` on the CPU decodes there from the
+    bytes: the same tensors as ``"host"``), else ``"device"`` exactly when torchvision decodes JPEG
+    batches on ``device`` and ``workers`` < :data:`HOST_DECODE_FROM_WORKERS`."""
     if decode not in (None, "host", "device"):
         raise ValueError(f"decode must be 'host' or 'device' (None: device where possible), got {decode!r}")
     if not (streams(split) and callable(getattr(split, "read", None))):
@@ -90,7 +102,9 @@ def decode_place(split: Any, device: torch.device, decode: Decode | None = None)
     if decode is None:
         from flashsgd.train.images import device_decode_unavailable
 
-        return "host" if device_decode_unavailable(device) else "device"
+        if workers >= HOST_DECODE_FROM_WORKERS or device_decode_unavailable(device):
+            return "host"
+        return "device"
     return decode
 
 
@@ -170,7 +184,7 @@ class BatchStream:
         workers: DataLoader processes (0: in this process).
         device: where the batches go (default the CPU).
         channels_last: image batches in ``torch.channels_last`` (``run.channels_last``).
-        decode: ``"host"`` or ``"device"`` (:func:`decode_place`; None: ``"device"`` where torchvision
+        decode: ``"host"`` or ``"device"`` (:func:`decode_place`; None: ``"device"`` with few workers where torchvision
             decodes on ``device``). In-memory splits: ``"host"``.
     """
 
@@ -182,7 +196,7 @@ class BatchStream:
         self.workers = workers if streams(split) else 0
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.channels_last = channels_last
-        self.decode = decode_place(split, self.device, decode)
+        self.decode = decode_place(split, self.device, decode, workers)
         self._samples = _Samples(split, True, encoded=self.decode == "device") if streams(split) else None
         self._batches = _Batches()
         self._loader = (_loader(self._samples, self._batches, self.workers, self.device.type == "cuda",
@@ -230,7 +244,7 @@ def eval_batches(split: Any, lo: int, hi: int, chunk: int, workers: int, device:
         return
     if hi <= lo:
         return
-    samples = _Samples(split, False, encoded=decode_place(split, device, decode) == "device")
+    samples = _Samples(split, False, encoded=decode_place(split, device, decode, workers) == "device")
     items = [[(0, j) for j in range(i, min(i + chunk, hi))] for i in starts]
     loader = (_loader(samples, items, min(workers, len(items)), device.type == "cuda", persistent=False)
               if workers else None)
