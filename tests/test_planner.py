@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from flashsgd.exchanges import DensityWarmup
 from flashsgd.sim import planner
 from flashsgd.sim.cluster_file import DEFAULT_COSTS, load_cluster, load_cluster_text, to_toml
 from flashsgd.sim.network import CLUSTERS
@@ -169,7 +170,7 @@ def test_a_sparse_choice_runs_with_the_measured_warm_up():
     plan = planner.make_plan(resnet50(), CLUSTERS.get("1gbe"), gpus=32, batch_per_gpu=32,
                              images_per_s=200.0, steps=50_000)
     assert plan.choice.candidate.algorithm in planner.SPARSE
-    assert plan.to_dict()["choice"]["density_warmup"] == planner.DENSITY_WARMUP[0]
+    assert plan.to_dict()["choice"]["density_warmup"] == planner.DENSITY_WARMUP.start == DensityWarmup().start
     assert "density warm-up" in plan.explain()
     risky = planner.make_plan(resnet50(), CLUSTERS.get("1gbe"), gpus=32, batch_per_gpu=32,
                               images_per_s=200.0, accuracy_risk="any")

@@ -93,7 +93,9 @@ def test_comm_changes_pass_the_node_split_and_the_rank():
 
     hier = comm_changes({"algorithm": "hgtopk", "bucket_mb": 4.0, "density": 0.01, "node_split": "slices",
                          "density_warmup": 0.25, "density_warmup_fraction": 0.4}, 2, 10)
-    assert (hier["node_split"], hier["density"], hier["density_warmup_epochs"]) == ("slices", 0.01, 4.0)
+    assert (hier["node_split"], hier["density"], hier["density_warmup_epochs"]) == ("slices", 0.01, 4.0)  # older record
+    new = comm_changes({"algorithm": "gtopk", "bucket_mb": 4.0, "density": 0.01, "density_warmup": 0.25}, 2, 10)
+    assert new["density_warmup"] == 0.25 and "density_warmup_epochs" not in new  # the default rule
     low = {"algorithm": "powersgd", "bucket_mb": 4.0}
     assert comm_changes({**low, "matrix_approximation_rank": 2}, 1, 10)["matrix_approximation_rank"] == 2
     assert comm_changes({**low, "rank": 4}, 1, 10)["matrix_approximation_rank"] == 4  # an older record

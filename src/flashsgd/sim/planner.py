@@ -16,9 +16,11 @@ Algorithm (:func:`make_plan`):
    The families, defaults and rules come from the catalog :mod:`flashsgd.exchanges`.
 2. Accuracy (:func:`accuracy_rule`, ``accuracy_risk="low"``): a sparse candidate is kept only when
    every gradient entry can be sent at least :data:`MIN_COVERAGE` times over the run even without a
-   warm-up (gTop-k's step-count bound, :func:`flashsgd.exchanges.coverage`, for Top-k too), and it runs with DGC's
-   density warm-up (:data:`DENSITY_WARMUP`): what was measured on MNIST-1D (coverage 23-37 with that
-   warm-up lost 0.4-0.5 points; 1.2 without lost 12-13; docs/sparse_accuracy.md). PowerSGD only at
+   warm-up (gTop-k's step-count bound, :func:`flashsgd.exchanges.coverage`, for Top-k too), and it runs with
+   the trainer's default density warm-up (:data:`DENSITY_WARMUP`, the catalog's
+   :class:`~flashsgd.exchanges.DensityWarmup`: DGC's, scaled to the run): what was measured on
+   MNIST-1D (coverage 23-37 with it, 4 of 10 epochs, lost 0.4-0.5 points; 1.2 without lost 12-13;
+   docs/sparse_accuracy.md). PowerSGD only at
    rank >= 2 and >= 1250 steps (rank 2 lost 0.27 points over 1250 steps, 1.02 over 120). Without
    ``steps`` neither is offered. ``accuracy_risk="any"`` keeps everything, without a warm-up. What
    is ruled out is said, one line per algorithm and density or rank.
@@ -52,8 +54,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Literal
 
-from flashsgd.exchanges import (DEFAULT_DENSITY, DENSE_ITERATIONS, DENSITY_WARMUP_START, EXCHANGES,
-                                MIN_COVERAGE, NODE_SPLITS, WIRE_INDEX_BYTES, SparseOptions, coverage, names)
+from flashsgd.exchanges import (DEFAULT_DENSITY, DENSE_ITERATIONS, EXCHANGES, MIN_COVERAGE, NODE_SPLITS,
+                                WIRE_INDEX_BYTES, DensityWarmup, SparseOptions, coverage, names)
 from flashsgd.fmt import plural
 from flashsgd.sim.engine import SimConfig, SimResult, simulate
 from flashsgd.sim.network import ClusterModel
@@ -68,10 +70,10 @@ DENSITIES = (DEFAULT_DENSITY, 0.01, 0.1)
 LOWRANKS = (1, 2, 4)
 SPARSE_START_ITER = DENSE_ITERATIONS
 """The sparse hooks exchange densely for their first steps (the catalog's ``start_iter``)."""
-DENSITY_WARMUP = (DENSITY_WARMUP_START, 0.4)
-"""(start density, fraction of the run): the warm-up a sparse choice runs with at low accuracy risk,
-the catalog's start (DGC's 0.25, :class:`~flashsgd.exchanges.DensityWarmup`) decaying exponentially,
-over 4 of 10 epochs as in the measured runs (Lin et al. 2018)."""
+DENSITY_WARMUP = DensityWarmup()
+"""The warm-up a sparse choice runs with at low accuracy risk: the catalog's default rule, the one
+``flashsgd train`` applies (DGC's start decaying exponentially over min(4 epochs, half the run);
+the measured runs: 4 of 10 epochs)."""
 POWERSGD_MIN_STEPS = 1250
 POWERSGD_MIN_RANK = 2
 BUCKET_TIE = 1.01
@@ -202,16 +204,16 @@ class CommPlan:
                 f"communication is {share:.0%} of its step; {safe}")
 
     @property
-    def density_warmup(self) -> tuple[float, float] | None:
-        """(start density, fraction of the run) the sparse choice runs with (low risk only)."""
+    def density_warmup(self) -> DensityWarmup | None:
+        """The density warm-up the sparse choice runs with (low risk only)."""
         if self.accuracy_risk == "low" and self.choice.candidate.algorithm in SPARSE:
             return DENSITY_WARMUP
         return None
 
     def to_dict(self, top: int | None = None) -> dict:
         warm = self.density_warmup
-        choice = {**self.choice.to_dict(), **({"density_warmup": warm[0], "density_warmup_fraction": warm[1]}
-                                              if warm else {})}
+        # the start; the length is the rule's for the run it is applied to (comm.density_warmup_epochs unset)
+        choice = {**self.choice.to_dict(), **({"density_warmup": warm.start} if warm else {})}
         return {"cluster": self.cluster.describe(), "gpus": self.gpus, "workload": self.workload.name,
                 "steps": self.steps, "accuracy_risk": self.accuracy_risk,
                 "choice": choice, "explain": self.explain(),
@@ -236,8 +238,8 @@ def coverage_without_warmup(steps: int, density: float) -> float:
 
 
 def warmup_note() -> str:
-    return (f"with DGC's density warm-up ({DENSITY_WARMUP[0]:g} -> the density over the first "
-            f"{DENSITY_WARMUP[1]:.0%} of the run), as measured")
+    return (f"with the trainer's density warm-up ({DENSITY_WARMUP.start:g} -> the density over "
+            f"{DENSITY_WARMUP.rule().split(', the default')[0]}), as measured")
 
 
 def coverage_note(c: Candidate, steps: int | None) -> str:

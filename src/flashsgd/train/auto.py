@@ -328,7 +328,9 @@ def comm_changes(choice: dict, ranks_per_node: int, epochs: int) -> dict[str, An
     """The ``comm`` config keys of a recorded choice (a run of ``epochs`` epochs)."""
     changes = {"algorithm": choice["algorithm"], "bucket_mb": choice["bucket_mb"],
                "ranks_per_node": ranks_per_node, "density_warmup": choice.get("density_warmup")}
-    if choice.get("density_warmup") is not None:
+    if choice.get("density_warmup") is not None and "density_warmup_fraction" in choice:
+        # an older record (a fraction of the run); a newer one leaves the length to the trainer's
+        # default rule (flashsgd.exchanges.DensityWarmup), the one the planner assumed
         changes["density_warmup_epochs"] = choice["density_warmup_fraction"] * epochs
     if choice.get("density") is not None:
         changes["density"] = choice["density"]
