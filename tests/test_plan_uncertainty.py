@@ -11,7 +11,7 @@ import pytest
 
 from flashsgd.sim import planner
 from flashsgd.sim.cluster_file import load_cluster_text, to_toml
-from flashsgd.sim.network import CLUSTERS, SPARSE_RANGES, ClusterModel, Link, input_value, with_input
+from flashsgd.sim.network import CLUSTERS, SPARSE_RANGES, STEP_RANGES, ClusterModel, Link, input_value, with_input
 from flashsgd.sim.uncertainty import COMPUTE, assumptions, corners, plan_over_ranges
 from flashsgd.sim.workload import resnet50
 from sim_helpers import LAB
@@ -23,6 +23,8 @@ exchange_fixed_us = 800.0
 round_fixed_us = 30.0
 select_ns_per_elem = 1.5
 tflops = 0.2
+step_overhead_us = 100.0
+jitter_percent = 0.5
 """
 
 
@@ -143,7 +145,7 @@ def test_a_per_flow_range_without_a_limit_must_reach_the_link_and_round_trips():
 def test_corners_all_fast_all_slow_efficiency_corners_and_one_at_a_time():
     c = CLUSTERS.get("1gbe")
     inputs = assumptions(c, 200.0, (164.0, 236.0), "fp32")
-    assert [a.key for a in inputs] == [*SPARSE_RANGES, "inter.bandwidth_gbps", "inter.alpha_s", COMPUTE]
+    assert [a.key for a in inputs] == [*SPARSE_RANGES, *STEP_RANGES, "inter.bandwidth_gbps", "inter.alpha_s", COMPUTE]
     names = [k.name for k in corners(inputs)]
     assert names[:4] == ["all fast", "all slow", "compute slow, all else fast", "compute fast, all else slow"]
     assert len(names) == 4 + 2 * len(inputs)
@@ -157,14 +159,16 @@ def test_corners_all_fast_all_slow_efficiency_corners_and_one_at_a_time():
 
 def test_a_step_range_is_the_step_at_each_end_of_every_assumption():
     """Independent check: the range's ends are the plans of clusters written with the ends' values."""
+    step = "step_overhead_us = 0.0\njitter_percent = 0.0\n"  # given: measured, no range
     ranged = LAB + "[costs]\nexchange_fixed_us = 500.0\nexchange_fixed_us_range = [100.0, 9100.0]\n" \
-                   "round_fixed_us = 0.0\nround_fixed_us_range = [0.0, 130.0]\nselect_ns_per_elem = 0.5\n"
+                   "round_fixed_us = 0.0\nround_fixed_us_range = [0.0, 130.0]\nselect_ns_per_elem = 0.5\n" + step
     kw = dict(gpus=8, batch_per_gpu=32, images_per_s=300.0, steps=100_000)
     r = plan_over_ranges(resnet50(), load_cluster_text(ranged, "lab"), **kw)
     fast = planner.make_plan(resnet50(), load_cluster_text(
-        LAB + "[costs]\nexchange_fixed_us = 100.0\nround_fixed_us = 0.0\nselect_ns_per_elem = 0.5\n", "f"), **kw)
+        LAB + "[costs]\nexchange_fixed_us = 100.0\nround_fixed_us = 0.0\nselect_ns_per_elem = 0.5\n" + step, "f"), **kw)
     slow = planner.make_plan(resnet50(), load_cluster_text(
-        LAB + "[costs]\nexchange_fixed_us = 9100.0\nround_fixed_us = 130.0\nselect_ns_per_elem = 0.5\n", "s"), **kw)
+        LAB + "[costs]\nexchange_fixed_us = 9100.0\nround_fixed_us = 130.0\nselect_ns_per_elem = 0.5\n" + step, "s"),
+        **kw)
     for p in r.plan.ranked:
         label = p.candidate.label()
         lo = next(q for q in fast.ranked if q.candidate.label() == label).step_s

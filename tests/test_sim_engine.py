@@ -198,3 +198,46 @@ def test_the_trainer_schedule_follows_the_catalog_threaded_option():
     assert trainer_schedule("ring", threaded=False) == "after_backward"
     with pytest.raises(ValueError, match="'gtopk_tree' is simulator-only"):
         trainer_schedule("gtopk_tree")
+
+
+def test_stragglers_and_step_overhead_grow_the_step_with_scale_and_spare_one_gpu():
+    """Issue 35: a synchronous step waits for the slowest of P ranks (the expected maximum of P
+    normal compute times, Blom's formula) and pays the per-step overhead; one GPU pays neither."""
+    from dataclasses import replace
+    from flashsgd.sim.engine import expected_max_normal, straggler_factor
+
+    assert straggler_factor(1, 0.05) == 1.0 and straggler_factor(64, 0.0) == 1.0
+    assert straggler_factor(2, 1.0) == pytest.approx(1 + 1 / np.sqrt(np.pi), abs=1e-6)  # E[max of 2] = 1/sqrt(pi)
+    e = [straggler_factor(p, 0.01) - 1 for p in (2, 32, 1024, 4096)]
+    assert e == sorted(e) and e[2] == pytest.approx(0.01 * expected_max_normal(1024))
+    # E[max of 3] = 3 / (2 sqrt(pi)) exactly; E[max of 5] = 1.16296 (tables)
+    assert (expected_max_normal(3), expected_max_normal(5)) == (pytest.approx(0.846284, abs=1e-5),
+                                                                pytest.approx(1.162964, abs=1e-5))
+    base = replace(CLUSTERS.get("abci"), jitter_cv=0.0, step_overhead_s=0.0)
+    shaky = replace(base, jitter_cv=0.01, step_overhead_s=1e-3)
+    cfg = SimConfig("native", 1024, 370.0)
+    calm, slow = simulate(resnet50(), base, cfg), simulate(resnet50(), shaky, cfg)
+    assert slow.straggler_s == pytest.approx(calm.compute_s * (straggler_factor(1024, 0.01) - 1))
+    for r in (calm, slow):  # the parts add up (the stretched backward hides more of the exchange)
+        assert r.iteration_s == pytest.approx(r.compute_s + r.straggler_s + r.exposed_comm_s + r.step_overhead_s)
+    assert slow.step_overhead_s == 1e-3 and slow.iteration_s > calm.iteration_s + 1e-3
+    assert slow.compute_s == calm.compute_s and slow.efficiency < calm.efficiency
+    one = simulate(resnet50(), shaky, replace(cfg, gpus=1))
+    assert one.straggler_s == one.step_overhead_s == 0.0 and one.efficiency == pytest.approx(1.0)
+
+
+def test_a_cluster_file_states_the_step_costs_and_defaults_to_their_ranges():
+    from flashsgd.sim.cluster_file import load_cluster_text, to_toml
+    from flashsgd.sim.network import STEP_RANGES
+    from sim_helpers import LAB
+
+    given = load_cluster_text(LAB + "[costs]\nstep_overhead_us = 250.0\njitter_percent = 1.5\n", "lab")
+    assert (given.step_overhead_s, given.jitter_cv) == (pytest.approx(250e-6), pytest.approx(0.015))
+    assert "step_overhead_s" not in given.assumed and "jitter_cv" not in given.assumed  # given: measured
+    default = load_cluster_text(LAB, "lab")
+    assert (default.step_overhead_s, default.jitter_cv) == (0.0, 0.0)
+    assert {k: default.assumed[k] for k in STEP_RANGES} == STEP_RANGES  # not given: the presets' ranges
+    back = load_cluster_text(to_toml(default), "round trip")
+    assert {k: back.assumed[k] for k in STEP_RANGES} == pytest.approx(STEP_RANGES)
+    with pytest.raises(ValueError, match="jitter_cv must be < 1"):
+        load_cluster_text(LAB + "[costs]\njitter_percent = 150.0\n", "lab")

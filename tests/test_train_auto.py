@@ -143,12 +143,12 @@ def test_a_given_cluster_with_assumptions_is_planned_over_their_ranges():
     record = plan_choice(Measured(one, 0.1, 1.0, given="1gbe"), model, 8, 32, 20_000, "low")
     ranged = plan_over_ranges(from_module(model), one, 8, 32, 320.0, steps=20_000)  # 32 samples / 0.1 s
     assert ranged.choice_changes() and record["choice_changes"] == ranged.choice_changes()
-    assert [a["input"] for a in record["assumed"]] == list(one.assumed)[:3] + ["inter.bandwidth_gbps",
+    assert [a["input"] for a in record["assumed"]] == list(one.assumed)[:5] + ["inter.bandwidth_gbps",
                                                                                "inter.alpha_s"]
     assert "compute" not in {a["input"] for a in record["assumed"]}  # measured by the probe
     lo, hi = record["choice"]["step_s_range"]
     assert lo < record["choice"]["step_s"] < hi and all("step_s_range" in p for p in record["ranked"])
-    assert (f"; step {lo * 1e3:.1f}-{hi * 1e3:.1f} ms over the ranges of 5 assumed inputs (auto.json: assumed); "
+    assert (f"; step {lo * 1e3:.1f}-{hi * 1e3:.1f} ms over the ranges of 7 assumed inputs (auto.json: assumed); "
             "the choice could change within them: ") in record["explain"]
     setting, where = next(iter(ranged.choice_changes().items()))
     assert f"{setting} at {' | '.join(where)}" in record["explain"]
@@ -156,7 +156,8 @@ def test_a_given_cluster_with_assumptions_is_planned_over_their_ranges():
                                       "the devices and the sparse fixed costs here")
     # a measured cluster (a file without ranges, as auto writes it): no range, the choice as before
     measured = load_cluster_text(LAB + "[costs]\nexchange_fixed_us = 800.0\nround_fixed_us = 30.0\n"
-                                       "select_ns_per_elem = 1.5\n", "lab.toml")
+                                       "select_ns_per_elem = 1.5\nstep_overhead_us = 0.0\njitter_percent = 0.0\n",
+                                 "lab.toml")
     plain = plan_choice(Measured(measured, 0.1, 1.0, given="lab.toml"), model, 8, 32, 20_000, "low")
     assert plain["assumed"] == [] and plain["choice_changes"] == {}
     assert plain["choice"]["step_s_range"] == [plain["choice"]["step_s"]] * 2

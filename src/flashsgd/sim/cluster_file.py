@@ -25,6 +25,8 @@ per-call and compression costs of the devices. Units are in the key names::
     round_fixed_us = 0.0        # each message round of a sparse exchange, beyond latency_us
     select_ns_per_elem = 0.5    # top-k selection per gradient element
     tflops = 15.0               # matrix products of PowerSGD
+    step_overhead_us = 0.0      # fixed cost per multi-GPU step beyond the exchange (DDP, Python, syncs)
+    jitter_percent = 0.0        # one GPU's step-to-step compute variation (std / mean, %): stragglers
 
 ``flow_bandwidth_gbit`` (Gbit/s, > 0; absent: one flow can fill the link) caps every flow
 (:attr:`Link.flow_gbps`): a flat ring sends one flow through each node's link, hierarchical and
@@ -71,13 +73,13 @@ import math
 import tomllib
 from pathlib import Path
 
-from flashsgd.sim.network import CLUSTERS, SPARSE_RANGES, ClusterModel, Link, highest_bandwidth
+from flashsgd.sim.network import CLUSTERS, SPARSE_RANGES, STEP_RANGES, ClusterModel, Link, highest_bandwidth
 
 GBIT = 1e9 / 8 / 1e9  # 1 Gbit/s in GB/s (Link.bandwidth_gbps is in 1e9 bytes per second)
 
 DEFAULT_COSTS = {"reduce_ns_per_byte": 3.0 / 900.0, "call_overhead_us": 10.0,
                  "exchange_fixed_us": 500.0, "round_fixed_us": 0.0, "select_ns_per_elem": 0.5,
-                 "tflops": 15.0}
+                 "tflops": 15.0, "step_overhead_us": 0.0, "jitter_percent": 0.0}
 """A V100-class GPU (900 GB/s HBM2, ~15 TFLOPS fp32; NCCL-class call cost; the presets' sparse
 assumptions, :mod:`flashsgd.sim.network`)."""
 
@@ -86,7 +88,8 @@ RENAMED_COSTS = {"sparse_overhead_us": "exchange_fixed_us"}
 
 COST_FIELDS = {"reduce_ns_per_byte": ("gamma_s_per_byte", 1e-9), "call_overhead_us": ("call_overhead_s", 1e-6),
                "exchange_fixed_us": ("exchange_fixed_s", 1e-6), "round_fixed_us": ("round_fixed_s", 1e-6),
-               "select_ns_per_elem": ("select_s_per_elem", 1e-9)}
+               "select_ns_per_elem": ("select_s_per_elem", 1e-9),
+               "step_overhead_us": ("step_overhead_s", 1e-6), "jitter_percent": ("jitter_cv", 1e-2)}
 """[costs] key -> (ClusterModel field, factor to its SI unit); ``tflops`` is ``flop_s = 1 / (tflops x 1e12)``."""
 LINK_FIELDS = {"bandwidth_gbit": ("bandwidth_gbps", GBIT), "latency_us": ("alpha_s", 1e-6),
                "flow_bandwidth_gbit": ("flow_gbps", GBIT)}
@@ -177,8 +180,8 @@ def _cost_ranges(where: str, given: dict, costs: dict) -> dict[str, tuple[float,
         field, factor = COST_FIELDS[key]
         if r is not None:
             out[field] = (r[0] * factor, r[1] * factor)
-        elif key not in given and field in SPARSE_RANGES:  # a default: the presets' assumption
-            out[field] = SPARSE_RANGES[field]
+        elif key not in given and field in {**SPARSE_RANGES, **STEP_RANGES}:  # a default: the presets' assumption
+            out[field] = {**SPARSE_RANGES, **STEP_RANGES}[field]
     return out
 
 
@@ -238,6 +241,7 @@ def load_cluster_text(text: str, where: str, default_name: str = "file") -> Clus
         gamma_s_per_byte=c["reduce_ns_per_byte"] * 1e-9, call_overhead_s=c["call_overhead_us"] * 1e-6,
         exchange_fixed_s=c["exchange_fixed_us"] * 1e-6, round_fixed_s=c["round_fixed_us"] * 1e-6,
         select_s_per_elem=c["select_ns_per_elem"] * 1e-9,
+        step_overhead_s=c["step_overhead_us"] * 1e-6, jitter_cv=c["jitter_percent"] * 1e-2,
         flop_s=1.0 / (c["tflops"] * 1e12), source=where, assumed=assumed)
 
 

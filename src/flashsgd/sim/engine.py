@@ -13,13 +13,18 @@ Algorithm (per iteration, one GPU's view; all GPUs are identical in data paralle
    has finished (one communication stream; ``schedule="overlap"``); with
    ``schedule="after_backward"`` all start when backward ends (:data:`flashsgd.sim.workload.SCHEDULES`).
 4. The optimizer update runs after backward and the last exchange.
+5. Beyond the exchange (issue 35), with more than one GPU: the step waits for the slowest of P ranks,
+   whose compute is ``T1 (1 + cv e(P))`` for a per-step jitter ``cv`` of one GPU's compute
+   (:attr:`~flashsgd.sim.network.ClusterModel.jitter_cv`; :func:`straggler_factor`: e(P) the
+   expected maximum of P standard normal draws, :func:`expected_max_normal`), so the whole timeline of steps 1-4 is stretched
+   by that factor; and each step pays the cluster's fixed ``step_overhead_s``.
 
 With N micro-batches only the last backward can hide the exchange, but one exchange serves N
 micro-batches: T1 grows N-fold at the same samples per micro-batch while the exchange stays.
 
-Outputs: iteration time, compute time (T1), total and exposed communication, throughput and scaling
-efficiency = throughput / (P x single-GPU throughput) = T1 / iteration (a single GPU communicates
-nothing).
+Outputs: iteration time, compute time (T1), total and exposed communication, the straggler and
+overhead terms, throughput and scaling efficiency = throughput / (P x single-GPU throughput) =
+T1 / iteration (a single GPU communicates nothing, waits for no other rank and pays no overhead).
 
 Example::
 
@@ -34,6 +39,8 @@ Example::
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+from statistics import NormalDist
 from typing import Literal
 
 import numpy as np
@@ -125,7 +132,7 @@ class SimResult:
     comm_s: float
     """Sum of all bucket exchange times (overlapped or not)."""
     exposed_comm_s: float
-    """iteration - compute: communication not hidden behind backward."""
+    """Communication not hidden behind backward: iteration = compute + straggler + exposed + overhead."""
     images_per_s: float
     efficiency: float
     """throughput / (gpus x single-GPU throughput)."""
@@ -142,9 +149,40 @@ class SimResult:
     """When the exchanges ran (``SimConfig.schedule``)."""
     grad_accum: int = 1
     """Micro-batches per exchange (``SimConfig.grad_accum``)."""
+    straggler_s: float = 0.0
+    """Time the step waited for its slowest rank (Step 5: T1 cv e(P), and the exchange's timeline
+    stretched with it)."""
+    step_overhead_s: float = 0.0
+    """The cluster's fixed per-step cost of a multi-GPU step (Step 5)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+_GRID = np.linspace(-10.0, 10.0, 8001)
+_PHI = np.array([NormalDist().cdf(x) for x in _GRID])  # the standard normal CDF on that grid
+
+
+@lru_cache(maxsize=None)
+def expected_max_normal(p: int) -> float:
+    """E[max of ``p`` independent standard normal draws]: integral of x d(Phi(x)^p), i.e.
+    int_0^inf (1 - Phi^p) dx - int_-inf^0 Phi^p dx, by the trapezoid rule on [-10, 10] (the tails
+    beyond add < 1e-20 up to p = 10^6): 0 at p = 1, 0.5642 at 2 (1 / sqrt(pi), exact), 2.0697 at
+    32, 3.2482 at 1,024, 3.6261 at 4,096 (tables: 3.2414 at 1,000)."""
+    cdf = _PHI ** p
+    pos, neg = _GRID >= 0, _GRID <= 0
+    return float(np.trapezoid(1.0 - cdf[pos], _GRID[pos]) - np.trapezoid(cdf[neg], _GRID[neg]))
+
+
+def straggler_factor(gpus: int, jitter_cv: float) -> float:
+    """``1 + cv e(P)``: the expected compute of the slowest of ``gpus`` ranks in units of one rank's
+    mean, for independent, normally distributed step times with coefficient of variation
+    ``jitter_cv`` (e(P) = :func:`expected_max_normal`). The maximum keeps growing with P (as
+    sqrt(2 ln P)), which is why a synchronous step degrades with scale however well its exchange
+    overlaps (Chen et al. 2016, "Revisiting Distributed Synchronous SGD", arXiv 1604.00981)."""
+    if gpus <= 1 or jitter_cv == 0:
+        return 1.0
+    return 1.0 + jitter_cv * expected_max_normal(gpus)
 
 
 def bucket_bounds(numels: np.ndarray, elem_bytes: int, bucket_mb: float,
@@ -182,10 +220,12 @@ def _bucket_costs(algorithm: str, nbytes: np.ndarray, setup: CommSetup, workload
 def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimResult:
     """Simulate one iteration of ``workload`` on ``cfg.gpus`` GPUs of ``cluster``."""
     elem = BYTES[cfg.precision]
+    t_one = cfg.batch_per_gpu / cfg.images_per_s  # one GPU's T1: the efficiency's reference
+    stretch = straggler_factor(cfg.gpus, cluster.jitter_cv)  # Step 5: the slowest rank's timeline
     setup = CommSetup(gpus=cfg.gpus, cluster=cluster, grid=cfg.grid, density=cfg.density,
                       value_bytes=elem, index_bytes=cfg.index_bytes, node_split=cfg.node_split,
                       matrix_approximation_rank=cfg.matrix_approximation_rank)
-    t1 = cfg.batch_per_gpu / cfg.images_per_s
+    t1 = t_one * stretch
     upd = cfg.update_fraction * t1
     done = t1 - upd  # backward of the last micro-batch ends here
     # Step 1: time at which each gradient tensor of the last micro-batch is ready; the N-1 micro-
@@ -205,17 +245,19 @@ def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimRe
     end = 0.0
     for r, d in zip(bucket_ready.tolist(), durations.tolist()):
         end = max(r, end) + d
-    # Step 4: update after backward and the last exchange.
-    iteration = t1 + max(0.0, end - done)  # = max(end, done) + upd, exact when hidden
+    # Step 4: update after backward and the last exchange; Step 5: the fixed per-step overhead.
+    exposed = max(0.0, end - done)
+    overhead = cluster.step_overhead_s if cfg.gpus > 1 else 0.0
+    iteration = t1 + exposed + overhead  # = max(end, done) + upd (+ overhead), exact when hidden
     return SimResult(
-        algorithm=cfg.algorithm, gpus=cfg.gpus, iteration_s=iteration, compute_s=t1,
-        comm_s=float(durations.sum()), exposed_comm_s=iteration - t1,
-        images_per_s=cfg.gpus * cfg.batch_per_gpu / iteration, efficiency=t1 / iteration,
+        algorithm=cfg.algorithm, gpus=cfg.gpus, iteration_s=iteration, compute_s=t_one,
+        comm_s=float(durations.sum()), exposed_comm_s=exposed,
+        images_per_s=cfg.gpus * cfg.batch_per_gpu / iteration, efficiency=t_one / iteration,
         buckets=int(ends.size), bucket_bytes_max=float(nbytes.max()),
         latency_s=float(cost.latency_s.sum()), bandwidth_s=float(cost.bandwidth_s.sum()),
         comm_compute_s=float(cost.compute_s.sum()), overhead_s=float(cost.overhead_s.sum()),
         grid=setup.torus_grid if cfg.algorithm == "torus2d" else None, schedule=cfg.schedule,
-        grad_accum=cfg.grad_accum,
+        grad_accum=cfg.grad_accum, straggler_s=t1 - t_one, step_overhead_s=overhead,
     )
 
 

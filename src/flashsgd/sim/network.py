@@ -107,6 +107,15 @@ class ClusterModel:
     """Top-k selection time per gradient element (a few passes over the gradient)."""
     flop_s: float = 0.0
     """Seconds per floating-point operation of a compressor's matrix products (PowerSGD)."""
+    step_overhead_s: float = 0.0
+    """Fixed cost per step of a multi-GPU run that one GPU does not pay (seconds): the DDP reducer's
+    bookkeeping, the hooks' Python, the step's host synchronization, launch gaps (Sergeev & Del
+    Balso 2018 and others: 20+ points of scaling efficiency between frameworks on the same GPUs and
+    fabric)."""
+    jitter_cv: float = 0.0
+    """Step-to-step variation of one GPU's compute time, as a coefficient of variation (std / mean).
+    A synchronous step waits for the slowest of P ranks: the simulator adds the expected maximum of
+    P such times (:func:`flashsgd.sim.engine.straggler_factor`)."""
     resnet50_images_per_s: dict[str, float] = field(default_factory=dict)
     """Single-GPU ResNet-50 training throughput by precision (``fp16``/``fp32``), if known."""
     source: str = ""
@@ -125,8 +134,11 @@ class ClusterModel:
         if self.nodes is not None and (not isinstance(self.nodes, int) or self.nodes < 1):
             raise ValueError(f"ClusterModel.nodes must be an int >= 1 or None, got {self.nodes!r}")
         for name in ("gamma_s_per_byte", "call_overhead_s", "exchange_fixed_s", "round_fixed_s",
-                     "select_s_per_elem", "flop_s"):
+                     "select_s_per_elem", "flop_s", "step_overhead_s", "jitter_cv"):
             _check_positive("ClusterModel", name, getattr(self, name), allow_zero=True)
+        if self.jitter_cv >= 1:
+            raise ValueError(f"ClusterModel.jitter_cv must be < 1 (a coefficient of variation: std / mean), "
+                             f"got {self.jitter_cv!r}")
         for key, value in self.resnet50_images_per_s.items():
             _check_positive("ClusterModel", f"resnet50_images_per_s[{key!r}]", value)
         for key, bounds in self.assumed.items():
@@ -172,7 +184,8 @@ class ClusterModel:
             f"gamma={self.gamma_s_per_byte * 1e12:.3g} ps/B; call overhead "
             f"{self.call_overhead_s * 1e6:.3g} us; sparse exchange fixed {self.exchange_fixed_s * 1e6:.3g} us "
             f"+ {self.round_fixed_s * 1e6:.3g} us per round; "
-            f"top-k select {self.select_s_per_elem * 1e9:.3g} ns/elem"
+            f"top-k select {self.select_s_per_elem * 1e9:.3g} ns/elem; step overhead "
+            f"{self.step_overhead_s * 1e3:.3g} ms, compute jitter {self.jitter_cv:.1%} per step"
         )
 
 
@@ -193,6 +206,8 @@ INPUTS: dict[str, tuple[str, str, float, bool]] = {
     "round_fixed_s": ("sparse per-round fixed cost", "ms", 1e3, False),
     "select_s_per_elem": ("top-k selection", "ns/elem", 1e9, False),
     "flop_s": ("matrix products", "ps/flop", 1e12, False),
+    "step_overhead_s": ("per-step overhead", "ms", 1e3, False),
+    "jitter_cv": ("compute jitter (CV)", "%", 100.0, False),
     "resnet50_images_per_s.fp32": ("compute (ResNet-50 fp32)", "images/s", 1.0, True),
     "resnet50_images_per_s.fp16": ("compute (ResNet-50 fp16)", "images/s", 1.0, True),
 }
@@ -268,6 +283,20 @@ SPARSE_RANGES = {
 }
 """The plausible ranges of the sparse exchange's assumed costs (seconds; per element for selection):
 used by every preset and by the defaults of a cluster file (:mod:`flashsgd.sim.cluster_file`)."""
+STEP_RANGES = {
+    # Per-step overhead of a multi-GPU step: stated 0 (the model of every preset); high 2 ms, the
+    # order measured on an NVIDIA H100 for flashsgd's step beside a plain DDP loop (70.7 vs 69.1 ms,
+    # ResNet-50 bf16 batch 256, world 1; docs/gpu.md) [judgement: the same again for DDP's reducer
+    # with several ranks].
+    "step_overhead_s": (0.0, 2e-3),
+    # Compute jitter: stated 0 (every rank as fast every step); high 3% [judgement], beyond the
+    # coefficient of variation measured on an H100 over 20 ResNet-50 steps (0.2-1.7%: fp32 0.4%,
+    # bf16 0.9%, fp16 1.5%; docs/gpu.md) for shared clusters and input pipelines.
+    "jitter_cv": (0.0, 0.03),
+}
+"""The plausible ranges of the step's assumed costs beyond the exchange (:attr:`ClusterModel.step_overhead_s`,
+:attr:`ClusterModel.jitter_cv`): every preset's and a cluster file's defaults, whose stated values
+are 0 (the nominal prediction is the exchange's alone; the range's slow end holds these)."""
 
 
 def _rate_range(rates: dict[str, float], spread: float) -> dict[str, tuple[float, float]]:
@@ -297,7 +326,7 @@ CLUSTERS.add("abci", ClusterModel(
     resnet50_images_per_s={"fp16": 1200.0, "fp32": 370.0},
     # +-1/6: docs/simulator.md's bracket for the published 1200 (1000-1400 img/s; PyTorch figures,
     # not the frameworks of the ABCI papers), the same relative spread for fp32.
-    assumed={**SPARSE_RANGES, **_rate_range({"fp16": 1200.0, "fp32": 370.0}, 1 / 6),
+    assumed={**SPARSE_RANGES, **STEP_RANGES, **_rate_range({"fp16": 1200.0, "fp32": 370.0}, 1 / 6),
              # NVLink2: 80-100% of 50 GB/s (_NVLINK_ACHIEVED); NCCL's NVLink step (_NVLINK_STEP_RANGE).
              "intra.bandwidth_gbps": (50.0 * _NVLINK_ACHIEVED[0], 50.0 * _NVLINK_ACHIEVED[1]),
              "intra.alpha_s": _NVLINK_STEP_RANGE,
@@ -326,7 +355,7 @@ CLUSTERS.add("bigbasin-50gbe", ClusterModel(
     # figure); P100 has no tensor cores, so fp16 is taken as 1.5x at best.
     resnet50_images_per_s={"fp32": 220.0, "fp16": 330.0},
     # +-18%: docs/simulator.md's bracket of the unverified 220 (180-260 img/s) [judgement].
-    assumed={**SPARSE_RANGES, **_rate_range({"fp32": 220.0, "fp16": 330.0}, 0.18),
+    assumed={**SPARSE_RANGES, **STEP_RANGES, **_rate_range({"fp32": 220.0, "fp16": 330.0}, 0.18),
              # NVLink1: 80-100% of 20 GB/s (_NVLINK_ACHIEVED); NCCL's NVLink step (_NVLINK_STEP_RANGE).
              "intra.bandwidth_gbps": (20.0 * _NVLINK_ACHIEVED[0], 20.0 * _NVLINK_ACHIEVED[1]),
              "intra.alpha_s": _NVLINK_STEP_RANGE,
@@ -360,7 +389,7 @@ CLUSTERS.add("1gbe", ClusterModel(
     resnet50_images_per_s={"fp32": 200.0, "fp16": 300.0},
     # +-18%, as bigbasin-50gbe's unverified rate [judgement]. The gTop-k paper's own breakdown implies
     # 13.1 img/s (64 / 4.882 s), far outside: docs/data/gtopk_paper_*.toml are that case.
-    assumed={**SPARSE_RANGES, **_rate_range({"fp32": 200.0, "fp16": 300.0}, 0.18),
+    assumed={**SPARSE_RANGES, **STEP_RANGES, **_rate_range({"fp32": 200.0, "fp16": 300.0}, 0.18),
              # 1 GbE over TCP: 111 MB/s is the gTop-k paper's figure for its cluster; low 90 MB/s
              # [judgement: MPI/Gloo over kernel TCP with small socket buffers, busy hosts]; high
              # 117.7 MB/s, TCP's payload at 1 Gbit/s with 1500-byte frames (1448 B per 1538 B on the
