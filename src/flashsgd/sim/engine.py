@@ -13,7 +13,7 @@ Algorithm (per iteration, one GPU's view; all GPUs are identical in data paralle
    has finished (one communication stream; ``schedule="overlap"``); with
    ``schedule="after_backward"`` all start when backward ends (:data:`flashsgd.sim.workload.SCHEDULES`).
 4. The optimizer update runs after backward and the last exchange.
-5. Beyond the exchange (issue 35), with more than one GPU: the step waits for the slowest of P ranks,
+5. Beyond the exchange, with more than one GPU: the step waits for the slowest of P ranks,
    whose compute is ``T1 (1 + cv e(P))`` for a per-step jitter ``cv`` of one GPU's compute
    (:attr:`~flashsgd.sim.network.ClusterModel.jitter_cv`; :func:`straggler_factor`: e(P) the
    expected maximum of P standard normal draws, :func:`expected_max_normal`), so the whole timeline of steps 1-4 is stretched
