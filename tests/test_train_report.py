@@ -10,6 +10,7 @@ import pytest
 from flashsgd.train import config as C
 from flashsgd.train import report
 from flashsgd.train.plan import build_plan
+from flashsgd.train.records import Progress
 
 
 def _metrics(out, steps: int) -> None:
@@ -38,7 +39,7 @@ def _summarize(tmp_path, monkeypatch, cli: dict, steps: int):
     plan = build_plan(cfg, 2, 32000, local_spawn=True, backend="gloo")
     _metrics(tmp_path, steps)
     topo = SimpleNamespace(num_nodes=1, ranks_per_node=2, grid=(2, 1))
-    progress = {"tta_s": None, "elapsed_s": 1.0, "step": steps, "epoch": 1, "skipped": 0}
+    progress = Progress.from_json({"tta_s": None, "elapsed_s": 1.0, "step": steps, "epoch": 1, "skipped": 0})
     summary = report.summarize(plan, progress, topo, None, 1.0)
     return plan, summary, legends[0]
 

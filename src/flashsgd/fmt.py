@@ -18,6 +18,7 @@ Rules:
 4. :func:`percent`: a fraction as a percentage (rule 2's threshold too); None or NaN (the worst
    error of no rows, a share of zero steps) is written ``missing``; :func:`share` of part / whole
    says ``0 of 0`` instead of dividing by zero.
+5. :func:`table`: rows of cells under their headers, each column as wide as its widest cell.
 
 Example::
 
@@ -30,7 +31,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 _BINARY = (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10))
 _MAX_DIGITS = 17  # a double has at most 17 significant decimal digits
@@ -118,3 +119,22 @@ def span(lo: float, hi: float, fmt: str) -> str:
     is ``"1.0"``). Bracket it where it follows a value: ``f"[{span(...)}]"``."""
     a, b = format(lo, fmt), format(hi, fmt)
     return a if a == b else f"{a}-{b}"
+
+
+def table(rows: Iterable[Sequence[object]], columns: Sequence[str], align: str = "<",
+          gap: int = 2, missing: str = "-") -> str:
+    """Rule 5: ``columns`` (the headers) over ``rows`` (cells: text, or anything ``str`` writes;
+    None is ``missing``), each column as wide as its widest cell, ``gap`` spaces apart, no
+    trailing spaces. ``align``: ``"<"`` (left) or ``">"`` (right), one for every column or one
+    letter per column.
+
+    >>> print(table([["ring", 97.1], ["gtopk density=0.01", None]], ["setting", "acc %"], "<>"))
+    setting             acc %
+    ring                 97.1
+    gtopk density=0.01      -
+    """
+    lines = [list(columns)] + [[missing if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
+    sides = align * len(columns) if len(align) == 1 else align
+    return "\n".join((" " * gap).join(f"{c:{a}{w}}" for c, a, w in zip(line, sides, widths)).rstrip()
+                     for line in lines)

@@ -1,5 +1,6 @@
 """Output paths checked before any work: a bad one is one line naming the flag (exit 2), never a
-traceback after a benchmark or a run has spent its time (torch-free).
+traceback after a benchmark or a run has spent its time (torch-free); and :func:`write_json`, the
+writer of a JSON output file.
 
 A subcommand declares each output flag with :func:`add_output` (a file such as ``--json``, or a
 directory such as ``--out``); :func:`flashsgd.cli.main` calls :func:`check_args` right after
@@ -24,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -75,3 +77,9 @@ def check_output(path: str | os.PathLike, flag: str, kind: Kind = "file") -> Non
                          f"({exc.strerror or type(exc).__name__})") from None
     os.close(fd)
     os.unlink(probe)
+
+
+def write_json(path: str | os.PathLike, doc: Any, indent: int = 2) -> None:
+    """``doc`` as indented JSON and a final newline, in ``path`` (missing folders created)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=indent) + "\n")

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashsgd.outputs import add_output
-from flashsgd.train.report import WARMUP_STEPS
-
+from flashsgd.fmt import table
+from flashsgd.outputs import add_output, write_json
+from flashsgd.train.records import read_metrics
+from flashsgd.train.report import WARMUP_STEPS, timed_median
 
 
 @dataclass
@@ -69,7 +70,6 @@ def _used_comm_keys(plan_path: Path) -> set[str] | None:
 def load_run(path: str | Path) -> Run:
     """Read one run directory; ValueError naming it when it is not a run or has no evaluation."""
     from flashsgd.train import config as C
-    from flashsgd.train.report import read_metrics
     from flashsgd.train.rundir import NEUTRAL_KEYS
 
     path = Path(path)
@@ -135,7 +135,8 @@ def time_to_target(evals: list[dict], target: float) -> float | None:
 
 
 def run_numbers(run: Run, target: float) -> dict[str, float | None]:
-    """One run's table numbers (throughput and comm share: median / mean over steps >= WARMUP_STEPS)."""
+    """One run's table numbers (throughput and comm share: median / mean over steps >= WARMUP_STEPS,
+    the throughput as summary.json's)."""
     timed = [s for s in run.steps if s["step"] >= WARMUP_STEPS] or run.steps
     shares = [s["t_comm_s"] / s["t_step_s"] for s in timed if s["t_step_s"] > 0]
     return {
@@ -143,7 +144,7 @@ def run_numbers(run: Run, target: float) -> dict[str, float | None]:
         "final_test_accuracy": run.evals[-1]["test_accuracy"],
         "best_test_accuracy": max(e["test_accuracy"] for e in run.evals),
         "time_to_target_s": time_to_target(run.evals, target),
-        "images_per_s": statistics.median(s["images_per_s"] for s in timed) if timed else None,
+        "images_per_s": timed_median(run.steps, "images_per_s", missing=None),
         "comm_share": statistics.mean(shares) if shares else None,
     }
 
@@ -195,17 +196,11 @@ def format_table(rows: list[dict[str, Any]], target: float) -> str:
     """The stdout table, one line per setting (seeds: mean (min..max))."""
     head = ["setting", "algorithm", "seeds", "steps", "final acc %", "best acc %",
             f"time to {target:g}%", "images/s", "comm share", "final vs first"]
-    lines = [head]
-    for r in rows:
-        lines.append([
-            r["label"], r["algorithm"], str(len(r["runs"])), _cell(r["steps"], ".0f"),
-            _cell(r["final_test_accuracy"], ".2f"), _cell(r["best_test_accuracy"], ".2f"),
-            _cell(r["time_to_target_s"], ".1f", " s"), _cell(r["images_per_s"], ",.0f"),
-            _cell(_percent(r["comm_share"]), ".0f", "%") if r["comm_share"]["mean"] is not None else "-",
-            f"{r['final_accuracy_diff']:+.2f} pt",
-        ])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+    return table(([r["label"], r["algorithm"], len(r["runs"]), _cell(r["steps"], ".0f"),
+                   _cell(r["final_test_accuracy"], ".2f"), _cell(r["best_test_accuracy"], ".2f"),
+                   _cell(r["time_to_target_s"], ".1f", " s"), _cell(r["images_per_s"], ",.0f"),
+                   _cell(_percent(r["comm_share"]), ".0f", "%") if r["comm_share"]["mean"] is not None else "-",
+                   f"{r['final_accuracy_diff']:+.2f} pt"] for r in rows), head)
 
 
 def default_plot_path(dirs: list[str], json_path: str | None) -> Path:
@@ -255,8 +250,7 @@ def compare(dirs: list[str], labels: str | None = None, target: float | None = N
     plot_comparison(groups, names, png, target)
     print(format_table(rows, target))
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps({"target_accuracy": target, "settings": rows}, indent=2) + "\n")
+        write_json(json_path, {"target_accuracy": target, "settings": rows})
     print(f"\nplot: {png.resolve()}" + (f"\ntable: {Path(json_path).resolve()}" if json_path else ""))
     return rows
 

@@ -1,9 +1,9 @@
 """Outputs of a training run: metrics.jsonl + TensorBoard, summary.json, report.png.
 
 Everything here runs on rank 0 only (logging on one rank, as torchrun users expect). ``metrics.jsonl`` has one
-JSON object per line: ``{"kind": "step", ...}`` per optimizer step (loss, lr, global batch,
-images/s, seconds in data / forward / backward / hook / sync / optimizer), ``{"kind": "eval", ...}``
-per evaluation (``"at_stop": true`` for the one after a ``run.max_steps`` stop), ``{"kind": "resume", "step": N}`` when a run continues from a checkpoint (steps
+JSON object per line, its fields described in :mod:`flashsgd.train.records`: ``{"kind": "step", ...}`` per
+optimizer step, ``{"kind": "eval", ...}`` per evaluation (``"at_stop": true`` for the one after a
+``run.max_steps`` stop), ``{"kind": "resume", "step": N}`` when a run continues from a checkpoint (steps
 after N that were logged before the interruption are then logged again; readers keep the last).
 
 Example::
@@ -20,11 +20,21 @@ from typing import Any
 
 from flashsgd.exchanges import DENSE_ITERATIONS
 from flashsgd.fmt import percent, plural
+from flashsgd.outputs import write_json
+from flashsgd.train.records import FIELDS, STEP_FIELDS, Progress, read_metrics, resume_row
 
 WARMUP_STEPS = DENSE_ITERATIONS
 """Steps left out of a run's throughput and communication share (summary.json, ``flashsgd compare``):
 DDP's bucket rebuild after the first, and the dense iterations every compressing exchange starts
 with (the catalog's ``start_iter`` default), so every exchange is timed from the same step."""
+
+
+def timed_median(steps: list[dict], name: str, missing: float | None = float("nan")) -> float | None:
+    """The median of field ``name`` over the steps from :data:`WARMUP_STEPS` on (all steps when the
+    run is shorter; rows of an older run may lack a field); ``missing`` when there is none."""
+    timed = [s for s in steps if s["step"] >= WARMUP_STEPS] or steps
+    values = [s[name] for s in timed if name in s]
+    return statistics.median(values) if values else missing
 
 
 class Metrics:
@@ -41,7 +51,7 @@ class Metrics:
 
         self.tb = SummaryWriter(log_dir=str(Path(out) / "tensorboard"), purge_step=resumed_from)
         if resumed_from is not None:
-            self._write({"kind": "resume", "step": resumed_from})
+            self._write(resume_row(resumed_from))
 
     def _write(self, row: dict[str, Any]) -> None:
         try:
@@ -50,21 +60,17 @@ class Metrics:
         except OSError as exc:  # a full disk: name the file
             raise OSError(exc.errno, exc.strerror or str(exc), str(self.path)) from exc
 
-    def step(self, **row: Any) -> None:
+    def add(self, row: dict[str, Any]) -> None:
+        """A step's or an evaluation's row (:func:`~flashsgd.train.records.step_row`, ``eval_row``)
+        and its TensorBoard scalars (flushed after an evaluation)."""
         if not self.enabled:
             return
-        self._write({"kind": "step", **row})
-        s = row["step"]
-        for key in ("loss", "lr", "global_batch", "images_per_s", "t_step_s", "t_comm_s"):
-            self.tb.add_scalar(f"train/{key}", row[key], s)
-
-    def eval(self, **row: Any) -> None:
-        if not self.enabled:
-            return
-        self._write({"kind": "eval", **row})
-        self.tb.add_scalar("test/accuracy", row["test_accuracy"], row["step"])
-        self.tb.add_scalar("test/loss", row["test_loss"], row["step"])
-        self.tb.flush()
+        self._write(row)
+        for f in FIELDS[row["kind"]]:
+            if f.tensorboard:
+                self.tb.add_scalar(f.tensorboard, row[f.name], row["step"])
+        if row["kind"] == "eval":
+            self.tb.flush()
 
     def close(self) -> None:
         if self.enabled:
@@ -72,64 +78,45 @@ class Metrics:
             self.tb.close()
 
 
-def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
-    """(step rows, eval rows) of a metrics.jsonl, keeping the last row logged for each step."""
-    steps: dict[int, dict] = {}
-    evals: dict[int, dict] = {}
-    for line in Path(path).read_text().splitlines():
-        row = json.loads(line)
-        if row["kind"] == "step":
-            steps[row["step"]] = row
-        elif row["kind"] == "eval":
-            evals[row["epoch"]] = row
-        elif row["kind"] == "resume":  # drop what was logged after the checkpoint (and the
-            steps = {k: v for k, v in steps.items() if k < row["step"]}  # evaluation at a stop)
-            evals = {k: v for k, v in evals.items() if v["step"] <= row["step"] and not v.get("at_stop")}
-    return [steps[k] for k in sorted(steps)], [evals[k] for k in sorted(evals)]
-
-
-def summarize(plan, progress: dict, topo, metrics, timer_total: float) -> dict[str, Any]:
+def summarize(plan, progress: Progress, topo, metrics, timer_total: float) -> dict[str, Any]:
     """Write summary.json and report.png; print the final summary; return the summary dict."""
     cfg, world = plan.config, plan.world
     out = Path(cfg.run.out)
     steps, evals = read_metrics(out / "metrics.jsonl")
-    timed = [s for s in steps if s["step"] >= WARMUP_STEPS] or steps
-    med = lambda key: statistics.median(s[key] for s in timed) if timed else float("nan")  # noqa: E731
-    ips = med("images_per_s")
-    t_step, t_comm = med("t_step_s"), med("t_comm_s")
+    ips = timed_median(steps, "images_per_s")
+    medians = {f.summary: timed_median(steps, f.name) for f in STEP_FIELDS if f.summary}
+    t_step, t_comm = timed_median(steps, "t_step_s"), timed_median(steps, "t_comm_s")
     final = evals[-1]["test_accuracy"] if evals else None
     summary = {
         "final_test_accuracy": final,
         "best_test_accuracy": max((e["test_accuracy"] for e in evals), default=None),
         "target_accuracy": cfg.run.target_accuracy,
-        "time_to_accuracy_s": progress["tta_s"],
-        "train_time_s": progress["elapsed_s"],
-        "steps": progress["step"], "total_steps": plan.total_steps, "epochs": progress["epoch"],
-        "skipped_steps": progress["skipped"],
-        **({"overflow_skipped_steps": progress["overflow_skipped"]}  # fp16: the loss scaler's, of those
-           if "overflow_skipped" in progress else {}),
+        "time_to_accuracy_s": progress.tta_s,
+        "train_time_s": progress.elapsed_s,
+        "steps": progress.step, "total_steps": plan.total_steps, "epochs": progress.epoch,
+        "skipped_steps": progress.skipped,
+        **({"overflow_skipped_steps": progress.overflow_skipped}  # fp16: the loss scaler's, of those
+           if progress.overflow_skipped is not None else {}),
         "images_per_s": ips,
         "scaling": {
             "world_size": world, "nodes": topo.num_nodes, "ranks_per_node": topo.ranks_per_node,
             "grid": f"{topo.grid[0]}x{topo.grid[1]}",
-            "images_per_s_per_worker": ips / world,
-            "median_step_s": t_step, "median_hook_s": t_comm,
+            "images_per_s_per_worker": ips / world, **medians,
             "hook_fraction_of_step": t_comm / t_step if t_step else float("nan"),
-            "median_forward_s": med("t_forward_s"), "median_backward_s": med("t_backward_s"),
         },
         "algorithm": cfg.comm.algorithm, "recipe": plan.recipe.name,  # resolved: fujitsu-mnist1d
         "global_batch": plan.table.final_batch, "model": cfg.model.model, "dataset": cfg.data.dataset,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(out / "summary.json", summary)
     make_report(out / "metrics.jsonl", out / "report.png", title=(
         f"{cfg.model.model} on {cfg.data.dataset}: {plan.recipe.name} recipe, {cfg.comm.algorithm}, "
         f"{plural(world, 'worker')}, global batch {plan.table.final_batch}"),
         label_smoothing=plan.recipe.label_smoothing)
-    tta = f"{progress['tta_s']:.1f} s" if progress["tta_s"] is not None else "not reached"
+    tta = f"{progress.tta_s:.1f} s" if progress.tta_s is not None else "not reached"
     accuracy = (f"test accuracy {final:.2f}% (best {summary['best_test_accuracy']:.2f}%)"
                 if final is not None else "not evaluated")
-    print(f"\nflashsgd train: done in {progress['elapsed_s']:.1f} s, {plural(progress['step'], 'step')} "
-          f"({progress['skipped']} skipped) | {accuracy} | time to {cfg.run.target_accuracy:g}%: {tta} | "
+    print(f"\nflashsgd train: done in {progress.elapsed_s:.1f} s, {plural(progress.step, 'step')} "
+          f"({progress.skipped} skipped) | {accuracy} | time to {cfg.run.target_accuracy:g}%: {tta} | "
           f"{ips:,.0f} images/s ({ips / world:,.0f} per worker), gradient exchange "
           f"{percent(summary['scaling']['hook_fraction_of_step'], 0, missing='not timed')} of a step "
           f"(in flight, hooks only)\n"

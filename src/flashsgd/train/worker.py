@@ -36,6 +36,7 @@ from flashsgd.train.data import Datasets, ShardedSampler
 from flashsgd.train.loader import BatchStream, augmentation_key
 from flashsgd.train.plan import RunPlan
 from flashsgd.train.progress import progress_bar
+from flashsgd.train.records import Eval, Progress, eval_row, step_row
 from flashsgd.train.report import Metrics, summarize
 from flashsgd.train.rank import (average_buffers, build_rank, evaluate, inject_fault,
                                  setup_process)
@@ -68,17 +69,16 @@ class Worker:
         self.sampler = ShardedSampler(plan.num_train, self.rank, self.world, self.cfg.run.seed)
         self.data_workers = self.plan.execution.get("data_workers", 0)
         self.stream = BatchStream(data.train, self.data_workers, self.device, channels_last=self.step.channels_last)
-        self.progress: dict[str, Any] = {"step": 0, "epoch": 0, "elapsed_s": 0.0, "skipped": 0,
-                                         "tta_s": None, "evals": []}
+        self.progress = Progress()
         self.start = start
         if start.checkpoint is not None:                                               # Step 3
             self.restore(start.checkpoint)
         else:
             self.sampler.set_epoch(0, plan.batch_at(0))
         self.metrics = Metrics(self.out, self.rank == 0,
-                               resumed_from=self.progress["step"] if start.checkpoint else None)
+                               resumed_from=self.progress.step if start.checkpoint else None)
         self.bar = None
-        self.pending: list[tuple[Any, dict[str, Any]]] = []  # (StepResult, row) not yet written
+        self.pending: list[tuple[Any, dict[str, Any]]] = []  # rows not yet written: (StepResult, own values)
         self.fault = self.cfg.run.fail_at or os.environ.get("FLASHSGD_FAIL_AT", "")
 
     # ---------------------------------------------------------------- Step 3: checkpoints -------
@@ -103,8 +103,8 @@ class Worker:
             self.step.scaler.load_state_dict(shared["scaler"])
         if "rng" in local:  # (augmentation has no stream to restore: per sample, flashsgd.train.images)
             ckpt.set_rng_state(local["rng"])
-        self.progress = dict(shared["progress"])
-        if self.progress["step"] > 0:  # the buckets the uninterrupted run had after its first step
+        self.progress = Progress.from_json(shared["progress"])
+        if self.progress.step > 0:  # the buckets the uninterrupted run had after its first step
             self.rebuild_buckets()
 
     def regroup(self, target: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -155,21 +155,21 @@ class Worker:
         OSError naming the step, the path and the OS error, and ``latest`` stays where it was."""
         self.write_rows()
         hook = self.hook_state.state_dict()
-        self.step.check_parameters(f"after step {self.progress['step'] - 1}", buffers=True, memories=hook)
+        self.step.check_parameters(f"after step {self.progress.step - 1}", buffers=True, memories=hook)
         avg = average_buffers(self.model, inplace=False)
         local = {"hook": hook, "rng": ckpt.rng_state(),
                  "buffers": {n: b.clone() for n, b in self.model.named_buffers() if n in avg}}
         shared = None
         if self.rank == 0:
             shared = {"model": {**self.model.state_dict(), **avg}, "optimizer": self.optimizer.state_dict(),
-                      "sampler": self.sampler.state_dict(), "progress": self.progress}
+                      "sampler": self.sampler.state_dict(), "progress": self.progress.to_json()}
             if self.step.scaler is not None:  # fp16's loss scale and growth tracker (agreed: shared)
                 shared["scaler"] = self.step.scaler.state_dict()
         try:
-            ckpt.save(self.out / "checkpoints", self.progress["step"], shared, local,
+            ckpt.save(self.out / "checkpoints", self.progress.step, shared, local,
                       keep=self.cfg.run.keep_checkpoints)
         except OSError as exc:
-            raise CheckpointWriteError(f"cannot write the checkpoint of step {self.progress['step']}: "
+            raise CheckpointWriteError(f"cannot write the checkpoint of step {self.progress.step}: "
                                        f"{exc}; {self._resume_point()}") from exc
 
     def _resume_point(self) -> str:
@@ -186,17 +186,17 @@ class Worker:
         """Step 4: the LR at the fractional epoch, :class:`~flashsgd.train.step.TrainStep` on the
         next of ``batches`` (step ``i`` of ``sizes``; the wait for it is the step's data time), the
         count of skipped steps, metrics."""
-        step = self.progress["step"]
+        p = self.progress
+        step = p.step
         poison = inject_fault(self.fault, self.rank, step)
         lr = self.plan.lr_at(epoch + i / len(sizes))
         res = self.step(lambda: next(batches), sizes[i], lr=lr, step=step, epoch=epoch, poison=poison)
         if res.skipped:
-            self.progress["skipped"] += 1
+            p.skipped += 1
             if res.overflow:  # fp16: the loss scaler's back-off (also counted in "skipped")
-                self.progress["overflow_skipped"] = self.progress.get("overflow_skipped", 0) + 1
-        self.progress["step"] = step + 1
-        self.progress["elapsed_s"] = time.perf_counter() - self.t_start
-        self.pending.append((res, dict(step=step, epoch=epoch + (i + 1) / len(sizes), loss=res.loss, lr=lr,
+                p.overflow_skipped = (p.overflow_skipped or 0) + 1
+        p.step, p.elapsed_s = step + 1, time.perf_counter() - self.t_start
+        self.pending.append((res, dict(step=step, epoch=epoch + (i + 1) / len(sizes), lr=lr,
                                        global_batch=sizes[i], scheduled_batch=self.sampler.global_batch,
                                        local_batch=self.stream.last_size)))
         self.write_rows(wait=False)
@@ -210,12 +210,8 @@ class Worker:
         reading the times never waits; ``wait``: every row now (before a checkpoint, an evaluation,
         the end)."""
         while self.pending and (wait or self.pending[0][0].ready):
-            res, row = self.pending.pop(0)
-            self.metrics.step(**row, images_per_s=row["global_batch"] / res.total_s, t_step_s=res.total_s,
-                              t_data_s=res.data_s, t_forward_s=res.forward_s, t_backward_s=res.backward_s,
-                              t_comm_s=res.comm_s, t_sync_s=res.sync_s, t_optimizer_s=res.optimizer_s,
-                              skipped=res.skipped, **({"loss_scale": res.loss_scale, "overflow": res.overflow}
-                                 if res.scale is not None else {}))
+            res, own = self.pending.pop(0)
+            self.metrics.add(step_row(res, **own))
 
     # ---------------------------------------------------------------- Steps 4-5: epochs ---------
     def run_epoch(self, epoch: int) -> bool:
@@ -227,10 +223,10 @@ class Worker:
         batches = self.stream.epoch(self.sampler, augmentation_key(r.seed, epoch))
         while self.sampler.position < len(sizes):
             self.train_step(epoch, self.sampler.position, batches, sizes)
-            if r.checkpoint_every and self.progress["step"] % r.checkpoint_every == 0 \
+            if r.checkpoint_every and self.progress.step % r.checkpoint_every == 0 \
                     and self.sampler.position < len(sizes):
                 self.save_checkpoint()
-            if r.max_steps and self.progress["step"] >= r.max_steps:
+            if r.max_steps and self.progress.step >= r.max_steps:
                 return True
         return False
 
@@ -238,25 +234,25 @@ class Worker:
         """Step 5: worker-averaged BN statistics, test accuracy and loss, time to accuracy (never of
         a diverged model: FloatingPointError instead)."""
         self.write_rows()
-        self.step.check_parameters(f"after step {self.progress['step'] - 1}", buffers=True)
+        self.step.check_parameters(f"after step {self.progress.step - 1}", buffers=True)
         average_buffers(self.model)
         acc, test_loss = evaluate(self.model, self.data.test, self.rank, self.world, self.device,
                                   workers=self.data_workers, autocast=self.step.autocast,
                                   channels_last=self.step.channels_last)
         p = self.progress
-        p["elapsed_s"] = time.perf_counter() - self.t_start
-        if p["tta_s"] is None and acc >= self.cfg.run.target_accuracy:
-            p["tta_s"] = p["elapsed_s"]
-        p["evals"].append([epoch, p["step"], acc, p["elapsed_s"]])
-        self.metrics.eval(epoch=epoch, step=p["step"], test_accuracy=acc, test_loss=test_loss,
-                          elapsed_s=p["elapsed_s"], **({"at_stop": True} if at_stop else {}))
+        p.elapsed_s = time.perf_counter() - self.t_start
+        if p.tta_s is None and acc >= self.cfg.run.target_accuracy:
+            p.tta_s = p.elapsed_s
+        p.evals.append(Eval(epoch, p.step, acc, p.elapsed_s))
+        self.metrics.add(eval_row(epoch=epoch, step=p.step, test_accuracy=acc, test_loss=test_loss,
+                                  elapsed_s=p.elapsed_s, at_stop=at_stop or None))
         if self.bar is not None:
             self.bar.set_postfix(epoch=epoch, acc=f"{acc:.2f}%", refresh=True)
 
     def end_epoch(self, epoch: int) -> None:
         """Step 5: after the last step of ``epoch`` (0-based): evaluate when due, checkpoint."""
         done = epoch + 1
-        self.progress["epoch"] = done
+        self.progress.epoch = done
         if done % self.cfg.run.eval_every == 0 or done == self.plan.epochs:
             self.evaluate_now(done)
         self.sampler.set_epoch(done, self.plan.batch_at(min(done, self.plan.epochs - 1)))
@@ -268,7 +264,7 @@ class Worker:
         while epoch < self.plan.epochs:
             if self.run_epoch(epoch):
                 self.save_checkpoint()
-                if not self.progress["evals"] or self.progress["evals"][-1][1] != self.progress["step"]:
+                if not self.progress.evals or self.progress.evals[-1].step != self.progress.step:
                     self.evaluate_now(epoch + self.sampler.position / len(self.sampler), at_stop=True)
                 return
             self.end_epoch(epoch)
@@ -306,22 +302,22 @@ class Worker:
                      if self.auto else "")
                   + f"\n  start       {self.start.describe()}", flush=True)
             if r.progress:  # tqdm on a terminal, else a plain line every few seconds
-                self.bar = progress_bar(self.plan.target_steps, initial=self.progress["step"])
-        self.t_start = time.perf_counter() - self.progress["elapsed_s"]
+                self.bar = progress_bar(self.plan.target_steps, initial=self.progress.step)
+        self.t_start = time.perf_counter() - self.progress.elapsed_s
         try:
             self.train_loop()
         except RuntimeError as exc:  # a peer died or hung: say so, with the step
             failures = comm_failures(exc)
             if not failures:  # this rank's own error (a bad input, a bug): as it is
                 raise
-            err = RuntimeError(f"rank {self.rank}: failed at step {self.progress['step']} - "
+            err = RuntimeError(f"rank {self.rank}: failed at step {self.progress.step} - "
                                f"{self._what_failed(failures)} ({one_line(exc)})")
             err.ranks_per_node = self.topology.ranks_per_node  # the launcher's nodes (describe_exception)
             raise err from exc
         except OSError as exc:  # a full disk: the path and the OS error, never "a collective failed"
             if isinstance(exc, CheckpointWriteError):
                 raise
-            raise OSError(f"failed at step {self.progress['step']}: {exc}") from exc
+            raise OSError(f"failed at step {self.progress.step}: {exc}") from exc
         self.write_rows()
         if self.bar is not None:
             self.bar.close()
