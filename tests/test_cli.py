@@ -62,6 +62,8 @@ OVERRIDES = {  # (command, flag): why its default is not the catalog's
     ("train", "--timeout-s"): "the run's collective deadline (300 s), not the hooks' 'the process group's'",
     ("train", "--nesterov"): "the optimizer's Nesterov (the recipe's), which the sparse hooks follow",
     ("train", "--density-warmup"): "a run warms up by default (DGC's 0.25, its length known); a hook does not",
+    ("train", "--density-warmup-steps"): "unset: the length from --density-warmup-epochs (or its default "
+                                         "rule); a hook's 0 is no warm-up",
     ("bench allreduce", "--timeout-s"): "the launch's deadline (1800 s)",
     ("bench sparse", "--timeout-s"): "the launch's deadline (1800 s)",
     ("bench emulate", "--timeout-s"): "the deadline per launch on the emulated cluster (900 s)",

@@ -49,7 +49,7 @@ def test_every_catalog_entry_has_its_implementation_and_its_cost():
 
 
 def test_every_option_is_documented_and_defaults_agree():
-    from flashsgd.train.config import CommConfig, field_docs
+    from flashsgd.train.config import UNSET_BY_PLAN, CommConfig, field_docs
 
     for exchange in X.EXCHANGES.values():
         docs = {}
@@ -67,6 +67,8 @@ def test_every_option_is_documented_and_defaults_agree():
             assert default is None and X.option_default(name) is None
         elif name == "density_warmup":  # a run warms up by default (its length is known), a hook not
             assert default == X.DENSITY_WARMUP_START and X.option_default(name) is None
+        elif name in UNSET_BY_PLAN or len({repr(v) for v in X.option_readers(name).values()}) > 1:
+            assert default is None, name  # unset: the plan derives it / each exchange keeps its own
         elif name != "momentum_correction":  # [comm] holds a switch; the hook the recipe's factor
             assert default == X.option_default(name), name
 

@@ -4,7 +4,8 @@ Every subcommand that takes an exchange option (``--density``, ``--selection``, 
 ``--matrix-approximation-rank`` ...) declares it with :func:`add_option_flag`: the flag's spelling
 (dashes for underscores), type, choices, default and help are the options class's, so a default
 or a spelling cannot drift between ``train``, ``bench`` and ``simulate``. The exchange itself is
-``--comm`` everywhere (:func:`add_comm_flag`).
+``--comm`` everywhere (:func:`add_comm_flag`). ``flashsgd train`` reads the same catalog through its
+config: every option is a ``[comm]`` key there, and every key a flag (:mod:`flashsgd.train.config`).
 
 Example::
 
@@ -18,40 +19,19 @@ Example::
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
-import inspect
-import textwrap
 import typing
 from typing import Any
 
-from flashsgd.exchanges import EXCHANGES, NODE_SPLITS, SELECTIONS, option_default
+from flashsgd.exchanges import EXCHANGES, option_choices, option_default, option_doc, option_hint
 
-CHOICES = {"selection": SELECTIONS, "node_split": NODE_SPLITS}
-
-
-def option_doc(name: str) -> str:
-    """The docstring of option ``name`` in the first options class that declares it."""
-    for exchange in EXCHANGES.values():
-        for cls in exchange.options.__mro__:
-            if name in getattr(cls, "__annotations__", {}):
-                tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-                body = tree.body[0].body  # type: ignore[attr-defined]
-                for a, b in zip(body, body[1:]):
-                    if isinstance(a, ast.AnnAssign) and getattr(a.target, "id", None) == name \
-                            and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                        return " ".join(str(b.value.value).split())
-    raise KeyError(f"no exchange option {name!r}")
+__all__ = ["add_option_flag", "add_comm_flag", "comm_list", "option_doc"]
 
 
 def _type(name: str) -> Any:
-    for exchange in EXCHANGES.values():
-        fields = {f.name: f for f in dataclasses.fields(exchange.options)}
-        if name in fields:
-            hint = typing.get_type_hints(exchange.options)[name]
-            args = [a for a in typing.get_args(hint) if a is not type(None)]
-            return args[0] if args else hint
-    raise KeyError(f"no exchange option {name!r}")
+    """The value type of option ``name`` (``Optional[int]`` -> ``int``)."""
+    hint = option_hint(name)
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
 
 
 def add_option_flag(parser: Any, name: str, **override: Any) -> None:
@@ -63,8 +43,8 @@ def add_option_flag(parser: Any, name: str, **override: Any) -> None:
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
         kwargs["type"] = kind
-        if name in CHOICES:
-            kwargs["choices"] = CHOICES[name]
+        if option_choices(name):
+            kwargs["choices"] = option_choices(name)
     kwargs.update(override)
     kwargs["help"] = f"{kwargs['help']} (default: %(default)s)"
     parser.add_argument("--" + name.replace("_", "-"), **kwargs)

@@ -26,8 +26,14 @@ powersgd     lowrank LowRankOptions     2 a + (n+m) r 4 b 2(P-1)/P per n x m mat
 (s: bytes of one (value, index) pair on the wire, :func:`wire_index_bytes`.)
 
 Adding an exchange is one :data:`EXCHANGES` entry (and its hook factory and cost function, named
-here); adding an option is one field of its options class: the config, the flags, the hooks'
-validation and the banner read the fields.
+here). Adding an option is one field of its options class, with its docstring under it (and its
+check in the class's ``__post_init__``; a fixed set of values in :data:`OPTION_CHOICES`). The rest
+reads the field: ``flashsgd train``'s ``[comm]`` key and ``--flag`` are generated from it (type,
+default, choices, help: :mod:`flashsgd.train.config`), the trainer passes the key to the hook when
+set and validates it with the class's check, the banner and plan.json show it when it differs from
+the exchange's default, and the benches declare their flags with
+:func:`flashsgd.cli_flags.add_option_flag`. An option with different defaults in two classes (e.g.
+``threaded``) is unset in the config: each exchange keeps its own.
 
 Example::
 
@@ -41,8 +47,12 @@ Example::
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
+import textwrap
+import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -65,6 +75,11 @@ same entries (exact top-k, ties to the lower index)."""
 NODE_SPLITS: tuple[str, ...] = ("leader", "slices", "sparse")
 """How ``hgtopk`` combines the ranks of a node (:mod:`flashsgd.comm.sparse_hier`)."""
 DENSITY_WARMUP_MODES: tuple[str, ...] = ("exponential", "linear")
+"""How a density warm-up goes from its start to ``density`` (:func:`density_at`)."""
+OPTION_CHOICES: dict[str, tuple[str, ...]] = {"selection": SELECTIONS, "node_split": NODE_SPLITS,
+                                              "density_warmup_mode": DENSITY_WARMUP_MODES}
+"""Options whose value is one of a fixed set of names: the choices of their flags and ``[comm]``
+keys (:func:`option_choices`); the options classes check them."""
 MIN_COVERAGE = 20.0
 """Coverage (:func:`coverage`) below which a sparse run loses accuracy: measured on MNIST-1D
 (docs/sparse_accuracy.md), coverage 1.2 lost 12-13 points, 3.7-6.4 lost 1.5-4.7, 12-13 lost
@@ -254,7 +269,8 @@ class LowRankOptions(CommonOptions):
     """``powersgd``: torch's PowerSGD hook (:mod:`flashsgd.comm.powersgd_hooks`)."""
 
     matrix_approximation_rank: int = 1
-    """Rank r of the low-rank approximation, >= 1 (torch's default 1; Vogels et al. use 1-4)."""
+    """Rank r of the low-rank approximation, >= 1 (torch's default 1; Vogels et al. use 1-4; rank 2
+    was within 0.3 pt of dense on the 1250-step MNIST-1D run)."""
     start_iter: int = DENSE_ITERATIONS
     """Dense iterations before compression, >= 2."""
     min_compression_rate: float = 2.0
@@ -358,6 +374,50 @@ def names(family: str | None = None) -> list[str]:
     return [n for n, e in EXCHANGES.items() if family is None or e.family == family]
 
 
+def all_options() -> list[str]:
+    """Every option of every exchange, once, in catalog order (each options class's fields in
+    their order): what ``flashsgd train``'s ``[comm]`` keys are generated from
+    (:mod:`flashsgd.train.config`)."""
+    return list(dict.fromkeys(n for e in EXCHANGES.values() for n in e.option_names()))
+
+
+def _options_class(name: str) -> type:
+    """The first options class (catalog order) that has option ``name``."""
+    for exchange in EXCHANGES.values():
+        if name in exchange.option_names():
+            return exchange.options
+    raise KeyError(f"no exchange option {name!r}; valid: {', '.join(all_options())}")
+
+
+def option_hint(name: str) -> Any:
+    """The type hint of option ``name`` (``Optional[float]``, ``int`` ...), resolved."""
+    return typing.get_type_hints(_options_class(name))[name]
+
+
+def option_doc(name: str) -> str:
+    """The docstring under option ``name`` in the first options class that declares it, on one
+    line: the one text of its ``[comm]`` key's and its flags' help."""
+    for cls in _options_class(name).__mro__:
+        if name in cls.__dict__.get("__annotations__", {}):
+            body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+            for a, b in zip(body, body[1:]):
+                if isinstance(a, ast.AnnAssign) and getattr(a.target, "id", None) == name \
+                        and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                    return " ".join(str(b.value.value).split())
+    raise KeyError(f"exchange option {name!r} has no docstring")
+
+
+def option_choices(name: str) -> tuple[str, ...] | None:
+    """The valid values of option ``name`` when it is one of a fixed set (:data:`OPTION_CHOICES`)."""
+    return OPTION_CHOICES.get(name)
+
+
+def option_readers(name: str) -> dict[str, Any]:
+    """``{exchange: its default}`` of every exchange that reads option ``name`` (:meth:`Exchange.reads`),
+    in catalog order."""
+    return {n: e.options.__dataclass_fields__[name].default for n, e in EXCHANGES.items() if e.reads(name)}
+
+
 def option_default(name: str) -> Any:
     """The one default of option ``name``, wherever several options classes declare it (they
     inherit it, so it is the same): what config fields and CLI flags show."""
@@ -441,7 +501,8 @@ DENSITY_WARMUP_MAX_FRACTION = 0.5
 class DensityWarmup:
     """A run's density warm-up, derived from its length: ``flashsgd train`` runs every sparse
     exchange with one unless told otherwise (``comm.density_warmup`` = ``start``,
-    ``comm.density_warmup_epochs`` = ``epochs``; either 0: off).
+    ``comm.density_warmup_epochs`` = ``epochs`` or ``comm.density_warmup_steps`` = ``fixed_steps``;
+    any of them 0: off).
 
     The default, DGC's warm-up (Lin et al. 2018, sec. 3.3; Shi et al. 2019 also send more in the
     first epoch) scaled to the run::
@@ -479,6 +540,8 @@ class DensityWarmup:
     is no warm-up either."""
     epochs: Optional[float] = None
     """Length in epochs (of the first epoch's batch); None: the default rule above; 0: none."""
+    fixed_steps: Optional[int] = None
+    """Length in steps, whatever the run's (set instead of ``epochs``); None: ``epochs``; 0: none."""
 
     def __post_init__(self) -> None:
         if self.start != 0:
@@ -486,16 +549,22 @@ class DensityWarmup:
         if self.epochs is not None and (isinstance(self.epochs, bool) or not self.epochs >= 0):
             raise ValueError(f"density warm-up epochs must be >= 0 (0: off) or None (the default "
                              f"rule), got {self.epochs!r}")
+        if self.fixed_steps is not None:
+            _int_at_least("density warm-up steps", self.fixed_steps, 0, " (0: off)")
+            if self.epochs is not None:
+                raise ValueError("a density warm-up's length is set in epochs or in steps, not both")
 
     @property
     def is_default(self) -> bool:
         """Whether the length is the default rule's (not set by the user)."""
-        return self.epochs is None
+        return self.epochs is None and self.fixed_steps is None
 
     def steps(self, total_steps: int, steps_per_epoch: float) -> int:
         """Warm-up steps of a run of ``total_steps`` with ``steps_per_epoch`` in its first epoch."""
-        if self.start == 0 or self.epochs == 0:
+        if self.start == 0 or self.epochs == 0 or self.fixed_steps == 0:
             return 0
+        if self.fixed_steps is not None:
+            return self.fixed_steps
         if self.epochs is not None:
             return max(1, round(self.epochs * steps_per_epoch))
         return min(round(DENSITY_WARMUP_EPOCHS * steps_per_epoch),
@@ -511,8 +580,12 @@ class DensityWarmup:
 
     def rule(self) -> str:
         """Where the length comes from, in words (the plan's banner and plan.json)."""
+        if self.fixed_steps == 0 and self.start != 0:
+            return "off (comm.density_warmup_steps set to 0)"
         if self.start == 0 or self.epochs == 0:
             return "off (comm.density_warmup or comm.density_warmup_epochs set to 0)"
+        if self.fixed_steps is not None:
+            return f"{self.fixed_steps} step(s), as set (comm.density_warmup_steps)"
         if self.epochs is not None:
             return f"{self.epochs:g} epoch(s), as set (comm.density_warmup_epochs)"
         return (f"min({DENSITY_WARMUP_EPOCHS:g} epochs, {DENSITY_WARMUP_MAX_FRACTION:g} x the run's "

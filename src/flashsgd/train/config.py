@@ -3,7 +3,9 @@
 A run is described by :class:`TrainConfig`, five small dataclasses (``[data]``, ``[model]``,
 ``[optim]``, ``[comm]``, ``[run]`` in TOML). Every field has a docstring (shown by ``--help``) and
 its field name is unique across sections, so each field is also a CLI flag with dashes
-(``global_batch`` -> ``--global-batch``). Resolution:
+(``global_batch`` -> ``--global-batch``). ``[comm]`` holds, besides its own fields, one field per
+option of the exchange catalog (:mod:`flashsgd.exchanges`), generated from the options classes
+(:func:`_with_exchange_options`: type, default, choices and docstring read there). Resolution:
 
 1. Start from the dataclass defaults (the embedded default run: 4 workers, MNIST-1D, fujitsu recipe
    at global batch 4096, torus2d on a 2x2 grid).
@@ -34,12 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
-from flashsgd.exchanges import BUCKET_MB, DENSITY_WARMUP_START, NODE_SPLITS, SELECTIONS, option_default
+from flashsgd import exchanges as X
+from flashsgd.exchanges import BUCKET_MB, DENSITY_WARMUP_START
 from flashsgd.train.config_values import choices_of, coerce
 
 __all__ = ["TrainConfig", "DataConfig", "ModelConfig", "OptimConfig", "CommConfig", "RunConfig",
-           "choice", "choices_of", "coerce", "resolve", "validate", "to_dict", "dumps", "field_index",
-           "field_docs", "section_types", "parse_fail_at", "SECTIONS"]
+           "COMM_OPTION_KEYS", "DERIVED_OPTIONS", "UNSET_BY_PLAN", "choice", "choices_of", "coerce",
+           "resolve", "validate", "to_dict", "dumps", "field_index", "field_docs", "section_types",
+           "parse_fail_at", "SECTIONS"]
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -150,10 +154,69 @@ class OptimConfig:
     the whole global batch's. Every worker's smallest shard must hold >= N samples."""
 
 
+DERIVED_OPTIONS: dict[str, str] = {"seed": "run.seed", "timeout_s": "run.timeout_s",
+                                   "nesterov": "optim.nesterov"}
+"""Exchange options with no ``[comm]`` key, and the key the plan sets each from: the run's seed, its
+collective deadline, and the optimizer's Nesterov (the recipe's unless ``optim.nesterov`` is set),
+which a sparse hook applies only with ``comm.momentum_correction`` (the recipe's momentum moves into
+the hook, and its Nesterov form with it)."""
+
+UNSET_BY_PLAN: dict[str, str] = {
+    "density_warmup_steps": "unset: the plan derives it from comm.density_warmup_epochs (or that key's "
+                            "default rule); setting both keys is an error",
+}
+"""Generated ``[comm]`` keys whose unset value (None) the plan derives, and what their help says."""
+
+
+def _with_exchange_options(cls: type) -> type:
+    """Add to ``cls`` (the ``[comm]`` class, before ``@dataclass``) one field per exchange option of
+    the catalog (:func:`flashsgd.exchanges.all_options`) that it does not declare itself and that is
+    not in :data:`DERIVED_OPTIONS`, after its own fields, in catalog order.
+
+    Each generated field takes from the catalog its type, its default, its choices and its
+    docstring (prefixed with the exchanges that read it). The default is None ("unset") where the
+    exchanges' defaults differ (``threaded``: the dense hooks True, the sparse False; each keeps its
+    own) or where the plan derives the value (:data:`UNSET_BY_PLAN`); the plan passes the hook every
+    generated key that is not None. So one field in an options class of :mod:`flashsgd.exchanges` is
+    one ``[comm]`` key, one ``flashsgd train`` flag and one hook option, with nothing restated here.
+    """
+    own = cls.__annotations__  # the hand-written fields (train-only, or resolved specially)
+    for name in X.all_options():
+        if name in own or name in DERIVED_OPTIONS:
+            continue
+        readers, hint = X.option_readers(name), X.option_hint(name)
+        doc = f"{', '.join(readers)}: {X.option_doc(name)}"
+        try:
+            default = None if name in UNSET_BY_PLAN else X.option_default(name)
+        except KeyError:  # the exchanges' defaults differ: unset keeps each one's own
+            default, by_value = None, {}
+            for exchange, value in readers.items():
+                by_value.setdefault(repr(value), []).append(exchange)
+            doc += (" Unset: each exchange's own default ("
+                    + "; ".join(f"{', '.join(e)}: {v}" for v, e in by_value.items()) + ").")
+        if name in UNSET_BY_PLAN:
+            doc += f" {UNSET_BY_PLAN[name][0].upper()}{UNSET_BY_PLAN[name][1:]}."
+        if default is None and type(None) not in typing.get_args(hint):
+            hint = Optional[hint]
+        metadata: dict[str, Any] = {"doc": doc, "exchange_option": True}
+        if X.option_choices(name):
+            metadata["choices"] = lambda valid=X.option_choices(name): list(valid)
+        own[name] = hint
+        setattr(cls, name, field(default=default, metadata=metadata))
+    return cls
+
+
 @dataclass
+@_with_exchange_options
 class CommConfig:
-    """``[comm]``: how gradients cross the network (a DDP communication hook). The exchange options'
-    defaults are the catalog's (:mod:`flashsgd.exchanges`), read here, never restated."""
+    """``[comm]``: how gradients cross the network (a DDP communication hook).
+
+    The fields written here are the train's own (the exchange, ``--comm auto``'s inputs, the bucket
+    size, the density warm-up's run-relative start and length, the momentum correction switch) and
+    the layout (resolved with the world by the plan). Every other option of the exchange catalog
+    (:mod:`flashsgd.exchanges`: density, selection, node_split, threaded, start_iter, ...) is a field
+    generated from its options class (:func:`_with_exchange_options`): its default, choices and help
+    are the catalog's, read there, never restated here."""
 
     algorithm: str = choice("torus2d", _hook_names)
     """Hook name in flashsgd.comm.hooks.HOOKS (noop: no exchange, for benchmarks only), or auto: the
@@ -165,13 +228,13 @@ class CommConfig:
     accuracy_risk: Literal["low", "any"] = "low"
     """auto: low: compression only where it was measured to keep accuracy over this run's steps;
     any: every candidate."""
+    bucket_mb: float = BUCKET_MB
+    """DDP gradient bucket cap in MiB (DDP's ``bucket_cap_mb``; one bucket = one exchange call)."""
     grid: Optional[str] = None
     """torus2d grid XxY with X*Y = world size; unset: X = ranks per node (2x2 on 4 local workers)."""
     ranks_per_node: Optional[int] = None
     """Ranks per node; unset: torchrun's LOCAL_WORLD_SIZE; on local spawn one node over NCCL (every GPU
     of this machine), 2 emulated per node over Gloo."""
-    density: float = option_default("density")
-    """topk/gtopk/hgtopk: fraction of gradient entries sent per step, in (0, 1] (0.001: Shi et al.)."""
     density_warmup: Optional[float] = DENSITY_WARMUP_START
     """topk/gtopk/hgtopk: density at the first step, decaying exponentially to `density` over
     density_warmup_epochs (DGC's 0.25, Lin et al. 2018: on by default, without it gTop-k at 0.001
@@ -180,35 +243,18 @@ class CommConfig:
     density_warmup_epochs: Optional[float] = None
     """topk/gtopk/hgtopk: length of the density warm-up, in epochs of the first epoch's batch size;
     unset: min(4 epochs, half the run's steps), DGC's 4 epochs scaled to the run
-    (flashsgd.exchanges.DensityWarmup, shown in the plan); 0: no warm-up."""
+    (flashsgd.exchanges.DensityWarmup, shown in the plan); 0: no warm-up. Or set
+    comm.density_warmup_steps instead (not both)."""
     momentum_correction: bool = False
-    """topk/gtopk/hgtopk: DGC momentum correction (Lin et al. 2018): the recipe's momentum is applied
-    in the hook and the velocity accumulated in the residual; the optimizer runs with momentum 0.
-    Helps SGD at low coverage, hurts LARS (docs/sparse_accuracy.md)."""
-    momentum_masking: bool = option_default("momentum_masking")
-    """With momentum_correction: zero the velocity where entries were sent (DGC)."""
-    local_clip: Optional[float] = None
-    """topk/gtopk/hgtopk: L2 norm each rank's bucket gradient is clipped to before accumulation
-    (DGC's local clipping); unset: off."""
-    layer_trust: bool = option_default("layer_trust")
-    """topk/gtopk/hgtopk with LARS: trust ratios from the per-layer dense gradient norms (one small
-    all-reduce per bucket) instead of the sparse aggregate's."""
-    matrix_approximation_rank: int = option_default("matrix_approximation_rank")
-    """powersgd: rank of torch's PowerSGD approximation (rank 2 was within 0.3 pt of dense on the
-    1250-step MNIST-1D run)."""
-    selection: str = choice(option_default("selection"), lambda: list(SELECTIONS))
-    """topk/gtopk/hgtopk: exact (torch.topk), sampled (threshold from a sample, then an exact trim)
-    or threshold (candidates from block maxima, the threshold kept across steps): the same entries."""
-    threshold_tolerance: float = option_default("threshold_tolerance")
-    """selection threshold: a kept threshold is re-estimated when it selects more than (1 + tol) k
-    entries (Ok-Topk's reuse; 0: re-estimate every step)."""
-    threshold_every: int = option_default("threshold_every")
-    """selection threshold: re-estimate the kept threshold at least every N steps."""
-    node_split: str = choice(option_default("node_split"), lambda: list(NODE_SPLITS))
-    """hgtopk: leader (dense reduce to one rank per node, gTop-k among leaders), slices (each rank
-    runs gTop-k on 1/R of the gradient) or sparse (gTop-k inside the node too)."""
-    bucket_mb: float = BUCKET_MB
-    """DDP gradient bucket cap in MiB (DDP's ``bucket_cap_mb``; one bucket = one exchange call)."""
+    """topk/gtopk/hgtopk: DGC momentum correction (Lin et al. 2018): the recipe's momentum (and its
+    Nesterov form, optim.nesterov) is applied in the hook and the velocity accumulated in the
+    residual; the optimizer runs with momentum 0. Helps SGD at low coverage, hurts LARS
+    (docs/sparse_accuracy.md)."""
+
+
+COMM_OPTION_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CommConfig)
+                                          if f.metadata.get("exchange_option"))
+"""The ``[comm]`` keys generated from the exchange catalog (:func:`_with_exchange_options`)."""
 
 
 @dataclass
@@ -294,7 +340,8 @@ def field_index() -> dict[str, tuple[str, dataclasses.Field, Any]]:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings (the string literal after each field) of a config dataclass."""
+    """Attribute docstrings (the string literal after each field) of a config dataclass, and the
+    ``doc`` metadata of the fields generated from the exchange catalog (:data:`COMM_OPTION_KEYS`)."""
     import ast
     import inspect
     import textwrap
@@ -305,6 +352,8 @@ def field_docs(cls: type) -> dict[str, str]:
     for a, b in zip(body, body[1:]):
         if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
             docs[a.target.id] = str(b.value.value)  # type: ignore[union-attr]
+    if dataclasses.is_dataclass(cls):
+        docs.update({f.name: f.metadata["doc"] for f in dataclasses.fields(cls) if "doc" in f.metadata})
     return docs
 
 
@@ -319,7 +368,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     from flashsgd.train.models import MODELS
 
     for s, k in (("data", "num_samples"), ("data", "image_size"), ("model", "channels"),
-                 ("optim", "global_batch"), ("optim", "epochs"), ("comm", "density"),
+                 ("optim", "global_batch"), ("optim", "epochs"),
                  ("comm", "bucket_mb"), ("run", "keep_checkpoints"),
                  ("run", "eval_every"), ("run", "timeout_s"), ("optim", "grad_accum")):
         _positive(cfg, s, k)
@@ -349,8 +398,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.data.data_workers is not None and cfg.data.data_workers < 0:
         raise ValueError(f"config key data.data_workers must be >= 0 (0: decode in the training "
                          f"process) or unset (automatic), got {cfg.data.data_workers}")
-    if not 0 < cfg.comm.density <= 1:
-        raise ValueError(f"config key comm.density must be in (0, 1], got {cfg.comm.density}")
+    _check_exchange_options(cfg.comm)
     if cfg.comm.density_warmup is None:  # `none` was given (unset is DENSITY_WARMUP_START): off,
         cfg.comm.density_warmup = 0.0    # written as 0 so that config.toml repeats it (no null)
     warm = cfg.comm.density_warmup
@@ -360,11 +408,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                          f"[{cfg.comm.density:g}, 1] or 0 (no warm-up), got {warm:g}")
     if cfg.comm.density_warmup_epochs is not None:  # unset: the default rule
         _positive(cfg, "comm", "density_warmup_epochs", allow_zero=True)
-    _positive(cfg, "comm", "matrix_approximation_rank")
-    _positive(cfg, "comm", "threshold_tolerance", allow_zero=True)
-    _positive(cfg, "comm", "threshold_every")
-    if cfg.comm.local_clip is not None and not cfg.comm.local_clip > 0:
-        raise ValueError(f"config key comm.local_clip must be > 0 (or unset), got {cfg.comm.local_clip}")
+        if cfg.comm.density_warmup_steps is not None:
+            raise ValueError(f"config keys comm.density_warmup_epochs ({cfg.comm.density_warmup_epochs:g}) "
+                             f"and comm.density_warmup_steps ({cfg.comm.density_warmup_steps}) both set "
+                             f"the density warm-up's length: set one of them")
     if cfg.comm.cluster is not None:
         if cfg.comm.algorithm != "auto":
             raise ValueError(f"config key comm.cluster is read only with comm.algorithm = auto, got "
@@ -386,6 +433,23 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.run.fail_at:
         parse_fail_at(cfg.run.fail_at)
     return cfg
+
+
+def _check_exchange_options(c: CommConfig) -> None:
+    """Every generated ``[comm]`` key that is set, checked by each options class that has it (the
+    catalog's own rules, written once there: ``--start-iter 1`` is an error even on a run whose
+    exchange does not read it); the error names the key."""
+    for name in COMM_OPTION_KEYS:
+        value = getattr(c, name)
+        if value is None:
+            continue
+        for options in dict.fromkeys(e.options for e in X.EXCHANGES.values() if e.reads(name)):
+            try:
+                options(**{name: value})
+            except ValueError as exc:
+                text = str(exc)
+                raise ValueError(f"config key comm.{text}" if text.startswith(f"{name} ") else
+                                 f"config key comm.{name}: {text}") from None
 
 
 # optim override -> (lowest valid, whether the lowest is allowed, highest or None, whether it is)

@@ -45,7 +45,7 @@ from flashsgd.fmt import number, plural
 from flashsgd.optim.plan import build_batch_table
 from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
 from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at, steps_in_epochs, steps_per_epoch
-from flashsgd.train.config import TrainConfig, parse_fail_at, to_dict
+from flashsgd.train.config import COMM_OPTION_KEYS, TrainConfig, parse_fail_at, to_dict
 from flashsgd.train.config_file import set_but_unread
 from flashsgd.train.datasets import DATASETS
 
@@ -54,9 +54,12 @@ RECIPE_OVERRIDES = ("optimizer", "lr_per_ref", "ref_batch", "momentum", "nestero
                     "warmup_epochs", "label_smoothing", "trust_coefficient")
 
 
-# Hook options shown only when they differ from the hook's default.
-SWITCHES = ("momentum_masking", "local_clip", "layer_trust", "matrix_approximation_rank",
-            "threshold_tolerance", "threshold_every", "node_split")
+SHOWN = ("ranks_per_node", "grid", "density", "selection", "seed", "timeout_s", "density_warmup",
+         "density_warmup_steps", "momentum_correction", "nesterov")
+"""Hook options the banner and plan.json show whenever the exchange takes them (the layout, what a
+sparse exchange sends, the seed, the deadline, the warm-up, the momentum correction). Every other
+option is a switch, shown (and passed) only where it differs from the exchange's default: an option
+added to the catalog stays out of the banner until a run sets it."""
 
 
 def emulated_ranks_per_node(world: int) -> int:
@@ -206,9 +209,13 @@ class RunPlan:
 
 def density_warmup_of(cfg: TrainConfig) -> DensityWarmup:
     """The run's density warm-up rule from ``[comm]``: ``density_warmup`` the start (0, or None
-    from ``--comm auto``'s choice: off), ``density_warmup_epochs`` the length (unset: the default
-    rule of :class:`~flashsgd.exchanges.DensityWarmup`)."""
-    return DensityWarmup(start=cfg.comm.density_warmup or 0.0, epochs=cfg.comm.density_warmup_epochs)
+    from ``--comm auto``'s choice: off), ``density_warmup_steps`` the length in steps when set, else
+    ``density_warmup_epochs`` in epochs (unset: the default rule of
+    :class:`~flashsgd.exchanges.DensityWarmup`)."""
+    c = cfg.comm
+    if c.density_warmup_steps is not None:  # the config refuses both; the steps as set win
+        return DensityWarmup(start=c.density_warmup or 0.0, fixed_steps=c.density_warmup_steps)
+    return DensityWarmup(start=c.density_warmup or 0.0, epochs=c.density_warmup_epochs)
 
 
 def density_warmup_record(cfg: TrainConfig, options: Any, total_steps: int) -> dict[str, Any]:
@@ -220,7 +227,7 @@ def density_warmup_record(cfg: TrainConfig, options: Any, total_steps: int) -> d
     if steps:
         text = (f"density {options.density_warmup:g} -> {options.density:g} ({options.density_warmup_mode}) "
                 f"over {steps} of {plural(total_steps, 'step')} = {warm.rule()}")
-    elif warm.start == 0 or warm.epochs == 0:
+    elif warm.start == 0 or warm.epochs == 0 or warm.fixed_steps == 0:
         text = f"none: {warm.rule()}"
     else:
         text = f"none (its start {warm.start:g} is not above the density {options.density:g})"
@@ -233,11 +240,17 @@ def density_warmup_record(cfg: TrainConfig, options: Any, total_steps: int) -> d
 def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
                   steps_per_epoch: int, total_steps: int) -> tuple[dict[str, Any], Any, Recipe]:
     """Step 4: the options of ``cfg.comm`` that exchange ``cfg.comm.algorithm`` takes, as shown
-    (the switches only when not at their default) and as its checked options object
-    (:mod:`flashsgd.exchanges`; None for ``auto``), and the recipe the optimizer runs (without
-    momentum when the hook applies it: DGC's momentum correction moves the momentum into the
-    compressor, Lin et al. 2018). A sparse exchange gets its density warm-up in steps
-    (:func:`density_warmup_of`: the user's, else the default rule scaled to ``total_steps``)."""
+    and passed (:data:`SHOWN` always, the other switches only when not at their default) and as its
+    checked options object (:mod:`flashsgd.exchanges`; None for ``auto``), and the recipe the
+    optimizer runs (without momentum when the hook applies it: DGC's momentum correction moves the
+    momentum into the compressor, Lin et al. 2018).
+
+    Offered to the exchange: the layout (``ranks_per_node`` as resolved, ``grid``); every
+    ``[comm]`` key generated from the catalog (:data:`~flashsgd.train.config.COMM_OPTION_KEYS`)
+    that is set (None, unset, leaves the exchange its own default); the options the plan derives
+    (:data:`~flashsgd.train.config.DERIVED_OPTIONS`: ``seed``, ``timeout_s``; ``nesterov`` with the
+    momentum correction); a sparse exchange's density warm-up in steps (:func:`density_warmup_of`:
+    the user's steps or epochs, else the default rule scaled to ``total_steps``)."""
     c = cfg.comm
     if c.algorithm == "auto":  # chosen at start-up (flashsgd.train.auto), then derived again
         if c.momentum_correction:
@@ -245,13 +258,12 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
                              "itself; name a sparse algorithm (topk, gtopk, hgtopk) to use it")
         return {}, None, recipe
     exchange = EXCHANGES[c.algorithm]
-    offered: dict[str, Any] = {"ranks_per_node": ranks_per_node, "grid": c.grid, "density": c.density,
-                               "selection": c.selection, "seed": cfg.run.seed,
-                               "timeout_s": cfg.run.timeout_s, "momentum_masking": c.momentum_masking,
-                               "local_clip": c.local_clip, "layer_trust": c.layer_trust,
-                               "matrix_approximation_rank": c.matrix_approximation_rank,
-                               "threshold_tolerance": c.threshold_tolerance,
-                               "threshold_every": c.threshold_every, "node_split": c.node_split}
+    keys = [k for k in COMM_OPTION_KEYS if getattr(c, k) is not None]  # set: None keeps the exchange's
+    offered: dict[str, Any] = {"ranks_per_node": ranks_per_node, "grid": c.grid}
+    offered.update({k: getattr(c, k) for k in keys if k in SHOWN})  # the banner's order: shown first
+    offered.update(seed=cfg.run.seed, timeout_s=cfg.run.timeout_s)
+    offered.update({k: getattr(c, k) for k in keys if k not in SHOWN})
+    offered.pop("density_warmup_steps", None)  # the warm-up's length: density_warmup_of, below
     if exchange.family == "sparse":
         offered.update(density_warmup_of(cfg).options(c.density, total_steps, steps_per_epoch))
     if c.momentum_correction:
@@ -267,7 +279,7 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
     defaults = exchange.defaults()
     # the switches are left out where they equal the hook's own default: the banner stays short
     return {k: v for k, v in offered.items()
-            if k in defaults and (k not in SWITCHES or defaults[k] != v)}, options, recipe
+            if k in defaults and (k in SHOWN or defaults[k] != v)}, options, recipe
 
 
 def check_auto_cluster(spec: str, world: int, ranks_per_node: int | None) -> None:
@@ -439,7 +451,8 @@ def _derive_comm(cfg: TrainConfig, recipe: Recipe, world: int, rpn: int | None, 
             cfg.comm.algorithm, checked, total_steps, recipe.momentum, warmup=density_warmup_of(cfg),
             steps_per_epoch=first_epoch_steps, epochs=cfg.optim.epochs)
     except ValueError as exc:
-        raise ValueError(f"config keys comm.density_warmup_epochs / comm.momentum_correction: {exc}") from None
+        length = "steps" if cfg.comm.density_warmup_steps is not None else "epochs"
+        raise ValueError(f"config keys comm.density_warmup_{length} / comm.momentum_correction: {exc}") from None
     warm = density_warmup_record(cfg, checked, total_steps) if sparse else {}
     warnings += [f"config key {key} is set but not read by {reader}: ignored"
                  for key, reader in set_but_unread(cfg).items()]
