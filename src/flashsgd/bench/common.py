@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import re
@@ -40,7 +39,7 @@ import torch
 from flashsgd.exchanges import check_timeout_s
 from flashsgd.fmt import plural, size
 from flashsgd.launch import under_torchrun
-from flashsgd.outputs import add_output
+from flashsgd.outputs import add_output, write_json as _write_json
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -225,9 +224,5 @@ def run_metadata(**extra: Any) -> dict:
 
 
 def write_json(path: str, meta: dict, results: list[dict]) -> None:
-    """Write ``{"meta": ..., "results": [...]}`` (parent folders created)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-        f.write("\n")
+    """Write ``{"meta": ..., "results": [...]}`` (parent folders created; :func:`flashsgd.outputs.write_json`)."""
+    _write_json(path, {"meta": meta, "results": results}, indent=1)
