@@ -14,7 +14,8 @@
 #      onto a machine without a GPU unless asked (FLASHSGD_TORCH, or FLASHSGD_ALLOW_CUDA_TORCH=1).
 # 3. flashsgd itself, editable, with the test extras - skipped when this checkout is already
 #    installed in .venv with the same pyproject.toml (so a second run works offline: compute nodes
-#    often are); FLASHSGD_REINSTALL=1 forces it.
+#    often are); FLASHSGD_REINSTALL=1 forces it. With it the `integrations` extra (Lightning,
+#    Accelerate), only if pip's plan for it installs no torch (Step 3b).
 # 4. As root, iproute2 (ip, tc) for the emulated cluster benchmarks, when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +57,31 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     fi
 fi
 
+# Step 3b: the trainer integrations' packages (the `integrations` extra: Lightning, Accelerate) for
+# their tests, never another torch: pip's plan is read first (a dry run: metadata only) and refused
+# by scripts/pip_plan.py if it holds torch, its family or nvidia-* wheels; then exactly the checked
+# pins are installed (--no-deps). Not installable (offline, refused): a note, and their tests skip.
+# FLASHSGD_INTEGRATIONS=0 leaves them out.
+install_integrations() {
+    [ "${FLASHSGD_INTEGRATIONS:-1}" = 0 ] && return 0
+    local plan pins
+    if ! plan="$("${PIP[@]}" install --dry-run --report - -e ".[dev,integrations]" 2>/dev/null)"; then
+        echo "setup: note: the integrations extra (Lightning, Accelerate) could not be resolved (offline?);" \
+             "their tests will be skipped" >&2
+        return 0
+    fi
+    if ! pins="$(echo "$plan" | .venv/bin/python scripts/pip_plan.py --skip flashsgd)"; then
+        echo "setup: note: the integrations extra was not installed (it would replace torch; above);" \
+             "their tests will be skipped. Install lightning and accelerate for this torch by hand." >&2
+        return 0
+    fi
+    if [ -n "$pins" ]; then
+        echo "setup: installing the integrations extra: $(echo "$pins" | tr '\n' ' ')" >&2
+        # shellcheck disable=SC2086
+        "${PIP[@]}" install --no-deps $pins 2> >(grep -v "is ignored: it is neither" >&2)
+    fi
+}
+
 # Step 3
 stamp=.venv/.flashsgd-installed
 want="$(pwd) $(.venv/bin/python -c 'import hashlib,sys; print(hashlib.sha256(open("pyproject.toml","rb").read()).hexdigest())')"
@@ -64,6 +90,7 @@ if [ "${FLASHSGD_REINSTALL:-0}" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")"
     echo "setup: flashsgd already installed in .venv from this checkout (FLASHSGD_REINSTALL=1 to redo)" >&2
 else
     "${PIP[@]}" install -e ".[dev]" 2> >(grep -v "is ignored: it is neither" >&2)
+    install_integrations
     echo "$want" > "$stamp"
 fi
 

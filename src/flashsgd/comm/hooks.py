@@ -32,13 +32,15 @@ Example::
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from flashsgd.comm import dense_hooks, powersgd_hooks, sparse_hooks
-from flashsgd.comm.hook_common import HookFactory, completed_future, ddp_hook
+from flashsgd.comm.hook_common import HookFactory, completed_future, ddp_hook, rank_and_world
 from flashsgd.exchanges import EXCHANGES
 from flashsgd.registry import Registry
 
@@ -56,12 +58,80 @@ del _name
 
 def hook_options(name: str, **offered: Any) -> Any:
     """The options object of hook ``name`` from the subset of ``offered`` it accepts (for callers,
-    such as the trainer, that hold one set of settings for every hook)."""
-    return EXCHANGES[name].options_from(**offered)
+    such as the trainer, that hold one set of settings for every hook).
+
+    ValueError for a density warm-up without its length (``density_warmup`` set,
+    ``density_warmup_steps`` 0 or absent): that warm-up would never happen (the density of the
+    first step would be ``density``), and on MNIST-1D gTop-k at density 0.001 without it lost 12.9
+    points (docs/sparse_accuracy.md). A planner choice (``flashsgd plan --json``) carries only the
+    warm-up's start: :func:`flashsgd.integrations.plan.comm_from_plan` turns it into steps.
+
+    Example::
+
+        >>> hook_options("gtopk", density=0.01, density_warmup=0.25, density_warmup_steps=100, grid="2x2").density
+        0.01
+    """
+    options = EXCHANGES[name].options_from(**offered)
+    _check_density_warmup(name, options)
+    return options
+
+
+def _check_density_warmup(name: str, options: Any) -> None:
+    """ValueError when ``options`` has a density warm-up start but no length (a silent no-op)."""
+    start = getattr(options, "density_warmup", None)
+    if start is not None and getattr(options, "density_warmup_steps", 0) < 1:
+        raise ValueError(
+            f"hook {name!r}: density_warmup={start:g} needs density_warmup_steps >= 1 (its length in "
+            f"optimizer steps), got {options.density_warmup_steps}: without it there is no warm-up at all "
+            f"(density {options.density:g} from the first step). Give density_warmup_steps=N (DGC's "
+            f"default: min(4 epochs, half the run), flashsgd.exchanges.DensityWarmup().steps(total_steps, "
+            f"steps_per_epoch); a plan's choice: flashsgd.integrations.plan.comm_from_plan(choice, "
+            f"total_steps=..., steps_per_epoch=...)), or density_warmup=None for no warm-up")
+
+
+def _check_run_length(name: str, options: Any, total_steps: int) -> None:
+    """The trainer's coverage check (:func:`flashsgd.comm.sparse_checks.check_sparse_run`) for a
+    run of ``total_steps``: ValueError for a warm-up longer than the run; the step-count bound's
+    warning on rank 0 (a :class:`UserWarning`, as ``flashsgd train`` prints it in its plan)."""
+    from flashsgd.comm.sparse_checks import check_sparse_run
+
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"register_hook: total_steps must be the run's number of optimizer steps, an "
+                         f"integer >= 1 (or None: not checked), got {total_steps!r}")
+    try:
+        lines = check_sparse_run(name, options, total_steps)
+    except ValueError as exc:
+        raise ValueError(f"hook {name!r} over total_steps={total_steps}: {exc}".replace(
+            "shorten comm.density_warmup_epochs", "shorten density_warmup_steps")) from None
+    here = rank_and_world()
+    if here is None or here[0] == 0:
+        for line in lines:
+            warnings.warn(line, UserWarning, stacklevel=3)
+
+
+def _not_ddp_remedy(model: Any) -> str:
+    """How to get a DDP model from what was passed: the trainer's own way where one is recognised
+    (Lightning and Accelerate wrap the model themselves), else ``DDP(model)``."""
+    names = {(c.__module__.split(".")[0], c.__name__) for c in type(model).__mro__}
+    if {("lightning", "LightningModule"), ("pytorch_lightning", "LightningModule")} & names:
+        return ("this is a LightningModule: Lightning wraps it in DDP inside Trainer.fit, so register the "
+                "hook there with the callback flashsgd.integrations.lightning.FlashsgdHook(NAME, **options) "
+                "in Trainer(strategy='ddp', callbacks=[...]) (docs/integrations.md)")
+    state = sys.modules.get("accelerate.state")
+    if state is not None and getattr(state.PartialState, "_shared_state", None):
+        world = getattr(state.PartialState(), "num_processes", 1)
+        attach = ("flashsgd.integrations.accelerate.attach_hook(accelerator, model, NAME, ...) after "
+                  "accelerator.prepare (docs/integrations.md)")
+        if world > 1:
+            return f"Accelerate runs {world} processes: pass the model accelerator.prepare(model) returned, with {attach}"
+        return (f"Accelerate runs one process, and accelerator.prepare(model) returns a DDP model only in a "
+                f"distributed launch: launch with `accelerate launch --num_processes N` or torchrun "
+                f"(ACCELERATE_USE_CPU=1 on CPUs), then call {attach}")
+    return "wrap it: DDP(model)"
 
 
 def register_hook(ddp_model: Any, name: str, options: Any = None, *, wrap: Callable | None = None,
-                  **kwargs: Any) -> Any:
+                  total_steps: int | None = None, **kwargs: Any) -> Any:
     """Attach the hook registered as ``name`` to a DDP model; return its state (for checkpoints).
 
     Must be called on every rank, with the same name and options, before the first backward
@@ -75,8 +145,14 @@ def register_hook(ddp_model: Any, name: str, options: Any = None, *, wrap: Calla
         options: the hook's options object (:attr:`flashsgd.exchanges.Exchange.options`), or None
             to build it from ``kwargs``.
         wrap: optional ``wrap(hook) -> hook`` applied before registration (e.g. a timer).
+        total_steps: the run's number of optimizer steps, or None. Given, the trainer's check
+            runs (:func:`flashsgd.comm.sparse_checks.check_sparse_run`): a density warm-up longer
+            than the run is a ValueError, and a sparse hook whose step-count bound is below
+            :data:`~flashsgd.exchanges.MIN_COVERAGE` warns on rank 0 (UserWarning), as
+            ``flashsgd train`` does.
         **kwargs: the hook's options by name (unknown options raise ValueError listing the valid
-            ones; bad values raise ValueError naming the option).
+            ones; bad values raise ValueError naming the option; ``density_warmup`` without
+            ``density_warmup_steps`` raises ValueError: :func:`hook_options`).
 
     Returns:
         The hook state: ``state_dict()`` / ``load_state_dict()`` work for every hook.
@@ -87,9 +163,13 @@ def register_hook(ddp_model: Any, name: str, options: Any = None, *, wrap: Calla
     elif kwargs or not isinstance(options, exchange.options):
         raise ValueError(f"hook {name!r}: pass either an {exchange.options.__name__} or options by "
                          f"name, got {type(options).__name__} and {sorted(kwargs)}")
+    _check_density_warmup(name, options)
+    if total_steps is not None:
+        _check_run_length(name, options, total_steps)
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"register_hook needs a torch.nn.parallel.DistributedDataParallel model, got "
-                        f"{type(ddp_model).__module__}.{type(ddp_model).__qualname__}; wrap it: DDP(model)")
+                        f"{type(ddp_model).__module__}.{type(ddp_model).__qualname__}; "
+                        f"{_not_ddp_remedy(ddp_model)}")
     state, hook = factory(ddp_model, options)
     if hook is not None:
         ddp_model.register_comm_hook(state, _gated(ddp_model, wrap(hook) if wrap else hook))

@@ -311,11 +311,20 @@ def get_workload(spec: str) -> Workload:
     if spec.endswith(".json"):
         return load_profile(spec)
     if ":" in spec:
-        mod_name, _, fn_name = spec.partition(":")
+        import sys  # the working directory joins the path for this import (a console script's
+        mod_name, _, fn_name = spec.partition(":")  # sys.path lacks it; ``python -m`` has it)
+        cwd = str(Path.cwd())
+        added = cwd not in sys.path and "" not in sys.path
+        if added:
+            sys.path.insert(0, cwd)
         try:
             factory = getattr(importlib.import_module(mod_name), fn_name)
         except (ImportError, AttributeError) as exc:
-            raise ValueError(f"model {spec!r}: cannot load {fn_name!r} from {mod_name!r} ({exc})") from None
+            raise ValueError(f"model {spec!r}: cannot load {fn_name!r} from {mod_name!r} ({exc}; modules "
+                             f"are looked up in the working directory {cwd} and on the Python path)") from None
+        finally:
+            if added:
+                sys.path.remove(cwd)
         return from_module(factory(), name=spec)
     if spec not in WORKLOADS:
         raise ValueError(f"--model {spec!r}: not a built-in workload (unknown workload {spec!r}; known: "

@@ -1,0 +1,218 @@
+"""flashsgd in PyTorch Lightning (flashsgd.integrations.lightning): real DDP runs on CPU under torchrun.
+
+Targets (issue 32): a dense flashsgd hook matches Lightning's own DDP all-reduce (per-rank losses within
+1e-6 over 20 steps); a gTop-k run stopped at mid-run and resumed from Lightning's checkpoint is
+bit-identical to the uninterrupted run (losses and parameters), with each rank's hook state in its own
+file beside the checkpoint; the example runs. This file is also the job's script: torchrun runs it as
+``__main__`` with a JSON list of fits to run (one process group, fits one after another).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REASON = "needs PyTorch Lightning (pip install 'flashsgd[integrations]'; scripts/setup.sh installs it)"
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = int(os.environ.get("FLASHSGD_LIGHTNING_RANKS", "4"))
+"""Ranks of the Lightning jobs: 4 (the issue's setting); about 25-35 s a job on an idle 2-core machine."""
+STEPS_PER_EPOCH = 10
+BATCH = 8  # per rank
+
+
+# ------------------------------------------------------------------------- the job (torchrun) ---
+
+def _fit(spec: dict) -> None:
+    """One ``Trainer.fit`` of a small MLP on a synthetic teacher; losses and parameters to spec["out"]."""
+    from datetime import timedelta
+
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from flashsgd.integrations.lightning import FlashsgdHook, configure_optimizers
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    n = STEPS_PER_EPOCH * BATCH * world
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(n, 32, generator=gen)
+    y = (x @ torch.randn(32, 10, generator=gen)).argmax(1)
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+            self.losses: list[tuple[int, float]] = []
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+            self.log("loss", loss)  # logging inside the step (the resume's bucket rebuild must discard it)
+            return loss
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):  # the rebuild's extra training_step: not here
+            self.losses.append((self.trainer.global_step - 1, outputs["loss"].item()))
+
+        def configure_optimizers(self):
+            return configure_optimizers(self, "goyal", global_batch=BATCH * world, num_samples=n, epochs=2)
+
+        def train_dataloader(self):
+            data = torch.utils.data.TensorDataset(x, y)
+            return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
+
+    model = Net()
+    callbacks = [FlashsgdHook(spec["hook"], **spec.get("options", {}))] if spec["hook"] != "lightning" else []
+    ckpt_dir = Path(spec["out"]) / "ckpt"
+    callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_top_k=spec.get("top_k", -1),
+                                     every_n_train_steps=spec.get("every", STEPS_PER_EPOCH)))
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+                        strategy=DDPStrategy(timeout=timedelta(seconds=120)), max_epochs=spec["epochs"],
+                        callbacks=callbacks, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, deterministic=True, default_root_dir=spec["out"])
+    trainer.fit(model, ckpt_path=spec.get("resume"))
+    out = Path(spec["out"])
+    (out / f"losses{rank}.json").write_text(json.dumps(model.losses))
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / "params.pt")
+
+
+def main(specs: list[dict]) -> None:
+    import torch
+    torch.set_num_threads(1)
+    for spec in specs:
+        _fit(spec)
+
+
+# ------------------------------------------------------------------------------- the tests ---
+
+def _torchrun(args: list[str], timeout: float, cwd: Path, world: int = WORLD) -> subprocess.CompletedProcess:
+    """torchrun ``args`` with ``world`` ranks in a session of its own: on timeout the whole session is killed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun timed out after {timeout:.0f} s: {err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _job(tmp_path: Path, specs: list[dict], timeout: float = 240) -> subprocess.CompletedProcess:
+    done = _torchrun([__file__, json.dumps(specs)], timeout, tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def _losses(out: Path) -> list[list[tuple[int, float]]]:
+    return [[tuple(r) for r in json.loads((out / f"losses{r}.json").read_text())] for r in range(WORLD)]
+
+
+def test_dense_hook_matches_lightning_all_reduce(tmp_path):
+    pytest.importorskip("lightning", reason=REASON)
+    import torch
+
+    _job(tmp_path, [{"hook": "lightning", "out": str(tmp_path / "native"), "epochs": 2},
+                    {"hook": "ring", "out": str(tmp_path / "ring"), "epochs": 2}])
+    native, ring = _losses(tmp_path / "native"), _losses(tmp_path / "ring")
+    assert all(len(r) == 2 * STEPS_PER_EPOCH for r in native)
+    worst = max(abs(a[1] - b[1]) for rn, rr in zip(native, ring) for a, b in zip(rn, rr))
+    print(f"dense ring vs Lightning's all-reduce, {WORLD} ranks x 20 steps: max |dloss| = {worst:.3g}")
+    assert worst <= 1e-6
+    p, q = (torch.load(tmp_path / d / "params.pt") for d in ("native", "ring"))
+    assert max((p[k] - q[k]).abs().max().item() for k in p) <= 1e-5
+
+
+def test_gtopk_resume_from_lightning_checkpoint_is_bit_identical(tmp_path):
+    pytest.importorskip("lightning", reason=REASON)
+    import torch
+
+    options = {"density": 0.05, "density_warmup": 0.5, "density_warmup_epochs": 0.5}
+    full, half, resumed = (tmp_path / d for d in ("full", "half", "resumed"))
+    # the uninterrupted run checkpoints every 5 steps keeping the last one only: pruned states
+    first = _job(tmp_path, [{"hook": "gtopk", "options": options, "out": str(full), "epochs": 2,
+                             "top_k": 1, "every": 5},
+                            {"hook": "gtopk", "options": options, "out": str(half), "epochs": 1}])
+    ckpt = half / "ckpt" / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
+    states = sorted(p.name for p in (half / "ckpt" / "flashsgd-hook-state" / f"step={STEPS_PER_EPOCH}").iterdir())
+    assert states == sorted(f"rank{r}.pt" for r in range(WORLD))  # one file per rank, beside the checkpoint
+    record = torch.load(ckpt, weights_only=False)["flashsgd_hook"]
+    assert record["hook"] == "gtopk" and record["world"] == WORLD and "state" not in record
+    kept = [p.name for p in (full / "ckpt" / "flashsgd-hook-state").iterdir()]
+    assert kept == [f"step={2 * STEPS_PER_EPOCH}"], kept  # the removed checkpoints' states went with them
+    # the step-count warning of flashsgd train (coverage at density 0.05 over 20 steps), on rank 0 only
+    assert first.stderr.count("can send each gradient entry at most") == 2, first.stderr[-3000:]
+
+    _job(tmp_path, [{"hook": "gtopk", "options": options, "out": str(resumed), "epochs": 2, "resume": str(ckpt)}])
+    for r, (a, b) in enumerate(zip(_losses(full), _losses(resumed))):
+        assert b == a[STEPS_PER_EPOCH:], f"rank {r}: resumed losses differ: {a[STEPS_PER_EPOCH:]} vs {b}"
+    p, q = torch.load(full / "params.pt"), torch.load(resumed / "params.pt")
+    assert all(torch.equal(p[k], q[k]) for k in p)
+    print(f"gtopk {WORLD} ranks: steps 10-19 after the resume bit-identical (losses and parameters)")
+
+
+def test_lightning_example_runs(tmp_path):
+    pytest.importorskip("lightning", reason=REASON)
+    example = ROOT / "examples" / "lightning_gtopk.py"
+    done = _torchrun([str(example), str(tmp_path)], 240, tmp_path, world=2)
+    assert done.returncode == 0, done.stderr[-4000:]
+    losses = [float(v) for v in re.findall(r"loss ([0-9.]+)", done.stdout)]
+    assert len(losses) >= 2 and losses[-1] < losses[0], done.stdout
+    assert len(flashsgd_lines(example)) <= 3, flashsgd_lines(example)
+
+
+def flashsgd_lines(path: Path) -> list[int]:
+    """The lines of ``path`` that import from flashsgd or use a name imported from it."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    names, lines = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            if any(m.split(".")[0] == "flashsgd" for m in mods):
+                lines.add(node.lineno)
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    lines |= {n.lineno for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in names}
+    return sorted(lines)
+
+
+def test_callback_refuses_a_warmup_without_length_and_non_ddp_strategies():
+    pytest.importorskip("lightning", reason=REASON)
+    import lightning as L
+
+    from flashsgd.integrations.lightning import FlashsgdHook
+
+    with pytest.raises(ValueError, match="density_warmup=0.25 needs its length: density_warmup_epochs"):
+        FlashsgdHook("gtopk", density=0.01, density_warmup=0.25)
+    with pytest.raises(ValueError, match="unknown option"):
+        FlashsgdHook("ring", density=0.01)
+    hook = FlashsgdHook("ring")
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    with pytest.raises(ValueError, match="needs Lightning's DDP strategy .* got SingleDeviceStrategy"):
+        hook.setup(trainer, L.LightningModule(), "fit")
+
+
+def test_register_hook_on_a_lightning_module_names_the_callback():
+    pytest.importorskip("lightning", reason=REASON)
+    import lightning as L
+
+    from flashsgd.comm.hooks import register_hook
+
+    with pytest.raises(TypeError, match=r"LightningModule: .*FlashsgdHook") as err:
+        register_hook(L.LightningModule(), "ring")
+    assert "DDP(model)" not in str(err.value)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
