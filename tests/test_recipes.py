@@ -114,6 +114,17 @@ def test_bench_full_recipe_trains_as_the_former_overlay():
     assert (a["final_train_loss"], a["acc_per_epoch"]) == (b["final_train_loss"], b["acc_per_epoch"])
 
 
+def test_bench_recipe_trains_with_the_trainers_step():
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(bench_recipe.__file__).read_text())
+    calls = {getattr(n.func, "id", getattr(n.func, "attr", ""))
+             for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert {"TrainStep", "ShardedSampler", "lr_at"} <= calls
+    assert not calls & {"backward", "set_lr", "randperm"}  # no loop, data order or schedule of its own
+
+
 def test_build_optimizer_and_loss():
     model = _model()
     opt = build_optimizer(RECIPES.get("goyal"), model, global_batch=8192)

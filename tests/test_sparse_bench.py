@@ -1,16 +1,18 @@
 """`flashsgd bench sparse` (flashsgd.bench.sparse, flashsgd.bench.sparse_steps): rows, phases,
-wire bytes, and option errors."""
+wire bytes, option errors, and that its steps are the hook's own."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+from pathlib import Path
 
 import pytest
 import torch
 
 from flashsgd.bench.sparse import SparseBenchConfig, add_arguments, config_from_args, measure
 from flashsgd.bench.sparse_hook import measure_hook
-from flashsgd.bench.sparse_steps import wire_bytes_per_node
+from flashsgd.bench.sparse_steps import PHASES, SparseStep, wire_bytes_per_node
 from flashsgd.comm.sparse import message_bytes
 
 
@@ -90,3 +92,26 @@ def test_hook_rows(run_ranks):
     assert all(r["step_ms"] > 0 and r["ratio_to_native"] > 0 for r in rows)
     with pytest.raises(ValueError, match="--bucket-mb must be > 0"):
         config_from_args(_args("--hook", "--bucket-mb", "0"))
+
+
+def _hook_step_body():
+    rank = torch.distributed.get_rank()
+    bucket = torch.empty(1000)
+    step = SparseStep("gtopk", bucket, 1.0, selection="threshold")
+    for _ in range(2):
+        bucket.fill_(rank + 1.0)
+        step()
+    return bucket.clone(), step.state.sparse_buckets, step.phases(skip=1)
+
+
+def test_the_step_is_the_hooks_own(run_ranks):
+    # density 1.0: gTop-k == all-reduce, the bucket becomes the average of the ranks' gradients
+    for bucket, sparse_buckets, phases in run_ranks(_hook_step_body, 2):
+        assert torch.equal(bucket, torch.full((1000,), 1.5)) and sparse_buckets == 2
+        assert set(phases) == set(PHASES) and all(t >= 0 for t in phases.values())
+    # no exchange, selection or accumulation of its own: a change to the hook reaches the bench
+    tree = ast.parse((Path(__file__).parents[1] / "src/flashsgd/bench/sparse_steps.py").read_text())
+    called = {getattr(n.func, "id", getattr(n.func, "attr", ""))
+              for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert not called & {"gtopk_allreduce", "topk_allgather", "hgtopk_allreduce", "add_block_maxima",
+                         "topk_threshold", "prepare_sparse", "select"}

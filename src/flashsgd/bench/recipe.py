@@ -1,8 +1,9 @@
 """`flashsgd bench recipe`: does the large-batch recipe close the accuracy gap? (MNIST-1D proxy)
 
 The small-scale proxy (MNIST-1D, Greydanus 2020, standing in for ImageNet): the small 1D CNN
-(:class:`~flashsgd.train.mnist1d.MNIST1DCNN`) on MNIST-1D (32,000 train / 8,000 test), single
-process, the same number of epochs at every batch size:
+(:class:`~flashsgd.train.mnist1d.MNIST1DCNN`) on MNIST-1D (32,000 train / 8,000 test), one rank
+(a 1-rank Gloo group) trained by the trainer's step (:class:`~flashsgd.train.step.TrainStep`),
+data order and LR schedule (:func:`train_once`), the same number of epochs at every batch size:
 
 1. baseline: batch 128, ``base`` recipe (momentum SGD, LR per 256, poly decay, no warmup).
 2. For each large batch B (default 4096 and 8192), three variants:
@@ -34,11 +35,17 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd.fmt import plural
 from flashsgd.optim import RECIPES, Recipe, prepare
+from flashsgd.optim.schedules import lr_at
 from flashsgd.outputs import add_output
+from flashsgd.train.config import RunConfig
+from flashsgd.train.data import ShardedSampler
 from flashsgd.train.mnist1d import MNIST1DCNN, load_mnist1d
+from flashsgd.train.step import TrainStep
 
 HELP = "MNIST-1D accuracy at batch 128 vs large batches: plain SGD, + warmup, full recipe"
 
@@ -113,33 +120,48 @@ def recalibrate_bn(model: torch.nn.Module, x: torch.Tensor, chunk: int = 1024) -
 
 def train_once(data, recipe: Recipe, global_batch: int, epochs: int, seed: int,
                channels: int = 32) -> dict:
-    """Train the CNN with ``recipe`` at ``global_batch`` for ``epochs``; test accuracy per epoch."""
+    """Train the CNN with ``recipe`` at ``global_batch`` for ``epochs``; test accuracy per epoch.
+
+    One rank, trained as ``flashsgd train`` trains it (:func:`flashsgd.train.rank.build_rank`,
+    ``Worker.train_step``): the recipe's tweaks and optimizer, the summed loss, DDP and TrainStep
+    with ``run``'s non-finite defaults, the sampler's batches and the LR at the step's fractional
+    epoch. A run the step stops as diverged (``diverged``: why) keeps its last accuracy.
+    """
     x, y, xt, yt = data
     torch.manual_seed(seed)
     model = MNIST1DCNN(channels=channels)
     # the variants' lengths are for 15 epochs: rescaled to --epochs on purpose (no RecipeWarning)
     plan = prepare(recipe.for_epochs(epochs), model, global_batch, num_samples=len(x), epochs=epochs)
-    gen = torch.Generator().manual_seed(seed + 1000)
-    step, accs, t0, last_loss = 0, [], time.perf_counter(), float("nan")
-    for epoch in range(plan.epochs):
-        b = plan.batch_at(epoch)
-        perm = torch.randperm(len(x), generator=gen)
-        for i in range(0, len(x), b):  # keep the last partial batch (drop_last=False)
-            idx = perm[i:i + b]
-            plan.set_lr(step)
-            loss = plan.loss_fn(model(x[idx]), y[idx])
-            plan.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            plan.optimizer.step()
-            step += 1
-        last_loss = loss.item()
-        accs.append(evaluate(model, xt, yt))
+    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing, reduction="sum")
+    sampler, run = ShardedSampler(len(x), rank=0, world_size=1, seed=seed), RunConfig()
+    step, accs, t0, last_loss, diverged = 0, [], time.perf_counter(), float("nan"), None
+    # a real 1-rank Gloo group: the step all-reduces its loss and flags, DDP (a no-op average) its gradients
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        train_step = TrainStep(DDP(model), plan.optimizer, loss_fn, nonfinite=run.nonfinite,
+                               max_skipped=run.max_skipped)
+        for epoch in range(plan.epochs):
+            sampler.set_epoch(epoch, plan.batch_at(epoch))
+            sizes = sampler.global_sizes()
+            try:
+                for i, idx in enumerate(sampler):
+                    lr = lr_at(epoch + i / len(sizes), plan.schedule, plan.table)
+                    last_loss = train_step(lambda: (x[idx], y[idx]), sizes[i], lr=lr, step=step,
+                                           epoch=epoch).loss
+                    step += 1
+            except FloatingPointError as exc:  # where the trainer stops
+                diverged = str(exc)
+            accs += [evaluate(model, xt, yt)] * (plan.epochs - epoch if diverged else 1)
+            if diverged:
+                break
+    finally:
+        dist.destroy_process_group()
     seconds = time.perf_counter() - t0
     recalibrate_bn(model, x)  # after timing and after the per-epoch accuracies: a diagnostic only
     return {"recipe": recipe.name, "batch": global_batch, "seed": seed, "epochs": epochs,
             "test_acc_precise_bn": evaluate(model, xt, yt),
             "steps": step, "final_train_loss": last_loss, "test_acc": accs[-1],
-            "acc_per_epoch": accs, "seconds": seconds, "plan": plan.describe()}
+            "acc_per_epoch": accs, "seconds": seconds, "plan": plan.describe(), "diverged": diverged}
 
 
 def _variant(name: str) -> Recipe:
@@ -220,7 +242,8 @@ def _run(args: argparse.Namespace) -> int:
             rows.append(r)
             print(f"{variant:>11} batch {batch:>5} seed {seed}: test acc {r['test_acc']:6.2f}% "
                   f"(BN recalibrated {r['test_acc_precise_bn']:6.2f}%)  "
-                  f"({plural(r['steps'], 'step')}, {r['seconds']:.1f} s)  {r['plan']}", flush=True)
+                  f"({plural(r['steps'], 'step')}, {r['seconds']:.1f} s{', diverged' if r['diverged'] else ''})  "
+                  f"{r['plan']}", flush=True)
         results[(variant, batch)] = rows
     base = _summary(results[("baseline", BASE_BATCH)])["mean"]
     base_pbn = _summary(results[("baseline", BASE_BATCH)])["precise_bn"]

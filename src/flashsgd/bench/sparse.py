@@ -11,9 +11,9 @@ median over ``--iters``):
 2. ``dense``: ``torch.distributed.all_reduce`` of the whole gradient (native; the baseline).
 3. per algorithm (``topk``, ``gtopk``, ``hgtopk`` once per ``--node-splits`` entry, rows named
    ``hgtopk node_split=slices``) and variant (eager, or the add and block maxima
-   fused by ``torch.compile``: ``--fuse``): one bucket's step as the DDP hook does it, with error
-   feedback (:mod:`flashsgd.bench.sparse_steps`): its phases accum / select / exchange / merge /
-   scatter are clocked on rank 0.
+   fused by ``torch.compile``: ``--fuse``): the sparse DDP hook's own step on one bucket, with error
+   feedback (:mod:`flashsgd.bench.sparse_steps`; untimed before each call: the gradient copied
+   into the bucket): its phases accum / select / exchange / merge / scatter are clocked on rank 0.
 
 Row columns: ``e2e`` (median, min, max), the phase medians, ``passes`` = (accum + select +
 scatter) / add (the compression's cost in memory passes), ``wire`` = bytes through the busiest
@@ -53,8 +53,8 @@ import torch.distributed as dist
 from flashsgd.bench.common import (add_run_arguments, check_run_arguments, format_header, format_row,
                                    ranks_on_this_host, run_metadata, write_json)
 from flashsgd.bench.sparse_hook import measure_hook
-from flashsgd.bench.sparse_steps import (DEFAULT_NODE_SPLIT, FLOOR_PASSES, PHASES, STEP_ALGORITHMS,
-                                         SparseStepOptions, make_step, step_name, wire_bytes_per_node)
+from flashsgd.bench.sparse_steps import (DEFAULT_NODE_SPLIT, FLOOR_PASSES, STEP_ALGORITHMS, SparseStep,
+                                         step_name, wire_bytes_per_node)
 from flashsgd.cli_flags import add_comm_flag, add_option_flag, comm_list
 from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, gtopk_bytes_sent,
                                   k_from_density, topk_bytes_sent, validate_density,
@@ -62,7 +62,6 @@ from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, gtopk_bytes_se
 from flashsgd.comm.sparse_fused import compiled_available, compress_
 from flashsgd.comm.sparse_hier import broadcast_len, check_node_layout
 from flashsgd.comm.sparse_select import ThresholdReuse, topk_threshold
-from flashsgd.comm.topology import get_topology
 from flashsgd.emulate.netns import parse_rate
 from flashsgd.exchanges import BUCKET_MB, DEFAULT_DENSITY, NODE_SPLITS
 from flashsgd.launch import run as launch_run, under_torchrun
@@ -148,18 +147,12 @@ def _bytes_per_rank(algo: str, node_split: str | None, k: int, world: int, rpn: 
     return max(leader + bcast, 4 * numel if rpn > 1 else 0)
 
 
-def _phase_medians(step, warmup: int) -> dict[str, float]:
-    timed = step.splits[warmup:] or step.splits
-    return {f"{p}_ms": statistics.median(s[p] for s in timed) * 1e3 for p in PHASES}
-
-
 def measure(cfg: SparseBenchConfig) -> list[dict]:
     """Per-rank body: time add, dense and every sparse step for every density (collective)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     m, rpn = cfg.numel, _rpn(cfg, world)
-    topology = get_topology(rpn) if "hgtopk" in cfg.algorithms else None
     grad = torch.randn(m, generator=torch.Generator().manual_seed(rank))
-    dense_buf, add_out = torch.zeros(m), torch.empty(m)
+    dense_buf, add_out, bucket = torch.zeros(m), torch.empty(m), torch.empty(m)
     talk = cfg.verbose and rank == 0
     if talk:
         print(format_header(EXCHANGE_COLUMNS), flush=True)
@@ -168,10 +161,11 @@ def measure(cfg: SparseBenchConfig) -> list[dict]:
         k = k_from_density(m, density)
         variants = [(a, s, f) for a in cfg.algorithms
                     for s in (cfg.node_splits if a == "hgtopk" else [None]) for f in cfg.fuse]
-        steps = [make_step(a, grad, k, SparseStepOptions(cfg.selection, f, topology, s or DEFAULT_NODE_SPLIT))
-                 for a, s, f in variants]
+        steps = [SparseStep(a, bucket, density, selection=cfg.selection, compiled=f, ranks_per_node=rpn,
+                           node_split=s or DEFAULT_NODE_SPLIT) for a, s, f in variants]
         fns = [lambda: torch.add(grad, dense_buf, out=add_out), lambda: dist.all_reduce(dense_buf)]
-        timings = time_ops(fns + steps, cfg.iters, cfg.warmup)
+        fresh = [lambda: None] * len(fns) + [lambda: bucket.copy_(grad)] * len(steps)  # untimed
+        timings = time_ops(fns + steps, cfg.iters, cfg.warmup, prepare=fresh)
         add_s, dense_s = timings[0].median_s, timings[1].median_s
         rate = cfg.link_bps / 8 if cfg.link_bps else None
         dense_wire = wire_bytes_per_node("dense", k, m, world, rpn) / rate * 1e3 if rate else 0.0
@@ -186,7 +180,7 @@ def measure(cfg: SparseBenchConfig) -> list[dict]:
                   "bytes_per_rank": 2 * (world - 1) * m * 4 // world, "ratio_to_dense": 1.0,
                   "for_density": density}]
         for (algo, split, fused), step, t in zip(variants, steps, timings[2:]):
-            phases = _phase_medians(step, cfg.warmup)
+            phases = {f"{p}_ms": s * 1e3 for p, s in step.phases(cfg.warmup).items()}
             wire = (wire_bytes_per_node(algo, k, m, world, rpn, split or DEFAULT_NODE_SPLIT) / rate * 1e3
                     if rate else 0.0)
             name = step_name(algo, split)

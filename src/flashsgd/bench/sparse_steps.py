@@ -1,18 +1,22 @@
 """The timed sparse steps of `flashsgd bench sparse`, their time split, wire time and memory floor.
 
-One step is what the sparse DDP hook (:mod:`flashsgd.comm.sparse_hooks`) does for one bucket,
-with the phases clocked separately (rank-local clocks, no extra synchronization):
+One step is the sparse DDP hook's own step for one bucket
+(:func:`flashsgd.comm.sparse_hooks.sparse_hook` with a real
+:class:`~flashsgd.comm.sparse_state.SparseHookState` from the hook registry, on the default
+process group, past its dense iterations), so that a change to the hook reaches the benchmark.
+Its phases are clocked through the state's clock (:class:`PhaseClock`, rank-local clocks, no
+extra synchronization; the hook calls ``lap`` after each phase):
 
-- ``accum``: ``acc = residual + grad`` into a new tensor, as the hook does (the residual a step
-  started from stays until the step is kept, :mod:`flashsgd.comm.hook_step`); with the
-  ``threshold`` selector also the block maxima (:func:`~flashsgd.comm.sparse_fused.add_block_maxima`,
+- ``accum``: ``acc = residual + grad`` into the state's spare buffer (the residual a step started
+  from stays until the step is kept, :mod:`flashsgd.comm.hook_step`); with the ``threshold``
+  selector on acc also the block maxima (:func:`~flashsgd.comm.sparse_fused.add_block_maxima`,
   fused by ``torch.compile`` in the ``compiled`` variant);
 - ``select``: the rest of the selection (threshold, candidates, trim to k);
-- ``exchange``: the communication: topk's all-gather with its scatter-add into a zeroed buffer;
+- ``exchange``: the communication: topk's all-gather with its scatter-add into the bucket;
   gTop-k's sends and waits; hgtopk's node step (``node_split``: the leader's reduce and broadcast,
-  the slices' reduce-scatter and all-gather, or the node's gTop-k; with the copy into the output
+  the slices' reduce-scatter and all-gather, or the node's gTop-k; with the copy into the bucket
   and the scatter of the result) and the gTop-k sends among the nodes;
-- ``merge``: gTop-k's pairwise merges and counted-index tracking;
+- ``merge``: gTop-k's pairwise merges and counted-index tracking (taken out of ``exchange``);
 - ``scatter``: the dense average written into the bucket and the residual's counted entries
   zeroed.
 
@@ -23,31 +27,27 @@ measured in the same run with every rank adding at once, so ranks sharing a core
 
 Example::
 
-    >>> step = make_step("gtopk", grad, k, SparseStepOptions(selector="threshold"))
-    >>> step()            # one bucket's step; step.splits holds the phase times of each call
+    >>> step = SparseStep("gtopk", bucket_buffer, density=0.001, selection="threshold")
+    >>> bucket_buffer.copy_(grad); step()     # one bucket's step (the buffer becomes the average)
+    >>> step.phases(skip=1)                   # phase medians (seconds) over the calls after the first
     >>> step_name("hgtopk", "slices")                   # the row of hgtopk with that node split
     'hgtopk node_split=slices'
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, gtopk_allreduce, gtopk_bytes_sent,
-                                  message_bytes, topk_allgather)
-from flashsgd.comm.sparse_fused import add_block_maxima
-from flashsgd.comm.sparse_hier import hgtopk_allreduce
-from flashsgd.comm.sparse_select import ThresholdReuse, auto_block, topk_threshold
-from flashsgd.comm.topology import Topology
-from flashsgd.exchanges import NODE_SPLITS, names, option_default
+from flashsgd.comm.hooks import HOOKS
+from flashsgd.comm.sparse import gtopk_bytes_sent, message_bytes
+from flashsgd.exchanges import EXCHANGES, names, option_default
 
 PHASES = ("accum", "select", "exchange", "merge", "scatter")
 STEP_ALGORITHMS = tuple(names("sparse"))
-"""The catalog's sparse exchanges; hgtopk's node split is an option (:class:`SparseStepOptions`)."""
+"""The catalog's sparse exchanges; hgtopk's node split is an option (:class:`SparseStep`)."""
 DEFAULT_NODE_SPLIT = option_default("node_split")
 
 
@@ -82,107 +82,86 @@ FLOOR_PASSES = {
 (:func:`step_name`, fused with torch.compile)."""
 
 
-@dataclass(frozen=True)
-class SparseStepOptions:
-    """How the step selects and where it runs."""
+class PhaseClock:
+    """The clock a sparse hook state carries for the benchmark (``state.clock``, the seam of
+    :mod:`flashsgd.comm.sparse_hooks`): :meth:`start` opens a call, each ``lap(phase)`` of the
+    hook adds the time since the previous lap to ``phase``; ``timings`` collects gTop-k's own
+    split (``merge``, part of the ``exchange`` laps)."""
 
-    selector: str = "threshold"
-    """A name in SELECTIONS."""
-    compiled: bool = False
-    """Fuse the add and the block maxima with torch.compile (``threshold`` selector only)."""
-    topology: Topology | None = None
-    """hgtopk's node layout (required for hgtopk)."""
-    node_split: str = DEFAULT_NODE_SPLIT
-    """hgtopk: how a node combines its ranks (:data:`flashsgd.exchanges.NODE_SPLITS`)."""
+    __slots__ = ("calls", "timings", "last")
 
-    def __post_init__(self) -> None:
-        if self.node_split not in NODE_SPLITS:
-            raise ValueError(f"node_split must be one of {', '.join(NODE_SPLITS)}, got {self.node_split!r}")
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict[str, float], dict[str, float]]] = []  # (laps, timings) per call
+        self.timings: dict[str, float] = {}
+        self.last = 0.0
+
+    def start(self) -> None:
+        self.timings = {}
+        self.calls.append(({}, self.timings))
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now, laps = time.perf_counter(), self.calls[-1][0]
+        laps[phase] = laps.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
+class _Bucket:
+    """One DDP gradient bucket as a hook sees it (torch's ``GradBucket`` interface, as
+    :class:`~flashsgd.comm.hook_common.HostBucket` has it): ``buf``, the gradient of one parameter."""
+
+    __slots__ = ("buf", "param")
+
+    def __init__(self, buf: torch.Tensor, param: torch.nn.Parameter) -> None:
+        self.buf, self.param = buf, param
+
+    def buffer(self) -> torch.Tensor:
+        return self.buf
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self.param]
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [self.buf]
 
 
 class SparseStep:
-    """A callable running one bucket's sparse step; ``splits`` lists each call's phase seconds."""
+    """The hook ``algorithm`` (in :data:`STEP_ALGORITHMS`) on the bucket ``buf`` with the given
+    options (:class:`flashsgd.exchanges.SparseOptions`; hgtopk: ``ranks_per_node``, ``node_split``),
+    a callable: each call overwrites ``buf`` with the average. ``state`` is the hook's, ``clock``
+    its phases per call. Collective to build (hgtopk builds its node groups)."""
 
-    __slots__ = ("algorithm", "grad", "k", "options", "residual", "out", "reuse", "workspace",
-                 "splits")
+    __slots__ = ("state", "hook", "bucket", "clock")
 
-    def __init__(self, algorithm: str, grad: torch.Tensor, k: int, options: SparseStepOptions) -> None:
-        if algorithm == "hgtopk" and options.topology is None:
-            raise ValueError("hgtopk needs options.topology (ranks per node)")
-        self.algorithm, self.grad, self.k, self.options = algorithm, grad, k, options
-        self.residual = torch.zeros_like(grad)
-        self.out = torch.empty_like(grad)
-        self.reuse = ThresholdReuse()
-        self.workspace = SelectionWorkspace()
-        self.splits: list[dict[str, float]] = []
-
-    def _select(self, x: torch.Tensor, k: int, bmax: torch.Tensor | None = None):
-        if self.options.selector == "threshold":
-            return topk_threshold(x, k, reuse=self.reuse, bmax=bmax)
-        if self.options.selector == "sampled":
-            return SELECTIONS["sampled"](x, k, workspace=self.workspace)
-        return SELECTIONS[self.options.selector](x, k)
-
-    def _accumulate(self) -> torch.Tensor | None:
-        """residual <- residual + grad, a new tensor as in the hook (with the block maxima when they
-        will be used)."""
-        block = auto_block(self.grad.numel(), self.k)
-        dense_in_node = self.algorithm == "hgtopk" and self.options.node_split in ("leader", "slices")
-        # (they select over the node sum, not over this rank's residual)
-        if self.options.selector == "threshold" and block and not dense_in_node:
-            self.residual, bmax = add_block_maxima(self.residual, self.grad, block, compiled=self.options.compiled)
-            return bmax
-        self.residual = self.residual + self.grad
-        return None
+    def __init__(self, algorithm: str, buf: torch.Tensor, density: float, *, selection: str,
+                 compiled: bool = False, ranks_per_node: int | None = None,
+                 node_split: str = DEFAULT_NODE_SPLIT) -> None:
+        options = EXCHANGES[algorithm].options_from(density=density, selection=selection,
+                                                    compiled=compiled, ranks_per_node=ranks_per_node,
+                                                    node_split=node_split)
+        param = torch.nn.Parameter(torch.empty(buf.numel(), dtype=buf.dtype), requires_grad=False)
+        self.bucket = _Bucket(buf, param)
+        # the state and hook as register_hook makes them (here for a module of one parameter)
+        self.state, self.hook = HOOKS.get(algorithm)(torch.nn.ParameterList([param]), options)
+        self.state.iter = options.start_iter  # past the dense iterations (there is no DDP rebuild)
+        self.clock = self.state.clock = PhaseClock()
 
     def __call__(self) -> None:
-        world, m = dist.get_world_size(), self.grad.numel()
-        tm: dict[str, float] = {"merge": 0.0}
-        t0 = time.perf_counter()
-        bmax = self._accumulate()
-        t1 = time.perf_counter()
-        if self.algorithm == "hgtopk":
-            sel = {"s": 0.0}
+        self.clock.start()
+        self.hook(self.state, self.bucket)  # synchronous: returns a completed Future
 
-            def timed_select(x, k):
-                s0 = time.perf_counter()
-                picked = self._select(x, k, bmax if x is self.residual else None)
-                sel["s"] += time.perf_counter() - s0
-                return picked
-
-            res = hgtopk_allreduce(self.residual, self.k, self.options.topology, out=self.out,
-                                   select=timed_select, check=False, timings=tm,
-                                   split=self.options.node_split)
-            t3 = time.perf_counter()
-            t2 = t1 + sel["s"]
-            self.out.div_(world)
-            counted = res.counted
-        else:
-            values, indices = self._select(self.residual, self.k, bmax)
-            t2 = time.perf_counter()
-            if self.algorithm == "topk":
-                topk_allgather(values, indices, m, check=False, out=self.out)
-                t3 = time.perf_counter()
-                self.out.div_(world)
-                counted = indices
-            else:
-                res = gtopk_allreduce(values, indices, self.k, m, check=False, timings=tm)
-                t3 = time.perf_counter()
-                self.out.zero_()
-                self.out[res.indices] = res.values.div(world)
-                counted = res.counted
-        self.residual.index_fill_(0, counted, 0)
-        t4 = time.perf_counter()
-        self.splits.append({"accum": t1 - t0, "select": t2 - t1,
-                            "exchange": t3 - t2 - tm["merge"], "merge": tm["merge"],
-                            "scatter": t4 - t3})
-
-
-def make_step(algorithm: str, grad: torch.Tensor, k: int, options: SparseStepOptions) -> SparseStep:
-    """A :class:`SparseStep` for ``algorithm`` in :data:`STEP_ALGORITHMS`."""
-    if algorithm not in STEP_ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {', '.join(STEP_ALGORITHMS)}, got {algorithm!r}")
-    return SparseStep(algorithm, grad, k, options)
+    def phases(self, skip: int) -> dict[str, float]:
+        """Median seconds of each phase in :data:`PHASES` over the calls after the first ``skip``."""
+        calls = self.clock.calls[skip:] or self.clock.calls
+        rows = [{**laps, "merge": t.get("merge", 0.0),
+                 "exchange": laps.get("exchange", 0.0) - t.get("merge", 0.0)} for laps, t in calls]
+        return {p: statistics.median(r.get(p, 0.0) for r in rows) for p in PHASES}
 
 
 # --------------------------------------------------------------------------------- wire ---------

@@ -47,6 +47,12 @@ the next bucket and the rest of backward overlap the exchange (measured: docs/be
 "overlap"). Not for models that issue collectives inside backward themselves (SyncBatchNorm).
 The dense warm-up iterations are synchronous.
 
+Phase timing (``flashsgd bench sparse`` times this step, not a copy of it): ``state.clock`` is
+None, and then nothing is timed and no clock is read; a benchmark sets it to an object with
+``lap(phase)`` and a ``timings`` dict (:class:`flashsgd.bench.sparse_steps.PhaseClock`), and the
+synchronous step calls ``lap`` after each phase (``accum``, ``select``, ``exchange``, ``scatter``:
+steps 1, 2, 3, 4-5) and hands ``timings`` to gTop-k (its ``merge`` seconds, inside ``exchange``).
+
 Checkpoints: ``state.state_dict()`` / ``load_state_dict()`` (iteration, residuals with their
 layouts, the sampled selection's RNG state, counters). Pickling drops the process group and the
 id-based parameter map; an unpickled state must be re-attached with
@@ -193,9 +199,11 @@ def prepare_sparse(state: SparseHookState, bucket: dist.GradBucket, buf: torch.T
     if state.layout_changed(bucket):
         state.drain()
     acc, velocity, bmax = _accumulate(state, bucket, buf, k)
+    _lap(state, "accum")
     # Step 2 (hgtopk: inside the exchange, after its node step)
     exchange = EXCHANGE_STEPS[state.algorithm]
     picked = select(state, acc, k, idx, rank, bmax) if exchange.selects_first else None
+    _lap(state, "select")
 
     def rest() -> torch.Tensor:
         if state.options.layer_trust:  # buf is still the (clipped) gradient here
@@ -213,6 +221,7 @@ def prepare_sparse(state: SparseHookState, bucket: dist.GradBucket, buf: torch.T
         state.keep(idx, layout, acc, velocity)
         state.sparse_buckets += 1
         state.last_density = density
+        _lap(state, "scatter")
         return buf
 
     return rest
@@ -224,7 +233,9 @@ def _topk(state: SparseHookState, buf: torch.Tensor, acc: torch.Tensor, k: int, 
     (_, _, world), n = where, buf.numel()
     values, indices = picked
     topk_allgather(values, indices, n, state.process_group, check=False, out=buf,
-                   timeout_s=state.options.timeout_s).div_(world)
+                   timeout_s=state.options.timeout_s)
+    _lap(state, "exchange")
+    buf.div_(world)
     state.bytes_sent += topk_bytes_sent(k, world, values.dtype, n)
     return indices
 
@@ -235,7 +246,8 @@ def _gtopk(state: SparseHookState, buf: torch.Tensor, acc: torch.Tensor, k: int,
     (_, rank, world), n = where, buf.numel()
     values, indices = picked
     res = gtopk_allreduce(values, indices, k, n, state.process_group, check=False,
-                          timeout_s=state.options.timeout_s)
+                          timeout_s=state.options.timeout_s, timings=_timings(state))
+    _lap(state, "exchange")
     buf.zero_()
     buf[res.indices] = res.values.div(world)
     state.bytes_sent += gtopk_bytes_sent(k, world, rank, values.dtype, n)
@@ -246,12 +258,31 @@ def _hgtopk(state: SparseHookState, buf: torch.Tensor, acc: torch.Tensor, k: int
             where: tuple[int, int, int], bmax: torch.Tensor | None) -> torch.Tensor:
     """``hgtopk``: the node step (``node_split``), Step 2 on the node's sum, gTop-k among nodes."""
     (idx, rank, world), n = where, buf.numel()
+
+    def node_select(x: torch.Tensor, k_: int):
+        _lap(state, "exchange")  # the node step so far
+        picked = select(state, x, k_, idx, rank, bmax if x is acc else None)
+        _lap(state, "select")
+        return picked
+
     res = hgtopk_allreduce(acc, k, state.topology, out=buf, check=False, timeout_s=state.options.timeout_s,
-                           select=lambda x, k_: select(state, x, k_, idx, rank, bmax if x is acc else None),
-                           split=state.options.node_split)
+                           select=node_select, split=state.options.node_split, timings=_timings(state))
+    _lap(state, "exchange")
     buf.div_(world)
     state.bytes_sent += sum(hgtopk_bytes_sent(k, state.topology, n, buf.dtype).values())
     return res.counted
+
+
+def _lap(state: SparseHookState, phase: str) -> None:
+    """Phase timing (module docstring): the time since the clock's last lap goes to ``phase``;
+    nothing without a clock."""
+    if state.clock is not None:
+        state.clock.lap(phase)
+
+
+def _timings(state: SparseHookState) -> dict | None:
+    """gTop-k's own split of its time (``merge``) for the clock; None without one."""
+    return None if state.clock is None else state.clock.timings
 
 
 class ExchangeStep(NamedTuple):

@@ -62,7 +62,7 @@ class SparseHookState:
         "param_positions", "generator", "saved_generator", "workspace", "checked", "reuse", "topology", "comm",
         "pending_job", "step", "saved", "spare",
         # stats
-        "bytes_sent", "sparse_buckets", "dense_buckets", "last_density", "residual_remaps",
+        "bytes_sent", "sparse_buckets", "dense_buckets", "last_density", "residual_remaps", "clock",
     )
 
     def __init__(self, algorithm: str, options: SparseOptions, process_group: Any = None,
@@ -94,6 +94,7 @@ class SparseHookState:
         self.dense_buckets = 0
         self.last_density = 1.0
         self.residual_remaps = 0
+        self.clock = None  # phase timing of the sparse step, set by a benchmark (sparse_hooks._lap)
 
     def grad_norms(self, params: list[torch.Tensor]) -> torch.Tensor | None:
         """(len(params),) dense gradient norms of ``params`` from this step (``layer_trust``), for
