@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torchrun_jobs import job, torchrun
 
 REASON = "needs Hugging Face Accelerate (pip install 'flashsgd[integrations]'; scripts/setup.sh installs it)"
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,25 +92,15 @@ def main(specs: list[dict]) -> None:
 
 # ------------------------------------------------------------------------------- the tests ---
 
+ENV = {"ACCELERATE_USE_CPU": "1"}
+
+
 def _torchrun(args: list[str], timeout: float, cwd: Path) -> subprocess.CompletedProcess:
-    """torchrun ``args`` on WORLD ranks in a session of its own: on timeout the whole session is killed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun timed out after {timeout:.0f} s: {err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return torchrun(args, timeout, cwd, WORLD, ENV)
 
 
 def _job(tmp_path: Path, specs: list[dict], timeout: float = 180) -> subprocess.CompletedProcess:
-    done = _torchrun([__file__, json.dumps(specs)], timeout, tmp_path)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
+    return job(__file__, specs, tmp_path, WORLD, timeout, ENV)
 
 
 def _records(out: Path) -> list[list[tuple]]:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torchrun_jobs import job, torchrun
 
 REASON = "needs PyTorch Lightning (pip install 'flashsgd[integrations]'; scripts/setup.sh installs it)"
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,25 +93,15 @@ def main(specs: list[dict]) -> None:
 
 # ------------------------------------------------------------------------------- the tests ---
 
+ENV = {"PYTHONWARNINGS": "ignore::DeprecationWarning"}
+
+
 def _torchrun(args: list[str], timeout: float, cwd: Path, world: int = WORLD) -> subprocess.CompletedProcess:
-    """torchrun ``args`` with ``world`` ranks in a session of its own: on timeout the whole session is killed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun timed out after {timeout:.0f} s: {err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return torchrun(args, timeout, cwd, world, ENV)
 
 
 def _job(tmp_path: Path, specs: list[dict], timeout: float = 240) -> subprocess.CompletedProcess:
-    done = _torchrun([__file__, json.dumps(specs)], timeout, tmp_path)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
+    return job(__file__, specs, tmp_path, WORLD, timeout, ENV)
 
 
 def _losses(out: Path) -> list[list[tuple[int, float]]]:
