@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from flashsgd.fmt import plural
 from flashsgd.optim import RECIPES, Recipe, prepare
 from flashsgd.optim.schedules import lr_at
+from flashsgd.optim.stability import LossRiseGuard
 from flashsgd.outputs import add_output
 from flashsgd.train.config import RunConfig
 from flashsgd.train.data import ShardedSampler
@@ -135,6 +136,7 @@ def train_once(data, recipe: Recipe, global_batch: int, epochs: int, seed: int,
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing, reduction="sum")
     sampler, run = ShardedSampler(len(x), rank=0, world_size=1, seed=seed), RunConfig()
     step, accs, t0, last_loss, diverged = 0, [], time.perf_counter(), float("nan"), None
+    guard, unstable = LossRiseGuard(plan.recipe.warmup_epochs), None  # the trainer's stability guard
     # a real 1-rank Gloo group: the step all-reduces its loss and flags, DDP (a no-op average) its gradients
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -148,6 +150,7 @@ def train_once(data, recipe: Recipe, global_batch: int, epochs: int, seed: int,
                     lr = lr_at(epoch + i / len(sizes), plan.schedule, plan.table)
                     last_loss = train_step(lambda: (x[idx], y[idx]), sizes[i], lr=lr, step=step,
                                            epoch=epoch).loss
+                    unstable = guard.update(step, epoch + i / len(sizes), last_loss, lr, sizes[i]) or unstable
                     step += 1
             except FloatingPointError as exc:  # where the trainer stops
                 diverged = str(exc)
@@ -161,7 +164,8 @@ def train_once(data, recipe: Recipe, global_batch: int, epochs: int, seed: int,
     return {"recipe": recipe.name, "batch": global_batch, "seed": seed, "epochs": epochs,
             "test_acc_precise_bn": evaluate(model, xt, yt),
             "steps": step, "final_train_loss": last_loss, "test_acc": accs[-1],
-            "acc_per_epoch": accs, "seconds": seconds, "plan": plan.describe(), "diverged": diverged}
+            "acc_per_epoch": accs, "seconds": seconds, "plan": plan.describe(), "diverged": diverged,
+            "unstable": unstable}
 
 
 def _variant(name: str) -> Recipe:
@@ -244,6 +248,8 @@ def _run(args: argparse.Namespace) -> int:
                   f"(BN recalibrated {r['test_acc_precise_bn']:6.2f}%)  "
                   f"({plural(r['steps'], 'step')}, {r['seconds']:.1f} s{', diverged' if r['diverged'] else ''})  "
                   f"{r['plan']}", flush=True)
+            if r["unstable"]:
+                print(f"{'':>11} warning: {r['unstable']}", flush=True)
         results[(variant, batch)] = rows
     base = _summary(results[("baseline", BASE_BATCH)])["mean"]
     base_pbn = _summary(results[("baseline", BASE_BATCH)])["precise_bn"]

@@ -45,6 +45,7 @@ from flashsgd.fmt import number, plural
 from flashsgd.optim.plan import build_batch_table
 from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
 from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at, steps_in_epochs, steps_per_epoch
+from flashsgd.optim.stability import few_steps_warning
 from flashsgd.train.config import COMM_OPTION_KEYS, TrainConfig, parse_fail_at, to_dict
 from flashsgd.train.config_file import set_but_unread
 from flashsgd.train.datasets import DATASETS
@@ -456,4 +457,5 @@ def _derive_comm(cfg: TrainConfig, recipe: Recipe, world: int, rpn: int | None, 
     warm = density_warmup_record(cfg, checked, total_steps) if sparse else {}
     warnings += [f"config key {key} is set but not read by {reader}: ignored"
                  for key, reader in set_but_unread(cfg).items()]
-    return grid, options, recipe, warnings, warm
+    few = few_steps_warning(first_epoch_steps, cfg.optim.global_batch)  # outside the validated regime
+    return grid, options, recipe, warnings + ([few] if few else []), warm

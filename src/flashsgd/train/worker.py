@@ -22,6 +22,7 @@ benchmark times). Per rank (:class:`Worker`):
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from flashsgd.fmt import plural
 from flashsgd.launch_failures import TIMEOUT_TEXT, comm_failures, one_line
+from flashsgd.optim.stability import LossRiseGuard
 from flashsgd.train import checkpoint as ckpt
 from flashsgd.train.data import Datasets, ShardedSampler
 from flashsgd.train.loader import BatchStream, augmentation_key
@@ -78,6 +80,7 @@ class Worker:
         self.metrics = Metrics(self.out, self.rank == 0,
                                resumed_from=self.progress.step if start.checkpoint else None)
         self.bar = None
+        self.guard = LossRiseGuard(plan.recipe.warmup_epochs)  # the global loss: the same on every rank
         self.pending: list[tuple[Any, dict[str, Any]]] = []  # rows not yet written: (StepResult, own values)
         self.fault = self.cfg.run.fail_at or os.environ.get("FLASHSGD_FAIL_AT", "")
 
@@ -195,6 +198,9 @@ class Worker:
             p.skipped += 1
             if res.overflow:  # fp16: the loss scaler's back-off (also counted in "skipped")
                 p.overflow_skipped = (p.overflow_skipped or 0) + 1
+        unstable = self.guard.update(step, epoch + i / len(sizes), res.loss, lr, sizes[i])
+        if unstable and self.rank == 0:
+            print(f"flashsgd train: warning: {unstable}", file=sys.stderr, flush=True)
         p.step, p.elapsed_s = step + 1, time.perf_counter() - self.t_start
         self.pending.append((res, dict(step=step, epoch=epoch + (i + 1) / len(sizes), lr=lr,
                                        global_batch=sizes[i], scheduled_batch=self.sampler.global_batch,
