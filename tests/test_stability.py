@@ -42,8 +42,8 @@ def test_a_healthy_or_late_or_noisy_loss_does_not_fire():
 
 def test_too_few_steps_per_epoch_are_warned_before_the_start():
     assert few_steps_warning(MIN_STEPS_PER_EPOCH, 4096) is None
-    assert "2 optimizer step(s) per epoch" in few_steps_warning(2, 16384)
+    assert "2 optimizer steps per epoch" in few_steps_warning(2, 16384)
     big = build_plan(resolve(cli={"global_batch": 16384}), world=4, num_train=32000, local_spawn=True)
     default = build_plan(resolve(cli={}), world=4, num_train=32000, local_spawn=True)
-    assert any("gives 2 optimizer step(s) per epoch" in w for w in big.warnings)
+    assert any("gives 2 optimizer steps per epoch" in w for w in big.warnings)
     assert not any("per epoch" in w for w in default.warnings)  # the default run: 8 steps per epoch

@@ -36,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import dataclasses
@@ -198,6 +199,16 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> str:
     dist.init_process_group(backend, store=dist.PrefixStore(f"flashsgd/attempt-{attempt}", store),
                             rank=rank, world_size=world, timeout=timeout, **device_id)
     return backend
+
+
+def shutdown_at_exit() -> None:
+    """Run :func:`shutdown` when the interpreter exits (registered once): for process groups that
+    flashsgd did not create and their owner never destroys (PyTorch Lightning's and Accelerate's):
+    left to interpreter finalization, their subgroups' destruction can abort the process
+    ("terminate called without an active exception": :func:`flashsgd.comm.topology.reset`)."""
+    if not getattr(shutdown_at_exit, "registered", False):
+        atexit.register(shutdown)
+        shutdown_at_exit.registered = True  # type: ignore[attr-defined]
 
 
 def shutdown() -> None:

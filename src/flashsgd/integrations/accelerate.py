@@ -52,6 +52,7 @@ from flashsgd.exchanges import EXCHANGES
 from flashsgd.integrations.plan import warmup_in_steps
 from flashsgd.integrations.rank_state import load_rank_state, save_rank_state
 from flashsgd.integrations.recipe import RecipeLR, recipe_optimizer
+from flashsgd.launch import shutdown_at_exit
 
 __all__ = ["attach_hook", "recipe_optimizer", "RecipeLR", "STATE_DIR", "check_schedulers"]
 
@@ -110,6 +111,7 @@ def attach_hook(accelerator: Any, model: Any, name: str, options: Any = None, *,
     elif kwargs or density_warmup_epochs is not None:
         raise ValueError(f"attach_hook({name!r}): pass either an options object or options by name")
     state = register_hook(model, name, options, wrap=wrap, total_steps=total_steps)  # Step 2
+    shutdown_at_exit()  # Accelerate never destroys its process group: flashsgd's subgroups with it
     resumed = {"pending": False}
 
     def save(models: list, weights: list, output_dir: str) -> None:                 # Step 3

@@ -70,6 +70,7 @@ from flashsgd.exchanges import EXCHANGES
 from flashsgd.integrations.plan import warmup_in_steps
 from flashsgd.integrations.rank_state import load_rank_state, save_rank_state
 from flashsgd.integrations.recipe import RecipeLR, recipe_optimizer
+from flashsgd.launch import shutdown_at_exit
 from flashsgd.optim.plan_checks import RecipeWarning
 from flashsgd.optim.recipes import Recipe
 
@@ -176,6 +177,7 @@ class FlashsgdHook(pl.Callback):
             options = EXCHANGES[self.name].make_options(**kwargs)
         self.state = register_hook(trainer.strategy.model, self.name, options, wrap=self.wrap,
                                    total_steps=int(total) if known else None)
+        shutdown_at_exit()  # Lightning never destroys its process group: flashsgd's subgroups with it
         where = ""
         if self._resume is not None:
             directory = self._find_states(self._resume)

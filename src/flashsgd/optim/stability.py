@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from flashsgd.fmt import plural
+
 RISING_STEPS = 3
 """Consecutive rising steps the guard waits for (the 16384 collapse above rose for 3)."""
 RISE = 0.2
@@ -69,6 +71,6 @@ def few_steps_warning(steps_per_epoch: int, global_batch: int) -> str | None:
     """Step 2: the warning for a first epoch of fewer than :data:`MIN_STEPS_PER_EPOCH` steps."""
     if steps_per_epoch >= MIN_STEPS_PER_EPOCH:
         return None
-    return (f"global batch {global_batch} gives {steps_per_epoch} optimizer step(s) per epoch; the "
+    return (f"global batch {global_batch} gives {plural(steps_per_epoch, 'optimizer step')} per epoch; the "
             f"recipes were validated with >= {MIN_STEPS_PER_EPOCH} (MNIST-1D at 4096): expect lower "
             f"accuracy or instability; more training data or a smaller batch")
