@@ -10,7 +10,6 @@ it as ``__main__`` with a JSON list of runs).
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import subprocess
@@ -18,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from torchrun_jobs import job, torchrun
+from torchrun_jobs import flashsgd_lines, job, torchrun
 
 REASON = "needs Hugging Face Accelerate (pip install 'flashsgd[integrations]'; scripts/setup.sh installs it)"
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,20 +172,6 @@ def test_attach_hook_on_one_process_names_the_launch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "accelerate launch --num_processes N" in done.stdout and "DDP(model)" not in done.stdout, done.stdout
-
-
-def flashsgd_lines(path: Path) -> list[int]:
-    """The lines of ``path`` that import from flashsgd or use a name imported from it."""
-    tree = ast.parse(path.read_text())
-    names, lines = set(), set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-            if any(m.split(".")[0] == "flashsgd" for m in mods):
-                lines.add(node.lineno)
-                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    lines |= {n.lineno for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in names}
-    return sorted(lines)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from torchrun_jobs import job, torchrun
+from torchrun_jobs import flashsgd_lines, job, torchrun
 
 REASON = "needs PyTorch Lightning (pip install 'flashsgd[integrations]'; scripts/setup.sh installs it)"
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,22 +159,6 @@ def test_lightning_example_runs(tmp_path):
     losses = [float(v) for v in re.findall(r"loss ([0-9.]+)", done.stdout)]
     assert len(losses) >= 2 and losses[-1] < losses[0], done.stdout
     assert len(flashsgd_lines(example)) <= 3, flashsgd_lines(example)
-
-
-def flashsgd_lines(path: Path) -> list[int]:
-    """The lines of ``path`` that import from flashsgd or use a name imported from it."""
-    import ast
-
-    tree = ast.parse(path.read_text())
-    names, lines = set(), set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-            if any(m.split(".")[0] == "flashsgd" for m in mods):
-                lines.add(node.lineno)
-                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    lines |= {n.lineno for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in names}
-    return sorted(lines)
 
 
 def test_callback_refuses_a_warmup_without_length_and_non_ddp_strategies():

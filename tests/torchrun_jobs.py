@@ -1,8 +1,10 @@
-"""The integration tests' launcher: a real ``torchrun`` job (``python -m torch.distributed.run
---standalone``) in a session of its own, killed whole when it outlives its timeout."""
+"""The integration tests' shared helpers: a real ``torchrun`` job (``python -m torch.distributed.run
+--standalone``) in a session of its own, killed whole when it outlives its timeout, and the count of
+an example's flashsgd lines."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -36,3 +38,18 @@ def job(script: str, specs: list[dict], cwd: Path, world: int, timeout: float,
     done = torchrun([script, json.dumps(specs)], timeout, cwd, world, env)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
+
+
+def flashsgd_lines(path: Path) -> list[int]:
+    """The lines of ``path`` that import from flashsgd or use a name imported from it (an example's
+    "flashsgd lines")."""
+    tree = ast.parse(path.read_text())
+    names, lines = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            if any(m.split(".")[0] == "flashsgd" for m in mods):
+                lines.add(node.lineno)
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    lines |= {n.lineno for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in names}
+    return sorted(lines)
