@@ -201,19 +201,15 @@ class CommPlan:
     def within_noise(self) -> Prediction | None:
         """:attr:`fastest` when the plain choice is kept over it: it predicts a step shorter, but by
         no more than :data:`PLAIN_NOISE`."""
-        fast, plain = self.fastest, self.plain
-        if plain is None or fast is plain or fast.step_s * (1 + PLAIN_NOISE) <= plain.step_s:
-            return None
-        return fast if fast.step_s < plain.step_s else None
+        fast, chosen = self.fastest, self.choice
+        return fast if chosen is not fast and fast.step_s < chosen.step_s else None
 
     @property
     def choice(self) -> Prediction:
         """Step 4: :attr:`fastest`, unless the plain choice is within :data:`PLAIN_NOISE` of it (or
         faster): then the plain choice."""
         fast, plain = self.fastest, self.plain
-        if plain is not None and fast.step_s * (1 + PLAIN_NOISE) > plain.step_s:
-            return plain
-        return fast
+        return plain if plain is not None and fast.step_s * (1 + PLAIN_NOISE) > plain.step_s else fast
 
     def best_dense(self) -> Prediction | None:
         return next((p for p in self.ranked if p.candidate.algorithm in DENSE), None)
