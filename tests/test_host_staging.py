@@ -37,7 +37,7 @@ def _both(name: str):
     return _params(name, staged=False), _params(name, staged=True)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(set(CASES) - {"powersgd"}))  # powersgd is never staged
 def test_a_hook_on_a_host_copy_gives_what_it_gives_on_the_host(run_ranks, name):
     for plain, staged in run_ranks(_both, 2, name):
         assert staged == plain
