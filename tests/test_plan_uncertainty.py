@@ -145,7 +145,8 @@ def test_a_per_flow_range_without_a_limit_must_reach_the_link_and_round_trips():
 def test_corners_all_fast_all_slow_efficiency_corners_and_one_at_a_time():
     c = CLUSTERS.get("1gbe")
     inputs = assumptions(c, 200.0, (164.0, 236.0), "fp32")
-    assert [a.key for a in inputs] == [*SPARSE_RANGES, *STEP_RANGES, "inter.bandwidth_gbps", "inter.alpha_s", COMPUTE]
+    assert [a.key for a in inputs] == [*SPARSE_RANGES, *STEP_RANGES, "inter.bandwidth_gbps", "inter.alpha_s",
+                                       "inter.incast", COMPUTE]
     names = [k.name for k in corners(inputs)]
     assert names[:4] == ["all fast", "all slow", "compute slow, all else fast", "compute fast, all else slow"]
     assert len(names) == 4 + 2 * len(inputs)

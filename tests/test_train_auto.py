@@ -144,11 +144,11 @@ def test_a_given_cluster_with_assumptions_is_planned_over_their_ranges():
     ranged = plan_over_ranges(from_module(model), one, 8, 32, 320.0, steps=20_000)  # 32 samples / 0.1 s
     assert ranged.choice_changes() and record["choice_changes"] == ranged.choice_changes()
     assert [a["input"] for a in record["assumed"]] == list(one.assumed)[:5] + ["inter.bandwidth_gbps",
-                                                                               "inter.alpha_s"]
+                                                                               "inter.alpha_s", "inter.incast"]
     assert "compute" not in {a["input"] for a in record["assumed"]}  # measured by the probe
     lo, hi = record["choice"]["step_s_range"]
     assert lo < record["choice"]["step_s"] < hi and all("step_s_range" in p for p in record["ranked"])
-    assert (f"; step {lo * 1e3:.1f}-{hi * 1e3:.1f} ms over the ranges of 7 assumed inputs (auto.json: assumed); "
+    assert (f"; step {lo * 1e3:.1f}-{hi * 1e3:.1f} ms over the ranges of 8 assumed inputs (auto.json: assumed); "
             "the choice could change within them: ") in record["explain"]
     setting, where = next(iter(ranged.choice_changes().items()))
     assert f"{setting} at {' | '.join(where)}" in record["explain"]

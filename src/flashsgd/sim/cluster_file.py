@@ -17,6 +17,8 @@ per-call and compression costs of the devices. Units are in the key names::
     bandwidth_gbit = 1.0
     latency_us = 50.0
     flow_bandwidth_gbit = 0.25  # optional (both levels): the most one flow (connection) carries
+    incast = 0.0                # optional: goodput lost per extra node sending to one node at once
+                                # (TCP incast; 0: none, lossless fabrics)
 
     [costs]                     # optional; every key defaults to a V100-class GPU (DEFAULT_COSTS)
     reduce_ns_per_byte = 0.0033 # summing one byte of a message (3 bytes of memory traffic / 900 GB/s)
@@ -33,6 +35,9 @@ per-call and compression costs of the devices. Units are in the key names::
 torus2d one cross-node ring per local rank, so with a cap below the link rate they are faster.
 ``flow_bandwidth_gbit_range`` without ``flow_bandwidth_gbit``: no limit stated, a limit in the
 range plausible (its high end no limit either: it must hold the link's ``bandwidth_gbit``).
+``incast`` (>= 0, absent: 0) is :attr:`Link.incast`: a round in which m nodes send to one node at
+once (Top-k's direct exchange, m = N - 1) takes ``1 + incast (m - 1)`` times its bytes' time;
+``incast_range`` without ``incast`` ranges the stated 0.
 
 Assumed values carry a plausible range, ``KEY_range = [low, high]`` beside ``KEY`` in the same
 table and unit (every link and cost key; the value must lie inside)::
@@ -92,20 +97,22 @@ COST_FIELDS = {"reduce_ns_per_byte": ("gamma_s_per_byte", 1e-9), "call_overhead_
                "step_overhead_us": ("step_overhead_s", 1e-6), "jitter_percent": ("jitter_cv", 1e-2)}
 """[costs] key -> (ClusterModel field, factor to its SI unit); ``tflops`` is ``flop_s = 1 / (tflops x 1e12)``."""
 LINK_FIELDS = {"bandwidth_gbit": ("bandwidth_gbps", GBIT), "latency_us": ("alpha_s", 1e-6),
-               "flow_bandwidth_gbit": ("flow_gbps", GBIT)}
+               "flow_bandwidth_gbit": ("flow_gbps", GBIT), "incast": ("incast", 1.0)}
 """[intra] / [inter] key -> (Link field, factor to its unit)."""
 RANGE = "_range"
 
 _TOP = {"name", "nodes", "ranks_per_node", "intra", "inter", "costs"}
 _LINK = {"bandwidth_gbit", "latency_us"}
-_LINK_OPTIONAL = {"flow_bandwidth_gbit"}
+_LINK_OPTIONAL = {"flow_bandwidth_gbit", "incast"}
+LINK_DEFAULTS = {"incast": 0.0}
+"""Optional link keys with a stated value when absent (``flow_bandwidth_gbit`` absent: no limit)."""
 
 
 LIMITS = {"bandwidth_gbit": 1e5, "flow_bandwidth_gbit": 1e5, "latency_us": 1e7, "ranks_per_node": 4096,
-          "nodes": 10 ** 6}
+          "nodes": 10 ** 6, "incast": 100.0}
 """The largest value a cluster file may give (a key's last part): far past any machine (100 Tbit/s,
-10 s, 4,096 ranks per node, a million nodes), so that a typo (1e308, 1e30) is refused instead of
-planned with infinite or absurd costs."""
+10 s, 4,096 ranks per node, a million nodes, an incast loss of 100 per extra sender), so that a
+typo (1e308, 1e30) is refused instead of planned with infinite or absurd costs."""
 
 
 def _number(where: str, key: str, value, *, positive: bool) -> float:
@@ -153,8 +160,8 @@ def _link_ranges(where: str, doc: dict, key: str) -> dict[str, tuple[float, floa
     t = doc.get(key) or {}
     out = {}
     for fkey, (field, factor) in LINK_FIELDS.items():
-        if fkey in t:
-            r = _range(where, t, key, fkey, float(t[fkey]))
+        if fkey in t or fkey in LINK_DEFAULTS:
+            r = _range(where, t, key, fkey, float(t.get(fkey, LINK_DEFAULTS.get(fkey, 0.0))))
             if r is not None:
                 out[f"{key}.{field}"] = (r[0] * factor, r[1] * factor)
         elif fkey + RANGE in t:  # only flow_bandwidth_gbit is optional: no limit stated, a limit plausible
@@ -194,7 +201,8 @@ def _link(where: str, doc: dict, key: str) -> Link:
     flow = t.get("flow_bandwidth_gbit")
     if flow is not None:
         flow = _number(where, f"{key}.flow_bandwidth_gbit", flow, positive=True) * GBIT
-    return Link(alpha_s=lat * 1e-6, bandwidth_gbps=bw * GBIT, flow_gbps=flow)
+    incast = _number(where, f"{key}.incast", t.get("incast", LINK_DEFAULTS["incast"]), positive=False)
+    return Link(alpha_s=lat * 1e-6, bandwidth_gbps=bw * GBIT, flow_gbps=flow, incast=incast)
 
 
 def _count(where: str, doc: dict, key: str, required: bool) -> int | None:
@@ -275,6 +283,8 @@ def to_toml(c: ClusterModel, comment: str = "") -> str:
         lines += ["", f"[{key}]"]
         for fkey, (field, factor) in LINK_FIELDS.items():
             bounds = _scaled(c.assumed.get(f"{key}.{field}"), 1 / factor)
+            if getattr(link, field) == LINK_DEFAULTS.get(fkey) and bounds is None:
+                continue  # the default, stated and not ranged: files without the key stay as they were
             if getattr(link, field) is not None:
                 lines += _key_lines(fkey, getattr(link, field) / factor, bounds)
             elif bounds is not None:  # a per-flow limit: none stated, a range plausible

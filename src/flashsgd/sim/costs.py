@@ -15,7 +15,11 @@ link's per-flow rate f (:meth:`flashsgd.sim.network.Link.flow_beta`: beta_eff = 
 the flat ring 1 (one hop leaves each node), hierarchical and torus2d with X = L one cross-node ring
 per local rank (L), a torus whose rows span nodes 1 in its rows and L in its columns; recursive
 doubling, Rabenseifner and the gtopk butterfly L once partners are on other nodes, binomial trees 1,
-topk's direct exchange L (P - L).
+topk's direct exchange L (P - L). Every such flow comes from one sending node except in topk's
+direct exchange, where N - 1 nodes send to each node at once: there, on TCP, incast costs
+``1 + incast (N - 2)`` times the bytes' time (:meth:`flashsgd.sim.network.Link.incast_factor`, 0 on
+lossless fabrics). Nothing beyond the NICs is shared: the fabric is taken as non-blocking (a
+rank-ordered ring crosses a switch's uplink with one flow per direction).
 
 Costs (a: alpha, b: beta, g: gamma, n bytes per rank, P ranks; Thakur, Rabenseifner & Gropp 2005,
 "Optimization of Collective Communication Operations in MPICH"; Patarasuk & Yuan 2009 for the ring;
@@ -33,7 +37,8 @@ torus2d (X x Y)     2(X-1) a_x + 2(Y-1) a_y + 2(X-1)/X n b_x + 2(Y-1)/(XY) n b_y
 topk                select(m) + direct exchange, as ``comm/sparse.py`` runs it: every rank sends
                     its k pairs to each of the P-1 others at once (one round): a + (P-1) k s b
                     (the inter-node part, P-L messages per rank, shares the node link with the
-                    node's L ranks: a_x + (P-L) k s L b_x) + scatter-add of P k values
+                    node's L ranks, N-1 nodes converge on each: a_x + (P-L) k s L b_x (1 + c (N-2)),
+                    c the link's incast) + scatter-add of P k values
 hgtopk              node step (``node_split``: leader, slices or sparse; :mod:`.costs_sparse`)
                     + gtopk among the N nodes + the result shared inside the node
 gtopk               butterfly as in ``comm/sparse.py``: select(m) + lgP' rounds, every rank swaps

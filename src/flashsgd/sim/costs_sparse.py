@@ -69,13 +69,17 @@ def direct_levels(setup: CommSetup) -> list[tuple[float, float]]:
     own node share the rank's intra link ((L-1) b_intra); the P-L to other nodes leave through the
     node's link, which carries them for all L ranks of the node at once ((P-L) L b_inter); each
     message is a flow, at most the link's per-flow rate (:meth:`~flashsgd.sim.network.Link.flow_beta`).
-    The round takes as long as the slower level (:func:`flashsgd.sim.costs.step_cost`)."""
+    The N - 1 other nodes all send to each node in the same round: TCP incast multiplies the inter
+    level's bytes by ``1 + incast (N - 2)`` (:meth:`~flashsgd.sim.network.Link.incast_factor`; 1
+    with 2 nodes, one sender each): (P-L) L b_inter (1 + c (N - 2)). The round takes as long as the
+    slower level (:func:`flashsgd.sim.costs.step_cost`)."""
     c, p, lr = setup.cluster, setup.gpus, setup.ranks_per_node_used
     levels = []
     if lr > 1:  # each message its own flow: L-1 on the rank's intra link
         levels.append((c.intra.alpha_s, c.intra.flow_beta(lr - 1)))
-    if p > lr:  # (P-L) L flows through the node's link
-        levels.append((c.inter.alpha_s, c.inter.flow_beta((p - lr) * lr)))
+    if p > lr:  # (P-L) L flows through the node's link, from N - 1 sending nodes at once
+        incast = c.inter.incast_factor(p // lr - 1)
+        levels.append((c.inter.alpha_s, c.inter.flow_beta((p - lr) * lr) * incast))
     return levels
 
 
@@ -85,8 +89,9 @@ def topk(n_bytes, setup: CommSetup) -> Cost:
     exchange (every rank's k pairs to each of the P-1 others at once), scatter-add of P k values.
 
     Cost: select(m) + a + (P-1) k s b with one node; across nodes the slower of the node's own
-    messages, a + (L-1) k s b_intra, and the other nodes', a + (P-L) k s L b_inter (the L ranks of
-    a node share its link: :func:`direct_levels`); + P k adds.
+    messages, a + (L-1) k s b_intra, and the other nodes', a + (P-L) k s L b_inter (1 + c (N-2))
+    (the L ranks of a node share its link; N - 1 nodes converge on each: TCP incast c,
+    :func:`direct_levels`); + P k adds.
     """
     n = np.asarray(n_bytes, dtype=float)
     if setup.gpus == 1:

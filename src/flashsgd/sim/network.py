@@ -58,12 +58,23 @@ class Link:
     per direction, GB/s; None: one flow can fill the link. A single TCP connection often cannot
     fill a fast NIC (window, one core's copy and interrupt work), which is why several concurrent
     rings (torus2d, hierarchical: one cross-node ring per local rank) can beat one flat ring."""
+    incast: float = 0.0
+    """TCP incast: the goodput lost into one receiving node per extra node sending to it at once
+    (dimensionless, >= 0; 0: no loss). When m nodes send to one node in the same round (Top-k's
+    direct exchange: m = N - 1), their synchronized bursts overflow the switch port's buffer, packets
+    drop and flows wait for retransmission timeouts: the round's bandwidth term is multiplied by
+    :meth:`incast_factor` ``1 + incast (m - 1)`` (Phanishayee et al. FAST 2008, Vasudevan et al.
+    SIGCOMM 2009: up to 90% of the goodput lost; Alizadeh et al. SIGCOMM 2010, DCTCP: avoided with
+    ECN marking and shallow queues). 0 on lossless fabrics (InfiniBand, RoCE with PFC: credit-based
+    flow control drops nothing); on TCP unknown without a measurement, so the presets state 0 and
+    range it. One sender per receiver (rings, pairwise rounds, trees) never pays it."""
 
     def __post_init__(self) -> None:
         _check_positive("Link", "alpha_s", self.alpha_s, allow_zero=True)
         _check_positive("Link", "bandwidth_gbps", self.bandwidth_gbps)
         if self.flow_gbps is not None:
             _check_positive("Link", "flow_gbps", self.flow_gbps)
+        _check_positive("Link", "incast", self.incast, allow_zero=True)
 
     @property
     def beta_s_per_byte(self) -> float:
@@ -76,6 +87,12 @@ class Link:
         ``max(flows / bandwidth, 1 / flow_gbps)``."""
         shared = flows * self.beta_s_per_byte
         return shared if self.flow_gbps is None else max(shared, 1.0 / (self.flow_gbps * GB))
+
+    def incast_factor(self, senders: int) -> float:
+        """How much longer the bytes of a round take when ``senders`` nodes send to one node at
+        once: ``1 + incast (senders - 1)`` (goodput into the receiver divided by it); 1 for one
+        sender. Example: incast 0.1, 7 senders -> 1.6 (goodput 62.5% of the link's)."""
+        return 1.0 + self.incast * max(senders - 1, 0)
 
 
 @dataclass(frozen=True)
@@ -190,13 +207,15 @@ class ClusterModel:
 
 
 def _per_flow(link: Link) -> str:
-    return "" if link.flow_gbps is None else f" ({link.flow_gbps:.3g} GB/s per flow)"
+    flow = "" if link.flow_gbps is None else f" ({link.flow_gbps:.3g} GB/s per flow)"
+    return flow + (f" (incast {link.incast:.3g} per extra sender)" if link.incast else "")
 
 
 INPUTS: dict[str, tuple[str, str, float, bool]] = {
     "inter.bandwidth_gbps": ("inter-node bandwidth", "GB/s", 1.0, True),
     "inter.alpha_s": ("inter-node latency", "us", 1e6, False),
     "inter.flow_gbps": ("inter-node per-flow bandwidth", "GB/s", 1.0, True),
+    "inter.incast": ("inter-node incast loss", "per extra sender", 1.0, False),
     "intra.bandwidth_gbps": ("intra-node bandwidth", "GB/s", 1.0, True),
     "intra.alpha_s": ("intra-node latency", "us", 1e6, False),
     "intra.flow_gbps": ("intra-node per-flow bandwidth", "GB/s", 1.0, True),
@@ -299,6 +318,17 @@ STEP_RANGES = {
 are 0 (the nominal prediction is the exchange's alone; the range's slow end holds these)."""
 
 
+# TCP incast (Link.incast): stated 0 on every preset (unknown without a measurement: it depends on
+# the switch's buffers, the kernel's minimum retransmission timeout and the message sizes); its
+# range on the TCP presets: low 0 (deep buffers, DCTCP or a fine-grained RTO: Alizadeh et al. 2010,
+# Vasudevan et al. 2009); high 0.29 per extra sender = goodput down to 10% (the "up to 90%" of
+# Vasudevan et al. SIGCOMM 2009 and Phanishayee et al. FAST 2008 on 1 GbE commodity switches)
+# reached at 32 senders, 9 / 31 [judgement: those papers see the collapse from a handful of
+# senders with 256 KB blocks, the size of Top-k's messages at density 0.001, so this is not their
+# worst]. RDMA presets: none (lossless, credit-based flow control).
+INCAST_RANGE = (0.0, 9.0 / 31.0)
+
+
 def _rate_range(rates: dict[str, float], spread: float) -> dict[str, tuple[float, float]]:
     """``(rate x (1 - spread), rate x (1 + spread))`` for each precision's ResNet-50 throughput."""
     return {f"resnet50_images_per_s.{k}": (v * (1 - spread), v * (1 + spread)) for k, v in rates.items()}
@@ -333,7 +363,7 @@ CLUSTERS.add("abci", ClusterModel(
              # 2x EDR: low 18 GB/s, 75% of the 25 GB/s line rate [judgement: two HCAs rarely both at
              # full rate, e.g. one GPU's traffic through one of them, PCIe contention]; high 25 GB/s,
              # the line rate. Alpha: NCCL's network step (_NET_STEP_RANGE). RDMA: one queue pair
-             # fills the link, no per-flow limit.
+             # fills the link, no per-flow limit; lossless, no incast.
              "inter.bandwidth_gbps": (18.0, 25.0), "inter.alpha_s": _NET_STEP_RANGE},
     source="ABCI node: 4x V100 SXM2 + NVLink2, 2x IB EDR; NCCL tuning-model latencies",
 ))
@@ -369,7 +399,8 @@ CLUSTERS.add("bigbasin-50gbe", ClusterModel(
              # 2.5 GB/s (20 Gbit/s) [judgement: a single kernel-TCP stream bound by one core's copy
              # and interrupt work, as an untuned host shows when one iperf3 stream falls short of a
              # 40-100 GbE NIC and several streams fill it]; high the link's high end (no limit).
-             "inter.flow_gbps": (2.5, 6.2)},
+             "inter.flow_gbps": (2.5, 6.2),
+             "inter.incast": INCAST_RANGE},
     source="Big Basin: 8x P100 + NVLink1, 50 Gbit Ethernet (Goyal et al. 2017)",
 ))
 
@@ -398,7 +429,8 @@ CLUSTERS.add("1gbe", ClusterModel(
              # No per-flow limit: one TCP stream fills 1 GbE (941 Mbit/s above), and with one GPU per
              # node a cap below the link would act as the low bandwidth end already does. The intra
              # level is unused (one GPU per node).
-             "inter.bandwidth_gbps": (0.090, 0.1177), "inter.alpha_s": (0.2e-3, 1e-3)},
+             "inter.bandwidth_gbps": (0.090, 0.1177), "inter.alpha_s": (0.2e-3, 1e-3),
+             "inter.incast": INCAST_RANGE},
     source="gTop-k paper setting: 32 machines x 1 GPU, 1 Gbit/s Ethernet (alpha 0.44 ms, 111 MB/s)",
 ))
 
