@@ -63,7 +63,7 @@ def test_fixed_costs_in_a_cluster_file_their_former_name_and_the_round_trip(tmp_
     # issue 33 item 4: typos that used to be planned with rc 0
     (LAB.replace("ranks_per_node = 2", "ranks_per_node = 1000000000000000000"), "ranks_per_node must be an integer in [1, 4,096]"),
     (LAB.replace("bandwidth_gbit = 1.0", "bandwidth_gbit = 1e308"), "inter.bandwidth_gbit must be a finite number > 0 and <= 100000"),
-    (LAB + "[costs]\nselect_ns = 1\n", "unknown key(s) costs.select_ns; valid: costs.call_overhead_us"),
+    (LAB + "[costs]\nselect_ns = 1\n", "unknown key(s) costs.select_ns; valid: costs.bucket_overhead_us"),
     ("gpus = 8\n" + LAB, "unknown key(s) gpus"),
     ("nodes = [", "not valid TOML"),
 ])

@@ -179,7 +179,9 @@ def test_simulate_prints_each_number_with_its_range_and_what_it_assumed(tmp_path
     ends = {fast: simulate(resnet50(), replace(
         one, exchange_fixed_s=0.1e-3 if fast else 9.1e-3, round_fixed_s=0.0 if fast else 0.13e-3,
         select_s_per_elem=0.2e-9 if fast else 6.03e-9, step_overhead_s=0.0 if fast else 2e-3,
-        jitter_cv=0.0 if fast else 0.03, inter=Link(0.2e-3, 0.1177) if fast else Link(1e-3, 0.090)),
+        jitter_cv=0.0 if fast else 0.03, bucket_overhead_s=0.0 if fast else 5e-3,
+        overlap_slowdown=0.0 if fast else 0.79,
+        inter=Link(0.2e-3, 0.1177) if fast else Link(1e-3, 0.090, incast=9 / 31)),
         SimConfig("gtopk", 32, 236.0 if fast else 164.0, schedule="after_backward")) for fast in (True, False)}
     nominal = simulate(resnet50(), one, SimConfig("gtopk", 32, 200.0, schedule="after_backward"))
     lo, hi = ends[True].iteration_s * 1e3, ends[False].iteration_s * 1e3
@@ -209,7 +211,8 @@ def test_simulate_on_measured_inputs_says_there_is_no_range(tmp_path, capsys):
 
     path = tmp_path / "lab.toml"
     path.write_text(LAB + "[costs]\nexchange_fixed_us = 800.0\nround_fixed_us = 30.0\nselect_ns_per_elem = 1.5\n"
-                    "step_overhead_us = 0.0\njitter_percent = 0.0\n")
+                    "step_overhead_us = 0.0\njitter_percent = 0.0\nbucket_overhead_us = 0.0\n"
+                    "overlap_slowdown_percent = 0.0\n")
     js = tmp_path / "r.json"
     assert run_cli("--cluster", str(path), "--gpus", "8", "--comm", "ring", "--images-per-s", "300",
                    "--json", str(js)) == 0

@@ -9,7 +9,8 @@ import pytest
 
 from flashsgd.cli import main
 from flashsgd.sim.cluster_file import load_cluster
-from flashsgd.train.auto import fit_ring
+from flashsgd.sim.network import INCAST_RANGE, STEP_RANGES
+from flashsgd.train.auto import fit_ring, measured_cluster_assumptions
 
 TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--no-progress",
         "--workers", "4", "--comm", "auto"]
@@ -29,6 +30,14 @@ def test_fit_ring_recovers_alpha_and_bandwidth():
     assert 0 < flat.bandwidth_gbps < float("inf") and flat.alpha_s >= 0
 
 
+def test_a_measured_cluster_assumes_the_step_costs_and_incast():
+    """The probe measures links, devices and the sparse fixed costs; the step's costs beyond the
+    exchange and incast (it never runs a many-to-one round) keep the presets' ranges."""
+    assumed = measured_cluster_assumptions()
+    assert assumed == {**STEP_RANGES, "inter.incast": INCAST_RANGE}
+    assert {"bucket_overhead_s", "overlap_slowdown", "step_overhead_s", "jitter_cv"} <= set(assumed)
+
+
 def test_auto_measures_plans_records_and_a_resume_reuses_the_choice(tmp_path, capfd):
     out = tmp_path / "run"
     assert _train(out, "--max-steps", "3") == 0
@@ -42,6 +51,12 @@ def test_auto_measures_plans_records_and_a_resume_reuses_the_choice(tmp_path, ca
     assert f"algorithm   {choice['algorithm']} " in printed
     cluster = load_cluster(str(out / "cluster.toml"))  # the measured cluster, reusable
     assert cluster.ranks_per_node == 2 and cluster.nodes == 2
+    # what the probe cannot measure stays assumed, with the presets' ranges: the step's costs beyond
+    # the exchange and TCP incast (no round of many senders into one node)
+    expected = measured_cluster_assumptions()
+    assert set(cluster.assumed) == set(expected)
+    assert all(cluster.assumed[k] == pytest.approx(v) for k, v in expected.items())
+    assert cluster.assumed["inter.incast"] == pytest.approx(INCAST_RANGE) and cluster.inter.incast == 0.0
     toml = (out / "cluster.toml").read_text()  # the sparse exchange's measured fixed costs
     assert "exchange_fixed_us = " in toml and "round_fixed_us = " in toml
     assert cluster.exchange_fixed_s >= 0 and cluster.round_fixed_s >= 0
@@ -143,12 +158,12 @@ def test_a_given_cluster_with_assumptions_is_planned_over_their_ranges():
     record = plan_choice(Measured(one, 0.1, 1.0, given="1gbe"), model, 8, 32, 20_000, "low")
     ranged = plan_over_ranges(from_module(model), one, 8, 32, 320.0, steps=20_000)  # 32 samples / 0.1 s
     assert ranged.choice_changes() and record["choice_changes"] == ranged.choice_changes()
-    assert [a["input"] for a in record["assumed"]] == list(one.assumed)[:5] + ["inter.bandwidth_gbps",
+    assert [a["input"] for a in record["assumed"]] == list(one.assumed)[:7] + ["inter.bandwidth_gbps",
                                                                                "inter.alpha_s", "inter.incast"]
     assert "compute" not in {a["input"] for a in record["assumed"]}  # measured by the probe
     lo, hi = record["choice"]["step_s_range"]
     assert lo < record["choice"]["step_s"] < hi and all("step_s_range" in p for p in record["ranked"])
-    assert (f"; step {lo * 1e3:.1f}-{hi * 1e3:.1f} ms over the ranges of 8 assumed inputs (auto.json: assumed); "
+    assert (f"; step {lo * 1e3:.1f}-{hi * 1e3:.1f} ms over the ranges of 10 assumed inputs (auto.json: assumed); "
             "the choice could change within them: ") in record["explain"]
     setting, where = next(iter(ranged.choice_changes().items()))
     assert f"{setting} at {' | '.join(where)}" in record["explain"]
@@ -156,7 +171,8 @@ def test_a_given_cluster_with_assumptions_is_planned_over_their_ranges():
                                       "the devices and the sparse fixed costs here")
     # a measured cluster (a file without ranges, as auto writes it): no range, the choice as before
     measured = load_cluster_text(LAB + "[costs]\nexchange_fixed_us = 800.0\nround_fixed_us = 30.0\n"
-                                       "select_ns_per_elem = 1.5\nstep_overhead_us = 0.0\njitter_percent = 0.0\n",
+                                       "select_ns_per_elem = 1.5\nstep_overhead_us = 0.0\njitter_percent = 0.0\n"
+                                       "bucket_overhead_us = 0.0\noverlap_slowdown_percent = 0.0\n",
                                  "lab.toml")
     plain = plan_choice(Measured(measured, 0.1, 1.0, given="lab.toml"), model, 8, 32, 20_000, "low")
     assert plain["assumed"] == [] and plain["choice_changes"] == {}

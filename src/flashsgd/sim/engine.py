@@ -12,7 +12,15 @@ Algorithm (per iteration, one GPU's view; all GPUs are identical in data paralle
 3. A bucket's exchange starts when its last gradient is ready and the previous bucket's exchange
    has finished (one communication stream; ``schedule="overlap"``); with
    ``schedule="after_backward"`` all start when backward ends (:data:`flashsgd.sim.workload.SCHEDULES`).
-4. The optimizer update runs after backward and the last exchange.
+   With more than one GPU each bucket's time on the stream is its exchange plus the cluster's
+   ``bucket_overhead_s`` (the framework's hook and bookkeeping per bucket): ``d_i = exchange_i + b``.
+   While the stream is busy, compute runs at ``1 - s`` of its speed (``overlap_slowdown`` s: the
+   collective's kernels take SMs and memory bandwidth from backward), so backward takes
+   ``1 / (1 - s)`` times longer for the time an exchange overlaps it (:func:`comm_timeline`); the
+   readiness of later buckets and the end of backward move with it.
+4. The optimizer update runs after backward and the last exchange. The exchanges still running
+   when backward ends (the last buckets in backward order, which become ready last) are the
+   step's non-overlappable tail: ``exposed = max(0, end of the last exchange - end of backward)``.
 5. Beyond the exchange, with more than one GPU: the step waits for the slowest of P ranks,
    whose compute is ``T1 (1 + cv e(P))`` for a per-step jitter ``cv`` of one GPU's compute
    (:attr:`~flashsgd.sim.network.ClusterModel.jitter_cv`; :func:`straggler_factor`: e(P) the
@@ -22,8 +30,11 @@ Algorithm (per iteration, one GPU's view; all GPUs are identical in data paralle
 With N micro-batches only the last backward can hide the exchange, but one exchange serves N
 micro-batches: T1 grows N-fold at the same samples per micro-batch while the exchange stays.
 
-Outputs: iteration time, compute time (T1), total and exposed communication, the straggler and
-overhead terms, throughput and scaling efficiency = throughput / (P x single-GPU throughput) =
+So ``iteration = T1' + slowdown + exposed + step_overhead`` (P > 1), ``slowdown`` the time backward
+lost to overlapped exchanges.
+
+Outputs: iteration time, compute time (T1), total and exposed communication, the straggler,
+slowdown and overhead terms, throughput and scaling efficiency = throughput / (P x single-GPU throughput) =
 T1 / iteration (a single GPU communicates nothing, waits for no other rank and pays no overhead).
 
 Example::
@@ -154,6 +165,8 @@ class SimResult:
     stretched with it)."""
     step_overhead_s: float = 0.0
     """The cluster's fixed per-step cost of a multi-GPU step (Step 5)."""
+    slowdown_s: float = 0.0
+    """Time backward lost to the exchanges that overlapped it (Step 3: ``overlap_slowdown``)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -183,6 +196,46 @@ def straggler_factor(gpus: int, jitter_cv: float) -> float:
     if gpus <= 1 or jitter_cv == 0:
         return 1.0
     return 1.0 + jitter_cv * expected_max_normal(gpus)
+
+
+def comm_timeline(ready: list[float], durations: list[float], done: float,
+                  slowdown: float = 0.0) -> tuple[float, float]:
+    """(end of the last exchange, end of backward) for buckets ready after ``ready[i]`` seconds of
+    compute, each ``durations[i]`` long on one stream in order, and ``done`` seconds of compute up to
+    the end of backward, when compute runs at ``1 - slowdown`` of its speed while the stream is busy.
+
+    A bucket starts at ``max(when its compute is reached, end of the previous bucket)``. The stream
+    is busy without a gap from the moment the last bucket became ready to the end of the stream, so
+    the wall time ``W(r)`` at which compute reaches ``r`` seconds of its work, from ``(w, c)`` (wall
+    time, compute done) and the stream busy until ``e``: ``w + (r - c) / (1 - s)`` while
+    ``c + (e - w)(1 - s) >= r``, else ``e + r - c - (e - w)(1 - s)``. With ``slowdown`` 0 this is the
+    plain ``end = max(ready_i, end) + d_i`` and backward ends at ``done``. Example: two buckets of
+    1 s ready after 1 and 2 s of a 3 s compute, s = 0.5: the first runs 1-2 (compute reaches 1.5 by
+    2), compute reaches 2 at 2.5 and the second runs 2.5-3.5 (compute reaches 2.5), then 3 at 4:
+    ``(3.5, 4.0)`` (with s = 0: ``(3.0, 3.0)``)."""
+    if slowdown == 0:
+        end = 0.0
+        for r, d in zip(ready, durations):
+            end = max(r, end) + d
+        return end, done
+    rate = 1.0 - slowdown
+    wall = work = end = 0.0
+
+    def reach(target: float) -> float:
+        nonlocal wall, work
+        if end > wall:  # the stream is busy from `wall` to `end`: compute at `rate`
+            slow = (end - wall) * rate
+            if work + slow >= target:
+                wall += (target - work) / rate
+                work = target
+                return wall
+            work, wall = work + slow, end
+        wall, work = wall + target - work, target
+        return wall
+
+    for r, d in zip(ready, durations):
+        end = max(reach(r), end) + d
+    return end, reach(done)
 
 
 def bucket_bounds(numels: np.ndarray, elem_bytes: int, bucket_mb: float,
@@ -240,24 +293,28 @@ def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimRe
     nbytes = (csum[ends] - csum[np.concatenate(([0], ends[:-1]))]).astype(float) * elem
     bucket_ready = ready[ends - 1] if cfg.schedule == "overlap" else np.full(ends.size, done)
     cost = _bucket_costs(cfg.algorithm, nbytes, setup, workload, ends)
-    durations = cost.total
-    # Step 3: one communication stream, buckets in order.
-    end = 0.0
-    for r, d in zip(bucket_ready.tolist(), durations.tolist()):
-        end = max(r, end) + d
-    # Step 4: update after backward and the last exchange; Step 5: the fixed per-step overhead.
-    exposed = max(0.0, end - done)
-    overhead = cluster.step_overhead_s if cfg.gpus > 1 else 0.0
-    iteration = t1 + exposed + overhead  # = max(end, done) + upd (+ overhead), exact when hidden
+    multi = cfg.gpus > 1  # one GPU exchanges nothing: no bucket overhead, no slowdown, no step overhead
+    per_bucket = cluster.bucket_overhead_s if multi else 0.0
+    durations = cost.total + per_bucket  # d_i = exchange_i + bucket overhead
+    # Step 3: one communication stream, buckets in order; compute at 1 - s while it is busy.
+    end, backward_end = comm_timeline(bucket_ready.tolist(), durations.tolist(), done,
+                                      cluster.overlap_slowdown if multi else 0.0)
+    # Step 4: update after backward and the last exchange (the tail: what runs past backward's end);
+    # Step 5: the fixed per-step overhead.
+    slowdown = backward_end - done
+    exposed = max(0.0, end - backward_end)
+    overhead = cluster.step_overhead_s if multi else 0.0
+    iteration = t1 + slowdown + exposed + overhead  # = max(end, backward_end) + upd (+ overhead)
     return SimResult(
         algorithm=cfg.algorithm, gpus=cfg.gpus, iteration_s=iteration, compute_s=t_one,
         comm_s=float(durations.sum()), exposed_comm_s=exposed,
         images_per_s=cfg.gpus * cfg.batch_per_gpu / iteration, efficiency=t_one / iteration,
         buckets=int(ends.size), bucket_bytes_max=float(nbytes.max()),
         latency_s=float(cost.latency_s.sum()), bandwidth_s=float(cost.bandwidth_s.sum()),
-        comm_compute_s=float(cost.compute_s.sum()), overhead_s=float(cost.overhead_s.sum()),
+        comm_compute_s=float(cost.compute_s.sum()),
+        overhead_s=float(cost.overhead_s.sum()) + per_bucket * int(ends.size),
         grid=setup.torus_grid if cfg.algorithm == "torus2d" else None, schedule=cfg.schedule,
-        grad_accum=cfg.grad_accum, straggler_s=t1 - t_one, step_overhead_s=overhead,
+        grad_accum=cfg.grad_accum, straggler_s=t1 - t_one, step_overhead_s=overhead, slowdown_s=slowdown,
     )
 
 

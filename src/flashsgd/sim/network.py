@@ -133,6 +133,17 @@ class ClusterModel:
     """Step-to-step variation of one GPU's compute time, as a coefficient of variation (std / mean).
     A synchronous step waits for the slowest of P ranks: the simulator adds the expected maximum of
     P such times (:func:`flashsgd.sim.engine.straggler_factor`)."""
+    bucket_overhead_s: float = 0.0
+    """Fixed cost of each bucket of a multi-GPU step on the communication stream, beside the
+    collective's own ``call_overhead_s`` (seconds per bucket): the framework's hook, bookkeeping and
+    launch work before the bucket's exchange can start, e.g. Horovod's negotiation cycle (tensors
+    that become ready are fused and reduced once per cycle) or a Python communication hook.
+    Added to every bucket's exchange time (:func:`flashsgd.sim.engine.simulate`, Step 3)."""
+    overlap_slowdown: float = 0.0
+    """How much compute slows while an exchange runs beside it, as the fraction ``s`` of its speed
+    lost (0 <= s < 1): GPU collectives run as kernels that take streaming multiprocessors and
+    memory bandwidth from backward, so backward runs ``1 / (1 - s)`` times longer for the time an
+    exchange overlaps it (:func:`flashsgd.sim.engine.comm_timeline`). 0: overlap is free."""
     resnet50_images_per_s: dict[str, float] = field(default_factory=dict)
     """Single-GPU ResNet-50 training throughput by precision (``fp16``/``fp32``), if known."""
     source: str = ""
@@ -151,11 +162,15 @@ class ClusterModel:
         if self.nodes is not None and (not isinstance(self.nodes, int) or self.nodes < 1):
             raise ValueError(f"ClusterModel.nodes must be an int >= 1 or None, got {self.nodes!r}")
         for name in ("gamma_s_per_byte", "call_overhead_s", "exchange_fixed_s", "round_fixed_s",
-                     "select_s_per_elem", "flop_s", "step_overhead_s", "jitter_cv"):
+                     "select_s_per_elem", "flop_s", "step_overhead_s", "jitter_cv", "bucket_overhead_s",
+                     "overlap_slowdown"):
             _check_positive("ClusterModel", name, getattr(self, name), allow_zero=True)
         if self.jitter_cv >= 1:
             raise ValueError(f"ClusterModel.jitter_cv must be < 1 (a coefficient of variation: std / mean), "
                              f"got {self.jitter_cv!r}")
+        if self.overlap_slowdown >= 1:
+            raise ValueError(f"ClusterModel.overlap_slowdown must be < 1 (the fraction of compute speed lost "
+                             f"while an exchange overlaps it), got {self.overlap_slowdown!r}")
         for key, value in self.resnet50_images_per_s.items():
             _check_positive("ClusterModel", f"resnet50_images_per_s[{key!r}]", value)
         for key, bounds in self.assumed.items():
@@ -203,6 +218,8 @@ class ClusterModel:
             f"+ {self.round_fixed_s * 1e6:.3g} us per round; "
             f"top-k select {self.select_s_per_elem * 1e9:.3g} ns/elem; step overhead "
             f"{self.step_overhead_s * 1e3:.3g} ms, compute jitter {self.jitter_cv:.1%} per step"
+            + (f", {self.bucket_overhead_s * 1e3:.3g} ms per bucket" if self.bucket_overhead_s else "")
+            + (f", compute {self.overlap_slowdown:.0%} slower under overlap" if self.overlap_slowdown else "")
         )
 
 
@@ -227,6 +244,8 @@ INPUTS: dict[str, tuple[str, str, float, bool]] = {
     "flop_s": ("matrix products", "ps/flop", 1e12, False),
     "step_overhead_s": ("per-step overhead", "ms", 1e3, False),
     "jitter_cv": ("compute jitter (CV)", "%", 100.0, False),
+    "bucket_overhead_s": ("per-bucket overhead", "ms", 1e3, False),
+    "overlap_slowdown": ("compute slowdown under overlap", "%", 100.0, False),
     "resnet50_images_per_s.fp32": ("compute (ResNet-50 fp32)", "images/s", 1.0, True),
     "resnet50_images_per_s.fp16": ("compute (ResNet-50 fp16)", "images/s", 1.0, True),
 }
@@ -312,10 +331,32 @@ STEP_RANGES = {
     # coefficient of variation measured on an H100 over 20 ResNet-50 steps (0.2-1.7%: fp32 0.4%,
     # bf16 0.9%, fp16 1.5%; docs/gpu.md) for shared clusters and input pipelines.
     "jitter_cv": (0.0, 0.03),
+    # Per-bucket overhead on the communication stream: stated 0 (DDP starts a bucket's all-reduce
+    # from the autograd hook that marks its last gradient ready: no wait beyond the collective's own
+    # call cost); high 5 ms, one Horovod cycle at its default before v0.21 (release notes of Horovod
+    # v0.21.0: "Changed default cycle time from 5ms to 1ms", horovod#2468; docs/tensor-fusion.rst:
+    # the tensors ready are fused and reduced once per cycle, so a bucket ready just after a cycle
+    # began waits for the whole of it; Horovod's 2017-2018 published benchmarks ran with 5 ms).
+    "bucket_overhead_s": (0.0, 5e-3),
+    # Compute slowdown under overlap (the fraction s of compute speed lost while an exchange runs):
+    # stated 0 (overlap is free: collectives on DMA engines or the host); high 0.79: Agrawal et al.
+    # 2024 (AMD, "Optimizing ML Concurrent Computation and Communication with GPU DMA Engines",
+    # arXiv 2412.14335, abstract): "C3 on average achieves only 21% of ideal speedup. This is so,
+    # due to known challenges of compute and memory interference between concurrent GPU kernels
+    # (that is, sharing of GPU's compute units, caches and HBM)" (C3: concurrent computation and
+    # communication; 42% with schedule prioritization and partitioned compute units); with the
+    # exchange shorter than the compute it overlaps, the model's time saved is (1 - s) of the
+    # exchange, so 21% of the ideal saving is s = 0.79 [judgement: their average over GEMM +
+    # collective pairs is taken as the worst a data-parallel backward sees]. Beside it an NVIDIA
+    # forum report on an H100 (forums.developer.nvidia.com/t/337991): a GEMM at ~80% of peak
+    # ("execution time nearly doubles, and its MFU drops to ~47%") with an ncclAllGather beside it
+    # holding 24 of 132 SMs, s = 0.41-0.5.
+    "overlap_slowdown": (0.0, 0.79),
 }
 """The plausible ranges of the step's assumed costs beyond the exchange (:attr:`ClusterModel.step_overhead_s`,
-:attr:`ClusterModel.jitter_cv`): every preset's and a cluster file's defaults, whose stated values
-are 0 (the nominal prediction is the exchange's alone; the range's slow end holds these)."""
+:attr:`ClusterModel.jitter_cv`, :attr:`ClusterModel.bucket_overhead_s`, :attr:`ClusterModel.overlap_slowdown`):
+every preset's and a cluster file's defaults, whose stated values are 0 (the nominal prediction is
+the exchange's alone; the range's slow end holds these)."""
 
 
 # TCP incast (Link.incast): stated 0 on every preset (unknown without a measurement: it depends on

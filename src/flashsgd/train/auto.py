@@ -13,7 +13,9 @@ all ranks working at once, so CPU or NIC sharing is in the figures):
 2. Network (without ``comm.cluster``): ring all-reduces of two sizes inside a node (the node
    group) and across nodes (one rank per node, the others idle: the node's whole link), each fitted
    to the ring cost ``t = 2(p-1) alpha + 2(p-1)/p n (beta + gamma/2)`` of
-   :func:`flashsgd.sim.costs.ring`; one level only: the other takes the same link.
+   :func:`flashsgd.sim.costs.ring`; one level only: the other takes the same link. What the probe
+   cannot see stays assumed, with the presets' ranges (:func:`measured_cluster_assumptions`): the
+   step's costs beyond the exchange and TCP incast.
 3. Devices: ``gamma`` = the time of ``a += b`` per byte of the gradient; top-k selection per
    element (``comm.selection`` at density 0.01, minus the add); PowerSGD's flop rate from one
    rank-2 product of a gradient-sized matrix; the fixed costs of a sparse exchange
@@ -46,7 +48,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from flashsgd.sim.network import STEP_RANGES, ClusterModel, Link
+from flashsgd.sim.network import INCAST_RANGE, STEP_RANGES, ClusterModel, Link
 from flashsgd.timing import time_ops
 
 PROBE_DENSITY = 0.01
@@ -186,6 +188,15 @@ def sparse_fixed_costs(cluster: ClusterModel, numel: int, selection: str, timeou
             "exchange_fixed_s": max(t - float(exchange_cost("gtopk", 4.0 * numel, setup).total), 0.0)}
 
 
+def measured_cluster_assumptions() -> dict[str, tuple[float, float]]:
+    """What a measured cluster still assumes, with the presets' ranges: the step's costs beyond the
+    exchange (:data:`~flashsgd.sim.network.STEP_RANGES`: per-step and per-bucket overhead, jitter,
+    the slowdown of compute under overlap) and TCP incast between nodes
+    (:data:`~flashsgd.sim.network.INCAST_RANGE`): the probe runs rings and pairwise rounds, never a
+    round in which many nodes send to one, and cannot tell a lossless fabric from TCP."""
+    return {**STEP_RANGES, "inter.incast": INCAST_RANGE}
+
+
 def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable, topo,
             selection: str, timeout_s: float, given: tuple[str, ClusterModel] | None) -> Measured:
     """Steps 1-3 on a world of >= 2 ranks (``given``: ``comm.cluster`` and its model, used for the
@@ -207,7 +218,7 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, los
     cluster = ClusterModel(name="measured", ranks_per_node=L, nodes=world // L,
                            intra=intra or inter, inter=inter or intra, **dev,
                            source=f"measured by flashsgd train --comm auto on {world} ranks",
-                           assumed=dict(STEP_RANGES))  # not measured here: the step's costs beyond the exchange
+                           assumed=measured_cluster_assumptions())
     cluster = replace(cluster, **sparse_fixed_costs(cluster, numel, selection, timeout_s, device))
     return Measured(cluster, compute, time.perf_counter() - t0)
 
