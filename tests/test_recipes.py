@@ -3,6 +3,7 @@ a tiny recipe bench run."""
 
 import argparse
 import dataclasses
+import json
 import warnings
 
 import numpy as np
@@ -377,3 +378,32 @@ def test_replaced_optimizer_settings_are_listed_and_it_cannot_step():
         prepare(RECIPES["goyal"], _model(), 512, 5120, epochs=9, replaces=mine)
     with pytest.raises(TypeError, match="replaces must be the torch.optim.Optimizer .* got dict"):
         prepare(RECIPES["goyal"], _model(), 512, 5120, epochs=9, replaces={"lr": 0.1})
+
+
+def test_large_batch_rule_is_fujitsu_mnist1d_with_saturation_and_longer_warmup():
+    rule, tuned = RECIPES["large-batch-mnist1d"], RECIPES["fujitsu-mnist1d"]
+    assert (rule.lr_max, rule.warmup_epochs / rule.epochs) == (3.2, 0.4)
+    assert _fields(rule, skip=("name", "source", "lr_max", "warmup_epochs")) == \
+        _fields(tuned, skip=("name", "source", "lr_max", "warmup_epochs"))
+    peaks = [prepare(rule, _model(), b, num_samples=500_000, epochs=5).schedule for b in (4096, 32768)]
+    assert [lr_at(2.0, s, build_batch_table(rule, b)) for s, b in zip(peaks, (4096, 32768))] == \
+        pytest.approx([3.2 / 3, 3.2 * 0.8])
+    assert {bench_recipe.RULE.optimizer, bench_recipe.RULE_LAMB.optimizer, bench_recipe.RULE_SGD.optimizer} == \
+        {"lars", "lamb", "sgd"}
+
+
+def test_recipe_bench_jobs_give_the_same_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHSGD_CACHE", str(tmp_path / "cache"))
+    parser = argparse.ArgumentParser()
+    bench_recipe.add_arguments(parser)
+    rows = []
+    for jobs in ("1", "2"):
+        out = tmp_path / jobs
+        args = parser.parse_args(["--epochs", "1", "--batches", "512", "--seeds", "0", "--num-samples", "1000",
+                                  "--channels", "8", "--threads", "1", "--variants", "rule", "rule-sgd",
+                                  "--jobs", jobs, "--out", str(out), "--json", str(out / "r.json")])
+        assert bench_recipe.run(args) == 0
+        runs = json.loads((out / "r.json").read_text())["runs"]
+        rows.append([(r["variant"], r["batch"], r["seed"], r["final_train_loss"], r["acc_per_epoch"]) for r in runs])
+        assert (out / "recipe_vs_batch.png").stat().st_size > 1000
+    assert rows[0] == rows[1] and [r[0] for r in rows[0]] == ["baseline", "rule", "rule-sgd"]

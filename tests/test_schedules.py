@@ -117,3 +117,16 @@ def test_bad_scalars():
     with pytest.raises(ValueError, match="drop_last"):
         steps_per_epoch(100, 200, drop_last=True)
     assert math.isclose(lr_at(0.0, Schedule(), BatchTable.constant(256)), 0.1)
+
+
+def test_scaled_lr_saturates_at_lr_max():
+    # McCandlish et al.: lr_max / (1 + B_noise / B), B_noise = lr_max * ref / lr_per_ref = 8192 here
+    for batch in (128, 4096, 8192, 32768, 10 ** 7):
+        assert scaled_lr(0.1, batch, 256, lr_max=3.2) == pytest.approx(3.2 / (1 + 8192 / batch))
+    assert scaled_lr(0.1, 64, 256, lr_max=3.2) == pytest.approx(0.025, rel=0.01)  # ~linear far below
+    assert scaled_lr(0.1, 8192, 256, lr_max=3.2) == pytest.approx(1.6)           # half of each at B_noise
+    assert scaled_lr(0.1, 8192, 256) == pytest.approx(3.2)                       # none: linear
+    s = Schedule(lr_per_ref=0.1, epochs=10, lr_max=3.2)
+    assert lr_at(5.0, s, BatchTable.constant(16384)) == pytest.approx(3.2 * 2 / 3)
+    with pytest.raises(ValueError, match="lr_max must be None or a finite number > 0, got 0"):
+        Schedule(lr_max=0.0)

@@ -47,3 +47,14 @@ def test_too_few_steps_per_epoch_are_warned_before_the_start():
     default = build_plan(resolve(cli={}), world=4, num_train=32000, local_spawn=True)
     assert any("gives 2 optimizer steps per epoch" in w for w in big.warnings)
     assert not any("per epoch" in w for w in default.warnings)  # the default run: 8 steps per epoch
+
+
+def test_a_relative_rise_of_a_small_loss_is_noise_unless_it_gives_back_ground():
+    # the large proxy's 4096 row: from ~2.2 down to a best mean of 0.063, then 3 rises to 0.082
+    # (+29%, 1% of the fall) during the warm-up; the run ended at 99.56%
+    start = [(2.2, 0.1), (2.1, 0.1), (2.0, 0.1)] + [(2.0 * 0.9 ** i, 0.5) for i in range(1, 33)]
+    low = start + [(0.063, 0.6)] * 3 + [(0.066, 0.6), (0.074, 0.6), (0.0816, 0.7)]
+    assert not any(m for _, m in _feed(LossRiseGuard(warmup_epochs=100), low, batch=4096))
+    # the same run climbing back by a third of its fall is named
+    back = low[:-3] + [(0.3, 0.7), (0.5, 0.7), (0.8, 0.7)]
+    assert [s for s, m in _feed(LossRiseGuard(warmup_epochs=100), back, batch=4096) if m] == [len(back) - 1]

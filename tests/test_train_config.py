@@ -61,6 +61,7 @@ def test_resolved_config_round_trips():
     ('[optim]\nepochs = inf\n', "'optim.epochs': expected a finite number, got inf"),
     ('[optim]\nlr_per_ref = -0.1\n', "optim.lr_per_ref must be in [0, inf), got -0.1"),
     ('[optim]\nmomentum = 1.0\n', "optim.momentum must be in [0, 1), got 1.0"),
+    ('[optim]\nlr_max = 0\n', "optim.lr_max must be in (0, inf), got 0"),
     ('[optim]\nepochs = 2\nwarmup_epochs = 5\n', "optim.warmup_epochs (5) must be shorter than optim.epochs (2)"),
     ('[run]\nresume = "/nonexistent"\n', "run.resume: '/nonexistent' is not a checkpoint directory"),
 ])

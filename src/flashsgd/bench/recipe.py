@@ -67,10 +67,19 @@ FULL_BSC = dataclasses.replace(FULL, name="full+bsc", batch_fractions=((0, 0.125
 # (e): (c) with LAMB in place of LARS (You et al. 2019), the same LR rule and trust coefficient
 # (flashsgd.optim.lamb: an adapted tensor moves lr * eta * ||w|| under both): not in the default set.
 FULL_LAMB = dataclasses.replace(FULL, name="full-lamb", optimizer="lamb")
+# (f) the one rule for every batch (the registered ``large-batch-mnist1d``: (c) with the LR saturating
+# at 3.2 and 40% warm-up), for the large proxy (--num-samples 625000); (g) and (h) the same rule
+# with LAMB and with plain momentum SGD in place of LARS (no trust ratio).
+RULE = dataclasses.replace(RECIPES["large-batch-mnist1d"], name="rule")
+RULE_LAMB = dataclasses.replace(RULE, name="rule-lamb", optimizer="lamb")
+RULE_SGD = dataclasses.replace(RULE, name="rule-sgd", optimizer="sgd")
 
-
-VARIANTS = {"sgd": BASE, "sgd+warmup": WARMUP, "full": FULL, "full+bsc": FULL_BSC, "full-lamb": FULL_LAMB}
+VARIANTS = {"sgd": BASE, "sgd+warmup": WARMUP, "full": FULL, "full+bsc": FULL_BSC, "full-lamb": FULL_LAMB,
+            "rule": RULE, "rule-lamb": RULE_LAMB, "rule-sgd": RULE_SGD}
 DEFAULT_VARIANTS = ("sgd", "sgd+warmup", "full", "full+bsc")
+LARGE_PROXY_SAMPLES = 625_000
+"""The large proxy: 500,000 training samples, so that batch 32768 has 15 steps per epoch (Fujitsu's
+81,920 on ImageNet: 15.6); generated in ~11 s on a 2-core VM, then cached."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output(parser, "--out", "dir", default="runs/bench-recipe", help="output folder for table + plot")
     add_output(parser, "--json", default=None, help="also write all results to this JSON file")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs trained at once, each in its own process (default 1: in this one)")
 
 
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 4096) -> float:
@@ -135,7 +146,7 @@ def train_once(data, recipe: Recipe, global_batch: int, epochs: int, seed: int,
     plan = prepare(recipe.for_epochs(epochs), model, global_batch, num_samples=len(x), epochs=epochs)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=plan.recipe.label_smoothing, reduction="sum")
     sampler, run = ShardedSampler(len(x), rank=0, world_size=1, seed=seed), RunConfig()
-    step, accs, t0, last_loss, diverged = 0, [], time.perf_counter(), float("nan"), None
+    step, accs, losses, t0, last_loss, diverged = 0, [], [], time.perf_counter(), float("nan"), None
     guard, unstable = LossRiseGuard(plan.recipe.warmup_epochs), None  # the trainer's stability guard
     # a real 1-rank Gloo group: the step all-reduces its loss and flags, DDP (a no-op average) its gradients
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -151,6 +162,7 @@ def train_once(data, recipe: Recipe, global_batch: int, epochs: int, seed: int,
                     last_loss = train_step(lambda: (x[idx], y[idx]), sizes[i], lr=lr, step=step,
                                            epoch=epoch).loss
                     unstable = guard.update(step, epoch + i / len(sizes), last_loss, lr, sizes[i]) or unstable
+                    losses.append(last_loss)
                     step += 1
             except FloatingPointError as exc:  # where the trainer stops
                 diverged = str(exc)
@@ -164,7 +176,7 @@ def train_once(data, recipe: Recipe, global_batch: int, epochs: int, seed: int,
     return {"recipe": recipe.name, "batch": global_batch, "seed": seed, "epochs": epochs,
             "test_acc_precise_bn": evaluate(model, xt, yt),
             "steps": step, "final_train_loss": last_loss, "test_acc": accs[-1],
-            "acc_per_epoch": accs, "seconds": seconds, "plan": plan.describe(), "diverged": diverged,
+            "acc_per_epoch": accs, "losses": losses, "seconds": seconds, "plan": plan.describe(), "diverged": diverged,
             "unstable": unstable}
 
 
@@ -211,8 +223,76 @@ def _plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _report(r: dict) -> None:
+    print(f"{r['variant']:>11} batch {r['batch']:>5} seed {r['seed']}: test acc {r['test_acc']:6.2f}% "
+          f"(BN recalibrated {r['test_acc_precise_bn']:6.2f}%)  "
+          f"({plural(r['steps'], 'step')}, {r['seconds']:.1f} s{', diverged' if r['diverged'] else ''})  "
+          f"{r['plan']}", flush=True)
+    if r["unstable"]:
+        print(f"{'':>11} warning: {r['unstable']}", flush=True)
+
+
+def _task(task: tuple, num_samples: int, epochs: int, channels: int, threads: int) -> dict:
+    """One run in a worker process (``--jobs``): the data from the cache the parent filled."""
+    if threads:
+        torch.set_num_threads(threads)
+    variant, batch, recipe, seed = task
+    r = train_once(load_mnist1d(num_samples), recipe, batch, epochs, seed, channels)
+    return {**r, "variant": variant}
+
+
+def _train_all(tasks: list[tuple], data, args: argparse.Namespace) -> list[dict]:
+    """Every (variant, batch, recipe, seed) run, in order; ``--jobs`` of them at once in worker
+    processes (spawned: each its own 1-rank Gloo group and ``--threads`` torch threads; they read
+    the data from the cache that loading ``data`` filled)."""
+    if args.jobs <= 1:
+        out = []
+        for variant, batch, recipe, seed in tasks:
+            out.append({**train_once(data, recipe, batch, args.epochs, seed, args.channels), "variant": variant})
+            _report(out[-1])
+        return out
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_task, t, args.num_samples, args.epochs, args.channels, args.threads)
+                   for t in tasks]
+        for f in futures:  # reported in task order as each finishes
+            _report(f.result())
+        return [f.result() for f in futures]
+
+
+def _plot_vs_batch(results: dict, path: Path) -> None:
+    """Final test accuracy against the global batch: per variant the mean over seeds, bars from the
+    lowest to the highest seed; the batch-128 baseline as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    base = [r["test_acc"] for r in results[("baseline", BASE_BATCH)]]
+    ax.axhline(statistics.fmean(base), color="k", linewidth=1.5, label=f"baseline @ {BASE_BATCH} (mean)")
+    for variant in dict.fromkeys(v for v, _ in results if v != "baseline"):
+        points = sorted((b, [r["test_acc"] for r in rows]) for (v, b), rows in results.items() if v == variant)
+        xs = [b for b, _ in points]
+        means = [statistics.fmean(a) for _, a in points]
+        low = [m - min(a) for m, (_, a) in zip(means, points)]
+        high = [max(a) - m for m, (_, a) in zip(means, points)]
+        ax.errorbar(xs, means, yerr=[low, high], marker="o", capsize=3, label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global batch")
+    ax.set_ylabel("final test accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("MNIST-1D 1D-CNN, same epochs: accuracy vs batch (mean, min..max over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(args: argparse.Namespace) -> int:
-    for name in ("epochs", "num_samples", "channels"):
+    for name in ("epochs", "num_samples", "channels", "jobs"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if any(b <= 0 for b in args.batches):
@@ -232,25 +312,16 @@ def _run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     data = load_mnist1d(args.num_samples)
     print(f"# flashsgd bench recipe: torch {torch.__version__}, {platform.machine()}, "
-          f"{torch.get_num_threads()} threads, python {platform.python_version()}")
+          f"{torch.get_num_threads()} threads, {plural(args.jobs, 'job')}, python {platform.python_version()}")
     print(f"# MNIST-1D {len(data[0])} train / {len(data[2])} test, epochs {args.epochs}, "
           f"seeds {args.seeds}, CNN channels {args.channels}")
-    results: dict[tuple[str, int], list[dict]] = {}
     runs = [("baseline", BASE_BATCH, BASE)] + [(v, b, _variant(v)) for b in args.batches
                                                for v in args.variants]
-    for variant, batch, recipe in runs:
-        rows = []
-        for seed in args.seeds:
-            r = train_once(data, recipe, batch, args.epochs, seed, args.channels)
-            r["variant"] = variant
-            rows.append(r)
-            print(f"{variant:>11} batch {batch:>5} seed {seed}: test acc {r['test_acc']:6.2f}% "
-                  f"(BN recalibrated {r['test_acc_precise_bn']:6.2f}%)  "
-                  f"({plural(r['steps'], 'step')}, {r['seconds']:.1f} s{', diverged' if r['diverged'] else ''})  "
-                  f"{r['plan']}", flush=True)
-            if r["unstable"]:
-                print(f"{'':>11} warning: {r['unstable']}", flush=True)
-        results[(variant, batch)] = rows
+    tasks = [(variant, batch, recipe, seed) for variant, batch, recipe in runs for seed in args.seeds]
+    done = _train_all(tasks, data, args)
+    results: dict[tuple[str, int], list[dict]] = {}
+    for (variant, batch, _, _), r in zip(tasks, done):
+        results.setdefault((variant, batch), []).append(r)
     base = _summary(results[("baseline", BASE_BATCH)])["mean"]
     base_pbn = _summary(results[("baseline", BASE_BATCH)])["precise_bn"]
     lines = ["| batch | variant | test acc % (mean) | min..max | gap to batch 128 (points) | steps | s/run "
@@ -268,10 +339,11 @@ def _run(args: argparse.Namespace) -> int:
         f"seeds {args.seeds}, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
         + table + "\n")
     _plot(results, out / "recipe.png")
+    _plot_vs_batch(results, out / "recipe_vs_batch.png")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(
             {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
              "runs": [r for rows in results.values() for r in rows]}, indent=1, default=str))
-    print(f"# wrote {out / 'recipe.md'} and {out / 'recipe.png'} in {time.perf_counter() - t_start:.0f} s")
+    print(f"# wrote {out / 'recipe.md'}, {out / 'recipe.png'} and {out / 'recipe_vs_batch.png'} in {time.perf_counter() - t_start:.0f} s")
     return 0

@@ -269,7 +269,9 @@ class RecipeSetup:
         r, s = self.recipe, self.schedule
         peak = lr_at(min(s.warmup_epochs, s.epochs - 1e-9), s, self.table)  # end of warmup (or 0)
         return (f"recipe={r.name} optimizer={r.optimizer} {self.describe_batch()} "
-                f"lr_per_ref={r.lr_per_ref:g} ref_batch={r.ref_batch} peak_lr={peak:.4g} "
+                f"lr_per_ref={r.lr_per_ref:g} ref_batch={r.ref_batch} "
+                + (f"lr_max={r.lr_max:g} " if r.lr_max is not None else "")
+                + f"peak_lr={peak:.4g} "
                 f"warmup_epochs={s.warmup_epochs:g} "
                 f"decay={s.decay} epochs={s.epochs:g} label_smoothing={r.label_smoothing:g} "
                 f"weight_decay={r.weight_decay:g} momentum={r.momentum:g} nesterov={r.nesterov}"

@@ -45,6 +45,9 @@ class Recipe:
     scaling, Goyal et al. sec. 2.1)."""
     ref_batch: int = 256
     """Reference batch of the linear scaling rule (Goyal et al.: 256)."""
+    lr_max: float | None = None
+    """The LR the scaled LR saturates at: ``L / (1 + L / lr_max)`` for the linear ``L`` (McCandlish
+    et al. 2018; :func:`flashsgd.optim.schedules.scaled_lr`); None: linear scaling at every batch."""
     momentum: float = 0.9
     """Momentum factor."""
     nesterov: bool = False
@@ -118,7 +121,8 @@ class Recipe:
 
     def schedule(self) -> Schedule:
         """The LR :class:`Schedule` of this recipe (LR per reference batch, lengths in epochs)."""
-        return Schedule(lr_per_ref=self.lr_per_ref, ref_batch=self.ref_batch, epochs=self.epochs,
+        return Schedule(lr_per_ref=self.lr_per_ref, ref_batch=self.ref_batch, lr_max=self.lr_max,
+                        epochs=self.epochs,
                         warmup_epochs=self.warmup_epochs, warmup_start_factor=self.warmup_start_factor,
                         decay=self.decay, milestones=self.milestones if self.decay == "step" else (),
                         gamma=self.gamma, power=self.power, final_factor=self.final_factor)
@@ -211,6 +215,23 @@ RECIPES.add("fujitsu-mnist1d", dataclasses.replace(
     bn_momentum=0.3,            # round 2: 0.1 -> 0.3 gained 1.2 points at 8192 (0.2, 0.5: same)
     source="fujitsu recipe structure; LR, momentum, warmup, label smoothing, eta, decay power and "
            "BN momentum tuned on MNIST-1D (docs/recipe.md, 'Tuning tried')",
+))
+
+
+# One rule for every batch from 128 to 32768 on the large MNIST-1D proxy (625,000 samples, so that
+# batch 32768 still has 15 steps per epoch; docs/recipe.md, "Large batches on the large proxy"): the
+# fujitsu-mnist1d values, with the LR saturating and a longer warm-up. Measured with
+# `flashsgd bench recipe --num-samples 625000 --epochs 5` (what was tried: docs/recipe.md).
+RECIPES.add("large-batch-mnist1d", dataclasses.replace(
+    RECIPES.get("fujitsu-mnist1d"),
+    name="large-batch-mnist1d",
+    lr_max=3.2,         # McCandlish et al. 2018: linear (0.1 per 256) below B_noise = 8192, level above;
+                        # tried at 5 epochs, seed 0: 8192 at 3.2 (linear) 99.39%, at 1.6 99.51%; 16384 at
+                        # 6.4 (linear) 31.1% (collapse), at 3.2 99.34%; 32768 at 3.2 97.72%, at 1.6 97.97%
+    warmup_epochs=6.0,  # of 15: 40% of the run, Fujitsu's share (36 of 90 epochs); 16384 at 6.4 LR
+                        # collapsed with 20% and 40% alike, so the warm-up alone does not make it stable
+    source="fujitsu-mnist1d with the LR saturating at 3.2 (McCandlish et al. 2018) and 40% warm-up "
+           "(Fujitsu MLPerf v0.6: 36 of 90 epochs); docs/recipe.md, 'Large batches on the large proxy'",
 ))
 
 

@@ -12,8 +12,9 @@ in training is::
     lr(t) = scaled_lr(lr_per_ref, batch_at(t)) * warmup(t) * decay(t)
 
 1. Linear scaling (Goyal): ``lr = lr_per_ref * global_batch / ref_batch`` (LR per ``ref_batch``
-   samples in, 256 by default; effective LR out). With batch-size control the scaled LR follows
-   the current batch.
+   samples in, 256 by default; effective LR out), saturating at ``lr_max`` when one is set
+   (McCandlish et al. 2018: ``L / (1 + L / lr_max)`` for the linear ``L``; :func:`scaled_lr`).
+   With batch-size control the scaled LR follows the current batch.
 2. Gradual warmup over ``warmup_epochs``: the factor grows linearly (per step, via the fractional
    epoch) from ``warmup_start_factor`` to 1. ``warmup_start_factor=None`` is Goyal's rule: start
    at the reference-batch LR, i.e. factor ``ref_batch / global_batch``.
@@ -62,18 +63,31 @@ def as_int(name: str, value: object, minimum: int = 1) -> int:
     return n
 
 
-def scaled_lr(lr_per_ref: float, global_batch: int, ref_batch: int = 256) -> float:
-    """Linear scaling rule: the LR for ``global_batch`` given the LR per ``ref_batch`` samples.
+def scaled_lr(lr_per_ref: float, global_batch: int, ref_batch: int = 256,
+              lr_max: float | None = None) -> float:
+    """The LR for ``global_batch`` given the LR per ``ref_batch`` samples: the linear scaling rule
+    ``L = lr_per_ref * global_batch / ref_batch`` (Goyal et al. 2017, sec. 2.1), saturating at
+    ``lr_max`` when it is set.
+
+    Saturation (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", arXiv
+    1812.06162, for SGD): the best LR grows linearly while the batch is below the gradient
+    noise scale ``B_noise`` and levels off above it, ``lr(B) = lr_max / (1 + B_noise / B)``. Its
+    small-batch slope is ``lr_max / B_noise``, which is ``lr_per_ref / ref_batch``, so
+    ``B_noise = lr_max * ref_batch / lr_per_ref`` and ``lr = L / (1 + L / lr_max)``: the linear
+    rule below ``B_noise`` (within 2x at it), ``lr_max`` far above it.
 
     Example::
 
         >>> scaled_lr(0.1, 8192)  # Goyal et al.: 0.1 per 256 -> 3.2 at 8k
         3.2
+        >>> round(scaled_lr(0.1, 8192, lr_max=3.2), 3), round(scaled_lr(0.1, 128, lr_max=3.2), 4)
+        (1.6, 0.0492)
     """
     if not (math.isfinite(lr_per_ref) and lr_per_ref >= 0.0):
         raise ValueError(f"lr_per_ref must be a finite number >= 0, got {lr_per_ref!r}")
     global_batch, ref_batch = as_int("global_batch", global_batch), as_int("ref_batch", ref_batch)
-    return lr_per_ref * global_batch / ref_batch
+    linear = lr_per_ref * global_batch / ref_batch
+    return linear if lr_max is None else linear / (1.0 + linear / lr_max)
 
 
 @dataclass(frozen=True)
@@ -198,6 +212,8 @@ class Schedule:
     """LR per ``ref_batch`` samples (Goyal: 0.1 per 256)."""
     ref_batch: int = 256
     """Reference batch of the linear scaling rule (Goyal et al.: 256)."""
+    lr_max: float | None = None
+    """The LR the scaled LR saturates at (McCandlish et al. 2018; :func:`scaled_lr`); None: linear."""
     epochs: float = 90.0
     """Total training length; decays end here."""
     warmup_epochs: float = 0.0
@@ -219,6 +235,8 @@ class Schedule:
         if not (math.isfinite(self.lr_per_ref) and self.lr_per_ref >= 0.0):
             raise ValueError(f"lr_per_ref must be a finite number >= 0, got {self.lr_per_ref!r}")
         object.__setattr__(self, "ref_batch", as_int("ref_batch", self.ref_batch))
+        if self.lr_max is not None and not (math.isfinite(self.lr_max) and self.lr_max > 0.0):
+            raise ValueError(f"lr_max must be None or a finite number > 0, got {self.lr_max!r}")
         if not (math.isfinite(self.epochs) and self.epochs > 0):
             raise ValueError(f"epochs must be a finite number > 0, got {self.epochs!r}")
         if not 0.0 <= self.warmup_epochs <= self.epochs:
@@ -272,7 +290,7 @@ def lr_at(epoch: float, s: Schedule, table: BatchTable) -> float:
         raise ValueError(f"epoch must be >= 0, got {epoch!r}")
     b = batch_at(epoch, table)
     # Step 1-3
-    return scaled_lr(s.lr_per_ref, b, s.ref_batch) * warmup_factor(epoch, s, b) * decay_factor(epoch, s)
+    return scaled_lr(s.lr_per_ref, b, s.ref_batch, s.lr_max) * warmup_factor(epoch, s, b) * decay_factor(epoch, s)
 
 
 def lr_at_step(step: int, s: Schedule, table: BatchTable, num_samples: int,

@@ -133,6 +133,9 @@ class OptimConfig:
     """Peak LR per ``ref_batch`` samples (linear scaling: LR = lr_per_ref * batch / ref_batch)."""
     ref_batch: Optional[int] = None
     """Reference batch of the linear-scaling rule (the recipe's: 256, Goyal et al.)."""
+    lr_max: Optional[float] = None
+    """The LR the linear rule saturates at, LR = L / (1 + L / lr_max) (McCandlish et al. 2018);
+    unset: the recipe's (most: none, linear at every batch)."""
     momentum: Optional[float] = None
     """Momentum factor in [0, 1)."""
     nesterov: Optional[bool] = None
@@ -455,6 +458,7 @@ def _check_exchange_options(c: CommConfig) -> None:
 # optim override -> (lowest valid, whether the lowest is allowed, highest or None, whether it is)
 OPTIM_RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
     "lr_per_ref": (0.0, True, None, False), "ref_batch": (0.0, False, None, False),
+    "lr_max": (0.0, False, None, False),
     "momentum": (0.0, True, 1.0, False), "weight_decay": (0.0, True, None, False),
     "warmup_epochs": (0.0, True, None, False), "label_smoothing": (0.0, True, 1.0, False),
     "trust_coefficient": (0.0, False, None, False),

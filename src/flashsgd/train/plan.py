@@ -51,7 +51,7 @@ from flashsgd.train.config_file import set_but_unread
 from flashsgd.train.datasets import DATASETS
 
 # Recipe fields a config key may override (config key -> Recipe field; the same names).
-RECIPE_OVERRIDES = ("optimizer", "lr_per_ref", "ref_batch", "momentum", "nesterov", "weight_decay",
+RECIPE_OVERRIDES = ("optimizer", "lr_per_ref", "ref_batch", "lr_max", "momentum", "nesterov", "weight_decay",
                     "warmup_epochs", "label_smoothing", "trust_coefficient")
 
 
@@ -175,7 +175,7 @@ class RunPlan:
             f"  batch       global {' -> '.join(map(str, batches))} (table {list(self.table.rows)}), "
             f"per worker {per_worker}; {plural(self.total_steps, 'step')} in {plural(self.epochs, 'epoch')}",
             f"  lr          effective peak {self.peak_lr():.4g} (lr_per_ref {r.lr_per_ref:g} x "
-            f"batch/{r.ref_batch}), warmup {plural(r.warmup_epochs, 'epoch')}, decay {r.decay}",
+            f"batch/{r.ref_batch}{'' if r.lr_max is None else f', saturating at {r.lr_max:g}'}), warmup {plural(r.warmup_epochs, 'epoch')}, decay {r.decay}",
             f"  recipe      {self.recipe_source}",
             f"  step        {describe_execution(self.execution)}",
             f"  run dir     {cfg.run.out}",
