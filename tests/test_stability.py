@@ -55,6 +55,9 @@ def test_a_relative_rise_of_a_small_loss_is_noise_unless_it_gives_back_ground():
     start = [(2.2, 0.1), (2.1, 0.1), (2.0, 0.1)] + [(2.0 * 0.9 ** i, 0.5) for i in range(1, 33)]
     low = start + [(0.063, 0.6)] * 3 + [(0.066, 0.6), (0.074, 0.6), (0.0816, 0.7)]
     assert not any(m for _, m in _feed(LossRiseGuard(warmup_epochs=100), low, batch=4096))
+    # a 7-fold spike it recovered from (seed 2 of the rule at 4096: 0.039 -> 0.292, 12% of the fall)
+    spike = low[:-3] + [(0.1, 0.7), (0.2, 0.7), (0.292, 0.7)]
+    assert not any(m for _, m in _feed(LossRiseGuard(warmup_epochs=100), spike, batch=4096))
     # the same run climbing back by a third of its fall is named
     back = low[:-3] + [(0.3, 0.7), (0.5, 0.7), (0.8, 0.7)]
     assert [s for s, m in _feed(LossRiseGuard(warmup_epochs=100), back, batch=4096) if m] == [len(back) - 1]
