@@ -13,6 +13,9 @@ data order and LR schedule (:func:`train_once`), the same number of epochs at ev
        decay/adaptation on bias and BN, BN momentum 0.3, no label smoothing) - see :data:`FULL`;
    (d) ``full+bsc``: (c) plus batch-size control (Sony) growing to B - see :data:`FULL_BSC`;
    (e) ``full-lamb`` (asked for by name): (c) with LAMB in place of LARS - see :data:`FULL_LAMB`.
+   (f) ``rule``, (g) ``rule-lamb``, (h) ``rule-sgd`` (asked for by name): the one rule for every
+       batch, ``large-batch-mnist1d``, with LARS, LAMB and plain momentum SGD - see :data:`RULE`;
+       for the large proxy (``--num-samples 625000``, :data:`LARGE_PROXY_SAMPLES`).
 3. Each run is repeated over ``--seeds`` (model init + shuffling); the table reports the mean and
    min..max test accuracy, the gap to the baseline, steps and seconds; a PNG plots the test
    accuracy per epoch. A diagnostic column gives the final accuracy after re-estimating the BN
@@ -22,6 +25,8 @@ Example::
 
     flashsgd bench recipe --out runs/recipe                     # full evidence run, ~minutes
     flashsgd bench recipe --epochs 1 --batches 512 --seeds 0 --num-samples 2000 --out /tmp/r
+    flashsgd bench recipe --num-samples 625000 --epochs 5 --batches 4096 8192 16384 32768 \
+        --variants rule rule-lamb rule-sgd --seeds 0 1 2 --jobs 2 --threads 1   # ~66 min, 2 cores
 """
 
 from __future__ import annotations
@@ -285,7 +290,7 @@ def _plot_vs_batch(results: dict, path: Path) -> None:
     ax.set_ylabel("final test accuracy (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("MNIST-1D 1D-CNN, same epochs: accuracy vs batch (mean, min..max over seeds)")
+    ax.set_title("MNIST-1D, same epochs: accuracy vs batch\n(mean over seeds, bars min..max)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
