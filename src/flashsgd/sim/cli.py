@@ -40,7 +40,7 @@ from flashsgd.sim.uncertainty import RangedRuns, assumed_lines, runs_over_ranges
 from flashsgd.sim.workload import MODEL_HELP, SCHEDULES, get_workload, trainer_schedule
 
 RANGED = ("iteration_s", "compute_s", "comm_s", "exposed_comm_s", "straggler_s", "slowdown_s", "step_overhead_s",
-          "images_per_s", "efficiency")
+          "input_wait_s", "images_per_s", "efficiency")
 """The :class:`SimResult` fields printed and written with their range over the assumed inputs."""
 
 
@@ -279,6 +279,8 @@ def _print_breakdown(r: SimResult, ranged: RangedRuns, i: int) -> None:
     print(f"  overlap slowdown {r.slowdown_s * ms:9.2f} ms{rng('slowdown_s', ms, '.2f')}  (backward slowed by "
           "the exchanges beside it)")
     print(f"  step overhead    {r.step_overhead_s * ms:9.2f} ms{rng('step_overhead_s', ms, '.2f')}")
+    print(f"  input wait       {r.input_wait_s * ms:9.2f} ms{rng('input_wait_s', ms, '.2f')}  (the node's host "
+          "preparing its GPUs' images)")
     print(f"  throughput       {r.images_per_s:9.0f} images/s{rng('images_per_s', 1.0, '.0f')}")
     print(f"  efficiency       {r.efficiency:9.1%}{rng('efficiency', 100.0, '.1f')}  "
           "(throughput / (GPUs x single-GPU throughput))")

@@ -31,6 +31,8 @@ per-call and compression costs of the devices. Units are in the key names::
     jitter_percent = 0.0        # one GPU's step-to-step compute variation (std / mean, %): stragglers
     bucket_overhead_us = 0.0    # per bucket on the communication stream (the framework's hook, bookkeeping)
     overlap_slowdown_percent = 0.0  # compute speed lost while an exchange overlaps it (%, < 100)
+    input_us_per_image = 0.0    # the node's host time per training image (read, decode, augment),
+                                # shared by its GPUs; 0: the input pipeline keeps up
 
 ``flow_bandwidth_gbit`` (Gbit/s, > 0; absent: one flow can fill the link) caps every flow
 (:attr:`Link.flow_gbps`): a flat ring sends one flow through each node's link, hierarchical and
@@ -53,6 +55,12 @@ A value without a range is taken as measured (``train --comm auto`` writes such 
 range (:data:`flashsgd.sim.network.SPARSE_RANGES`, :data:`flashsgd.sim.network.STEP_RANGES`) take
 that range too. ``flashsgd plan`` varies
 every ranged input (:mod:`flashsgd.sim.uncertainty`).
+
+``input_us_per_image`` (:attr:`ClusterModel.input_s_per_image`) has no preset range: it depends on
+the node's CPUs and its data loader, so a file that knows its host gives one, e.g. 40 cores that
+each prepare at least 100 ImageNet images/s: ``input_us_per_image_range = [0.0, 250.0]`` (high: a
+node's ``1e6 / (cores x rate)``; low 0: the pipeline keeps up, e.g. decoding on the GPUs); left
+out, the input pipeline keeps up (0, not ranged).
 
 ``exchange_fixed_us`` and ``round_fixed_us`` are the fixed costs of a sparse exchange
 (:attr:`ClusterModel.exchange_fixed_s`, :attr:`ClusterModel.round_fixed_s`): ``train --comm auto``
@@ -88,7 +96,7 @@ GBIT = 1e9 / 8 / 1e9  # 1 Gbit/s in GB/s (Link.bandwidth_gbps is in 1e9 bytes pe
 DEFAULT_COSTS = {"reduce_ns_per_byte": 3.0 / 900.0, "call_overhead_us": 10.0,
                  "exchange_fixed_us": 500.0, "round_fixed_us": 0.0, "select_ns_per_elem": 0.5,
                  "tflops": 15.0, "step_overhead_us": 0.0, "jitter_percent": 0.0, "bucket_overhead_us": 0.0,
-                 "overlap_slowdown_percent": 0.0}
+                 "overlap_slowdown_percent": 0.0, "input_us_per_image": 0.0}
 """A V100-class GPU (900 GB/s HBM2, ~15 TFLOPS fp32; NCCL-class call cost; the presets' sparse
 assumptions, :mod:`flashsgd.sim.network`)."""
 
@@ -100,7 +108,8 @@ COST_FIELDS = {"reduce_ns_per_byte": ("gamma_s_per_byte", 1e-9), "call_overhead_
                "select_ns_per_elem": ("select_s_per_elem", 1e-9),
                "step_overhead_us": ("step_overhead_s", 1e-6), "jitter_percent": ("jitter_cv", 1e-2),
                "bucket_overhead_us": ("bucket_overhead_s", 1e-6),
-               "overlap_slowdown_percent": ("overlap_slowdown", 1e-2)}
+               "overlap_slowdown_percent": ("overlap_slowdown", 1e-2),
+               "input_us_per_image": ("input_s_per_image", 1e-6)}
 """[costs] key -> (ClusterModel field, factor to its SI unit); ``tflops`` is ``flop_s = 1 / (tflops x 1e12)``."""
 LINK_FIELDS = {"bandwidth_gbit": ("bandwidth_gbps", GBIT), "latency_us": ("alpha_s", 1e-6),
                "flow_bandwidth_gbit": ("flow_gbps", GBIT), "incast": ("incast", 1.0)}
@@ -115,10 +124,11 @@ LINK_DEFAULTS = {"incast": 0.0}
 
 
 LIMITS = {"bandwidth_gbit": 1e5, "flow_bandwidth_gbit": 1e5, "latency_us": 1e7, "ranks_per_node": 4096,
-          "nodes": 10 ** 6, "incast": 100.0, "overlap_slowdown_percent": 99.0}
+          "nodes": 10 ** 6, "incast": 100.0, "overlap_slowdown_percent": 99.0,
+          "input_us_per_image": 1e6}
 """The largest value a cluster file may give (a key's last part): far past any machine (100 Tbit/s,
 10 s, 4,096 ranks per node, a million nodes, an incast loss of 100 per extra sender, compute at 1%
-of its speed under overlap), so that a
+of its speed under overlap, a second of host time per image), so that a
 typo (1e308, 1e30) is refused instead of planned with infinite or absurd costs."""
 
 
@@ -258,6 +268,7 @@ def load_cluster_text(text: str, where: str, default_name: str = "file") -> Clus
         select_s_per_elem=c["select_ns_per_elem"] * 1e-9,
         step_overhead_s=c["step_overhead_us"] * 1e-6, jitter_cv=c["jitter_percent"] * 1e-2,
         bucket_overhead_s=c["bucket_overhead_us"] * 1e-6, overlap_slowdown=c["overlap_slowdown_percent"] * 1e-2,
+        input_s_per_image=c["input_us_per_image"] * 1e-6,
         flop_s=1.0 / (c["tflops"] * 1e12), source=where, assumed=assumed)
 
 

@@ -26,12 +26,16 @@ Algorithm (per iteration, one GPU's view; all GPUs are identical in data paralle
    (:attr:`~flashsgd.sim.network.ClusterModel.jitter_cv`; :func:`straggler_factor`: e(P) the
    expected maximum of P standard normal draws, :func:`expected_max_normal`), so the whole timeline of steps 1-4 is stretched
    by that factor; and each step pays the cluster's fixed ``step_overhead_s``.
+6. The input pipeline, with more than one GPU: a node's CPUs prepare every image its L GPUs train
+   on, ``c`` seconds each (:attr:`~flashsgd.sim.network.ClusterModel.input_s_per_image`), working
+   ahead while the GPUs compute and exchange, so a step lasts at least ``batch x L x c``; the
+   remainder is the step's ``input_wait_s``. One GPU had the whole host when T1 was measured.
 
 With N micro-batches only the last backward can hide the exchange, but one exchange serves N
 micro-batches: T1 grows N-fold at the same samples per micro-batch while the exchange stays.
 
-So ``iteration = T1' + slowdown + exposed + step_overhead`` (P > 1), ``slowdown`` the time backward
-lost to overlapped exchanges.
+So ``iteration = max(T1' + slowdown + exposed + step_overhead, batch x L x c)`` (P > 1),
+``slowdown`` the time backward lost to overlapped exchanges.
 
 Outputs: iteration time, compute time (T1), total and exposed communication, the straggler,
 slowdown and overhead terms, throughput and scaling efficiency = throughput / (P x single-GPU throughput) =
@@ -143,7 +147,8 @@ class SimResult:
     comm_s: float
     """Sum of all bucket exchange times (overlapped or not)."""
     exposed_comm_s: float
-    """Communication not hidden behind backward: iteration = compute + straggler + exposed + overhead."""
+    """Communication not hidden behind backward: iteration = compute + straggler + slowdown + exposed
+    + overhead + input wait."""
     images_per_s: float
     efficiency: float
     """throughput / (gpus x single-GPU throughput)."""
@@ -167,6 +172,8 @@ class SimResult:
     """The cluster's fixed per-step cost of a multi-GPU step (Step 5)."""
     slowdown_s: float = 0.0
     """Time backward lost to the exchanges that overlapped it (Step 3: ``overlap_slowdown``)."""
+    input_wait_s: float = 0.0
+    """Time the step waited for its node's input pipeline beyond everything else (Step 6)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -304,7 +311,10 @@ def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimRe
     slowdown = backward_end - done
     exposed = max(0.0, end - backward_end)
     overhead = cluster.step_overhead_s if multi else 0.0
-    iteration = t1 + slowdown + exposed + overhead  # = max(end, backward_end) + upd (+ overhead)
+    busy = t1 + slowdown + exposed + overhead  # = max(end, backward_end) + upd (+ overhead)
+    # Step 6: the node's host prepares batch x L images per step, ahead of the GPUs.
+    host = cfg.batch_per_gpu * min(cfg.gpus, cluster.ranks_per_node) * cluster.input_s_per_image if multi else 0.0
+    iteration = max(busy, host)
     return SimResult(
         algorithm=cfg.algorithm, gpus=cfg.gpus, iteration_s=iteration, compute_s=t_one,
         comm_s=float(durations.sum()), exposed_comm_s=exposed,
@@ -315,6 +325,7 @@ def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimRe
         overhead_s=float(cost.overhead_s.sum()) + per_bucket * int(ends.size),
         grid=setup.torus_grid if cfg.algorithm == "torus2d" else None, schedule=cfg.schedule,
         grad_accum=cfg.grad_accum, straggler_s=t1 - t_one, step_overhead_s=overhead, slowdown_s=slowdown,
+        input_wait_s=iteration - busy,
     )
 
 

@@ -144,6 +144,14 @@ class ClusterModel:
     lost (0 <= s < 1): GPU collectives run as kernels that take streaming multiprocessors and
     memory bandwidth from backward, so backward runs ``1 / (1 - s)`` times longer for the time an
     exchange overlaps it (:func:`flashsgd.sim.engine.comm_timeline`). 0: overlap is free."""
+    input_s_per_image: float = 0.0
+    """Host time of one node's input pipeline per training image (seconds; 0: input never limits):
+    reading, decoding and augmenting on the node's CPUs, which its GPUs share. The loader works ahead
+    while the GPUs compute and exchange, so a step of P > 1 GPUs lasts at least ``batch x L x c`` for
+    L GPUs on a node (:func:`flashsgd.sim.engine.simulate`, Step 6). One GPU had the whole host when
+    its rate was measured; with L of them the host feeds L times the images (Mohan et al., VLDB
+    2021, "Analyzing and Mitigating Data Stalls in DNN Training": CPU pre-processing, not the GPU,
+    bounds image training on common 8-GPU servers). ``1 / c`` is the node's images/s."""
     resnet50_images_per_s: dict[str, float] = field(default_factory=dict)
     """Single-GPU ResNet-50 training throughput by precision (``fp16``/``fp32``), if known."""
     source: str = ""
@@ -163,7 +171,7 @@ class ClusterModel:
             raise ValueError(f"ClusterModel.nodes must be an int >= 1 or None, got {self.nodes!r}")
         for name in ("gamma_s_per_byte", "call_overhead_s", "exchange_fixed_s", "round_fixed_s",
                      "select_s_per_elem", "flop_s", "step_overhead_s", "jitter_cv", "bucket_overhead_s",
-                     "overlap_slowdown"):
+                     "overlap_slowdown", "input_s_per_image"):
             _check_positive("ClusterModel", name, getattr(self, name), allow_zero=True)
         if self.jitter_cv >= 1:
             raise ValueError(f"ClusterModel.jitter_cv must be < 1 (a coefficient of variation: std / mean), "
@@ -220,6 +228,7 @@ class ClusterModel:
             f"{self.step_overhead_s * 1e3:.3g} ms, compute jitter {self.jitter_cv:.1%} per step"
             + (f", {self.bucket_overhead_s * 1e3:.3g} ms per bucket" if self.bucket_overhead_s else "")
             + (f", compute {self.overlap_slowdown:.0%} slower under overlap" if self.overlap_slowdown else "")
+            + (f", input pipeline {1 / self.input_s_per_image:.0f} images/s per node" if self.input_s_per_image else "")
         )
 
 
@@ -246,6 +255,7 @@ INPUTS: dict[str, tuple[str, str, float, bool]] = {
     "jitter_cv": ("compute jitter (CV)", "%", 100.0, False),
     "bucket_overhead_s": ("per-bucket overhead", "ms", 1e3, False),
     "overlap_slowdown": ("compute slowdown under overlap", "%", 100.0, False),
+    "input_s_per_image": ("host input time per image and node", "us", 1e6, False),
     "resnet50_images_per_s.fp32": ("compute (ResNet-50 fp32)", "images/s", 1.0, True),
     "resnet50_images_per_s.fp16": ("compute (ResNet-50 fp16)", "images/s", 1.0, True),
 }
