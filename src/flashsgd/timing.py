@@ -104,6 +104,19 @@ def time_ops(fns: Sequence[Callable[[], Any]], iters: int, warmup: int,
         prepare: per function, an untimed call before each of its calls (warm-up included), before
             the barrier: fresh input, a check of the previous result.
     """
+    times = _own_times(fns, iters, warmup, group, device, active, prepare)  # Steps 1-2
+    # Step 3
+    reduced = torch.tensor(times, dtype=torch.float64, device=device)  # (iters, k)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    # Step 4
+    per_fn = reduced.t().tolist()  # (k, iters)
+    return [Timing(statistics.median(t), min(t), max(t), iters, tuple(t)) for t in per_fn]
+
+
+def _own_times(fns: Sequence[Callable[[], Any]], iters: int, warmup: int, group: dist.ProcessGroup | None,
+               device: torch.device | None, active: bool,
+               prepare: Sequence[Callable[[], Any]] | None) -> list[list[float]]:
+    """Steps 1-2 of :func:`time_ops`: this rank's own (iters, len(fns)) seconds."""
     if iters < 1 or warmup < 0:
         raise ValueError(f"iters must be >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
     k = len(fns)
@@ -128,9 +141,18 @@ def time_ops(fns: Sequence[Callable[[], Any]], iters: int, warmup: int,
             if active:
                 fns[j]()
             times[i][j] = clock(device) - t0 if active else 0.0
-    # Step 3
-    reduced = torch.tensor(times, dtype=torch.float64, device=device)  # (iters, k)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-    # Step 4
-    per_fn = reduced.t().tolist()  # (k, iters)
-    return [Timing(statistics.median(t), min(t), max(t), iters, tuple(t)) for t in per_fn]
+    return times
+
+
+def rank_times(fn: Callable[[], Any], iters: int, warmup: int, group: dist.ProcessGroup | None = None,
+               device: torch.device | None = None) -> torch.Tensor:
+    """Every rank's own seconds per call of ``fn``, a (ranks, iters) tensor on the CPU: the
+    discipline of :func:`time_ops` (warm-up excluded, a barrier before each call, every rank
+    working at once) without taking the slowest rank, so the spread from call to call and from
+    rank to rank is seen (``train --comm auto`` reads the compute's jitter from it: the simulator
+    adds the slowest of P ranks itself). Collective over ``group``: one all-gather at the end."""
+    own = torch.tensor([t[0] for t in _own_times([fn], iters, warmup, group, device, True, None)],
+                       dtype=torch.float64, device=device)
+    out = [torch.empty_like(own) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, own, group=group)
+    return torch.stack(out).cpu()

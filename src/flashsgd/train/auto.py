@@ -3,19 +3,23 @@
 The planner (:mod:`flashsgd.sim.planner`) needs a cluster model and a workload; here both come from
 the run itself. With ``comm.cluster`` (a preset or a cluster TOML file, such as the ``cluster.toml``
 a previous auto run wrote) the network is taken from it; otherwise it is measured on the spot.
-The compute is always measured: it is this model on these devices.
+The compute is always measured, with its jitter: it is this model on these devices.
 
-Algorithm (:func:`resolve_auto`, every rank, in lockstep; every time is the slowest rank's, with
-all ranks working at once, so CPU or NIC sharing is in the figures):
+Algorithm (:func:`resolve_auto`, every rank, in lockstep; every time but the compute's is the
+slowest rank's, with all ranks working at once, so CPU or NIC sharing is in the figures):
 
 1. Compute: forward, backward and optimizer step of the model on one local batch (plain module,
-   no exchange), 1 warm-up + 3 timed; the model and the optimizer are restored afterwards.
+   no exchange), 1 warm-up + 12 timed, each after a barrier with every rank at work, each rank's
+   own time (:func:`flashsgd.timing.rank_times`): the compute is their mean, its jitter their
+   coefficient of variation (std / mean over ranks and steps), recorded as the cluster's
+   ``jitter_cv`` (the simulator adds the slowest of P ranks from it, Step 5 of
+   :mod:`flashsgd.sim.engine`); the model and the optimizer are restored afterwards.
 2. Network (without ``comm.cluster``): ring all-reduces of two sizes inside a node (the node
    group) and across nodes (one rank per node, the others idle: the node's whole link), each fitted
    to the ring cost ``t = 2(p-1) alpha + 2(p-1)/p n (beta + gamma/2)`` of
    :func:`flashsgd.sim.costs.ring`; one level only: the other takes the same link. What the probe
    cannot see stays assumed, with the presets' ranges (:func:`measured_cluster_assumptions`): the
-   step's costs beyond the exchange and TCP incast.
+   step's costs beyond the exchange other than the jitter, and TCP incast.
 3. Devices: ``gamma`` = the time of ``a += b`` per byte of the gradient; top-k selection per
    element (``comm.selection`` at density 0.01, minus the add); PowerSGD's flop rate from one
    rank-2 product of a gradient-sized matrix; the fixed costs of a sparse exchange
@@ -49,12 +53,13 @@ import torch
 import torch.distributed as dist
 
 from flashsgd.sim.network import INCAST_RANGE, STEP_RANGES, ClusterModel, Link
-from flashsgd.timing import time_ops
+from flashsgd.timing import rank_times, time_ops
 
 PROBE_DENSITY = 0.01
 SMALL_BYTES = 32 * 1024
 LARGE_BYTES = (1024 * 1024, 8 * 1024 * 1024)  # the large probe: the gradient, clipped to this range
 LINK_REPS = 5
+COMPUTE_STEPS = 12  # timed compute steps per rank: their mean and their jitter
 
 
 def _timed(fn: Callable[[], Any], device: torch.device, active: bool = True, reps: int = 3) -> float:
@@ -64,10 +69,20 @@ def _timed(fn: Callable[[], Any], device: torch.device, active: bool = True, rep
     return time_ops([fn], iters=reps, warmup=1, device=device, active=active)[0].median_s
 
 
+@dataclass(frozen=True)
+class Compute:
+    """Step 1: one rank's compute per step (the mean over ranks and steps) and its jitter."""
+
+    seconds: float
+    jitter_cv: float
+    """Standard deviation over every rank's steps / their mean (< 1: a larger spread is capped)."""
+    samples: int
+
+
 def compute_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable) -> float:
-    """Step 1: forward, backward and optimizer step of ``model`` on ``batch``; the model and the
-    optimizer are left as they were."""
+                    batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable) -> Compute:
+    """Step 1: forward, backward and optimizer step of ``model`` on ``batch``, every rank's own time
+    of :data:`COMPUTE_STEPS` steps; the model and the optimizer are left as they were."""
     saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
     x, y = batch
     devices = [x.device] if x.device.type == "cuda" else []
@@ -78,11 +93,17 @@ def compute_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         optimizer.step()
 
     with torch.random.fork_rng(devices=devices):  # a model with dropout draws the same numbers later
-        t = _timed(step, x.device)
+        times = rank_times(step, COMPUTE_STEPS, warmup=1, device=x.device)  # (ranks, steps)
     model.load_state_dict(saved[0])
     optimizer.load_state_dict(saved[1])
     optimizer.zero_grad(set_to_none=True)
-    return t
+    mean = float(times.mean())
+    cv = float(times.std(correction=1)) / mean if times.numel() > 1 else 0.0
+    return Compute(mean, min(cv, MAX_JITTER_CV), times.numel())
+
+
+MAX_JITTER_CV = 0.99
+"""The largest jitter recorded (:class:`~flashsgd.sim.network.ClusterModel` needs < 1)."""
 
 
 def fit_ring(times: tuple[float, float], sizes: tuple[int, int], p: int, gamma: float) -> Link:
@@ -112,13 +133,16 @@ class Measured:
     cluster: ClusterModel
     compute_s: float
     seconds: float
+    jitter_samples: int = 0
+    """The rank-steps the compute's jitter (``cluster.jitter_cv``) was read from."""
     given: str | None = None
     """The ``comm.cluster`` the network and devices came from (None: measured here)."""
 
     def describe(self) -> str:
         c = self.cluster
         where = f"network and devices from {self.given}, " if self.given else ""
-        return (f"{where}measured in {self.seconds:.1f} s: compute {self.compute_s * 1e3:.1f} ms/step; "
+        return (f"{where}measured in {self.seconds:.1f} s: compute {self.compute_s * 1e3:.1f} ms/step, jitter "
+                f"{c.jitter_cv:.1%} ({self.jitter_samples} rank-steps); "
                 f"inter {c.inter.bandwidth_gbps * 8:.3g} Gbit/s, {c.inter.alpha_s * 1e6:.0f} us; intra "
                 f"{c.intra.bandwidth_gbps * 8:.3g} Gbit/s, {c.intra.alpha_s * 1e6:.0f} us; add "
                 f"{c.gamma_s_per_byte * 1e9:.3g} ns/B; select {c.select_s_per_elem * 1e9:.3g} ns/elem; "
@@ -190,23 +214,30 @@ def sparse_fixed_costs(cluster: ClusterModel, numel: int, selection: str, timeou
 
 def measured_cluster_assumptions() -> dict[str, tuple[float, float]]:
     """What a measured cluster still assumes, with the presets' ranges: the step's costs beyond the
-    exchange (:data:`~flashsgd.sim.network.STEP_RANGES`: per-step and per-bucket overhead, jitter,
-    the slowdown of compute under overlap) and TCP incast between nodes
-    (:data:`~flashsgd.sim.network.INCAST_RANGE`): the probe runs rings and pairwise rounds, never a
-    round in which many nodes send to one, and cannot tell a lossless fabric from TCP."""
-    return {**STEP_RANGES, "inter.incast": INCAST_RANGE}
+    exchange (:data:`~flashsgd.sim.network.STEP_RANGES`: per-step and per-bucket overhead, the
+    slowdown of compute under overlap; not the jitter, measured in Step 1) and TCP incast between
+    nodes (:data:`~flashsgd.sim.network.INCAST_RANGE`): the probe runs rings and pairwise rounds,
+    never a round in which many nodes send to one, and cannot tell a lossless fabric from TCP."""
+    return {**{k: v for k, v in STEP_RANGES.items() if k != "jitter_cv"}, "inter.incast": INCAST_RANGE}
+
+
+def with_compute_jitter(cluster: ClusterModel, compute: Compute) -> ClusterModel:
+    """``cluster`` with the jitter measured in Step 1 (no longer an assumption, whatever it stated)."""
+    assumed = {k: v for k, v in cluster.assumed.items() if k != "jitter_cv"}
+    return replace(cluster, jitter_cv=compute.jitter_cv, assumed=assumed)
 
 
 def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable, topo,
             selection: str, timeout_s: float, given: tuple[str, ClusterModel] | None) -> Measured:
     """Steps 1-3 on a world of >= 2 ranks (``given``: ``comm.cluster`` and its model, used for the
-    network and the devices instead of Steps 2-3)."""
+    network and the devices instead of Steps 2-3; the compute and its jitter are measured either way)."""
     t0 = time.perf_counter()
     device = batch[0].device
     compute = compute_seconds(model, optimizer, batch, loss_fn)                            # Step 1
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if given is not None:
-        return Measured(given[1], compute, time.perf_counter() - t0, given=given[0])
+        return Measured(with_compute_jitter(given[1], compute), compute.seconds, time.perf_counter() - t0,
+                        given=given[0], jitter_samples=compute.samples)
     dev = measure_devices(numel, selection, device)                                        # Step 3
     large = min(max(4 * numel, LARGE_BYTES[0]), LARGE_BYTES[1])
     L, world = topo.ranks_per_node, topo.world_size
@@ -220,7 +251,8 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, los
                            source=f"measured by flashsgd train --comm auto on {world} ranks",
                            assumed=measured_cluster_assumptions())
     cluster = replace(cluster, **sparse_fixed_costs(cluster, numel, selection, timeout_s, device))
-    return Measured(cluster, compute, time.perf_counter() - t0)
+    return Measured(with_compute_jitter(cluster, compute), compute.seconds, time.perf_counter() - t0,
+                    jitter_samples=compute.samples)
 
 
 def plan_choice(measured: Measured, model: torch.nn.Module, world: int, local_batch: int,
