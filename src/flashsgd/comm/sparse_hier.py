@@ -194,20 +194,43 @@ def _sparse_in_node(acc: torch.Tensor, k: int, topology: Topology, out: torch.Te
 
 
 def hgtopk_bytes_sent(k: int, topology: Topology, numel: int,
-                      dtype: torch.dtype = torch.float32) -> dict[str, int]:
+                      dtype: torch.dtype = torch.float32, split: str = "leader") -> dict[str, int]:
     """Bytes this rank hands to the backend in :func:`hgtopk_allreduce`, by link level.
 
-    ``{"node": ..., "cross": ...}``: inside the node, a non-leader sends its dense acc (4 m bytes
-    for fp32; the reduce's tree may forward more on larger nodes) and the leader the broadcast
-    message to each of the R - 1 others (upper bound: Gloo's broadcast tree); across nodes, the
-    leader the bytes of :func:`~flashsgd.comm.sparse.gtopk_bytes_sent` over the N leaders.
+    ``{"node": ..., "cross": ...}`` for each ``split`` (upper bounds where a backend's tree may
+    forward more on larger nodes):
+
+    * ``"leader"``: inside the node, a non-leader sends its dense acc (4 m bytes for fp32) and the
+      leader the broadcast message to each of the R - 1 others (Gloo's broadcast tree at most);
+      across nodes, the leader the bytes of :func:`~flashsgd.comm.sparse.gtopk_bytes_sent` over
+      the N leaders.
+    * ``"slices"``: inside the node, slice j of acc to each local rank j (the reduce-scatter) and
+      this rank's packed slice result to each of the R - 1 others (the all-gather); across nodes,
+      gTop-k of k_l pairs of its slice over the N ranks of its local rank.
+    * ``"sparse"``: inside the node, gTop-k among the R ranks and, on the leader, the broadcast;
+      across nodes, the leader's gTop-k over the N leaders.
     """
+    from flashsgd.comm.sparse_slices import slice_bounds, slice_k
+
+    if split not in NODE_SPLITS:
+        raise ValueError(f"hgtopk: split must be one of {', '.join(NODE_SPLITS)}, got {split!r}")
     item = dtype.itemsize
-    r = topology.ranks_per_node
+    r, local, nodes = topology.ranks_per_node, topology.local_rank, topology.num_nodes
     word = wire_index_dtype(numel).itemsize
     bcast = word * broadcast_len(k, dtype, numel)
-    if topology.local_rank:
+    if split == "slices":
+        bounds = slice_bounds(numel, r)
+        sizes = [bounds[j + 1] - bounds[j] for j in range(r)]
+        ks = [slice_k(k, numel, size) if size else 0 for size in sizes]
+        kmax = max(ks)
+        packed = word * (2 * kmax + -(-kmax * item // word))  # sparse_slices._pack_slice
+        node = sum(size for j, size in enumerate(sizes) if j != local) * item + (r - 1) * packed
+        cross = gtopk_bytes_sent(ks[local], nodes, topology.node, dtype, sizes[local]) if ks[local] else 0
+        return {"node": node, "cross": cross}
+    if split == "sparse":
+        node = gtopk_bytes_sent(k, r, local, dtype, numel) + (0 if local else (r - 1) * bcast)
+        cross = 0 if local else gtopk_bytes_sent(k, nodes, topology.node, dtype, numel)
+        return {"node": node, "cross": cross}
+    if local:
         return {"node": numel * item, "cross": 0}
-    node_bytes = (r - 1) * bcast
-    cross = gtopk_bytes_sent(k, topology.num_nodes, topology.node, dtype, numel)
-    return {"node": node_bytes, "cross": cross}
+    return {"node": (r - 1) * bcast, "cross": gtopk_bytes_sent(k, nodes, topology.node, dtype, numel)}

@@ -269,7 +269,8 @@ def _hgtopk(state: SparseHookState, buf: torch.Tensor, acc: torch.Tensor, k: int
                            select=node_select, split=state.options.node_split, timings=_timings(state))
     _lap(state, "exchange")
     buf.div_(world)
-    state.bytes_sent += sum(hgtopk_bytes_sent(k, state.topology, n, buf.dtype).values())
+    state.bytes_sent += sum(hgtopk_bytes_sent(k, state.topology, n, buf.dtype,
+                                                 state.options.node_split).values())
     return res.counted
 
 
