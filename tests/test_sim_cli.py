@@ -203,7 +203,7 @@ def test_simulate_prints_each_number_with_its_range_and_what_it_assumed(tmp_path
     out = capsys.readouterr().out
     assert "scaling efficiency [range], iteration ms [range]:" in out
     row = next(x for x in out.splitlines() if x.strip().startswith("32 "))
-    assert row.count("[") == 4 and "simulated 4 configurations at 5 settings of the assumptions" in out
+    assert row.count("[") == 4 and "simulated 4 configurations at 7 settings of the assumptions" in out
 
 
 def test_simulate_on_measured_inputs_says_there_is_no_range(tmp_path, capsys):

@@ -43,9 +43,11 @@ def test_the_host_is_shared_by_the_gpus_of_its_node_only():
     assert simulate(TWO, slow, replace(CFG, gpus=3)).iteration_s == pytest.approx(1.2, rel=1e-12)
     # 8 GPUs on 2 nodes: each host still feeds 4 GPUs
     assert simulate(TWO, slow, replace(CFG, gpus=8)).iteration_s == pytest.approx(1.6, rel=1e-9)
-    # one GPU had the whole host when its rate was measured: never limited
+    # one GPU had the whole host when its rate was measured: never limited, nor with one GPU per node
     one = simulate(TWO, slow, replace(CFG, gpus=1))
     assert (one.iteration_s, one.input_wait_s, one.efficiency) == (1.0, 0.0, 1.0)
+    alone = replace(slow, ranks_per_node=1, input_s_per_image=0.5)  # 4 images in 2 s > T1
+    assert simulate(TWO, alone, replace(CFG, gpus=4)).input_wait_s == 0.0
 
 
 def test_a_faster_gpu_meets_the_same_host_sooner():
@@ -115,3 +117,26 @@ def test_simulate_prints_the_input_wait_with_its_range(tmp_path):
     assert out.returncode == 0, out.stderr
     line = next(l for l in out.stdout.splitlines() if l.strip().startswith("input wait"))
     assert "0.00 ms [0.00-" in line and "host input time per image and node 0 us (0-250)" in out.stdout
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[costs]\noverlap_slowdown_percent_range = [0.0, 100.0]\n",
+     r"costs.overlap_slowdown_percent_range must be a finite number >= 0 and <= 99, got 100"),
+    ("[costs]\njitter_percent_range = [0.0, 150.0]\n", r"costs.jitter_percent_range must be a finite number >= 0 and <= 99"),
+    ("[costs]\njitter_percent = 150.0\n", r"costs.jitter_percent must be a finite number >= 0 and <= 99"),
+    ("[costs]\ninput_us_per_image_range = [0.0, 1e9]\n",
+     r"costs.input_us_per_image_range must be a finite number >= 0 and <= 1e\+06"),
+])
+def test_a_range_is_held_to_its_keys_limit(text, message):
+    """A range beyond what its key may be was loaded and failed later, inside the model, without
+    the file's name or key."""
+    with pytest.raises(ValueError, match=message):
+        load_cluster_text(LAB + text, "lab.toml")
+
+
+@pytest.mark.parametrize("key", ["incast = 0.1", "incast_range = [0.0, 0.2]"])
+def test_incast_belongs_to_the_network_between_nodes(key):
+    """Under [intra] no cost read it: refused, naming where it goes."""
+    text = LAB.replace("latency_us = 5.0", f"latency_us = 5.0\n{key}")
+    with pytest.raises(ValueError, match=r"lab.toml: intra.incast: .* give incast and incast_range under \[inter\]"):
+        load_cluster_text(text, "lab.toml")

@@ -47,6 +47,11 @@ def test_too_few_steps_per_epoch_are_warned_before_the_start():
     default = build_plan(resolve(cli={}), world=4, num_train=32000, local_spawn=True)
     assert any("gives 2 optimizer steps per epoch" in w for w in big.warnings)
     assert not any("per epoch" in w for w in default.warnings)  # the default run: 8 steps per epoch
+    # batch-size control (sony: half the final batch first): the first epoch's own batch is named
+    sony = build_plan(resolve(cli={"global_batch": 16384, "recipe": "sony"}), world=4, num_train=32000,
+                      local_spawn=True)
+    assert sony.table.rows[0] == (0, 8192)
+    assert any(w.startswith("global batch 8192 gives 4 optimizer steps per epoch") for w in sony.warnings)
 
 
 def test_a_relative_rise_of_a_small_loss_is_noise_unless_it_gives_back_ground():

@@ -225,9 +225,11 @@ RECIPES.add("fujitsu-mnist1d", dataclasses.replace(
 RECIPES.add("large-batch-mnist1d", dataclasses.replace(
     RECIPES.get("fujitsu-mnist1d"),
     name="large-batch-mnist1d",
-    lr_max=3.2,         # McCandlish et al. 2018: linear (0.1 per 256) below B_noise = 8192, level above;
-                        # tried at 5 epochs, seed 0: 8192 at 3.2 (linear) 99.39%, at 1.6 99.51%; 16384 at
-                        # 6.4 (linear) 31.1% (collapse), at 3.2 99.34%; 32768 at 3.2 97.72%, at 1.6 97.97%
+    lr_max=3.2,         # McCandlish et al. 2018: lr = L / (1 + L / 3.2) for the linear L (0.1 per 256),
+                        # half of L at B_noise = 8192, bending toward 3.2 above it (1.6 at 8192, 2.13 at
+                        # 16384, 2.56 at 32768); tried by hand before the rule, 5 epochs, seed 0: 8192 at
+                        # 3.2 (linear) 99.39%, at 1.6 99.51%; 16384 at 6.4 (linear) 31.1% (collapse), at
+                        # 3.2 99.34%; 32768 at 3.2 97.72%, at 1.6 97.97%
     warmup_epochs=6.0,  # of 15: 40% of the run, Fujitsu's share (36 of 90 epochs); 16384 at 6.4 LR
                         # collapsed with 20% and 40% alike, so the warm-up alone does not make it stable
     source="fujitsu-mnist1d with the LR saturating at 3.2 (McCandlish et al. 2018) and 40% warm-up "

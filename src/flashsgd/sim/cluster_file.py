@@ -125,15 +125,18 @@ LINK_DEFAULTS = {"incast": 0.0}
 
 LIMITS = {"bandwidth_gbit": 1e5, "flow_bandwidth_gbit": 1e5, "latency_us": 1e7, "ranks_per_node": 4096,
           "nodes": 10 ** 6, "incast": 100.0, "overlap_slowdown_percent": 99.0,
-          "input_us_per_image": 1e6}
-"""The largest value a cluster file may give (a key's last part): far past any machine (100 Tbit/s,
-10 s, 4,096 ranks per node, a million nodes, an incast loss of 100 per extra sender, compute at 1%
-of its speed under overlap, a second of host time per image), so that a
-typo (1e308, 1e30) is refused instead of planned with infinite or absurd costs."""
+          "jitter_percent": 99.0, "input_us_per_image": 1e6}
+"""The largest value a cluster file may give (a key's last part; its ``_range`` bounds too): far
+past any machine (100 Tbit/s, 10 s, 4,096 ranks per node, a million nodes, an incast loss of 100
+per extra sender, compute at 1% of its speed under overlap, a step-to-step spread of 99%, a second
+of host time per image), so that a typo (1e308, 1e30) is refused instead of planned with infinite
+or absurd costs."""
 
 
-def _number(where: str, key: str, value, *, positive: bool) -> float:
-    high = LIMITS.get(key.rsplit(".", 1)[-1])
+def _number(where: str, key: str, value, *, positive: bool, limit: str | None = None) -> float:
+    """``value`` as a float, or ValueError naming ``key`` and the valid values (``limit``: the
+    :data:`LIMITS` entry, default the key's last part)."""
+    high = LIMITS.get(limit or key.rsplit(".", 1)[-1])
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
         and (value > 0 if positive else value >= 0) and (high is None or value <= high)
     if not ok:
@@ -166,7 +169,7 @@ def _range(where: str, table: dict, table_name: str, key: str, value: float | No
     name = f"{table_name}.{key}{RANGE}"
     if not (isinstance(bounds, list) and len(bounds) == 2):
         raise ValueError(f"{where}: {name} must be [low, high], got {bounds!r}")
-    lo, hi = (_number(where, name, b, positive=False) for b in bounds)
+    lo, hi = (_number(where, name, b, positive=False, limit=key) for b in bounds)  # the key's own limit
     if value is not None and not lo <= value <= hi:
         raise ValueError(f"{where}: {name} = [{lo:g}, {hi:g}] must hold {table_name}.{key} = {value:g} "
                          "(low <= value <= high)")
@@ -213,6 +216,9 @@ def _link(where: str, doc: dict, key: str) -> Link:
     t = _table(where, doc, key, _LINK | _LINK_OPTIONAL | {k + RANGE for k in LINK_FIELDS}, required=True)
     for k in sorted(_LINK - set(t)):
         raise ValueError(f"{where}: missing {key}.{k} ({'Gbit/s, > 0' if k == 'bandwidth_gbit' else 'us, >= 0'})")
+    if key == "intra" and ({"incast", "incast" + RANGE} & set(t)):  # many nodes into one: a network's loss
+        raise ValueError(f"{where}: intra.incast: TCP incast is a loss of the network between nodes "
+                         "(many nodes sending to one); give incast and incast_range under [inter]")
     bw = _number(where, f"{key}.bandwidth_gbit", t["bandwidth_gbit"], positive=True)
     lat = _number(where, f"{key}.latency_us", t["latency_us"], positive=False)
     flow = t.get("flow_bandwidth_gbit")

@@ -26,15 +26,17 @@ Algorithm (per iteration, one GPU's view; all GPUs are identical in data paralle
    (:attr:`~flashsgd.sim.network.ClusterModel.jitter_cv`; :func:`straggler_factor`: e(P) the
    expected maximum of P standard normal draws, :func:`expected_max_normal`), so the whole timeline of steps 1-4 is stretched
    by that factor; and each step pays the cluster's fixed ``step_overhead_s``.
-6. The input pipeline, with more than one GPU: a node's CPUs prepare every image its L GPUs train
-   on, ``c`` seconds each (:attr:`~flashsgd.sim.network.ClusterModel.input_s_per_image`), working
-   ahead while the GPUs compute and exchange, so a step lasts at least ``batch x L x c``; the
-   remainder is the step's ``input_wait_s``. One GPU had the whole host when T1 was measured.
+6. The input pipeline, with L > 1 GPUs on a node: its CPUs prepare every image they train on, ``c``
+   seconds each (:attr:`~flashsgd.sim.network.ClusterModel.input_s_per_image`), working ahead
+   while the GPUs compute and exchange, so a step lasts at least ``batch x L x c``; the remainder
+   is the step's ``input_wait_s``. One GPU had the whole host when T1 was measured, so with one
+   GPU per node the host's load is T1's and it adds nothing.
 
 With N micro-batches only the last backward can hide the exchange, but one exchange serves N
 micro-batches: T1 grows N-fold at the same samples per micro-batch while the exchange stays.
 
-So ``iteration = max(T1' + slowdown + exposed + step_overhead, batch x L x c)`` (P > 1),
+So ``iteration = max(T1' + slowdown + exposed + step_overhead, batch x L x c)`` (P > 1; the
+second term only for L > 1),
 ``slowdown`` the time backward lost to overlapped exchanges.
 
 Outputs: iteration time, compute time (T1), total and exposed communication, the straggler,
@@ -312,8 +314,10 @@ def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimRe
     exposed = max(0.0, end - backward_end)
     overhead = cluster.step_overhead_s if multi else 0.0
     busy = t1 + slowdown + exposed + overhead  # = max(end, backward_end) + upd (+ overhead)
-    # Step 6: the node's host prepares batch x L images per step, ahead of the GPUs.
-    host = cfg.batch_per_gpu * min(cfg.gpus, cluster.ranks_per_node) * cluster.input_s_per_image if multi else 0.0
+    # Step 6: the node's host prepares batch x L images per step, ahead of the GPUs (L = 1: one GPU's
+    # load on its host, as when T1 was measured: no bound beyond T1).
+    sharing = min(cfg.gpus, cluster.ranks_per_node)
+    host = cfg.batch_per_gpu * sharing * cluster.input_s_per_image if sharing > 1 else 0.0
     iteration = max(busy, host)
     return SimResult(
         algorithm=cfg.algorithm, gpus=cfg.gpus, iteration_s=iteration, compute_s=t_one,

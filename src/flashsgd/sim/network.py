@@ -147,9 +147,9 @@ class ClusterModel:
     input_s_per_image: float = 0.0
     """Host time of one node's input pipeline per training image (seconds; 0: input never limits):
     reading, decoding and augmenting on the node's CPUs, which its GPUs share. The loader works ahead
-    while the GPUs compute and exchange, so a step of P > 1 GPUs lasts at least ``batch x L x c`` for
-    L GPUs on a node (:func:`flashsgd.sim.engine.simulate`, Step 6). One GPU had the whole host when
-    its rate was measured; with L of them the host feeds L times the images (Mohan et al., VLDB
+    while the GPUs compute and exchange, so a step lasts at least ``batch x L x c`` for L > 1 GPUs
+    on a node (:func:`flashsgd.sim.engine.simulate`, Step 6). One GPU had the whole host when its
+    rate was measured; with L of them the host feeds L times the images (Mohan et al., VLDB
     2021, "Analyzing and Mitigating Data Stalls in DNN Training": CPU pre-processing, not the GPU,
     bounds image training on common 8-GPU servers). ``1 / c`` is the node's images/s."""
     resnet50_images_per_s: dict[str, float] = field(default_factory=dict)

@@ -16,9 +16,12 @@ never make a step longer), so:
 
 That is up to 4 + 2k plans for k assumed inputs (a plan of 152 candidates on 4096 GPUs takes
 0.02-0.1 s). ``flashsgd simulate`` needs ranges only, not the choice: :func:`runs_over_ranges`
-evaluates its runs at the first four corners (:func:`range_corners`), which hold every reported
-number's extremes (communication and throughput at all fast / all slow, efficiency and exposed
-communication at the two mixed corners, where a faster GPU leaves less backward to hide behind).
+evaluates its runs at the first four corners (:func:`range_corners`: the step, communication and
+throughput at all fast / all slow, efficiency at the two mixed ones) and at up to three more
+(:func:`field_corners`) for the two numbers that do not move with the step: the exposed exchange
+is shortened by whatever lengthens backward (a slower GPU, jitter, compute slowed under overlap:
+:data:`HIDING`), so its extremes have the exchange and backward at opposite ends; the input wait
+(the host's bound minus the rest of the step) is longest with the host slow and all else fast.
 
 Example::
 
@@ -132,6 +135,29 @@ def range_corners(inputs: list[Assumption]) -> list[Corner]:
     if net and len(net) < len(inputs):
         out += [Corner("compute slow, all else fast", {**{k: True for k in net}, COMPUTE: False}),
                 Corner("compute fast, all else slow", {**{k: False for k in net}, COMPUTE: True})]
+    return out
+
+
+HIDING = ("jitter_cv", "overlap_slowdown")
+"""Inputs whose slow end stretches backward (the slowest rank's compute; compute slowed beside an
+exchange): a longer step, but more of the exchange hidden behind backward, as a slower GPU does."""
+INPUT_WAIT = "input_s_per_image"
+"""The host's time per image: its wait is longest with the host slow and everything else fast."""
+
+
+def field_corners(inputs: list[Assumption]) -> list[Corner]:
+    """:func:`range_corners`, then the corners of the two numbers that do not move with the step:
+    the exposed exchange, longest with the exchange slow and backward short (compute fast, the
+    :data:`HIDING` inputs at their fast ends) and shortest the other way round; and the input
+    wait, longest with the host slow and all else fast (its shortest, 0, is at all fast)."""
+    out = range_corners(inputs)
+    keys = [a.key for a in inputs]
+    short = set(HIDING) | {COMPUTE}
+    if any(k in HIDING for k in keys):
+        out += [Corner("exchange slow, backward short", {k: k in short for k in keys}),
+                Corner("exchange fast, backward long", {k: k not in short for k in keys})]
+    if INPUT_WAIT in keys and len(keys) > 1:
+        out.append(Corner("host slow, all else fast", {k: k != INPUT_WAIT for k in keys}))
     return out
 
 
@@ -262,7 +288,7 @@ def plan_over_ranges(workload: Workload, cluster: ClusterModel, gpus: int, batch
 @dataclass(frozen=True)
 class RangedRuns(Generic[T]):
     """Runs (anything with numeric fields, e.g. :class:`flashsgd.sim.engine.SimResult`) at the stated
-    values and at every :func:`range_corners` setting, in the same order at each."""
+    values and at every :func:`field_corners` setting, in the same order at each."""
 
     runs: list[T]
     inputs: list[Assumption]
@@ -280,8 +306,8 @@ class RangedRuns(Generic[T]):
 def runs_over_ranges(run: Callable[[ClusterModel, float], list[T]], cluster: ClusterModel,
                      images_per_s: float, compute_range: tuple[float, float] | None = None,
                      precision: str = "fp32") -> RangedRuns[T]:
-    """``run(cluster, images_per_s)`` at the stated values and at every :func:`range_corners`
+    """``run(cluster, images_per_s)`` at the stated values and at every :func:`field_corners`
     setting of the assumed inputs (:func:`assumptions`): the ranges of what it returns."""
     inputs = assumptions(cluster, images_per_s, compute_range, precision)
-    at = [(corner, run(*at_corner(cluster, images_per_s, inputs, corner))) for corner in range_corners(inputs)]
+    at = [(corner, run(*at_corner(cluster, images_per_s, inputs, corner))) for corner in field_corners(inputs)]
     return RangedRuns(run(cluster, images_per_s), inputs, at)

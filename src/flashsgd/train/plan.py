@@ -342,6 +342,8 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool,
     first_epoch_steps = steps_per_epoch(num_train, table.rows[0][1], min_last=world)
     grid, options, recipe, warnings, warm = _derive_comm(cfg, recipe, world, rpn, first_epoch_steps,
                                                          total)  # Step 4
+    few = few_steps_warning(first_epoch_steps, table.rows[0][1])  # the first epoch: its own batch
+    warnings += [few] if few else []
     return RunPlan(config=cfg, world=world, ranks_per_node=rpn, grid=grid, recipe=recipe,
                    recipe_source=source, num_train=num_train, table=table,
                    schedule=recipe.schedule(), epochs=epochs, total_steps=total,
@@ -457,5 +459,4 @@ def _derive_comm(cfg: TrainConfig, recipe: Recipe, world: int, rpn: int | None, 
     warm = density_warmup_record(cfg, checked, total_steps) if sparse else {}
     warnings += [f"config key {key} is set but not read by {reader}: ignored"
                  for key, reader in set_but_unread(cfg).items()]
-    few = few_steps_warning(first_epoch_steps, cfg.optim.global_batch)  # outside the validated regime
-    return grid, options, recipe, warnings + ([few] if few else []), warm
+    return grid, options, recipe, warnings, warm
