@@ -199,6 +199,26 @@ def test_plan_cli_answers_for_4096_gpus_and_writes_json(tmp_path):
     assert doc["choice"]["algorithm"] in planner.DENSE + planner.SPARSE
 
 
+def test_without_steps_a_built_in_model_is_planned_for_its_reference_run(tmp_path):
+    """Issue 35's check as written: 32 GPUs on 1 GbE, ResNet-50, no --steps: the 90 ImageNet epochs
+    of Goyal et al. at batch 32 x 32 (112,603 steps) keep accuracy, so a sparse exchange is chosen
+    and the steps are said; a given --steps wins; a profile has no reference run (no compression)."""
+    out = tmp_path / "plan.json"
+    r = flashsgd("plan", "--cluster", "1gbe", "--gpus", "32", "--model", "resnet50", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "steps: 112,603 assumed: resnet50's reference run, 90 epochs of 1,281,167 samples" in r.stdout
+    doc = json.loads(out.read_text())
+    assert (doc["steps"], doc["steps_assumed"]) == (112_603, True)
+    assert doc["choice"]["algorithm"] in planner.SPARSE
+    assert resnet50().reference_steps(1024) == -(-1_281_167 * 90 // 1024)
+    given = flashsgd("plan", "--cluster", "1gbe", "--gpus", "32", "--model", "resnet50", "--steps", "5000")
+    assert "assumed: resnet50's reference run" not in given.stdout and "ruled out: gtopk density 0.001" in given.stdout
+    (tmp_path / "m.json").write_text(json.dumps({"numels": [1000, 2_000_000, 10]}))
+    profile = flashsgd("plan", "--cluster", "1gbe", "--gpus", "32", "--model", str(tmp_path / "m.json"),
+                       "--images-per-s", "500")
+    assert "run length is unknown (give --steps)" in profile.stdout and "reference run" not in profile.stdout
+
+
 def test_plan_cli_reads_a_cluster_file_and_a_profile(tmp_path):
     (tmp_path / "lab.toml").write_text(LAB)
     (tmp_path / "m.json").write_text(json.dumps({"numels": [1000, 2_000_000, 10], "matrices": [[10, 100], [2000, 1000], [10, 1]]}))

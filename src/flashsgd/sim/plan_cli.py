@@ -6,8 +6,8 @@ scaling efficiency, and explains the choice in one line. Inputs that are assumpt
 compute rates, sparse fixed costs and links, a cluster file's ``*_range`` keys, ``--images-per-s-range``)
 are varied over their ranges (:mod:`flashsgd.sim.uncertainty`): each step and efficiency is shown
 as a range, and the output says whether the choice changes inside them and what to measure. Sparse and low-rank exchanges are offered
-only when the run is long enough to keep accuracy (``--steps``; ``--accuracy-risk any`` offers them
-anyway).
+only when the run is long enough to keep accuracy (``--steps``, else a built-in model's reference
+run at the planned batch, :func:`run_steps`; ``--accuracy-risk any`` offers them anyway).
 
 Examples:
   flashsgd plan --cluster 1gbe --gpus 32 --model resnet50 --steps 50000
@@ -47,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the plausible range of that throughput when it is an assumption (default: the "
                         "preset's range for its own ResNet-50 figure; none for a given --images-per-s)")
     p.add_argument("--steps", type=int, default=None,
-                   help="optimizer steps of the run (decides whether sparse / low-rank keep accuracy)")
+                   help="optimizer steps of the run (decides whether sparse / low-rank keep accuracy; "
+                        "default: a built-in model's reference run at this batch, e.g. resnet50's 90 "
+                        "ImageNet epochs; none for other models)")
     p.add_argument("--accuracy-risk", choices=("low", "any"), default="low",
                    help="low (default): offer compression only where measured to keep accuracy; any: all")
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
@@ -126,6 +128,20 @@ def compute_range(args: argparse.Namespace, cluster, workload: Workload) -> tupl
     return None
 
 
+def run_steps(given: int | None, workload: Workload, global_batch: int) -> tuple[int | None, str]:
+    """``--steps``, else the steps of the workload's reference run at this global batch
+    (:meth:`~flashsgd.sim.workload.Workload.reference_steps`) with the line that says so; None (and
+    no compressed exchange offered) for a workload without one."""
+    if given is not None:
+        return given, ""
+    steps = workload.reference_steps(global_batch)
+    if steps is None:
+        return None, ""
+    samples, epochs, source = workload.reference_run
+    return steps, (f"steps: {steps:,} assumed: {workload.name}'s reference run, {epochs:g} epochs of {samples:,} "
+                   f"samples ({source}) at global batch {global_batch:,}; give --steps for your run")
+
+
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     for flag, value in (("--top", args.top), ("--gpus", args.gpus), ("--batch-per-gpu", args.batch_per_gpu),
@@ -135,9 +151,10 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     cluster.check_gpus(args.gpus)
     workload = get_workload(args.model)
+    steps, steps_note = run_steps(args.steps, workload, args.gpus * args.batch_per_gpu)
     ranged = plan_over_ranges(workload, cluster, args.gpus, args.batch_per_gpu,
                               images_per_s(args, cluster, workload), compute_range(args, cluster, workload),
-                              steps=args.steps, accuracy_risk=args.accuracy_risk, precision=args.precision,
+                              steps=steps, accuracy_risk=args.accuracy_risk, precision=args.precision,
                               grad_accum=args.grad_accum, schedule=args.schedule)
     plan = ranged.plan
     elapsed = time.perf_counter() - t0
@@ -147,10 +164,13 @@ def run(args: argparse.Namespace) -> int:
           f"{'as flashsgd train runs them (sparse after backward)' if args.schedule == 'trainer' else args.schedule}; "
           f"{len(plan.ranked)} candidates ranked at {plural(1 + len(ranged.at), 'setting')} of the "
           f"assumptions in {elapsed:.2f} s")
+    if steps_note:
+        print(steps_note)
     print_plan(ranged, args.top)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        doc = {**plan.to_dict(), **ranged.to_dict(), "seconds": elapsed,
+        doc = {**plan.to_dict(), **ranged.to_dict(), "seconds": elapsed, "steps": steps,
+               "steps_assumed": bool(steps_note),
                "choice": {**plan.to_dict()["choice"], **ranged.prediction_dict(plan.choice)},
                "ranked": [ranged.prediction_dict(p) for p in plan.ranked]}
         Path(args.json).write_text(json.dumps(doc, indent=1))

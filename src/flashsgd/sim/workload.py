@@ -43,7 +43,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +71,17 @@ class Workload:
     """(T, 2) rows x cols of each tensor as torch's PowerSGD hook views it (``shape[0] x rest``;
     1-D tensors are (n, 1)); None: unknown (the simulator then takes each bucket as one square
     matrix)."""
+    reference_run: tuple[int, float, str] | None = None
+    """The model's published training run, when there is one: (training samples, epochs, source);
+    ``flashsgd plan`` takes its optimizer steps at the planned batch when ``--steps`` is not given
+    (:meth:`reference_steps`)."""
+
+    def reference_steps(self, global_batch: int) -> int | None:
+        """Optimizer steps of :attr:`reference_run` at ``global_batch``: ceil(samples x epochs / batch)."""
+        if self.reference_run is None:
+            return None
+        samples, epochs, _ = self.reference_run
+        return math.ceil(samples * epochs / global_batch)
 
     def __post_init__(self) -> None:
         numels = np.asarray(self.numels, dtype=np.int64)
@@ -228,17 +239,25 @@ def _from_rows(name: str, rows: list, note: str) -> Workload:
     )
 
 
+IMAGENET_TRAIN = 1_281_167
+"""Training images of ImageNet-1k (ILSVRC-2012)."""
+
+
 @WORKLOADS.register("resnet50")
 def resnet50() -> Workload:
-    """Built-in ImageNet ResNet-50: 161 tensors, 25,557,032 parameters, FLOP-weighted backward."""
-    return _from_rows("resnet50", resnet50_rows(),
-                      "backward share per tensor = forward FLOPs of its layer at 224x224 (BN: 8/elem)")
+    """Built-in ImageNet ResNet-50: 161 tensors, 25,557,032 parameters, FLOP-weighted backward; its
+    reference run: 90 epochs of ImageNet (Goyal et al. 2017, and every large-batch paper after)."""
+    return replace(_from_rows("resnet50", resnet50_rows(),
+                              "backward share per tensor = forward FLOPs of its layer at 224x224 (BN: 8/elem)"),
+                   reference_run=(IMAGENET_TRAIN, 90.0, "ImageNet, Goyal et al. 2017"))
 
 
 @WORKLOADS.register("vgg16")
 def vgg16() -> Workload:
-    """Built-in ImageNet VGG-16: 32 tensors, 138,357,544 parameters, FLOP-weighted backward."""
-    return _from_rows("vgg16", vgg16_rows(), "backward share per tensor = forward FLOPs at 224x224")
+    """Built-in ImageNet VGG-16: 32 tensors, 138,357,544 parameters, FLOP-weighted backward; its
+    reference run: 370K iterations at batch 256, 74 epochs (Simonyan & Zisserman 2015)."""
+    return replace(_from_rows("vgg16", vgg16_rows(), "backward share per tensor = forward FLOPs at 224x224"),
+                   reference_run=(IMAGENET_TRAIN, 74.0, "ImageNet, Simonyan & Zisserman 2015"))
 
 
 @WORKLOADS.register("vgg16-cifar10")
