@@ -31,13 +31,14 @@ def test_fit_ring_recovers_alpha_and_bandwidth():
 
 
 def test_a_measured_cluster_assumes_the_step_costs_and_incast():
-    """The probe measures links, devices, the sparse fixed costs and the compute's jitter; the
-    step's other costs beyond the exchange and incast (it never runs a many-to-one round) keep
-    the presets' ranges."""
+    """The probe measures links, devices, the sparse fixed costs, the compute's jitter and DDP's
+    step overhead; the per-bucket overhead, the slowdown under overlap and incast (it never runs a
+    many-to-one round) keep the presets' ranges."""
     assumed = measured_cluster_assumptions()
-    assert assumed == {**{k: v for k, v in STEP_RANGES.items() if k != "jitter_cv"}, "inter.incast": INCAST_RANGE}
-    assert {"bucket_overhead_s", "overlap_slowdown", "step_overhead_s"} <= set(assumed)
-    assert "jitter_cv" not in assumed
+    measured = ("jitter_cv", "step_overhead_s")
+    assert assumed == {**{k: v for k, v in STEP_RANGES.items() if k not in measured}, "inter.incast": INCAST_RANGE}
+    assert {"bucket_overhead_s", "overlap_slowdown"} <= set(assumed)
+    assert not set(measured) & set(assumed)
 
 
 def _sleep_by_rank():
@@ -74,9 +75,10 @@ def test_auto_measures_plans_records_and_a_resume_reuses_the_choice(tmp_path, ca
     # the exchange and TCP incast (no round of many senders into one node)
     expected = measured_cluster_assumptions()
     assert set(cluster.assumed) == set(expected)
-    # the compute's jitter is measured (12 steps x 4 ranks), recorded without a range
+    # the compute's jitter (12 steps x 4 ranks) and DDP's step overhead are measured, without a range
     assert 0 <= cluster.jitter_cv < 1 and "jitter_percent = " in (out / "cluster.toml").read_text()
-    assert "(48 rank-steps)" in record["measured"]
+    assert cluster.step_overhead_s >= 0 and "step_overhead_us = " in (out / "cluster.toml").read_text()
+    assert "(48 rank-steps), DDP " in record["measured"] and " ms/step; inter " in record["measured"]
     assert all(cluster.assumed[k] == pytest.approx(v) for k, v in expected.items())
     assert cluster.assumed["inter.incast"] == pytest.approx(INCAST_RANGE) and cluster.inter.incast == 0.0
     toml = (out / "cluster.toml").read_text()  # the sparse exchange's measured fixed costs
@@ -201,3 +203,45 @@ def test_a_given_cluster_with_assumptions_is_planned_over_their_ranges():
     assert plain["choice"]["step_s_range"] == [plain["choice"]["step_s"]] * 2
     assert "assumed" not in plain["explain"]
 
+
+def _probe_then_train(bucket_mb):
+    """Two identical models; one goes through the auto probe (plain and DDP-noop steps) first;
+    then both train 3 steps in DDP with gradient all-reduce: the probe must leave no trace (the
+    model, the optimizer, the RNG, and no autograd hook of its DDP left to fire)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from flashsgd.train.auto import compute_seconds
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    runs = []
+    for probe in (False, True):
+        model, opt = make()
+        compute = compute_seconds(model, opt, (x, y), loss_fn, bucket_mb) if probe else None
+        ddp = DistributedDataParallel(model)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(ddp(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+        ddp._remove_autograd_hooks()
+    (plain_losses, plain_params), (probed_losses, probed_params) = runs
+    assert plain_losses == probed_losses
+    assert all(torch.equal(a, b) for a, b in zip(plain_params, probed_params))
+    return compute
+
+
+def test_the_compute_probe_leaves_no_trace_and_measures_ddp(run_ranks):
+    for compute in run_ranks(_probe_then_train, 2, 25.0):
+        assert compute.samples == 24 and 0 <= compute.jitter_cv < 1 and compute.ddp_overhead_s >= 0

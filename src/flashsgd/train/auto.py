@@ -13,13 +13,16 @@ slowest rank's, with all ranks working at once, so CPU or NIC sharing is in the 
    own time (:func:`flashsgd.timing.rank_times`): the compute is their mean, its jitter their
    coefficient of variation (std / mean over ranks and steps), recorded as the cluster's
    ``jitter_cv`` (the simulator adds the slowest of P ranks from it, Step 5 of
-   :mod:`flashsgd.sim.engine`); the model and the optimizer are restored afterwards.
+   :mod:`flashsgd.sim.engine`); then the same through DDP at the run's bucket size with torch's
+   ``noop_hook`` (buckets built, the hook called, nothing sent): its mean minus the plain mean is
+   the cluster's ``step_overhead_s``. The model and the optimizer are restored afterwards and the
+   probe's DDP removes its autograd hooks.
 2. Network (without ``comm.cluster``): ring all-reduces of two sizes inside a node (the node
    group) and across nodes (one rank per node, the others idle: the node's whole link), each fitted
    to the ring cost ``t = 2(p-1) alpha + 2(p-1)/p n (beta + gamma/2)`` of
    :func:`flashsgd.sim.costs.ring`; one level only: the other takes the same link. What the probe
    cannot see stays assumed, with the presets' ranges (:func:`measured_cluster_assumptions`): the
-   step's costs beyond the exchange other than the jitter, and TCP incast.
+   per-bucket overhead, the slowdown of compute under overlap, and TCP incast.
 3. Devices: ``gamma`` = the time of ``a += b`` per byte of the gradient; top-k selection per
    element (``comm.selection`` at density 0.01, minus the add); PowerSGD's flop rate from one
    rank-2 product of a gradient-sized matrix; the fixed costs of a sparse exchange
@@ -71,35 +74,67 @@ def _timed(fn: Callable[[], Any], device: torch.device, active: bool = True, rep
 
 @dataclass(frozen=True)
 class Compute:
-    """Step 1: one rank's compute per step (the mean over ranks and steps) and its jitter."""
+    """Step 1: one rank's compute per step (the mean over ranks and steps), its jitter, and what
+    DDP's own machinery adds to a step (the same step through DDP with an exchange that sends
+    nothing, minus the plain step)."""
 
     seconds: float
     jitter_cv: float
     """Standard deviation over every rank's steps / their mean (< 1: a larger spread is capped)."""
     samples: int
+    ddp_overhead_s: float = 0.0
+    """Mean DDP step (torch's ``noop_hook``: the buckets built, the hook called, nothing sent) minus
+    the mean plain step, >= 0: the reducer's bookkeeping, the simulator's ``step_overhead_s``."""
 
 
 def compute_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable) -> Compute:
+                    batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable,
+                    bucket_mb: float | None = None) -> Compute:
     """Step 1: forward, backward and optimizer step of ``model`` on ``batch``, every rank's own time
-    of :data:`COMPUTE_STEPS` steps; the model and the optimizer are left as they were."""
+    of :data:`COMPUTE_STEPS` steps, plain and (``bucket_mb`` given) through DDP with torch's
+    ``noop_hook``; the model and the optimizer are left as they were, and the probe's DDP takes
+    its autograd hooks with it (``_remove_autograd_hooks``, torch#96490: the trainer wraps the
+    same module next)."""
     saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
     x, y = batch
     devices = [x.device] if x.device.type == "cuda" else []
 
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-        optimizer.step()
+    def step(net: torch.nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(net(x), y).backward()
+            optimizer.step()
+        return run
 
     with torch.random.fork_rng(devices=devices):  # a model with dropout draws the same numbers later
-        times = rank_times(step, COMPUTE_STEPS, warmup=1, device=x.device)  # (ranks, steps)
+        times = rank_times(step(model), COMPUTE_STEPS, warmup=1, device=x.device)  # (ranks, steps)
+        ddp_mean = None
+        if bucket_mb is not None:
+            ddp = _noop_ddp(model, x.device, bucket_mb)
+            try:
+                ddp_mean = float(rank_times(step(ddp), COMPUTE_STEPS, warmup=1, device=x.device).mean())
+            finally:
+                ddp._remove_autograd_hooks()
+                del ddp
     model.load_state_dict(saved[0])
     optimizer.load_state_dict(saved[1])
     optimizer.zero_grad(set_to_none=True)
     mean = float(times.mean())
     cv = float(times.std(correction=1)) / mean if times.numel() > 1 else 0.0
-    return Compute(mean, min(cv, MAX_JITTER_CV), times.numel())
+    overhead = max(ddp_mean - mean, 0.0) if ddp_mean is not None else 0.0
+    return Compute(mean, min(cv, MAX_JITTER_CV), times.numel(), overhead)
+
+
+def _noop_ddp(model: torch.nn.Module, device: torch.device, bucket_mb: float):
+    """``model`` in DDP as the trainer wraps it (:func:`flashsgd.train.rank.wrap_ddp`) with torch's
+    ``noop_hook`` (no exchange)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+    from flashsgd.train.rank import wrap_ddp
+
+    ddp = wrap_ddp(model, device, bucket_mb)
+    ddp.register_comm_hook(None, noop_hook)
+    return ddp
 
 
 MAX_JITTER_CV = 0.99
@@ -142,7 +177,7 @@ class Measured:
         c = self.cluster
         where = f"network and devices from {self.given}, " if self.given else ""
         return (f"{where}measured in {self.seconds:.1f} s: compute {self.compute_s * 1e3:.1f} ms/step, jitter "
-                f"{c.jitter_cv:.1%} ({self.jitter_samples} rank-steps); "
+                f"{c.jitter_cv:.1%} ({self.jitter_samples} rank-steps), DDP {c.step_overhead_s * 1e3:.2f} ms/step; "
                 f"inter {c.inter.bandwidth_gbps * 8:.3g} Gbit/s, {c.inter.alpha_s * 1e6:.0f} us; intra "
                 f"{c.intra.bandwidth_gbps * 8:.3g} Gbit/s, {c.intra.alpha_s * 1e6:.0f} us; add "
                 f"{c.gamma_s_per_byte * 1e9:.3g} ns/B; select {c.select_s_per_elem * 1e9:.3g} ns/elem; "
@@ -212,31 +247,40 @@ def sparse_fixed_costs(cluster: ClusterModel, numel: int, selection: str, timeou
             "exchange_fixed_s": max(t - float(exchange_cost("gtopk", 4.0 * numel, setup).total), 0.0)}
 
 
+MEASURED_STEP_COSTS = ("jitter_cv", "step_overhead_s")
+"""The step's costs beyond the exchange that Step 1 measures (:class:`Compute`)."""
+
+
 def measured_cluster_assumptions() -> dict[str, tuple[float, float]]:
     """What a measured cluster still assumes, with the presets' ranges: the step's costs beyond the
-    exchange (:data:`~flashsgd.sim.network.STEP_RANGES`: per-step and per-bucket overhead, the
-    slowdown of compute under overlap; not the jitter, measured in Step 1) and TCP incast between
-    nodes (:data:`~flashsgd.sim.network.INCAST_RANGE`): the probe runs rings and pairwise rounds,
-    never a round in which many nodes send to one, and cannot tell a lossless fabric from TCP."""
-    return {**{k: v for k, v in STEP_RANGES.items() if k != "jitter_cv"}, "inter.incast": INCAST_RANGE}
+    exchange that Step 1 does not measure (:data:`~flashsgd.sim.network.STEP_RANGES` less
+    :data:`MEASURED_STEP_COSTS`: the per-bucket overhead of the chosen hook and the slowdown of
+    compute under overlap) and TCP incast between nodes (:data:`~flashsgd.sim.network.INCAST_RANGE`):
+    the probe runs rings and pairwise rounds, never a round in which many nodes send to one, and
+    cannot tell a lossless fabric from TCP."""
+    return {**{k: v for k, v in STEP_RANGES.items() if k not in MEASURED_STEP_COSTS},
+            "inter.incast": INCAST_RANGE}
 
 
-def with_compute_jitter(cluster: ClusterModel, compute: Compute) -> ClusterModel:
-    """``cluster`` with the jitter measured in Step 1 (no longer an assumption, whatever it stated)."""
-    assumed = {k: v for k, v in cluster.assumed.items() if k != "jitter_cv"}
-    return replace(cluster, jitter_cv=compute.jitter_cv, assumed=assumed)
+def with_measured_compute(cluster: ClusterModel, compute: Compute) -> ClusterModel:
+    """``cluster`` with the jitter and the DDP step overhead measured in Step 1 (no longer
+    assumptions, whatever it stated)."""
+    assumed = {k: v for k, v in cluster.assumed.items() if k not in MEASURED_STEP_COSTS}
+    return replace(cluster, jitter_cv=compute.jitter_cv, step_overhead_s=compute.ddp_overhead_s, assumed=assumed)
 
 
 def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable, topo,
-            selection: str, timeout_s: float, given: tuple[str, ClusterModel] | None) -> Measured:
+            selection: str, timeout_s: float, given: tuple[str, ClusterModel] | None,
+            bucket_mb: float = 25.0) -> Measured:
     """Steps 1-3 on a world of >= 2 ranks (``given``: ``comm.cluster`` and its model, used for the
-    network and the devices instead of Steps 2-3; the compute and its jitter are measured either way)."""
+    network and the devices instead of Steps 2-3; the compute, its jitter and DDP's step overhead
+    at ``bucket_mb`` are measured either way)."""
     t0 = time.perf_counter()
     device = batch[0].device
-    compute = compute_seconds(model, optimizer, batch, loss_fn)                            # Step 1
+    compute = compute_seconds(model, optimizer, batch, loss_fn, bucket_mb)                 # Step 1
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if given is not None:
-        return Measured(with_compute_jitter(given[1], compute), compute.seconds, time.perf_counter() - t0,
+        return Measured(with_measured_compute(given[1], compute), compute.seconds, time.perf_counter() - t0,
                         given=given[0], jitter_samples=compute.samples)
     dev = measure_devices(numel, selection, device)                                        # Step 3
     large = min(max(4 * numel, LARGE_BYTES[0]), LARGE_BYTES[1])
@@ -251,7 +295,7 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, los
                            source=f"measured by flashsgd train --comm auto on {world} ranks",
                            assumed=measured_cluster_assumptions())
     cluster = replace(cluster, **sparse_fixed_costs(cluster, numel, selection, timeout_s, device))
-    return Measured(with_compute_jitter(cluster, compute), compute.seconds, time.perf_counter() - t0,
+    return Measured(with_measured_compute(cluster, compute), compute.seconds, time.perf_counter() - t0,
                     jitter_samples=compute.samples)
 
 
@@ -360,7 +404,7 @@ def _new_record(plan, model, optimizer, data, device: torch.device, loss_fn: Cal
         given = (c.cluster, _given_cluster(c.cluster, topo)) if c.cluster else None
         batch = probe_batch(plan, data, device)
         measured = measure(model, optimizer, batch, loss_fn, topo, c.selection, plan.config.run.timeout_s,
-                           given)
+                           given, c.bucket_mb)
         record = plan_choice(measured, model, world, len(batch[1]), plan.total_steps, c.accuracy_risk,
                              min(plan.config.optim.grad_accum, len(batch[1])))
     found = [record]

@@ -170,13 +170,18 @@ def build_ddp(plan: RunPlan, model: torch.nn.Module, device: torch.device, timer
 
     c = plan.config.comm
     topo = get_topology(ranks_per_node=plan.ranks_per_node, grid=c.grid, timeout_s=plan.config.run.timeout_s)
-    # BN buffers stay per worker during training (Goyal); averaged before eval and checkpoints.
-    sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in \
-        inspect.signature(DDP.__init__).parameters else {"broadcast_buffers": False}
-    ddp = DDP(model, bucket_cap_mb=c.bucket_mb,
-              device_ids=[device.index] if device.type == "cuda" else None, **sync)
+    ddp = wrap_ddp(model, device, c.bucket_mb)
     state = register_hook(ddp, c.algorithm, wrap=timer.wrap, **plan.hook_options)
     return ddp, state, topo
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device, bucket_mb: float) -> DDP:
+    """``model`` in DDP as the trainer runs it: ``bucket_mb`` buckets, BN buffers per worker during
+    training (Goyal et al.; averaged before eval and checkpoints), no hook yet."""
+    sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in \
+        inspect.signature(DDP.__init__).parameters else {"broadcast_buffers": False}
+    return DDP(model, bucket_cap_mb=bucket_mb, device_ids=[device.index] if device.type == "cuda" else None,
+               **sync)
 
 
 class _CompiledOrEager:
