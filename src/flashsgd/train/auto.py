@@ -83,16 +83,16 @@ class Compute:
     jitter_cv: float
     """Standard deviation over every rank's steps / their mean (< 1: a larger spread is capped)."""
     samples: int
-    ddp_overhead_s: float = 0.0
+    ddp_overhead_s: float
     """Mean DDP step (torch's ``noop_hook``: the buckets built, the hook called, nothing sent) minus
     the mean plain step, >= 0: the reducer's bookkeeping, the simulator's ``step_overhead_s``."""
 
 
 def compute_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable,
-                    bucket_mb: float | None = None) -> Compute:
+                    bucket_mb: float) -> Compute:
     """Step 1: forward, backward and optimizer step of ``model`` on ``batch``, every rank's own time
-    of :data:`COMPUTE_STEPS` steps, plain and (``bucket_mb`` given) through DDP with torch's
+    of :data:`COMPUTE_STEPS` steps, plain and through DDP (``bucket_mb`` buckets) with torch's
     ``noop_hook``; the model and the optimizer are left as they were, and the probe's DDP takes
     its autograd hooks with it (``_remove_autograd_hooks``, torch#96490: the trainer wraps the
     same module next)."""
@@ -109,21 +109,18 @@ def compute_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     with torch.random.fork_rng(devices=devices):  # a model with dropout draws the same numbers later
         times = rank_times(step(model), COMPUTE_STEPS, warmup=1, device=x.device)  # (ranks, steps)
-        ddp_mean = None
-        if bucket_mb is not None:
-            ddp = _noop_ddp(model, x.device, bucket_mb)
-            try:
-                ddp_mean = float(rank_times(step(ddp), COMPUTE_STEPS, warmup=1, device=x.device).mean())
-            finally:
-                ddp._remove_autograd_hooks()
-                del ddp
+        ddp = _noop_ddp(model, x.device, bucket_mb)
+        try:
+            ddp_mean = float(rank_times(step(ddp), COMPUTE_STEPS, warmup=1, device=x.device).mean())
+        finally:
+            ddp._remove_autograd_hooks()
+            del ddp
     model.load_state_dict(saved[0])
     optimizer.load_state_dict(saved[1])
     optimizer.zero_grad(set_to_none=True)
     mean = float(times.mean())
     cv = float(times.std(correction=1)) / mean if times.numel() > 1 else 0.0
-    overhead = max(ddp_mean - mean, 0.0) if ddp_mean is not None else 0.0
-    return Compute(mean, min(cv, MAX_JITTER_CV), times.numel(), overhead)
+    return Compute(mean, min(cv, MAX_JITTER_CV), times.numel(), max(ddp_mean - mean, 0.0))
 
 
 def _noop_ddp(model: torch.nn.Module, device: torch.device, bucket_mb: float):
@@ -272,7 +269,7 @@ def with_measured_compute(cluster: ClusterModel, compute: Compute) -> ClusterMod
 
 def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable, topo,
             selection: str, timeout_s: float, given: tuple[str, ClusterModel] | None,
-            bucket_mb: float = 25.0) -> Measured:
+            bucket_mb: float) -> Measured:
     """Steps 1-3 on a world of >= 2 ranks (``given``: ``comm.cluster`` and its model, used for the
     network and the devices instead of Steps 2-3; the compute, its jitter and DDP's step overhead
     at ``bucket_mb`` are measured either way)."""
