@@ -360,7 +360,10 @@ def _overlap() -> dict:
     # the control: an exchange waited for (what a hook returning a completed Future does). Not
     # ``dist.all_reduce(y)``: on an H100 (torch 2.11, NCCL 2.28, one rank) it left the calling stream
     # free, as if it ran there and not behind the held collective (not a premise to build on)
-    out["control: all_reduce waited for"] = _held(lambda: dist.all_reduce(y, async_op=True).wait(), strict=False)
+    def control() -> None:  # ``Work.wait()`` returns True, not a Future: nothing more for _held to wait on
+        dist.all_reduce(y, async_op=True).wait()
+
+    out["control: all_reduce waited for"] = _held(control, strict=False)
     return out
 
 
