@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from flashsgd.cli import main
 from flashsgd.sim.cluster_file import load_cluster
-from flashsgd.sim.network import INCAST_RANGE, STEP_RANGES
-from flashsgd.train.auto import fit_ring, measured_cluster_assumptions
+from flashsgd.sim.network import INCAST_RANGE, STEP_RANGES, ClusterModel, Link
+from flashsgd.train.auto import Compute, fit_ring, measured_cluster_assumptions, with_measured_compute
 
 TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--no-progress",
         "--workers", "4", "--comm", "auto"]
@@ -71,14 +72,17 @@ def test_auto_measures_plans_records_and_a_resume_reuses_the_choice(tmp_path, ca
     assert f"algorithm   {choice['algorithm']} " in printed
     cluster = load_cluster(str(out / "cluster.toml"))  # the measured cluster, reusable
     assert cluster.ranks_per_node == 2 and cluster.nodes == 2
-    # what the probe cannot measure stays assumed, with the presets' ranges: the step's costs beyond
-    # the exchange and TCP incast (no round of many senders into one node)
-    expected = measured_cluster_assumptions()
-    assert set(cluster.assumed) == set(expected)
+    # what the probe cannot measure stays assumed, with the presets' ranges: the slowdown under
+    # overlap and TCP incast (no round of many senders into one node); the per-bucket overhead is
+    # measured (the model has several tensors), without a range
+    expected = {k: v for k, v in measured_cluster_assumptions().items() if k != "bucket_overhead_s"}
+    assert set(cluster.assumed) == set(expected) == {"overlap_slowdown", "inter.incast"}
+    assert cluster.bucket_overhead_s >= 0 and "bucket_overhead_us = " in (out / "cluster.toml").read_text()
+    assert " ms/bucket; inter " in record["measured"]
     # the compute's jitter (12 steps x 4 ranks) and DDP's step overhead are measured, without a range
     assert 0 <= cluster.jitter_cv < 1 and "jitter_percent = " in (out / "cluster.toml").read_text()
     assert cluster.step_overhead_s >= 0 and "step_overhead_us = " in (out / "cluster.toml").read_text()
-    assert "(48 rank-steps), DDP " in record["measured"] and " ms/step; inter " in record["measured"]
+    assert "(48 rank-steps), DDP " in record["measured"] and " ms/step + " in record["measured"]
     assert all(cluster.assumed[k] == pytest.approx(v) for k, v in expected.items())
     assert cluster.assumed["inter.incast"] == pytest.approx(INCAST_RANGE) and cluster.inter.incast == 0.0
     toml = (out / "cluster.toml").read_text()  # the sparse exchange's measured fixed costs
@@ -245,3 +249,22 @@ def _probe_then_train(bucket_mb):
 def test_the_compute_probe_leaves_no_trace_and_measures_ddp(run_ranks):
     for compute in run_ranks(_probe_then_train, 2, 25.0):
         assert compute.samples == 24 and 0 <= compute.jitter_cv < 1 and compute.ddp_overhead_s >= 0
+        # 4 tensors: one bucket at the run's cap, one each at the fine cap (counted in the hook)
+        assert compute.buckets == (1, 4) and compute.bucket_overhead_s is not None
+        assert compute.bucket_overhead_s >= 0
+
+
+def test_a_per_bucket_overhead_measured_leaves_the_assumptions_else_it_stays_assumed():
+    """Step 1's per-bucket overhead replaces the assumed one; a one-tensor model (None) leaves the
+    cluster's as it was: assumed over the presets' range on a measured cluster, a file's stated
+    value on a given one."""
+    base = ClusterModel(name="m", ranks_per_node=2, nodes=2, intra=Link(1e-5, 1.0), inter=Link(1e-5, 0.1),
+                        assumed=measured_cluster_assumptions())
+    measured = with_measured_compute(base, Compute(0.01, 0.05, 24, 2e-4, 3e-5, (1, 4)))
+    assert measured.bucket_overhead_s == 3e-5 and "bucket_overhead_s" not in measured.assumed
+    assert (measured.step_overhead_s, measured.jitter_cv) == (2e-4, 0.05)
+    unmeasured = with_measured_compute(base, Compute(0.01, 0.05, 24, 2e-4, None, (1, 1)))
+    assert unmeasured.assumed["bucket_overhead_s"] == STEP_RANGES["bucket_overhead_s"]
+    stated = with_measured_compute(replace(base, bucket_overhead_s=1e-4, assumed={}),
+                                   Compute(0.01, 0.05, 24, 2e-4, None, (1, 1)))
+    assert stated.bucket_overhead_s == 1e-4 and stated.assumed == {}

@@ -14,15 +14,18 @@ slowest rank's, with all ranks working at once, so CPU or NIC sharing is in the 
    coefficient of variation (std / mean over ranks and steps), recorded as the cluster's
    ``jitter_cv`` (the simulator adds the slowest of P ranks from it, Step 5 of
    :mod:`flashsgd.sim.engine`); then the same through DDP at the run's bucket size with torch's
-   ``noop_hook`` (buckets built, the hook called, nothing sent): its mean minus the plain mean is
-   the cluster's ``step_overhead_s``. The model and the optimizer are restored afterwards and the
-   probe's DDP removes its autograd hooks.
+   ``noop_hook`` (buckets built, the hook called, nothing sent), and again with one bucket per
+   parameter tensor, both on 8 of the batch's samples (DDP's costs do not depend on the batch;
+   the noise does): with the buckets counted in the hook, the two DDP means less the plain mean on
+   those samples give DDP's fixed cost per step (the cluster's ``step_overhead_s``) and its cost per bucket
+   (``bucket_overhead_s``; a one-tensor model leaves it assumed). The model and the optimizer are
+   restored afterwards and each probe DDP removes its autograd hooks.
 2. Network (without ``comm.cluster``): ring all-reduces of two sizes inside a node (the node
    group) and across nodes (one rank per node, the others idle: the node's whole link), each fitted
    to the ring cost ``t = 2(p-1) alpha + 2(p-1)/p n (beta + gamma/2)`` of
    :func:`flashsgd.sim.costs.ring`; one level only: the other takes the same link. What the probe
    cannot see stays assumed, with the presets' ranges (:func:`measured_cluster_assumptions`): the
-   per-bucket overhead, the slowdown of compute under overlap, and TCP incast.
+   slowdown of compute under overlap, and TCP incast.
 3. Devices: ``gamma`` = the time of ``a += b`` per byte of the gradient; top-k selection per
    element (``comm.selection`` at density 0.01, minus the add); PowerSGD's flop rate from one
    rank-2 product of a gradient-sized matrix; the fixed costs of a sparse exchange
@@ -39,7 +42,8 @@ slowest rank's, with all ranks working at once, so CPU or NIC sharing is in the 
    the printed choice says whether it holds and what to measure; a measured cluster has no range.
 5. A resumed run reuses the recorded choice (its checkpoints hold that hook's state).
 
-Cost: 26 training steps of one local batch (13 plain, 13 through DDP, a warm-up each), ~10
+Cost: 13 training steps of one local batch and 39 of 8 samples (13 plain, 13 + 13 through DDP; a
+warm-up in each 13), ~10
 collectives and a few local passes over the gradient: seconds, once per run.
 """
 
@@ -77,62 +81,102 @@ def _timed(fn: Callable[[], Any], device: torch.device, active: bool = True, rep
 class Compute:
     """Step 1: one rank's compute per step (the mean over ranks and steps), its jitter, and what
     DDP's own machinery adds to a step (the same step through DDP with an exchange that sends
-    nothing, minus the plain step)."""
+    nothing, minus the plain step), split into a fixed part and a part per bucket."""
 
     seconds: float
     jitter_cv: float
     """Standard deviation over every rank's steps / their mean (< 1: a larger spread is capped)."""
     samples: int
     ddp_overhead_s: float
-    """Mean DDP step (torch's ``noop_hook``: the buckets built, the hook called, nothing sent) minus
-    the mean plain step, >= 0: the reducer's bookkeeping, the simulator's ``step_overhead_s``."""
+    """The fixed part of DDP's cost per step, >= 0: the mean DDP step at the run's bucket cap
+    (torch's ``noop_hook``: the buckets built, the hook called, nothing sent) minus the mean plain
+    step on the same :data:`OVERHEAD_SAMPLES` samples, minus its buckets x
+    :attr:`bucket_overhead_s` (0 where that was not measured): the simulator's ``step_overhead_s``."""
+    bucket_overhead_s: float | None = None
+    """DDP's cost per bucket, >= 0, from the same steps with one bucket per parameter tensor
+    (:data:`FINE_BUCKET_MB`): (fine mean - run mean) / (fine buckets - run buckets); None where the
+    two have as many buckets (a model of one tensor, or a run already at one tensor per bucket):
+    then it stays assumed, with its range. The simulator's ``bucket_overhead_s``."""
+    buckets: tuple[int, int] = (0, 0)
+    """Buckets per step at the run's bucket cap and at :data:`FINE_BUCKET_MB` (counted in the hook)."""
+
+
+OVERHEAD_SAMPLES = 8
+"""Samples per step of the DDP probes and their plain baseline: DDP's costs do not depend on the
+batch, and the noise of a step's time grows with its compute (one local batch of MNIST-1D on 4 Gloo
+ranks sharing 2 cores: ~57 ms at cv ~20%, so a mean of 48 rank-steps is +-1.6 ms, more than the
+overheads measured)."""
+
+FINE_BUCKET_MB = 1e-6
+"""The bucket cap of the probe's second DDP, MiB: below any tensor's size, so that each parameter
+tensor is a bucket of its own (DDP puts a tensor larger than the cap alone in a bucket)."""
 
 
 def compute_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable,
                     bucket_mb: float) -> Compute:
     """Step 1: forward, backward and optimizer step of ``model`` on ``batch``, every rank's own time
-    of :data:`COMPUTE_STEPS` steps, plain and through DDP (``bucket_mb`` buckets) with torch's
-    ``noop_hook``; the model and the optimizer are left as they were, and the probe's DDP takes
-    its autograd hooks with it (``_remove_autograd_hooks``, torch#96490: the trainer wraps the
-    same module next)."""
+    of :data:`COMPUTE_STEPS` steps; then on :data:`OVERHEAD_SAMPLES` of its samples, plain and
+    through DDP with torch's ``noop_hook``, at ``bucket_mb`` buckets and at :data:`FINE_BUCKET_MB`. The model and the optimizer are left as
+    they were, and each probe DDP takes its autograd hooks with it (``_remove_autograd_hooks``,
+    torch#96490: the trainer wraps the same module next)."""
     saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
     x, y = batch
     devices = [x.device] if x.device.type == "cuda" else []
 
-    def step(net: torch.nn.Module) -> Callable[[], None]:
+    def step(net: torch.nn.Module, samples: int | None = None) -> Callable[[], None]:
+        xs, ys = x[:samples], y[:samples]
+
         def run() -> None:
             optimizer.zero_grad(set_to_none=True)
-            loss_fn(net(x), y).backward()
+            loss_fn(net(xs), ys).backward()
             optimizer.step()
         return run
 
-    with torch.random.fork_rng(devices=devices):  # a model with dropout draws the same numbers later
-        times = rank_times(step(model), COMPUTE_STEPS, warmup=1, device=x.device)  # (ranks, steps)
-        ddp = _noop_ddp(model, x.device, bucket_mb)
+    def mean_s(fn: Callable[[], None]) -> float:
+        return float(rank_times(fn, COMPUTE_STEPS, warmup=1, device=x.device).mean())
+
+    def through_ddp(cap_mb: float) -> tuple[float, int]:
+        ddp, buckets = _noop_ddp(model, x.device, cap_mb)
         try:
-            ddp_mean = float(rank_times(step(ddp), COMPUTE_STEPS, warmup=1, device=x.device).mean())
+            return mean_s(step(ddp, OVERHEAD_SAMPLES)), buckets()
         finally:
             ddp._remove_autograd_hooks()
             del ddp
+
+    with torch.random.fork_rng(devices=devices):  # a model with dropout draws the same numbers later
+        times = rank_times(step(model), COMPUTE_STEPS, warmup=1, device=x.device)  # (ranks, steps)
+        small_mean = mean_s(step(model, OVERHEAD_SAMPLES))
+        (run_mean, n_run), (fine_mean, n_fine) = through_ddp(bucket_mb), through_ddp(FINE_BUCKET_MB)
     model.load_state_dict(saved[0])
     optimizer.load_state_dict(saved[1])
     optimizer.zero_grad(set_to_none=True)
     mean = float(times.mean())
     cv = float(times.std(correction=1)) / mean if times.numel() > 1 else 0.0
-    return Compute(mean, min(cv, MAX_JITTER_CV), times.numel(), max(ddp_mean - mean, 0.0))
+    # DDP step = plain + fixed + buckets x per_bucket, at two bucket counts: two equations, two unknowns
+    per_bucket = max((fine_mean - run_mean) / (n_fine - n_run), 0.0) if n_fine > n_run else None
+    fixed = max(run_mean - small_mean - n_run * (per_bucket or 0.0), 0.0)
+    return Compute(mean, min(cv, MAX_JITTER_CV), times.numel(), fixed, per_bucket, (n_run, n_fine))
 
 
 def _noop_ddp(model: torch.nn.Module, device: torch.device, bucket_mb: float):
     """``model`` in DDP as the trainer wraps it (:func:`flashsgd.train.rank.wrap_ddp`) with torch's
-    ``noop_hook`` (no exchange)."""
+    ``noop_hook`` (no exchange), and a function that says how many buckets its last step had."""
     from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
     from flashsgd.train.rank import wrap_ddp
 
     ddp = wrap_ddp(model, device, bucket_mb)
-    ddp.register_comm_hook(None, noop_hook)
-    return ddp
+    seen = {"current": 0, "last_step": 0}
+
+    def counting_noop(state, bucket):  # unannotated: DDP compares annotations, here strings
+        seen["current"] += 1
+        if bucket.is_last():
+            seen["last_step"], seen["current"] = seen["current"], 0
+        return noop_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counting_noop)
+    return ddp, lambda: seen["last_step"]
 
 
 MAX_JITTER_CV = 0.99
@@ -174,8 +218,11 @@ class Measured:
     def describe(self) -> str:
         c = self.cluster
         where = f"network and devices from {self.given}, " if self.given else ""
+        per_bucket = "assumed per bucket" if "bucket_overhead_s" in c.assumed else \
+            f"{c.bucket_overhead_s * 1e3:.3f} ms/bucket"
         return (f"{where}measured in {self.seconds:.1f} s: compute {self.compute_s * 1e3:.1f} ms/step, jitter "
-                f"{c.jitter_cv:.1%} ({self.jitter_samples} rank-steps), DDP {c.step_overhead_s * 1e3:.2f} ms/step; "
+                f"{c.jitter_cv:.1%} ({self.jitter_samples} rank-steps), DDP {c.step_overhead_s * 1e3:.2f} ms/step + "
+                f"{per_bucket}; "
                 f"inter {c.inter.bandwidth_gbps * 8:.3g} Gbit/s, {c.inter.alpha_s * 1e6:.0f} us; intra "
                 f"{c.intra.bandwidth_gbps * 8:.3g} Gbit/s, {c.intra.alpha_s * 1e6:.0f} us; add "
                 f"{c.gamma_s_per_byte * 1e9:.3g} ns/B; select {c.select_s_per_elem * 1e9:.3g} ns/elem; "
@@ -246,25 +293,31 @@ def sparse_fixed_costs(cluster: ClusterModel, numel: int, selection: str, timeou
 
 
 MEASURED_STEP_COSTS = ("jitter_cv", "step_overhead_s")
-"""The step's costs beyond the exchange that Step 1 measures (:class:`Compute`)."""
+"""The step's costs beyond the exchange that Step 1 always measures (:class:`Compute`); the
+per-bucket overhead too where the model has more than one tensor (:func:`with_measured_compute`)."""
 
 
 def measured_cluster_assumptions() -> dict[str, tuple[float, float]]:
     """What a measured cluster still assumes, with the presets' ranges: the step's costs beyond the
     exchange that Step 1 does not measure (:data:`~flashsgd.sim.network.STEP_RANGES` less
-    :data:`MEASURED_STEP_COSTS`: the per-bucket overhead of the chosen hook and the slowdown of
-    compute under overlap) and TCP incast between nodes (:data:`~flashsgd.sim.network.INCAST_RANGE`):
-    the probe runs rings and pairwise rounds, never a round in which many nodes send to one, and
-    cannot tell a lossless fabric from TCP."""
+    :data:`MEASURED_STEP_COSTS`: the slowdown of compute under overlap, which needs an exchange
+    beside the compute, and the per-bucket overhead until :func:`with_measured_compute` has Step
+    1's) and TCP incast between nodes (:data:`~flashsgd.sim.network.INCAST_RANGE`): the probe runs
+    rings and pairwise rounds, never a round in which many nodes send to one, and cannot tell a
+    lossless fabric from TCP."""
     return {**{k: v for k, v in STEP_RANGES.items() if k not in MEASURED_STEP_COSTS},
             "inter.incast": INCAST_RANGE}
 
 
 def with_measured_compute(cluster: ClusterModel, compute: Compute) -> ClusterModel:
-    """``cluster`` with the jitter and the DDP step overhead measured in Step 1 (no longer
-    assumptions, whatever it stated)."""
-    assumed = {k: v for k, v in cluster.assumed.items() if k not in MEASURED_STEP_COSTS}
-    return replace(cluster, jitter_cv=compute.jitter_cv, step_overhead_s=compute.ddp_overhead_s, assumed=assumed)
+    """``cluster`` with the jitter and DDP's fixed and per-bucket overhead measured in Step 1 (no
+    longer assumptions, whatever it stated); a per-bucket overhead Step 1 could not measure stays
+    as ``cluster`` had it."""
+    measured = {"jitter_cv": compute.jitter_cv, "step_overhead_s": compute.ddp_overhead_s}
+    if compute.bucket_overhead_s is not None:
+        measured["bucket_overhead_s"] = compute.bucket_overhead_s
+    assumed = {k: v for k, v in cluster.assumed.items() if k not in measured}
+    return replace(cluster, **measured, assumed=assumed)
 
 
 def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn: Callable, topo,
