@@ -111,7 +111,7 @@ def test_cpu_path_hooks_every_case_passes(tmp_path, capfd):
         assert all(r["passed"] and r["rel_diff"] <= gpu_hooks.TOLERANCE for r in mine), mine
         assert all(r["compressed"] for r in mine if EXCHANGES[r["hook"]].compresses)
     assert "no figure here describes a GPU" in text and "powersgd" in text
-    assert "# 52 row(s) with a target: 52 pass, 0 FAIL" in text
+    assert "# 52 rows with a target: 52 pass, 0 FAIL" in text
 
 
 def _crash_one_case(run_case):
@@ -187,7 +187,7 @@ def test_a_failed_training_configuration_is_a_row_and_a_dead_job_keeps_the_rows_
     assert dead == {"check": "train", "passed": False, "error": "the job failed: rank 0 exited with code 9"}
     text = capfd.readouterr().out
     assert "fp32      off     off | FAIL: RuntimeError: CUDA out of memory" in text
-    assert "# 2 row(s) with a target: 0 pass, 2 FAIL (train fp32 ch_last off compile off, train job)" in text
+    assert "# 2 rows with a target: 0 pass, 2 FAIL (train fp32 ch_last off compile off, train job)" in text
 
 
 @pytest.mark.slow

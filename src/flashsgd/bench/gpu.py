@@ -51,6 +51,7 @@ import torch.distributed as dist
 from flashsgd.bench.common import run_metadata, write_json
 from flashsgd.bench.gpu_common import RATIO_TARGET, GpuSettings, cuda_missing, first_line, run_job
 from flashsgd.bench.gpu_hooks import HOOK_WORLDS
+from flashsgd.fmt import plural
 from flashsgd.outputs import add_output
 
 HELP = "check flashsgd on a GPU: every hook on CUDA, top-k selection, LARS, ResNet-50 images/s vs a plain loop"
@@ -148,7 +149,7 @@ def _device_lines(settings: GpuSettings) -> list[str]:
     nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     return [f"# flashsgd bench gpu: {torch.cuda.get_device_name(0)} (cuda:0, compute capability "
             f"{props.major}.{props.minor}, {props.total_memory / 2**30:.1f} GiB), "
-            f"{torch.cuda.device_count()} GPU(s) visible",
+            f"{plural(torch.cuda.device_count(), 'GPU')} visible",
             f"# CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, NCCL {nccl}; TF32: matmul "
             f"{_on(torch.backends.cuda.matmul.allow_tf32)}, cuDNN {_on(torch.backends.cudnn.allow_tf32)}; "
             f"cudnn.benchmark {_on(torch.backends.cudnn.benchmark)} (torch's defaults, as flashsgd train runs)"]
@@ -165,8 +166,8 @@ def _plan_line(settings: GpuSettings, checks: tuple[str, ...], worlds: tuple[int
                       f"{'NCCL' if settings.cuda else 'Gloo'} x 1)",
              "select": f"select ({settings.numel:,} elements, densities {','.join(f'{d:g}' for d in settings.densities)})",
              "lars": f"lars ({settings.model})",
-             "train": f"train ({settings.model}, batch {settings.batch}, {len(configurations(settings))} "
-                      f"configuration(s), recipe {settings.recipe}, torchvision's model: "
+             "train": f"train ({settings.model}, batch {settings.batch}, "
+                      f"{plural(len(configurations(settings)), 'configuration')}, recipe {settings.recipe}, torchvision's model: "
                       f"{'yes' if settings.torchvision else 'no'})"}
     return (f"# checks: {'; '.join(parts[c] for c in checks)}; {settings.steps} timed repetitions after "
             f"{settings.warmup} warm-up (excluded), median (min..max)")
@@ -237,7 +238,7 @@ def _summary(rows: list[dict]) -> int:
     failed = [r for r in rows if r.get("passed") is False]
     judged = sum(r.get("passed") is not None for r in rows)
     names = ", ".join(_name(r) for r in failed[:8]) + (", ..." if len(failed) > 8 else "")
-    print(f"\n# {judged} row(s) with a target: {judged - len(failed)} pass, {len(failed)} FAIL"
+    print(f"\n# {plural(judged, 'row')} with a target: {judged - len(failed)} pass, {len(failed)} FAIL"
           + (f" ({names})" if failed else ""), flush=True)
     return 1 if failed else 0
 
