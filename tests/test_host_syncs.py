@@ -6,6 +6,8 @@ CUDA); tests/test_gpu_step.py counts the same step on CUDA with torch's sync deb
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -64,6 +66,25 @@ def _count_default_step(extra: dict, steps: int = 3, unthreaded: bool = False):
             counts.append(syncs.count)
             calls.append([f"{c} {w}" for c, w in zip(syncs.calls, syncs.sites)])
     return counts, calls, cfg.comm.algorithm
+
+
+def test_on_cuda_only_torchs_sync_warnings_count_not_the_modes_prototype_notice(monkeypatch):
+    """On CUDA the counter reads torch's warnings (``set_sync_debug_mode("warn")``). Torch's first
+    ``set_sync_debug_mode`` of a process warns once that the mode "is a prototype feature and does not
+    yet detect all synchronizing operations": counted as a sync on an H100 before (native 2 for 1).
+    Torch's calls are stood in for on this CPU machine: the notice at the mode's switch, one real
+    sync warning inside the block, and the warning's line recorded as its site."""
+    import warnings
+
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: warnings.warn(
+        "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
+        "operations (Triggered internally at Module.cpp)"))
+    with count_host_syncs("cuda") as syncs:
+        warnings.warn("called a synchronizing CUDA operation (Triggered internally at CUDAFunctions.cpp)")
+        line = sys._getframe().f_lineno - 1
+    assert syncs.calls == ["called a synchronizing CUDA operation (Triggered internally at CUDAFunctions.cpp)"]
+    assert syncs.sites == [f"test_host_syncs.py:{line}"]
 
 
 def test_the_default_step_has_exactly_one_host_sync(run_ranks):

@@ -56,7 +56,8 @@ machine: a 1.09 M-parameter MLP training step took 93.5 ms with the ring hook sy
 85.6 ms threaded (native DDP: 59.1 ms), torus2d 98.3 vs 75.5 ms (1.08-1.30x for the thread); it
 pays even with 4 ranks on 2 cores, since a rank waiting on its peers leaves the core to backward.
 
-bucket_cap_mb (DDP's knob, in MiB: default 25 MiB; the first bucket is 1 MiB) sets the message size of
+bucket_cap_mb (DDP's knob, in MiB: default 25 MiB; DDP's own first bucket is 1 MiB only when no cap is
+given, and flashsgd always gives one) sets the message size of
 each call: one bucket = one all-reduce. Large buckets put the algorithms in the bandwidth regime,
 where ring, hierarchical and torus2d move the same 2(P-1)/P n bytes per rank and differ little;
 small buckets are latency-bound, where torus2d's 2(X-1) + 2(Y-1) steps and hierarchical's

@@ -16,9 +16,9 @@ slowest rank's, with all ranks working at once, so CPU or NIC sharing is in the 
    :mod:`flashsgd.sim.engine`); then the same through DDP at the run's bucket size with torch's
    ``noop_hook`` (buckets built, the hook called, nothing sent), and again with one bucket per
    parameter tensor, both on 8 of the batch's samples (DDP's costs do not depend on the batch;
-   the noise does): with the buckets counted in the hook, the two DDP means less the plain mean on
+   the noise does; 11 untimed steps first, :data:`DDP_WARMUP`): with the buckets counted in the hook, the two DDP means less the plain mean on
    those samples give DDP's fixed cost per step (the cluster's ``step_overhead_s``) and its cost per bucket
-   (``bucket_overhead_s``; a one-tensor model leaves it assumed). The model and the optimizer are
+   (``bucket_overhead_s``; assumed still where both caps give as many buckets). The model and the optimizer are
    restored afterwards and each probe DDP removes its autograd hooks.
 2. Network (without ``comm.cluster``): ring all-reduces of two sizes inside a node (the node
    group) and across nodes (one rank per node, the others idle: the node's whole link), each fitted
@@ -107,6 +107,12 @@ batch, and the noise of a step's time grows with its compute (one local batch of
 ranks sharing 2 cores: ~57 ms at cv ~20%, so a mean of 48 rank-steps is +-1.6 ms, more than the
 overheads measured)."""
 
+DDP_WARMUP = 11
+"""Untimed steps before the DDP probes' timed ones: past DDP's bucket rebuild (at the second step,
+with a broadcast: 3-6 ms against ~1.1 ms for a later step of 4 Gloo ranks here) and its runtime-stats
+window (the forwards up to the 11th read the previous step's timing events, a host sync on CUDA;
+torch's ``Reducer::should_collect_runtime_stats``), neither of which the training steps pay."""
+
 FINE_BUCKET_MB = 1e-6
 """The bucket cap of the probe's second DDP, MiB: below any tensor's size, so that each parameter
 tensor is a bucket of its own (DDP puts a tensor larger than the cap alone in a bucket)."""
@@ -133,13 +139,13 @@ def compute_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             optimizer.step()
         return run
 
-    def mean_s(fn: Callable[[], None]) -> float:
-        return float(rank_times(fn, COMPUTE_STEPS, warmup=1, device=x.device).mean())
+    def mean_s(fn: Callable[[], None], warmup: int = 1) -> float:
+        return float(rank_times(fn, COMPUTE_STEPS, warmup=warmup, device=x.device).mean())
 
     def through_ddp(cap_mb: float) -> tuple[float, int]:
         ddp, buckets = _noop_ddp(model, x.device, cap_mb)
         try:
-            return mean_s(step(ddp, OVERHEAD_SAMPLES)), buckets()
+            return mean_s(step(ddp, OVERHEAD_SAMPLES), DDP_WARMUP), buckets()
         finally:
             ddp._remove_autograd_hooks()
             del ddp
@@ -214,12 +220,17 @@ class Measured:
     """The rank-steps the compute's jitter (``cluster.jitter_cv``) was read from."""
     given: str | None = None
     """The ``comm.cluster`` the network and devices came from (None: measured here)."""
+    buckets: tuple[int, int] = (0, 0)
+    """:attr:`Compute.buckets`: the per-bucket overhead was measured where they differ."""
 
     def describe(self) -> str:
         c = self.cluster
         where = f"network and devices from {self.given}, " if self.given else ""
-        per_bucket = "assumed per bucket" if "bucket_overhead_s" in c.assumed else \
-            f"{c.bucket_overhead_s * 1e3:.3f} ms/bucket"
+        per_bucket = f"{c.bucket_overhead_s * 1e3:.3f} ms/bucket"
+        if self.buckets[1] > self.buckets[0]:
+            per_bucket += f" ({self.buckets[0]} vs {self.buckets[1]} buckets)"
+        else:  # not measured: the given or assumed value
+            per_bucket = "assumed per bucket" if "bucket_overhead_s" in c.assumed else per_bucket + " as given"
         return (f"{where}measured in {self.seconds:.1f} s: compute {self.compute_s * 1e3:.1f} ms/step, jitter "
                 f"{c.jitter_cv:.1%} ({self.jitter_samples} rank-steps), DDP {c.step_overhead_s * 1e3:.2f} ms/step + "
                 f"{per_bucket}; "
@@ -294,7 +305,8 @@ def sparse_fixed_costs(cluster: ClusterModel, numel: int, selection: str, timeou
 
 MEASURED_STEP_COSTS = ("jitter_cv", "step_overhead_s")
 """The step's costs beyond the exchange that Step 1 always measures (:class:`Compute`); the
-per-bucket overhead too where the model has more than one tensor (:func:`with_measured_compute`)."""
+per-bucket overhead too where the two bucket caps give different bucket counts
+(:func:`with_measured_compute`)."""
 
 
 def measured_cluster_assumptions() -> dict[str, tuple[float, float]]:
@@ -324,15 +336,15 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, los
             selection: str, timeout_s: float, given: tuple[str, ClusterModel] | None,
             bucket_mb: float) -> Measured:
     """Steps 1-3 on a world of >= 2 ranks (``given``: ``comm.cluster`` and its model, used for the
-    network and the devices instead of Steps 2-3; the compute, its jitter and DDP's step overhead
-    at ``bucket_mb`` are measured either way)."""
+    network and the devices instead of Steps 2-3; the compute, its jitter and DDP's fixed and
+    per-bucket overhead (at ``bucket_mb`` and at one bucket per tensor) are measured either way)."""
     t0 = time.perf_counter()
     device = batch[0].device
     compute = compute_seconds(model, optimizer, batch, loss_fn, bucket_mb)                 # Step 1
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if given is not None:
         return Measured(with_measured_compute(given[1], compute), compute.seconds, time.perf_counter() - t0,
-                        given=given[0], jitter_samples=compute.samples)
+                        given=given[0], jitter_samples=compute.samples, buckets=compute.buckets)
     dev = measure_devices(numel, selection, device)                                        # Step 3
     large = min(max(4 * numel, LARGE_BYTES[0]), LARGE_BYTES[1])
     L, world = topo.ranks_per_node, topo.world_size
@@ -347,7 +359,7 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, los
                            assumed=measured_cluster_assumptions())
     cluster = replace(cluster, **sparse_fixed_costs(cluster, numel, selection, timeout_s, device))
     return Measured(with_measured_compute(cluster, compute), compute.seconds, time.perf_counter() - t0,
-                    jitter_samples=compute.samples)
+                    jitter_samples=compute.samples, buckets=compute.buckets)
 
 
 def plan_choice(measured: Measured, model: torch.nn.Module, world: int, local_batch: int,
