@@ -42,9 +42,9 @@ slowest rank's, with all ranks working at once, so CPU or NIC sharing is in the 
    the printed choice says whether it holds and what to measure; a measured cluster has no range.
 5. A resumed run reuses the recorded choice (its checkpoints hold that hook's state).
 
-Cost: 13 training steps of one local batch and 39 of 8 samples (13 plain, 13 + 13 through DDP; a
-warm-up in each 13), ~10
-collectives and a few local passes over the gradient: seconds, once per run.
+Cost: 13 training steps of one local batch and 59 of 8 samples (13 plain, 23 + 23 through DDP, each
+with its untimed warm-up), ~10 collectives and a few local passes over the gradient: seconds, once
+per run (15-32 s for ResNet-20 on 8 Gloo ranks sharing 2 cores, docs/planner.md).
 """
 
 from __future__ import annotations
@@ -166,11 +166,11 @@ def compute_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def _noop_ddp(model: torch.nn.Module, device: torch.device, bucket_mb: float):
-    """``model`` in DDP as the trainer wraps it (:func:`flashsgd.train.rank.wrap_ddp`) with torch's
+    """``model`` in DDP as the trainer wraps it (:func:`flashsgd.train.ddp_wrap.wrap_ddp`) with torch's
     ``noop_hook`` (no exchange), and a function that says how many buckets its last step had."""
     from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
-    from flashsgd.train.rank import wrap_ddp
+    from flashsgd.train.ddp_wrap import wrap_ddp
 
     ddp = wrap_ddp(model, device, bucket_mb)
     seen = {"current": 0, "last_step": 0}

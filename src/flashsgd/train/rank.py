@@ -13,7 +13,6 @@ optimizer, :func:`build_ddp` (DDP with per-worker BN buffers + the hook, timed b
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd.train.config import TrainConfig, parse_fail_at
 from flashsgd.train.data import Datasets, build_datasets
+from flashsgd.train.ddp_wrap import wrap_ddp
 from flashsgd.train.plan import RunPlan
 from flashsgd.timing import Stamp, elapsed_s, reached, stamp
 from flashsgd.train.step import TrainStep
@@ -173,15 +173,6 @@ def build_ddp(plan: RunPlan, model: torch.nn.Module, device: torch.device, timer
     ddp = wrap_ddp(model, device, c.bucket_mb)
     state = register_hook(ddp, c.algorithm, wrap=timer.wrap, **plan.hook_options)
     return ddp, state, topo
-
-
-def wrap_ddp(model: torch.nn.Module, device: torch.device, bucket_mb: float) -> DDP:
-    """``model`` in DDP as the trainer runs it: ``bucket_mb`` buckets, BN buffers per worker during
-    training (Goyal et al.; averaged before eval and checkpoints), no hook yet."""
-    sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in \
-        inspect.signature(DDP.__init__).parameters else {"broadcast_buffers": False}
-    return DDP(model, bucket_cap_mb=bucket_mb, device_ids=[device.index] if device.type == "cuda" else None,
-               **sync)
 
 
 class _CompiledOrEager:
