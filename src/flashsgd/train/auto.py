@@ -44,7 +44,7 @@ slowest rank's, with all ranks working at once, so CPU or NIC sharing is in the 
 
 Cost: 13 training steps of one local batch and 59 of 8 samples (13 plain, 23 + 23 through DDP, each
 with its untimed warm-up), ~10 collectives and a few local passes over the gradient: seconds, once
-per run (15-32 s for ResNet-20 on 8 Gloo ranks sharing 2 cores, docs/planner.md).
+per run (18-35 s for ResNet-20 on 8 Gloo ranks sharing 2 cores, docs/planner.md).
 """
 
 from __future__ import annotations
