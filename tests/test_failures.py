@@ -5,8 +5,8 @@ before any process starts, and failure lines are whole words without torch's dou
 from __future__ import annotations
 
 import errno
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -351,7 +351,10 @@ def test_spawned_ranks_that_time_out_on_each_others_node_are_a_lost_connection(r
     with pytest.raises(WorkerError) as err:
         run_ranks(_cut_off, 4, 2, 2.0, None, env=env, timeout_s=30)
     assert err.value.summary.startswith(CUT.replace("10 s", "2 s") + ": ranks of both nodes"), err.value.summary
-    assert "PeerTimeout: rank 0: no data from peer rank 2 within 2 s" in err.value.details  # real waits
+    # real waits: some rank timed out on its peer across the cut (which ranks do varies: a rank whose
+    # peer timed out first and exited sees "Connection closed by peer" instead; rank 0 did once)
+    waits = re.findall(r"PeerTimeout: rank (\d): no data from peer rank (\d) within 2 s", err.value.details)
+    assert waits and all(int(r) // 2 != int(p) // 2 for r, p in waits), err.value.details
     assert err.value.causes == ()
     with pytest.raises(WorkerError) as err:  # node 1 stopped: named, not the link
         run_ranks(_cut_off, 4, 2, 2.0, 1, env=env, timeout_s=30)
