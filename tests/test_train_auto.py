@@ -184,7 +184,7 @@ def test_a_given_cluster_with_assumptions_is_planned_over_their_ranges():
 
     model = resnet20(10)
     one = CLUSTERS.get("1gbe")
-    record = plan_choice(Measured(one, 0.1, 1.0, given="1gbe"), model, 8, 32, 20_000, "low")
+    record = plan_choice(Measured(one, Compute(0.1, 0.0, 0, 0.0), 1.0, given="1gbe"), model, 8, 32, 20_000, "low")
     ranged = plan_over_ranges(from_module(model), one, 8, 32, 320.0, steps=20_000)  # 32 samples / 0.1 s
     assert ranged.choice_changes() and record["choice_changes"] == ranged.choice_changes()
     assert [a["input"] for a in record["assumed"]] == list(one.assumed)[:7] + ["inter.bandwidth_gbps",
@@ -203,7 +203,7 @@ def test_a_given_cluster_with_assumptions_is_planned_over_their_ranges():
                                        "select_ns_per_elem = 1.5\nstep_overhead_us = 0.0\njitter_percent = 0.0\n"
                                        "bucket_overhead_us = 0.0\noverlap_slowdown_percent = 0.0\n",
                                  "lab.toml")
-    plain = plan_choice(Measured(measured, 0.1, 1.0, given="lab.toml"), model, 8, 32, 20_000, "low")
+    plain = plan_choice(Measured(measured, Compute(0.1, 0.0, 0, 0.0), 1.0, given="lab.toml"), model, 8, 32, 20_000, "low")
     assert plain["assumed"] == [] and plain["choice_changes"] == {}
     assert plain["choice"]["step_s_range"] == [plain["choice"]["step_s"]] * 2
     assert "assumed" not in plain["explain"]

@@ -16,10 +16,11 @@ slowest rank's, with all ranks working at once, so CPU or NIC sharing is in the 
    :mod:`flashsgd.sim.engine`); then the same through DDP at the run's bucket size with torch's
    ``noop_hook`` (buckets built, the hook called, nothing sent), and again with one bucket per
    parameter tensor, both on 8 of the batch's samples (DDP's costs do not depend on the batch;
-   the noise does; 11 untimed steps first, :data:`DDP_WARMUP`): with the buckets counted in the hook, the two DDP means less the plain mean on
-   those samples give DDP's fixed cost per step (the cluster's ``step_overhead_s``) and its cost per bucket
-   (``bucket_overhead_s``; assumed still where both caps give as many buckets). The model and the optimizer are
-   restored afterwards and each probe DDP removes its autograd hooks.
+   the noise does; 11 untimed steps first, :data:`DDP_WARMUP`): with the buckets counted in the
+   hook, the two DDP means less the plain mean on those samples give DDP's fixed cost per step
+   (the cluster's ``step_overhead_s``) and its cost per bucket (``bucket_overhead_s``; assumed
+   still where both caps give as many buckets). The model and the optimizer are restored
+   afterwards and each probe DDP removes its autograd hooks.
 2. Network (without ``comm.cluster``): ring all-reduces of two sizes inside a node (the node
    group) and across nodes (one rank per node, the others idle: the node's whole link), each fitted
    to the ring cost ``t = 2(p-1) alpha + 2(p-1)/p n (beta + gamma/2)`` of
@@ -123,9 +124,9 @@ def compute_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     bucket_mb: float) -> Compute:
     """Step 1: forward, backward and optimizer step of ``model`` on ``batch``, every rank's own time
     of :data:`COMPUTE_STEPS` steps; then on :data:`OVERHEAD_SAMPLES` of its samples, plain and
-    through DDP with torch's ``noop_hook``, at ``bucket_mb`` buckets and at :data:`FINE_BUCKET_MB`. The model and the optimizer are left as
-    they were, and each probe DDP takes its autograd hooks with it (``_remove_autograd_hooks``,
-    torch#96490: the trainer wraps the same module next)."""
+    through DDP with torch's ``noop_hook``, at ``bucket_mb`` buckets and at :data:`FINE_BUCKET_MB`.
+    The model and the optimizer are left as they were, and each probe DDP takes its autograd hooks
+    with it (``_remove_autograd_hooks``, torch#96490: the trainer wraps the same module next)."""
     saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
     x, y = batch
     devices = [x.device] if x.device.type == "cuda" else []
@@ -211,28 +212,30 @@ def _ring_link(group, members: tuple[int, ...], active: bool, large: int, gamma:
 
 @dataclass(frozen=True)
 class Measured:
-    """What Steps 1-3 found: the cluster model, one rank's compute per step, and how long it took."""
+    """What Steps 1-3 found: the cluster model, Step 1's compute (one rank's step, its jitter's
+    samples, the buckets its DDP probes had), and how long it took."""
 
     cluster: ClusterModel
-    compute_s: float
+    compute: Compute
     seconds: float
-    jitter_samples: int = 0
-    """The rank-steps the compute's jitter (``cluster.jitter_cv``) was read from."""
     given: str | None = None
     """The ``comm.cluster`` the network and devices came from (None: measured here)."""
-    buckets: tuple[int, int] = (0, 0)
-    """:attr:`Compute.buckets`: the per-bucket overhead was measured where they differ."""
+
+    @property
+    def compute_s(self) -> float:
+        return self.compute.seconds
 
     def describe(self) -> str:
         c = self.cluster
         where = f"network and devices from {self.given}, " if self.given else ""
         per_bucket = f"{c.bucket_overhead_s * 1e3:.3f} ms/bucket"
-        if self.buckets[1] > self.buckets[0]:
-            per_bucket += f" ({self.buckets[0]} vs {self.buckets[1]} buckets)"
+        (n_run, n_fine) = self.compute.buckets
+        if n_fine > n_run:
+            per_bucket += f" ({n_run} vs {n_fine} buckets)"
         else:  # not measured: the given or assumed value
             per_bucket = "assumed per bucket" if "bucket_overhead_s" in c.assumed else per_bucket + " as given"
         return (f"{where}measured in {self.seconds:.1f} s: compute {self.compute_s * 1e3:.1f} ms/step, jitter "
-                f"{c.jitter_cv:.1%} ({self.jitter_samples} rank-steps), DDP {c.step_overhead_s * 1e3:.2f} ms/step + "
+                f"{c.jitter_cv:.1%} ({self.compute.samples} rank-steps), DDP {c.step_overhead_s * 1e3:.2f} ms/step + "
                 f"{per_bucket}; "
                 f"inter {c.inter.bandwidth_gbps * 8:.3g} Gbit/s, {c.inter.alpha_s * 1e6:.0f} us; intra "
                 f"{c.intra.bandwidth_gbps * 8:.3g} Gbit/s, {c.intra.alpha_s * 1e6:.0f} us; add "
@@ -343,8 +346,8 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, los
     compute = compute_seconds(model, optimizer, batch, loss_fn, bucket_mb)                 # Step 1
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if given is not None:
-        return Measured(with_measured_compute(given[1], compute), compute.seconds, time.perf_counter() - t0,
-                        given=given[0], jitter_samples=compute.samples, buckets=compute.buckets)
+        return Measured(with_measured_compute(given[1], compute), compute, time.perf_counter() - t0,
+                        given=given[0])
     dev = measure_devices(numel, selection, device)                                        # Step 3
     large = min(max(4 * numel, LARGE_BYTES[0]), LARGE_BYTES[1])
     L, world = topo.ranks_per_node, topo.world_size
@@ -358,8 +361,7 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, los
                            source=f"measured by flashsgd train --comm auto on {world} ranks",
                            assumed=measured_cluster_assumptions())
     cluster = replace(cluster, **sparse_fixed_costs(cluster, numel, selection, timeout_s, device))
-    return Measured(with_measured_compute(cluster, compute), compute.seconds, time.perf_counter() - t0,
-                    jitter_samples=compute.samples, buckets=compute.buckets)
+    return Measured(with_measured_compute(cluster, compute), compute, time.perf_counter() - t0)
 
 
 def plan_choice(measured: Measured, model: torch.nn.Module, world: int, local_batch: int,
