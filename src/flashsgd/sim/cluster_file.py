@@ -34,6 +34,12 @@ per-call and compression costs of the devices. Units are in the key names::
     input_us_per_image = 0.0    # the node's host time per training image (read, decode, augment),
                                 # shared by its GPUs; 0: the input pipeline keeps up
 
+    [fabric]                    # optional; absent: one non-blocking switch (flashsgd.sim.fabric)
+    nodes_per_switch = 16       # nodes on one edge switch
+    oversubscription = 3.0      # what a switch's nodes send over what its uplink carries (3:1)
+    oversubscription_range = [1.0, 4.0]
+    placement = "ordered"       # ranks numbered switch by switch; "random": in no relation to them
+
 ``flow_bandwidth_gbit`` (Gbit/s, > 0; absent: one flow can fill the link) caps every flow
 (:attr:`Link.flow_gbps`): a flat ring sends one flow through each node's link, hierarchical and
 torus2d one cross-node ring per local rank, so with a cap below the link rate they are faster.
@@ -62,6 +68,11 @@ each prepare at least 100 ImageNet images/s: ``input_us_per_image_range = [0.0, 
 node's ``1e6 / (cores x rate)``; low 0: the pipeline keeps up, e.g. decoding on the GPUs); left
 out, the input pipeline keeps up (0, not ranged).
 
+``[fabric]`` (:class:`flashsgd.sim.fabric.Fabric`) says what lies beyond the NICs: flows that leave an
+edge switch of ``nodes_per_switch`` nodes share its uplink, which carries ``nodes_per_switch x
+inter.bandwidth_gbit / oversubscription``; ``placement`` (``ordered``, ``interleaved``, ``random``)
+says where consecutive ranks sit. Only ``oversubscription`` takes a range.
+
 ``exchange_fixed_us`` and ``round_fixed_us`` are the fixed costs of a sparse exchange
 (:attr:`ClusterModel.exchange_fixed_s`, :attr:`ClusterModel.round_fixed_s`): ``train --comm auto``
 measures both (one real gTop-k exchange and one send/receive round) and records them here.
@@ -89,6 +100,7 @@ import math
 import tomllib
 from pathlib import Path
 
+from flashsgd.sim.fabric import PLACEMENTS, Fabric
 from flashsgd.sim.network import CLUSTERS, SPARSE_RANGES, STEP_RANGES, ClusterModel, Link, highest_bandwidth
 
 GBIT = 1e9 / 8 / 1e9  # 1 Gbit/s in GB/s (Link.bandwidth_gbps is in 1e9 bytes per second)
@@ -116,7 +128,8 @@ LINK_FIELDS = {"bandwidth_gbit": ("bandwidth_gbps", GBIT), "latency_us": ("alpha
 """[intra] / [inter] key -> (Link field, factor to its unit)."""
 RANGE = "_range"
 
-_TOP = {"name", "nodes", "ranks_per_node", "intra", "inter", "costs"}
+_TOP = {"name", "nodes", "ranks_per_node", "intra", "inter", "costs", "fabric"}
+_FABRIC = {"nodes_per_switch", "oversubscription", "oversubscription" + RANGE, "placement"}
 _LINK = {"bandwidth_gbit", "latency_us"}
 _LINK_OPTIONAL = {"flow_bandwidth_gbit", "incast"}
 LINK_DEFAULTS = {"incast": 0.0}
@@ -125,12 +138,13 @@ LINK_DEFAULTS = {"incast": 0.0}
 
 LIMITS = {"bandwidth_gbit": 1e5, "flow_bandwidth_gbit": 1e5, "latency_us": 1e7, "ranks_per_node": 4096,
           "nodes": 10 ** 6, "incast": 100.0, "overlap_slowdown_percent": 99.0,
-          "jitter_percent": 99.0, "input_us_per_image": 1e6}
+          "jitter_percent": 99.0, "input_us_per_image": 1e6, "nodes_per_switch": 10 ** 6,
+          "oversubscription": 1e4}
 """The largest value a cluster file may give (a key's last part; its ``_range`` bounds too): far
 past any machine (100 Tbit/s, 10 s, 4,096 ranks per node, a million nodes, an incast loss of 100
 per extra sender, compute at 1% of its speed under overlap, a step-to-step spread of 99%, a second
 of host time per image), so that a typo (1e308, 1e30) is refused instead of planned with infinite
-or absurd costs."""
+or absurd costs; an uplink 10,000 times oversubscribed)."""
 
 
 def _number(where: str, key: str, value, *, positive: bool, limit: str | None = None) -> float:
@@ -239,6 +253,27 @@ def _count(where: str, doc: dict, key: str, required: bool) -> int | None:
     return value
 
 
+def _fabric(where: str, doc: dict) -> tuple[Fabric, dict[str, tuple[float, float]]]:
+    """The ``[fabric]`` table (absent: one non-blocking switch) and its oversubscription's range."""
+    t = _table(where, doc, "fabric", _FABRIC, required=False)
+    if not t:
+        return Fabric(), {}
+    if "nodes_per_switch" not in t:
+        raise ValueError(f"{where}: [fabric] needs fabric.nodes_per_switch (an integer >= 1: the nodes on one "
+                         "edge switch); leave [fabric] out for one non-blocking switch")
+    placement = t.get("placement", "ordered")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"{where}: fabric.placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    over = _number(where, "fabric.oversubscription", t.get("oversubscription", 1.0), positive=True)
+    r = _range(where, t, "fabric", "oversubscription", over)
+    if over < 1 or (r is not None and r[0] < 1):
+        raise ValueError(f"{where}: fabric.oversubscription (and its range) must be >= 1 (1: non-blocking, "
+                         f"3 for 3:1), got {over:g}" + (f" in [{r[0]:g}, {r[1]:g}]" if r else ""))
+    fabric = Fabric(nodes_per_switch=_count(where, t, "nodes_per_switch", required=True), oversubscription=over,
+                    placement=placement)
+    return fabric, ({"fabric.oversubscription": r} if r is not None else {})
+
+
 def load_cluster_text(text: str, where: str, default_name: str = "file") -> ClusterModel:
     """The :class:`ClusterModel` a TOML text describes (module docstring); ``where`` names it in errors."""
     try:
@@ -260,8 +295,9 @@ def load_cluster_text(text: str, where: str, default_name: str = "file") -> Clus
     costs = {**DEFAULT_COSTS, **{k: v for k, v in given.items() if not k.endswith(RANGE)}}
     c = {k: _number(where, f"costs.{k}", v, positive=(k == "tflops")) for k, v in costs.items()}
     intra, inter = _link(where, doc, "intra"), _link(where, doc, "inter")  # checked before their ranges
+    fabric, fabric_range = _fabric(where, doc)
     assumed = {**_link_ranges(where, doc, "intra"), **_link_ranges(where, doc, "inter"),
-               **_cost_ranges(where, given, c)}
+               **_cost_ranges(where, given, c), **fabric_range}
     name = doc.get("name", default_name)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: name must be a non-empty string, got {name!r}")
@@ -275,7 +311,7 @@ def load_cluster_text(text: str, where: str, default_name: str = "file") -> Clus
         step_overhead_s=c["step_overhead_us"] * 1e-6, jitter_cv=c["jitter_percent"] * 1e-2,
         bucket_overhead_s=c["bucket_overhead_us"] * 1e-6, overlap_slowdown=c["overlap_slowdown_percent"] * 1e-2,
         input_s_per_image=c["input_us_per_image"] * 1e-6,
-        flop_s=1.0 / (c["tflops"] * 1e12), source=where, assumed=assumed)
+        flop_s=1.0 / (c["tflops"] * 1e12), fabric=fabric, source=where, assumed=assumed)
 
 
 def load_cluster(spec: str) -> ClusterModel:
@@ -320,6 +356,11 @@ def to_toml(c: ClusterModel, comment: str = "") -> str:
     tflops = 1.0 / (c.flop_s * 1e12) if c.flop_s > 0 else DEFAULT_COSTS["tflops"]
     r = c.assumed.get("flop_s")
     lines += _key_lines("tflops", tflops, None if r is None or r[0] <= 0 else (1 / (r[1] * 1e12), 1 / (r[0] * 1e12)))
+    f = c.fabric
+    if f.nodes_per_switch is not None:
+        lines += ["", "[fabric]", f"nodes_per_switch = {f.nodes_per_switch}",
+                  *_key_lines("oversubscription", float(f.oversubscription), c.assumed.get("fabric.oversubscription")),
+                  f"placement = {json.dumps(f.placement)}"]
     return "\n".join(lines) + "\n"
 
 

@@ -18,8 +18,9 @@ doubling, Rabenseifner and the gtopk butterfly L once partners are on other node
 topk's direct exchange L (P - L). Every such flow comes from one sending node except in topk's
 direct exchange, where N - 1 nodes send to each node at once: there, on TCP, incast costs
 ``1 + incast (N - 2)`` times the bytes' time (:meth:`flashsgd.sim.network.Link.incast_factor`, 0 on
-lossless fabrics). Nothing beyond the NICs is shared: the fabric is taken as non-blocking (a
-rank-ordered ring crosses a switch's uplink with one flow per direction).
+lossless fabrics). Beyond the NICs, flows that leave an edge switch share its uplink where the
+cluster states a fabric (:mod:`flashsgd.sim.fabric`: nodes per switch, oversubscription, placement;
+:func:`inter_level`; the ``abci`` preset states its racks); without one the fabric is non-blocking.
 
 Costs (a: alpha, b: beta, g: gamma, n bytes per rank, P ranks; Thakur, Rabenseifner & Gropp 2005,
 "Optimization of Collective Communication Operations in MPICH"; Patarasuk & Yuan 2009 for the ring;
@@ -80,6 +81,7 @@ import numpy as np
 
 from flashsgd.exchanges import DEFAULT_DENSITY, NODE_SPLITS, WIRE_INDEX_BYTES, option_default
 from flashsgd.registry import Registry
+from flashsgd.sim.fabric import pair_uplink_flows, ring_uplink_flows, uplink_beta_factor
 from flashsgd.sim.network import ClusterModel
 
 
@@ -232,16 +234,29 @@ def _ring_levels(members: int, stride: int, setup: CommSetup) -> list[tuple[floa
         return [intra]
     per_node = max(1, lr // stride)  # ring members on one node (consecutive in the ring)
     flows = lr // per_node  # concurrent rings on a node, one outgoing NIC hop (one flow) each
-    levels = [(c.inter.alpha_s, c.inter.flow_beta(flows))]
+    levels = [inter_level(setup, flows, ring_uplink_flows(c.fabric, setup.gpus, lr, members, stride))]
     return levels + [intra] if per_node > 1 else levels
 
 
-def pair_levels(distance: int, flows: int, setup: CommSetup) -> list[tuple[float, float]]:
-    """Link between partners ``distance`` ranks apart; ``flows`` ranks per node cross at once."""
-    c = setup.cluster
-    if distance < setup.ranks_per_node_used:
+def pair_levels(distance: int, flows: int, setup: CommSetup, both_ways: bool = True) -> list[tuple[float, float]]:
+    """Link between partners ``distance`` ranks apart; ``flows`` ranks per node cross at once
+    (``both_ways`` False: only one partner of each pair sends, a tree's round)."""
+    c, lr = setup.cluster, setup.ranks_per_node_used
+    if distance < lr:
         return [(c.intra.alpha_s, c.intra.flow_beta(1))]
-    return [(c.inter.alpha_s, c.inter.flow_beta(flows))]
+    return [inter_level(setup, flows, pair_uplink_flows(c.fabric, setup.gpus, lr, distance, flows, both_ways))]
+
+
+def inter_level(setup: CommSetup, flows: int, uplink_flows: float) -> tuple[float, float]:
+    """The inter-node level of a round, (alpha, seconds per byte of one flow): ``flows`` flows
+    share each node's link (:meth:`~flashsgd.sim.network.Link.flow_beta`) and ``uplink_flows``
+    leave the busiest edge switch through its uplink (:mod:`flashsgd.sim.fabric`: ``u o / n``
+    node links' worth per byte; 0 within one switch); the slower of the two bounds the round."""
+    c = setup.cluster
+    beta = c.inter.flow_beta(flows)
+    if uplink_flows:
+        beta = max(beta, uplink_beta_factor(c.fabric, uplink_flows) * c.inter.beta_s_per_byte)
+    return c.inter.alpha_s, beta
 
 
 # ---------------------------------------------------------------- ring building blocks ------------
@@ -306,7 +321,7 @@ def _fold(n: np.ndarray, setup: CommSetup) -> tuple[int, Cost]:
     p2 = 1 << (p.bit_length() - 1)
     if p2 == p:
         return p2, zero_cost(n)
-    lat, bw = step_cost(n, 2, pair_levels(p2, 1, setup))
+    lat, bw = step_cost(n, 2, pair_levels(p2, 1, setup, both_ways=False))  # in, then out
     return p2, Cost(lat, bw, n * setup.cluster.gamma_s_per_byte, np.zeros_like(n))
 
 
@@ -350,6 +365,6 @@ def binomial(n_bytes, setup: CommSetup) -> Cost:
     for i in range(math.ceil(math.log2(setup.gpus))):
         # At round i the senders are ranks = 2^i mod 2^(i+1): L/2^(i+1) per node stay inside the
         # node; once 2^i >= L at most one rank per node crosses.
-        lat, bw = step_cost(n, 2, pair_levels(1 << i, 1, setup))  # reduce round + broadcast round
+        lat, bw = step_cost(n, 2, pair_levels(1 << i, 1, setup, both_ways=False))  # reduce + broadcast round
         cost = cost + Cost(lat, bw, n * g, np.zeros_like(n))
     return cost + _call_overhead(n, setup, calls=2)

@@ -46,7 +46,8 @@ import math
 
 import numpy as np
 
-from flashsgd.sim.costs import CommSetup, Cost, cost, pair_levels, step_cost, zero_cost
+from flashsgd.sim.costs import CommSetup, Cost, cost, inter_level, pair_levels, step_cost, zero_cost
+from flashsgd.sim.fabric import all_to_all_uplink_flows
 
 
 def _k(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarray]:
@@ -72,14 +73,16 @@ def direct_levels(setup: CommSetup) -> list[tuple[float, float]]:
     The N - 1 other nodes all send to each node in the same round: TCP incast multiplies the inter
     level's bytes by ``1 + incast (N - 2)`` (:meth:`~flashsgd.sim.network.Link.incast_factor`; 1
     with 2 nodes, one sender each): (P-L) L b_inter (1 + c (N - 2)). The round takes as long as the
-    slower level (:func:`flashsgd.sim.costs.step_cost`)."""
+    slower level (:func:`flashsgd.sim.costs.step_cost`). Beyond the NICs, the messages to nodes on
+    other edge switches share their switch's uplink (:func:`flashsgd.sim.fabric.all_to_all_uplink_flows`)."""
     c, p, lr = setup.cluster, setup.gpus, setup.ranks_per_node_used
     levels = []
     if lr > 1:  # each message its own flow: L-1 on the rank's intra link
         levels.append((c.intra.alpha_s, c.intra.flow_beta(lr - 1)))
     if p > lr:  # (P-L) L flows through the node's link, from N - 1 sending nodes at once
         incast = c.inter.incast_factor(p // lr - 1)
-        levels.append((c.inter.alpha_s, c.inter.flow_beta((p - lr) * lr) * incast))
+        alpha, beta = inter_level(setup, (p - lr) * lr, all_to_all_uplink_flows(c.fabric, p, lr))
+        levels.append((alpha, beta * incast))
     return levels
 
 
@@ -173,7 +176,7 @@ def gtopk(n_bytes, setup: CommSetup) -> Cost:
     fold_flows = min(extra, setup.ranks_per_node_used) if extra else 1
     if extra:
         # Step 2 (fold in): rank r + P' sends its k pairs to r, which merges them.
-        lat, bw = step_cost(msg, 1, pair_levels(p2, fold_flows, setup))
+        lat, bw = step_cost(msg, 1, pair_levels(p2, fold_flows, setup, both_ways=False))
         cost = cost + Cost(lat, bw, merge, z)
     for i in range(p2.bit_length() - 1):
         # Step 3 (butterfly round i): every rank r < P' swaps k pairs with r XOR 2^i (send and
@@ -184,7 +187,7 @@ def gtopk(n_bytes, setup: CommSetup) -> Cost:
     if extra:
         # Step 4 (fold out): rank r sends the final k pairs + a k-byte survivor mask to r + P'.
         lat, bw = step_cost(sparse_message_bytes(k, setup, extra_bytes=k), 1,
-                        pair_levels(p2, fold_flows, setup))
+                        pair_levels(p2, fold_flows, setup, both_ways=False))
         cost = cost + Cost(lat, bw, z, z)
     return cost + fixed_rounds(n, _rounds_gtopk(p), setup)  # every round's fixed cost
 
@@ -201,7 +204,7 @@ def gtopk_tree(n_bytes, setup: CommSetup) -> Cost:
     for i in range(math.ceil(math.log2(setup.gpus))):
         # Step 2: round i, receivers get k pairs from 2^i away and keep the top k of the 2k union;
         # Step 3 (broadcast) sends the final k pairs back down the same tree: 2 messages per level.
-        lat, bw = step_cost(k * pair, 2, pair_levels(1 << i, 1, setup))
+        lat, bw = step_cost(k * pair, 2, pair_levels(1 << i, 1, setup, both_ways=False))
         cost = cost + Cost(lat, bw, merge, np.zeros_like(n)) + fixed_rounds(n, 2, setup)
     return cost
 

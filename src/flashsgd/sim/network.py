@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from flashsgd.fmt import plural
 from flashsgd.registry import Registry
+from flashsgd.sim.fabric import Fabric
 
 GB = 1e9  # nccl-tests convention: GB/s = 1e9 bytes per second
 
@@ -152,6 +153,9 @@ class ClusterModel:
     rate was measured; with L of them the host feeds L times the images (Mohan et al., VLDB
     2021, "Analyzing and Mitigating Data Stalls in DNN Training": CPU pre-processing, not the GPU,
     bounds image training on common 8-GPU servers). ``1 / c`` is the node's images/s."""
+    fabric: Fabric = Fabric()
+    """The switches beyond the NICs (:mod:`flashsgd.sim.fabric`): nodes per edge switch, the
+    uplinks' oversubscription and where ranks sit; the default, one non-blocking switch."""
     resnet50_images_per_s: dict[str, float] = field(default_factory=dict)
     """Single-GPU ResNet-50 training throughput by precision (``fp16``/``fp32``), if known."""
     source: str = ""
@@ -229,6 +233,7 @@ class ClusterModel:
             + (f", {self.bucket_overhead_s * 1e3:.3g} ms per bucket" if self.bucket_overhead_s else "")
             + (f", compute {self.overlap_slowdown:.0%} slower under overlap" if self.overlap_slowdown else "")
             + (f", input pipeline {1 / self.input_s_per_image:.0f} images/s per node" if self.input_s_per_image else "")
+            + (f"; fabric: {self.fabric.describe()}" if self.fabric.nodes_per_switch is not None else "")
         )
 
 
@@ -245,6 +250,7 @@ INPUTS: dict[str, tuple[str, str, float, bool]] = {
     "intra.bandwidth_gbps": ("intra-node bandwidth", "GB/s", 1.0, True),
     "intra.alpha_s": ("intra-node latency", "us", 1e6, False),
     "intra.flow_gbps": ("intra-node per-flow bandwidth", "GB/s", 1.0, True),
+    "fabric.oversubscription": ("switch uplink oversubscription", "to 1", 1.0, False),
     "gamma_s_per_byte": ("reduction", "ps/B", 1e12, False),
     "call_overhead_s": ("collective call overhead", "us", 1e6, False),
     "exchange_fixed_s": ("sparse exchange fixed cost", "ms", 1e3, False),
@@ -271,7 +277,7 @@ def input_value(c: ClusterModel, key: str) -> float | None:
     """The value of input ``key`` (:data:`INPUTS`) of ``c``; None where the cluster has none (for a
     per-flow limit, :data:`UNLIMITED`: no limit)."""
     head, _, tail = key.partition(".")
-    if head in ("inter", "intra"):
+    if head in ("inter", "intra", "fabric"):
         return getattr(getattr(c, head), tail)
     if head == "resnet50_images_per_s":
         return c.resnet50_images_per_s.get(tail)
@@ -281,7 +287,7 @@ def input_value(c: ClusterModel, key: str) -> float | None:
 def with_input(c: ClusterModel, key: str, value: float) -> ClusterModel:
     """``c`` with input ``key`` set to ``value`` (its ranges kept)."""
     head, _, tail = key.partition(".")
-    if head in ("inter", "intra"):
+    if head in ("inter", "intra", "fabric"):
         return replace(c, **{head: replace(getattr(c, head), **{tail: value})})
     if head == "resnet50_images_per_s":
         return replace(c, resnet50_images_per_s={**c.resnet50_images_per_s, tail: value})
@@ -405,6 +411,11 @@ CLUSTERS.add("abci", ClusterModel(
     select_s_per_elem=_SELECT_S_PER_ELEM,
     # Published single-V100 PyTorch ResNet-50 training: ~1200 images/s mixed precision, ~370 fp32.
     resnet50_images_per_s={"fp16": 1200.0, "fp32": 370.0},
+    # A rack of 34 nodes (68 EDR ports) is full bisection through its leaf and FBB switches; from the
+    # FBB switches to the spine (two Mellanox CS7500 directors) 24 ports' worth per rack, "1/3 of full
+    # bisection (1/3 oversubscription)" (mynavi.jp, "ABCI uses an EDR InfiniBand network", the
+    # system's network figure). Ranks numbered rack by rack [assumption: the papers' launchers].
+    fabric=Fabric(nodes_per_switch=34, oversubscription=3.0, placement="ordered"),
     # +-1/6: docs/simulator.md's bracket for the published 1200 (1000-1400 img/s; PyTorch figures,
     # not the frameworks of the ABCI papers), the same relative spread for fp32.
     assumed={**SPARSE_RANGES, **STEP_RANGES, **_rate_range({"fp16": 1200.0, "fp32": 370.0}, 1 / 6),
@@ -416,7 +427,7 @@ CLUSTERS.add("abci", ClusterModel(
              # the line rate. Alpha: NCCL's network step (_NET_STEP_RANGE). RDMA: one queue pair
              # fills the link, no per-flow limit; lossless, no incast.
              "inter.bandwidth_gbps": (18.0, 25.0), "inter.alpha_s": _NET_STEP_RANGE},
-    source="ABCI node: 4x V100 SXM2 + NVLink2, 2x IB EDR; NCCL tuning-model latencies",
+    source="ABCI node: 4x V100 SXM2 + NVLink2, 2x IB EDR; racks of 34 nodes, 3:1 to the spine; NCCL tuning-model latencies",
 ))
 
 CLUSTERS.add("bigbasin-50gbe", ClusterModel(

@@ -1,0 +1,166 @@
+"""The fabric beyond the NICs (flashsgd.sim.fabric): oversubscribed switch uplinks and placement.
+
+Hand-computed bandwidth terms at small cases (1 GB/s node links, no latency), the exact flow
+counts, the cluster-file keys and their errors, and the ABCI preset's fabric leaving its rings as
+they were.
+"""
+
+import dataclasses
+import doctest
+
+import pytest
+
+from flashsgd.sim import fabric as fabric_module
+from flashsgd.sim.algorithms import exchange_cost
+from flashsgd.sim.cluster_file import load_cluster, load_cluster_text, to_toml
+from flashsgd.sim.costs import CommSetup
+from flashsgd.sim.fabric import Fabric, pair_uplink_flows, ring_uplink_flows
+from flashsgd.sim.network import CLUSTERS, ClusterModel, Link, with_input
+from flashsgd.sim.uncertainty import assumptions
+
+NS_PER_BYTE = 1e-9  # 1 GB/s
+
+
+def _cluster(per_node: int, fabric: Fabric = Fabric()) -> ClusterModel:
+    """1 GB/s per node and direction, no latency, free reductions: bandwidth terms by hand."""
+    return ClusterModel("hand", per_node, Link(0.0, 100.0), Link(0.0, 1.0), fabric=fabric)
+
+
+def _bandwidth(algorithm: str, n_bytes: float, gpus: int, cluster: ClusterModel, density: float = 0.01) -> float:
+    return float(exchange_cost(algorithm, n_bytes, CommSetup(gpus=gpus, cluster=cluster, density=density)).bandwidth_s)
+
+
+def test_doctest():
+    assert doctest.testmod(fabric_module).failed == 0
+
+
+@pytest.mark.parametrize("placement,factor", [("ordered", 1.0), ("interleaved", 2.0), ("random", 4 / 3)])
+def test_flat_ring_on_two_switches_by_hand(placement, factor):
+    # 4 nodes x 1 rank, 2 per switch, uplink = one node link (2:1). The ring's bandwidth term is
+    # 2 (P-1)/P n b = 1.5 n b at 1 GB/s. Ordered: one hop leaves each switch per direction (u = 1,
+    # u o / n = 1: the node link's pace); interleaved: both of a switch's nodes send across (u = 2:
+    # each at half a node link); random: expected u = n f (N - n) / (N - 1) = 2 x 2 / 3.
+    n = 1e6
+    c = _cluster(1, Fabric(nodes_per_switch=2, oversubscription=2.0, placement=placement))
+    assert _bandwidth("native", n, 4, c) == pytest.approx(1.5 * n * NS_PER_BYTE * factor)
+    assert _bandwidth("native", n, 4, _cluster(1)) == pytest.approx(1.5 * n * NS_PER_BYTE)
+
+
+def test_no_cost_within_one_switch_or_without_oversubscription_for_an_ordered_ring():
+    n = 1e6
+    one_switch = _cluster(1, Fabric(nodes_per_switch=4, oversubscription=10.0, placement="interleaved"))
+    assert _bandwidth("native", n, 4, one_switch) == pytest.approx(1.5 * n * NS_PER_BYTE)
+    blocking_but_ordered = _cluster(1, Fabric(nodes_per_switch=2, oversubscription=2.0))
+    assert _bandwidth("native", n, 8, blocking_but_ordered) == pytest.approx(2 * 7 / 8 * n * NS_PER_BYTE)
+    # an ordered ring only pays once o > n: u = 1 flow, u o / n = 3 / 2 at 3:1 with 2 per switch
+    three = _cluster(1, Fabric(nodes_per_switch=2, oversubscription=3.0))
+    assert _bandwidth("native", n, 4, three) == pytest.approx(1.5 * n * NS_PER_BYTE * 1.5)
+
+
+def test_topk_all_to_all_shares_the_uplink_by_hand():
+    # 4 nodes x 1 rank, density 0.01 of 1000 fp32: 3 messages of 80 B out of each node (NIC: 3
+    # flows, 3 ns/B each). Uplink: u = n L^2 (N - n) = 4 flows at 2:1 with n = 2: u o / n = 4 ns/B.
+    c = _cluster(1, Fabric(nodes_per_switch=2, oversubscription=2.0))
+    assert _bandwidth("topk", 4000.0, 4, c) == pytest.approx(80 * 4 * NS_PER_BYTE)
+    assert _bandwidth("topk", 4000.0, 4, _cluster(1)) == pytest.approx(80 * 3 * NS_PER_BYTE)
+    interleaved = _cluster(1, Fabric(nodes_per_switch=2, oversubscription=2.0, placement="interleaved"))
+    assert _bandwidth("topk", 4000.0, 4, interleaved) == pytest.approx(80 * 4 * NS_PER_BYTE)
+
+
+@pytest.mark.parametrize("placement", ["ordered", "interleaved"])
+def test_gtopk_butterfly_pays_in_the_round_that_crosses(placement):
+    # 4 nodes x 1 rank: rounds at XOR distance 1 and 2, one message of k pairs each (80 B at
+    # density 0.01 of 1000). Ordered: distance 1 stays in the switch, distance 2 sends both nodes
+    # across (u = 2, 2 ns/B); interleaved: the reverse. Either way 1 + 2 message times.
+    c = _cluster(1, Fabric(nodes_per_switch=2, oversubscription=2.0, placement=placement))
+    assert _bandwidth("gtopk", 4000.0, 4, c) == pytest.approx(80 * 3 * NS_PER_BYTE)
+    assert _bandwidth("gtopk", 4000.0, 4, _cluster(1)) == pytest.approx(80 * 2 * NS_PER_BYTE)
+
+
+def test_flow_counts_by_enumeration():
+    ordered = Fabric(nodes_per_switch=2, oversubscription=2.0)
+    interleaved = dataclasses.replace(ordered, placement="interleaved")
+    # 8 nodes x 2 ranks, hierarchical's cross-node rings (members 8, stride 2): 2 rings, each
+    # leaving every switch once when ordered; every hop crosses when interleaved (4 switches of 2).
+    assert ring_uplink_flows(ordered, 16, 2, 8, 2) == 2.0
+    assert ring_uplink_flows(interleaved, 16, 2, 8, 2) == 4.0
+    # the ring within a node never leaves it
+    assert ring_uplink_flows(ordered, 16, 2, 2, 1) == 0.0
+    # a pairwise round 4 ranks apart on 2 ranks per node: node distance 2, both nodes of a switch
+    # send 2 flows each across (ordered); a tree's round (one way): only nodes with the bit set
+    assert pair_uplink_flows(ordered, 16, 2, 4, 2) == 4.0
+    assert pair_uplink_flows(ordered, 16, 2, 4, 1, both_ways=False) == 2.0
+    assert pair_uplink_flows(ordered, 16, 2, 2, 2) == 0.0  # node distance 1: the switch's own pair
+
+
+def test_fabric_validation_names_the_valid_values():
+    with pytest.raises(ValueError, match=r"nodes_per_switch must be an int >= 1 or None"):
+        Fabric(nodes_per_switch=0)
+    with pytest.raises(ValueError, match=r"oversubscription must be a number >= 1 \(1: non-blocking; 3 for 3:1\)"):
+        Fabric(nodes_per_switch=4, oversubscription=0.5)
+    with pytest.raises(ValueError, match=r"placement must be one of ordered, interleaved, random, got 'rack'"):
+        Fabric(nodes_per_switch=4, placement="rack")
+
+
+FABRIC = """
+[fabric]
+nodes_per_switch = 8
+oversubscription = 2.0
+oversubscription_range = [1.0, 4.0]
+placement = "random"
+"""
+
+
+def _file(extra: str) -> str:
+    return to_toml(load_cluster("1gbe")) + extra
+
+
+def test_cluster_file_fabric_round_trip_and_range():
+    c = load_cluster_text(_file(FABRIC), "lab.toml")
+    assert c.fabric == Fabric(nodes_per_switch=8, oversubscription=2.0, placement="random")
+    assert c.assumed["fabric.oversubscription"] == (1.0, 4.0)
+    back = load_cluster_text(to_toml(c), "round trip")
+    assert back.fabric == c.fabric and back.assumed["fabric.oversubscription"] == (1.0, 4.0)
+    assert "fabric: 8 nodes per switch, uplinks 2:1 oversubscribed, ranks random" in c.describe()
+    lines = [a.describe() for a in assumptions(c, 100.0, None, "fp32")]
+    assert "switch uplink oversubscription 2 to 1 (1-4)" in lines
+    # without [fabric]: one non-blocking switch, nothing written
+    plain = load_cluster_text(_file(""), "plain.toml")
+    assert plain.fabric == Fabric() and "[fabric]" not in to_toml(plain)
+
+
+@pytest.mark.parametrize("table,message", [
+    ("[fabric]\noversubscription = 2.0\n", r"\[fabric\] needs fabric.nodes_per_switch"),
+    ("[fabric]\nnodes_per_switch = 4\nplacement = \"rack\"\n",
+     r"fabric.placement must be one of ordered, interleaved, random, got 'rack'"),
+    ("[fabric]\nnodes_per_switch = 4\noversubscription = 0.5\n", r"oversubscription \(and its range\) must be >= 1"),
+    ("[fabric]\nnodes_per_switch = 4\noversubscription = 2.0\noversubscription_range = [0.5, 3.0]\n",
+     r"must be >= 1 \(1: non-blocking, 3 for 3:1\), got 2 in \[0.5, 3\]"),
+    ("[fabric]\nnodes_per_switch = 0\n", r"nodes_per_switch must be an integer in \[1, 1,000,000\]"),
+    ("[fabric]\nnodes_per_switch = 4\nuplink_gbit = 10.0\n", r"unknown key\(s\) fabric.uplink_gbit; valid: "),
+])
+def test_cluster_file_fabric_errors(table, message):
+    with pytest.raises(ValueError, match=message):
+        load_cluster_text(_file("\n" + table), "lab.toml")
+
+
+def test_abci_fabric_leaves_its_rings_and_slows_its_all_to_all():
+    abci = CLUSTERS.get("abci")
+    assert abci.fabric == Fabric(nodes_per_switch=34, oversubscription=3.0, placement="ordered")
+    flat = dataclasses.replace(abci, fabric=Fabric())
+    for algorithm in ("native", "hierarchical", "torus2d"):
+        with_fabric = CommSetup(gpus=1088, cluster=abci)
+        without = CommSetup(gpus=1088, cluster=flat)
+        assert float(exchange_cost(algorithm, 100e6, with_fabric).total) == \
+            pytest.approx(float(exchange_cost(algorithm, 100e6, without).total))
+    # Top-k's direct exchange at 1088 GPUs: u = n L^2 (N - n) = 34 x 16 x 238 flows through an uplink
+    # of 34 node links / 3, i.e. 16 x 238 x 3 = 11,424 node links' worth against the NIC's (P - L) L
+    # = 4,336 flows: the inter level 11,424 / 4,336 = 2.63x slower.
+    slow = float(exchange_cost("topk", 100e6, CommSetup(gpus=1088, cluster=abci)).bandwidth_s)
+    fast = float(exchange_cost("topk", 100e6, CommSetup(gpus=1088, cluster=flat)).bandwidth_s)
+    assert slow / fast == pytest.approx(16 * 238 * 3 / (1084 * 4), rel=1e-6)
+
+
+def test_oversubscription_is_an_input_the_ranges_can_vary():
+    c = load_cluster_text(_file(FABRIC), "lab.toml")
+    assert with_input(c, "fabric.oversubscription", 4.0).fabric.oversubscription == 4.0
