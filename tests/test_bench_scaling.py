@@ -203,6 +203,7 @@ def test_simulate_calibrate_cli_is_torch_free(tmp_path):
 # ---- the real thing ----------------------------------------------------------------------------
 
 @needs_netns
+@pytest.mark.slow  # ~34 s with every hook; the emulated path runs by default in the flow-capped test below
 def test_quick_run_on_an_emulated_cluster(tmp_path):
     out = tmp_path / "quick.json"
     proc = subprocess.run([sys.executable, "-m", "flashsgd", "bench", "scaling", "--quick", "--json", str(out)],

@@ -120,9 +120,10 @@ def test_killed_worker_restarts_and_resumes_from_checkpoint(tmp_path):
     assert summary["steps"] == 14 and summary["epochs"] == 2
 
 
-SLOW_HUNG = {"torus2d", "hierarchical", "topk"}
+SLOW_HUNG = {"torus2d", "hierarchical", "topk", "hgtopk"}
 """Hooks whose run-level hang test is marked slow (~11 s each, for the default suite's 12 minutes):
-each shares its kind of wait with one kept here (ring: dense stages; gtopk: p2p rounds), and
+each shares its kind of wait with one kept here (ring: dense stages; gtopk: p2p rounds; hgtopk:
+both), and
 tests/test_comm_timeouts.py times each of their waits out on real process groups."""
 
 
