@@ -50,6 +50,105 @@ def test_cluster_spec_validation():
         ClusterSpec(2, 2, 10**9, subnet="10.0.0.0/16")
 
 
+def test_switches_spec_validation():
+    """Issue: a fabric of edge switches; every error names what was wrong and what is valid."""
+    spec = ClusterSpec(4, 1, 10**8, switches=2, uplink_bps=10**8)
+    assert (spec.switches, spec.uplink_bps, spec.placement) == (2, 10**8, "ordered")
+    assert ClusterSpec(4, 1, 10**8).switches == 1 and ClusterSpec(4, 1, 10**8).uplink_bps is None
+    for kwargs, needle in [
+            (dict(switches=0), r"switches must be an integer in 1..nodes \(1..4\), got 0"),
+            (dict(switches=5, uplink_bps=10**8), r"switches must be an integer in 1..nodes \(1..4\), got 5"),
+            (dict(switches=2.0, uplink_bps=10**8), r"switches must be an integer"),
+            (dict(switches=2), r"uplink_bps .* is required with switches > 1 \(got switches=2\); valid: a rate"),
+            (dict(uplink_bps=10**8), r"uplink_bps applies only with switches > 1 .* valid: None, or switches "
+                                     r"in 2..4"),
+            (dict(switches=2, uplink_bps=10), r"link rate must be at least 100kbit"),
+            (dict(switches=2, uplink_bps=10**8, placement="random"),
+             r"placement must be one of ordered, interleaved, got 'random'")]:
+        with pytest.raises(ValueError, match=needle):
+            ClusterSpec(4, 1, 10**8, **kwargs)
+
+
+def test_switch_of_both_placements():
+    def layout(nodes, switches, placement):
+        spec = ClusterSpec(nodes, 1, 10**8, switches=switches,
+                           uplink_bps=None if switches == 1 else 10**8, placement=placement)
+        return [netns.switch_of(i, spec) for i in range(nodes)]
+
+    assert layout(4, 2, "ordered") == [0, 0, 1, 1]
+    assert layout(4, 2, "interleaved") == [0, 1, 0, 1]
+    assert layout(5, 2, "ordered") == [0, 0, 0, 1, 1]  # i // ceil(5 / 2)
+    assert layout(5, 2, "interleaved") == [0, 1, 0, 1, 0]
+    assert layout(6, 3, "ordered") == [0, 0, 1, 1, 2, 2]
+    assert layout(3, 1, "interleaved") == [0, 0, 0] and layout(4, 4, "ordered") == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"node must be an integer in 0..3, got 4"):
+        netns.switch_of(4, ClusterSpec(4, 1, 10**8))
+
+
+def _recorded_build(monkeypatch, spec: ClusterSpec) -> tuple[list[list[str]], "netns.EmulatedCluster"]:
+    """The commands :func:`netns.build` runs for ``spec``, none executed (no root needed)."""
+    cmds: list[list[str]] = []
+    monkeypatch.setattr(netns, "_run", lambda cmd, check=True: cmds.append(cmd))
+    monkeypatch.setattr(netns, "check_available", lambda: None)
+    monkeypatch.setattr(netns, "clean_stale", lambda: [])
+    monkeypatch.setattr(netns, "list_namespaces", lambda prefix=netns.NAME_PREFIX: [])
+    return cmds, netns.build(spec, prefix="fsgdemu-1")
+
+
+def test_build_commands_of_a_fabric(monkeypatch):
+    tbf = ["tbf", "rate", "100000000bit", "burst", "131072", "latency", "20ms"]
+    one, cluster = _recorded_build(monkeypatch, ClusterSpec(4, 1, 10**8))
+    assert cluster.switch_ns == "fsgdemu-1-br" and cluster.edge_ns == ["fsgdemu-1-br"]
+    assert sorted({c[3] for c in one if c[:3] == ["ip", "netns", "add"]}) == [
+        "fsgdemu-1-br", *(f"fsgdemu-1-n{i}" for i in range(4))]
+    assert ["tc", "-n", "fsgdemu-1-br", "qdisc", "add", "dev", "n3", "root", *tbf] in one
+    assert ["tc", "-n", "fsgdemu-1-n3", "qdisc", "add", "dev", "veth0", "root", "handle", "1:", *tbf] in one
+    spec = ClusterSpec(4, 1, 10**8, switches=2, uplink_bps=10**8, placement="interleaved")
+    cmds, cluster = _recorded_build(monkeypatch, spec)
+    assert cluster.switch_ns == "fsgdemu-1-core" and cluster.edge_ns == ["fsgdemu-1-sw0", "fsgdemu-1-sw1"]
+    assert [cluster.port_ns(i) for i in range(4)] == ["fsgdemu-1-sw0", "fsgdemu-1-sw1"] * 2
+    made = [c[3] for c in cmds if c[:3] == ["ip", "netns", "add"]]
+    assert made == ["fsgdemu-1-core", "fsgdemu-1-sw0", "fsgdemu-1-sw1", *(f"fsgdemu-1-n{i}" for i in range(4))]
+    shaped = [(c[2], c[6]) for c in cmds if c[0] == "tc"]
+    for j in range(2):  # both ends of each uplink, at the uplink rate, the node links' queue rule
+        assert ["tc", "-n", f"fsgdemu-1-sw{j}", "qdisc", "add", "dev", "uplink", "root", *tbf] in cmds
+        assert ["tc", "-n", "fsgdemu-1-core", "qdisc", "add", "dev", f"s{j}", "root", *tbf] in cmds
+    assert ("fsgdemu-1-sw1", "n3") in shaped and ("fsgdemu-1-n3", "veth0") in shaped and len(shaped) == 12
+    assert ["ip", "link", "add", "veth0", "netns", "fsgdemu-1-n2", "type", "veth", "peer", "name", "n2",
+            "netns", "fsgdemu-1-sw0"] in cmds
+    # a slower uplink: its own rate and bucket (1 ms at the rate, at least 128 KiB), the same latency
+    cmds, _ = _recorded_build(monkeypatch, ClusterSpec(4, 1, 10**9, switches=2, uplink_bps=5 * 10**8,
+                                                        latency_ms=5.0))
+    assert ["tc", "-n", "fsgdemu-1-core", "qdisc", "add", "dev", "s1", "root", "tbf", "rate", "500000000bit",
+            "burst", "131072", "latency", "5ms"] in cmds
+    assert ["tc", "-n", "fsgdemu-1-sw1", "qdisc", "add", "dev", "n3", "root", "tbf", "rate", "1000000000bit",
+            "burst", "131072", "latency", "5ms"] in cmds
+
+
+def test_bench_emulate_switch_flags_are_checked_before_any_setup(monkeypatch, capsys):
+    from flashsgd.bench import emulate
+
+    monkeypatch.setattr(emulate, "check_available", lambda: pytest.fail("checked flags after setup"))
+    parser = argparse.ArgumentParser()
+    emulate.add_arguments(parser)
+    for flags, needle in [
+            (["--switches", "2"], "--uplink RATE (each edge switch's uplink, e.g. 100mbit) is required with "
+                                  "--switches 2"),
+            (["--switches", "5", "--uplink", "1gbit"], "--switches must be in 1..4"),
+            (["--switches", "0"], "--switches must be in 1..4"),
+            (["--uplink", "1gbit"], "--uplink applies only with --switches 2..4"),
+            (["--switches", "2", "--uplink", "fast"], "--uplink: link rate must look like")]:
+        assert emulate.run(parser.parse_args(["--cluster", "4x1", *flags])) == 2, flags
+        assert needle in capsys.readouterr().err, flags
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--placement", "random"])
+    err = capsys.readouterr().err  # argparse quotes the choices or not, by Python version
+    assert "--placement: invalid choice: 'random'" in err and "ordered" in err and "interleaved" in err
+    spec = ClusterSpec(5, 1, 10**8, switches=2, uplink_bps=10**8)
+    assert emulate._fabric_line(spec) == "; 2 edge switches (ordered: 3/2 nodes), uplinks 0.1 Gbit/s to a core"
+    assert emulate._fabric_line(ClusterSpec(5, 1, 10**8)) == ""
+
+
 def test_bound_and_annotation():
     # 4 nodes, 100 MB, 1 Gbit/s: 2*3/4 * 1e8 B / 1.25e8 B/s = 1.2 s
     assert bound_s(1e8, 4, 1e9) == pytest.approx(1.2)
@@ -216,6 +315,62 @@ def test_stale_setup_is_cleaned_and_sigterm_tears_down(tmp_path):
     assert netns.list_namespaces(f"{netns.NAME_PREFIX}-{proc.pid}") == []
 
 
+_CONNECT = ("import socket, sys\n"
+            "s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)\n"
+            "s.sendall(b'x' * 200000); s.close()")
+_SERVE = ("import socket, sys\n"
+          "srv = socket.create_server((sys.argv[1], int(sys.argv[2]))); srv.settimeout(10)\n"
+          "print('ready', flush=True); c, _ = srv.accept(); n = 0\n"
+          "while (b := c.recv(65536)): n += len(b)\n"
+          "print(n, flush=True)")
+
+
+@needs_netns
+def test_emulated_fabric_of_two_switches_connects_and_tears_down():
+    """4 nodes on 2 edge switches (ordered: nodes 0, 1 on switch 0; 2, 3 on switch 1): node 0
+    reaches node 3 across both uplinks, node 0 reaches node 1 without them, and nothing is left."""
+    spec = ClusterSpec(4, 1, parse_rate("100mbit"), switches=2, uplink_bps=parse_rate("100mbit"))
+    with netns.emulated_cluster(spec) as cluster:
+        assert sorted(netns.list_namespaces(cluster.prefix)) == sorted(
+            [f"{cluster.prefix}-core", f"{cluster.prefix}-sw0", f"{cluster.prefix}-sw1",
+             *(f"{cluster.prefix}-n{i}" for i in range(4))])
+        qdiscs = subprocess.run(["tc", "-n", cluster.switch_ns, "qdisc", "show", "dev", "s1"],
+                                capture_output=True, text=True, check=True).stdout
+        assert "tbf" in qdiscs and "rate 100Mbit" in qdiscs, qdiscs
+
+        def send(src: int, dst: int, port: int) -> int:
+            srv = subprocess.Popen(["ip", "netns", "exec", cluster.node_ns[dst], sys.executable, "-c", _SERVE,
+                                    cluster.node_ip[dst], str(port)], stdout=subprocess.PIPE, text=True)
+            try:
+                assert srv.stdout.readline().strip() == "ready"
+                subprocess.run(["ip", "netns", "exec", cluster.node_ns[src], sys.executable, "-c", _CONNECT,
+                                cluster.node_ip[dst], str(port)], check=True, timeout=20)
+                return int(srv.stdout.readline())
+            finally:
+                srv.kill()
+                srv.wait()
+
+        up0 = cluster.uplink_bytes()
+        assert send(0, 3, 29500) == 200000
+        up1 = cluster.uplink_bytes()
+        assert send(0, 1, 29501) == 200000
+        up2 = cluster.uplink_bytes()
+        crossed = [{k: a[k] - b[k] for k in a} for a, b in zip(up1, up0)]
+        assert crossed[0]["tx_bytes"] > 200000 and crossed[1]["rx_bytes"] > 200000, crossed  # 0 -> 3
+        inside = [{k: a[k] - b[k] for k in a} for a, b in zip(up2, up1)]
+        assert inside[0]["tx_bytes"] < 20000, inside  # 0 -> 1 stayed on switch 0 (ARP floods at most)
+        assert cluster.link_bytes()[3]["rx_bytes"] > 200000
+    assert netns.list_namespaces(cluster.prefix) == []
+    assert netns.list_namespaces(_OURS) == []
+    # a crashed run's fabric (its pid gone) is recognised and removed whole: core, edges, nodes
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    prefix = f"{netns.NAME_PREFIX}-{dead.pid}"
+    netns.build(spec, prefix=prefix)
+    assert len(netns.list_namespaces(prefix)) == 7
+    assert len(netns.clean_stale()) >= 7 and netns.list_namespaces(prefix) == []
+
+
 @needs_netns
 def test_rank_failure_and_deadline_are_reported(tmp_path):
     from flashsgd.emulate.ranks import RankError, run_ranks
@@ -311,3 +466,18 @@ def test_a_cut_link_is_named_as_the_lost_connection_between_the_nodes(tmp_path, 
     first = str(err.value).splitlines()[0]
     assert first.startswith("the connection between node 0 (ranks 0,1) and node 1 (ranks 2,3) was lost or "
                             "stalled beyond the 8 s timeout: ranks of both nodes timed out"), str(err.value)[:2000]
+
+
+def test_the_wire_time_goes_through_the_emulated_switches():
+    from flashsgd.emulate.report import emulated_fabric, wire_s
+    from flashsgd.sim.fabric import Fabric
+
+    assert emulated_fabric(4, 1, 1e8, 1e8, "ordered") is None
+    assert emulated_fabric(4, 2, 1e8, 1e8, "interleaved") == Fabric(2, 2.0, "interleaved")
+    assert emulated_fabric(6, 2, 1e8, 1e9, "ordered") == Fabric(3, 1.0, "ordered")  # uplink faster than 3 nodes
+    one = wire_s("native", 8e6, 4, 4, 1e8)
+    # 2 nodes per switch, uplink = one node link: the ordered ring crosses once per direction (as
+    # fast as one switch), the interleaved one twice (each hop at half a link)
+    assert wire_s("native", 8e6, 4, 4, 1e8, fabric=emulated_fabric(4, 2, 1e8, 1e8, "ordered")) == pytest.approx(one)
+    assert wire_s("native", 8e6, 4, 4, 1e8, fabric=emulated_fabric(4, 2, 1e8, 1e8, "interleaved")) == \
+        pytest.approx(2 * one)

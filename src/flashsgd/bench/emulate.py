@@ -2,7 +2,8 @@
 
 Loopback on one machine has no network bottleneck. This command builds a cluster of network
 namespaces joined by a bridge, with each node's link capped by ``tbf`` and, with ``--flow-rate``,
-each TCP flow leaving a node capped below it (see :mod:`flashsgd.emulate.netns`,
+each TCP flow leaving a node capped below it, and with ``--switches S`` the nodes spread over S
+edge switches whose uplinks to a core are capped at ``--uplink`` (see :mod:`flashsgd.emulate.netns`,
 :mod:`flashsgd.emulate.flows`), starts ``RANKS`` ranks in each node (one process per rank, torchrun's
 environment, ``GLOO_SOCKET_IFNAME`` = the node's interface), runs the benchmark given after ``--``
 and reads rank 0's JSON on the host. It always tears the cluster down (errors, Ctrl-C, SIGTERM; a
@@ -11,7 +12,8 @@ status 130). Needs root and iproute2.
 
 Steps:
 
-1. Parse the shape and link rate; check root, ``ip``, ``tc`` and namespaces (exit 2 if missing).
+1. Parse the shape, link rate and fabric (``--switches``, ``--uplink``, ``--placement``); check
+   root, ``ip``, ``tc`` and namespaces (exit 2 if missing).
 2. Build the cluster.
 3. Run the benchmark (``python -m flashsgd bench <args> --json <tmp>``) on every rank; without a benchmark,
    run the built-in probe (all-reduce with a correctness check) as the benchmark.
@@ -20,15 +22,20 @@ Steps:
 5. Tear down; add the physical bound 2(N-1)/N * S / B, each row's fraction of it, the simulator's
    wire time on these links (:func:`flashsgd.emulate.report.wire_s`), the per-node / per-link
    bandwidth used and, with a flow cap, the flows each node sent on; print the table; write the
-   JSON (``--json``).
+   JSON (``--json``; with switches, ``meta.emulated`` also holds the fabric and the bytes each
+   uplink carried during the benchmark). The bound is the nodes' links' alone; ``wire_ms`` goes
+   through the switches (:func:`flashsgd.emulate.report.emulated_fabric`).
 
 Example::
 
     $ flashsgd bench emulate --cluster 4x2 --link 1gbit --json out.json -- \\
           allreduce --comm native,ring,hierarchical,torus2d --sizes 1M,10M,100M
     $ flashsgd bench emulate --cluster 2x2 --link 200mbit          # self-check only
-    $ flashsgd bench emulate --cluster 4x2 --link 400mbit --flow-rate 100mbit \
+    $ flashsgd bench emulate --cluster 4x2 --link 400mbit --flow-rate 100mbit \\
           --probe-comm ring,torus2d --sizes-mb 64,100                # one flow: a quarter of the NIC
+    $ flashsgd bench emulate --cluster 4x1 --link 100mbit --switches 2 --uplink 100mbit \\
+          --placement interleaved --probe-mb 0 -- sparse --comm topk,gtopk --densities 0.05 \\
+          --numel 2000000 --fuse eager --link 100mbit      # 2 nodes per switch, 2:1 oversubscribed
 """
 
 from __future__ import annotations
@@ -45,10 +52,11 @@ from pathlib import Path
 
 from flashsgd.cli_flags import comm_list
 from flashsgd.comm.dense import ALLREDUCE
-from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_available,
-                                    emulated_cluster, parse_flow_rate, parse_rate, parse_shape)
+from flashsgd.emulate.netns import (PLACEMENTS, ClusterSpec, EmulationUnavailable, check_available,
+                                    burst_bytes, emulated_cluster, parse_flow_rate, parse_rate, parse_shape,
+                                    switch_of)
 from flashsgd.emulate.ranks import RankError, run_ranks
-from flashsgd.emulate.report import annotate, format_table
+from flashsgd.emulate.report import annotate, emulated_fabric, format_table
 from flashsgd.fmt import plural
 from flashsgd.outputs import add_output
 
@@ -61,6 +69,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flow-rate", default=None, metavar="RATE",
                         help="the most one TCP flow (connection) sends from a node: a rate as --link "
                              "(250mbit) or a fraction of the link (1/4); default: one flow can fill the link")
+    parser.add_argument("--switches", type=int, default=1, metavar="N",
+                        help="edge switches the nodes are spread over, 1..nodes, joined through a core "
+                             "(default 1: every node on one switch, no uplinks)")
+    parser.add_argument("--uplink", default=None, metavar="RATE",
+                        help="each edge switch's uplink to the core, a rate as --link, both directions; "
+                             "required with --switches > 1")
+    parser.add_argument("--placement", default="ordered", choices=PLACEMENTS,
+                        help="which switch node i is on with --switches S: ordered = i // ceil(nodes / S) "
+                             "(consecutive nodes share a switch), interleaved = i %% S (default ordered)")
     parser.add_argument("--subnet", default="10.213.0.0/24", help="private /24 for the namespaces")
     add_output(parser, "--json", default=None, help="write the annotated results here")
     parser.add_argument("--probe-mb", type=float, default=8.0,
@@ -80,6 +97,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="-- BENCHMARK [ARGS...]: the flashsgd bench command to run on the cluster")
 
 
+def _fabric_line(spec: ClusterSpec) -> str:
+    """The header's words for the switches ('' with one switch)."""
+    if spec.switches == 1:
+        return ""
+    per = [sum(switch_of(i, spec) == j for i in range(spec.nodes)) for j in range(spec.switches)]
+    nodes = "/".join(map(str, per))
+    return (f"; {spec.switches} edge switches ({spec.placement}: {nodes} nodes), uplinks "
+            f"{spec.uplink_bps / 1e9:g} Gbit/s to a core")
+
+
 def _launch(cluster, module_args: list[str], log_dir: Path, timeout_s: float) -> float:
     return run_ranks(cluster, [sys.executable, "-m", *module_args], log_dir, timeout_s=timeout_s)
 
@@ -92,14 +119,15 @@ def _probe(cluster, algorithms: str, sizes_mb: str, out: Path, log_dir: Path, ti
 
 
 def _measure(spec: ClusterSpec, bench: list[str], args: argparse.Namespace, work: Path,
-             log_dir: Path) -> tuple[dict, dict | None, float, list[dict]]:
+             log_dir: Path) -> tuple[dict, dict | None, float, list[dict], list[dict]]:
     """Steps 2-4: build, run the benchmark and the probe, tear down (always, by the context manager).
 
-    Returns (benchmark JSON, probe JSON or None, benchmark wall seconds, per-node link bytes).
+    Returns (benchmark JSON, probe JSON or None, benchmark wall seconds, per-node link bytes,
+    per-edge-switch uplink bytes (empty with one switch)), the bytes counted over the benchmark.
     """
     # Step 2: build (torn down by the context manager, whatever happens)
     with emulated_cluster(spec) as cluster:
-        before = cluster.link_bytes()
+        before, up_before = cluster.link_bytes(), cluster.uplink_bytes()
         # Step 3: the benchmark
         if bench:
             out = work / "bench.json"
@@ -114,27 +142,57 @@ def _measure(spec: ClusterSpec, bench: list[str], args: argparse.Namespace, work
             doc = _probe(cluster, args.probe_comm or "native", args.sizes_mb, work / "bench.json",
                          log_dir / "bench", args.timeout_s, warmup=1, reps=3)
             wall = time.monotonic() - t0
-        after = cluster.link_bytes()
+        after, up_after = cluster.link_bytes(), cluster.uplink_bytes()
         run_bytes = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
+        up_bytes = [{k: a[k] - b[k] for k in a} for a, b in zip(up_after, up_before)]
         # Step 4: link bytes per message byte of each dense algorithm
         if not bench:
-            return doc, doc, wall, run_bytes
+            return doc, doc, wall, run_bytes, up_bytes
         present = sorted({r.get("algorithm") for r in doc.get("results", [])} & set(ALLREDUCE))
         algos = args.probe_comm or ",".join(present)
         probe_doc = None
         if args.probe_mb > 0 and algos:
             probe_doc = _probe(cluster, algos, f"{args.probe_mb:g}", work / "probe.json",
                                log_dir / "probe", args.timeout_s, warmup=0, reps=1)
-        return doc, probe_doc, wall, run_bytes
+        return doc, probe_doc, wall, run_bytes, up_bytes
+
+
+def _spec(args: argparse.Namespace) -> ClusterSpec:
+    """Step 1's cluster: shape, link, flow cap and fabric; ValueError naming the flag and what is valid."""
+    nodes, rpn = parse_shape(args.cluster)
+    link = parse_rate(args.link)
+    if not 1 <= args.switches <= nodes:
+        raise ValueError(f"--switches must be in 1..{nodes} (at most one switch per node of "
+                         f"--cluster {args.cluster}), got {args.switches}")
+    if args.switches > 1 and args.uplink is None:
+        raise ValueError(f"--uplink RATE (each edge switch's uplink, e.g. 100mbit) is required with "
+                         f"--switches {args.switches}")
+    if args.switches == 1 and args.uplink is not None:
+        raise ValueError(f"--uplink applies only with --switches 2..{nodes} (one switch has no uplink), "
+                         f"got --uplink {args.uplink} with --switches 1")
+    try:
+        uplink = None if args.uplink is None else parse_rate(args.uplink)
+    except ValueError as exc:
+        raise ValueError(f"--uplink: {exc}") from None
+    return ClusterSpec(nodes, rpn, link, subnet=args.subnet, flow_rate_bps=parse_flow_rate(args.flow_rate, link),
+                       switches=args.switches, uplink_bps=uplink, placement=args.placement)
+
+
+def _add_fabric(emulated: dict, spec: ClusterSpec, uplink: str, up_bytes: list[dict]) -> None:
+    """Step 5, with switches: the fabric and the bytes each uplink carried, into ``meta.emulated``."""
+    emulated.update({"switches": spec.switches, "uplink_bps": spec.uplink_bps, "uplink": uplink,
+                     "placement": spec.placement, "node_switch": [switch_of(i, spec) for i in range(spec.nodes)],
+                     "run_uplink_bytes": up_bytes})
+    emulated["shaping"] += (f"; {spec.switches} edge switches joined through a core bridge, each uplink tbf rate "
+                            f"{spec.uplink_bps}bit burst {burst_bytes(spec.uplink_bps)} latency "
+                            f"{spec.latency_ms:g}ms on both ends")
 
 
 def run(args: argparse.Namespace) -> int:
     # Step 1: inputs and preconditions
     try:
-        nodes, rpn = parse_shape(args.cluster)
-        link = parse_rate(args.link)
-        spec = ClusterSpec(nodes, rpn, link, subnet=args.subnet,
-                           flow_rate_bps=parse_flow_rate(args.flow_rate, link))
+        spec = _spec(args)
+        nodes, rpn = spec.nodes, spec.ranks_per_node
         if args.probe_comm is not None:
             comm_list(args.probe_comm, ALLREDUCE.names(), "--probe-comm")
         if not args.timeout_s > 0 or args.timeout_s == float("inf"):
@@ -163,10 +221,10 @@ def run(args: argparse.Namespace) -> int:
     per_flow = ("" if spec.flow_rate_bps is None
                 else f", one flow at most {spec.flow_rate_bps / 1e9:g} Gbit/s (htb per flow)")
     print(f"emulated cluster: {plural(nodes, 'node')} x {plural(rpn, 'rank')}, links {spec.rate_bps / 1e9:g} Gbit/s "
-          f"(tbf burst {spec.burst_bytes} B){per_flow}", flush=True)
+          f"(tbf burst {spec.burst_bytes} B){per_flow}{_fabric_line(spec)}", flush=True)
     started = time.time()
     try:
-        doc, probe_doc, wall, run_bytes = _measure(spec, bench, args, work, log_dir)
+        doc, probe_doc, wall, run_bytes, up_bytes = _measure(spec, bench, args, work, log_dir)
     except (RankError, ValueError) as exc:
         print(f"flashsgd bench emulate: {exc}\n(per-rank logs kept in {log_dir})", file=sys.stderr)
         return 1
@@ -194,7 +252,10 @@ def run(args: argparse.Namespace) -> int:
                  "python": platform.python_version()},
         "elapsed_s": time.time() - started,
     }
-    annotate(doc, nodes, spec.rate_bps, probe_doc, flow_bps=spec.flow_rate_bps)
+    if spec.switches > 1:
+        _add_fabric(meta["emulated"], spec, args.uplink, up_bytes)
+    annotate(doc, nodes, spec.rate_bps, probe_doc, flow_bps=spec.flow_rate_bps,
+             fabric=emulated_fabric(nodes, spec.switches, spec.rate_bps, spec.uplink_bps or 0, spec.placement))
     print(format_table(doc))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,19 @@ addresses and routes are never touched::
     tbf on veth0 egress caps node i's upload, tbf on n<i> egress caps its download
     with a flow rate: under veth0's tbf, each TCP flow capped at that rate (:mod:`.flows`)
 
+With ``switches`` S > 1 (a fabric beyond the NICs: edge switches joined through a core, each
+edge switch's uplink capped at ``uplink_bps``; oversubscribed when that is less than its nodes'
+links together)::
+
+    namespace <prefix>-core :  bridge br0 -- s0, s1, ... s{S-1}     (the core switch)
+    namespace <prefix>-sw<j>:  bridge br0 -- uplink, and n<i> for each node i on edge switch j
+    veth pair: uplink (edge switch j)  <->  s<j> (core port); tbf at uplink_bps on both ends' egress
+    node i's veth goes to edge switch j = switch_of(i): ``ordered`` i // ceil(N / S) (consecutive
+    nodes share a switch), ``interleaved`` i % S
+
+One L2 segment throughout (bridges, no routing): node addresses are the same as with one switch.
+A flow between two nodes of one edge switch stays inside it; any other crosses two uplinks.
+
 Ranks on the same node talk over the node's own loopback (local delivery), as on a real machine;
 only inter-node traffic crosses the capped link. ``<prefix>`` is ``fsgdemu-<pid>``, so a setup left
 by a crashed run is recognised (its pid is gone) and removed by :func:`clean_stale`.
@@ -17,14 +30,18 @@ by a crashed run is recognised (its pid is gone) and removed by :func:`clean_sta
 Algorithm (:func:`build`):
 
 1. Check root and iproute2 (``ip``, ``tc``); remove stale setups of dead runs.
-2. Create the switch namespace and its bridge.
-3. For each node: create its namespace, a veth pair with one end in each namespace, the address,
-   bring links up, attach the switch end to the bridge.
-4. Shape both ends with ``tbf`` at the link rate; with ``flow_rate_bps``, pace each flow of the
-   node's upload (:func:`flashsgd.emulate.flows.install`).
+2. Create the switch namespace and its bridge. With S > 1 switches: the core's namespace and
+   bridge, then for each edge switch its namespace and bridge and its uplink, a veth pair from
+   the edge bridge to a core port, both ends shaped with ``tbf`` at ``uplink_bps``
+   (:func:`_shape`, the node links' queue rule).
+3. For each node: create its namespace, a veth pair with one end in the node's namespace and
+   one in its (edge) switch's, the address, bring links up, attach the switch end to the bridge.
+4. Shape both ends with ``tbf`` at the link rate (:func:`_shape`); with ``flow_rate_bps``, pace
+   each flow of the node's upload (:func:`flashsgd.emulate.flows.install`).
 
 :func:`teardown` kills what still runs inside the namespaces and deletes them; deleting a namespace
-deletes its veth ends, the bridge and the qdiscs with it.
+deletes its veth ends, the bridges and the qdiscs with it. Every namespace (nodes, switches,
+core) is named ``<prefix>-...``, so :func:`teardown` and :func:`clean_stale` find all of them.
 
 Example::
 
@@ -53,6 +70,10 @@ from flashsgd.emulate import flows
 NAME_PREFIX = "fsgdemu"
 NODE_IFNAME = "veth0"
 BRIDGE = "br0"
+UPLINK_IFNAME = "uplink"
+"""An edge switch's end of its uplink (the core's end is ``s<j>``)."""
+PLACEMENTS = ("ordered", "interleaved")
+"""Where nodes sit on the edge switches (:attr:`ClusterSpec.placement`, :func:`switch_of`)."""
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
@@ -133,6 +154,13 @@ class ClusterSpec:
     flow_rate_bps: int | None = None
     """The most one TCP flow (connection) sends from a node, bits/s (<= rate_bps); None: one flow
     can fill the link."""
+    switches: int = 1
+    """Edge switches, 1..nodes; 1: every node on one switch (no uplinks, the layout of old)."""
+    uplink_bps: int | None = None
+    """Each edge switch's uplink to the core, bits/s, both directions; required when switches > 1,
+    None otherwise."""
+    placement: str = "ordered"
+    """Which switch node i is on (:func:`switch_of`): ``ordered`` or ``interleaved``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, int) or not 1 <= self.nodes <= 200:
@@ -146,6 +174,20 @@ class ClusterSpec:
         net = ipaddress.ip_network(self.subnet, strict=True)
         if net.version != 4 or net.prefixlen != 24 or not net.is_private:
             raise ValueError(f"subnet must be a private IPv4 /24 such as '10.213.0.0/24', got {self.subnet!r}")
+        if (not isinstance(self.switches, int) or isinstance(self.switches, bool)
+                or not 1 <= self.switches <= self.nodes):
+            raise ValueError(f"switches must be an integer in 1..nodes (1..{self.nodes}), got {self.switches!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if self.switches > 1 and self.uplink_bps is None:
+            raise ValueError(f"uplink_bps (each edge switch's uplink rate, bits/s) is required with "
+                             f"switches > 1 (got switches={self.switches}); valid: a rate of at least 100kbit")
+        if self.switches == 1 and self.uplink_bps is not None:
+            raise ValueError(f"uplink_bps applies only with switches > 1 (one switch has no uplink), got "
+                             f"uplink_bps={self.uplink_bps!r} with switches=1; valid: None, or switches in "
+                             f"2..{self.nodes}")
+        if self.uplink_bps is not None:
+            parse_rate(self.uplink_bps)
 
     @property
     def world_size(self) -> int:
@@ -153,9 +195,28 @@ class ClusterSpec:
 
     @property
     def burst_bytes(self) -> int:
-        # tbf bucket: at least two 64 KiB GSO super-packets (veth hands tbf unsegmented GSO
-        # packets), and at least 1 ms at the line rate: rate_bps / 8 B/s * 1e-3 s.
-        return max(2 * 65536, self.rate_bps // 8 // 1000)
+        return burst_bytes(self.rate_bps)
+
+
+def burst_bytes(rate_bps: int) -> int:
+    """tbf bucket of a link of ``rate_bps``: at least two 64 KiB GSO super-packets (veth hands tbf
+    unsegmented GSO packets), and at least 1 ms at the line rate: rate_bps / 8 B/s * 1e-3 s."""
+    return max(2 * 65536, rate_bps // 8 // 1000)
+
+
+def switch_of(node: int, spec: ClusterSpec) -> int:
+    """The edge switch of node ``node`` (0-based): ``ordered`` node // ceil(nodes / switches)
+    (consecutive nodes share a switch; with nodes not a multiple of switches the last switches
+    hold fewer nodes, possibly none), ``interleaved`` node % switches. Always 0 with one switch.
+
+    >>> [switch_of(i, ClusterSpec(4, 1, 10**8, switches=2, uplink_bps=10**8)) for i in range(4)]
+    [0, 0, 1, 1]
+    """
+    if not isinstance(node, int) or not 0 <= node < spec.nodes:
+        raise ValueError(f"node must be an integer in 0..{spec.nodes - 1}, got {node!r}")
+    if spec.placement == "interleaved":
+        return node % spec.switches
+    return node // -(-spec.nodes // spec.switches)
 
 
 @dataclass
@@ -165,9 +226,16 @@ class EmulatedCluster:
     spec: ClusterSpec
     prefix: str
     switch_ns: str
+    """The switch's namespace; with several switches, the core's."""
     node_ns: list[str] = field(default_factory=list)
     node_ip: list[str] = field(default_factory=list)
     ifname: str = NODE_IFNAME
+    edge_ns: list[str] = field(default_factory=list)
+    """Edge switch j's namespace at index j (one switch: ``[switch_ns]``)."""
+
+    def port_ns(self, node: int) -> str:
+        """The namespace holding node ``node``'s switch port ``n<node>``."""
+        return self.edge_ns[switch_of(node, self.spec)] if self.spec.switches > 1 else self.switch_ns
 
     def link_bytes(self) -> list[dict[str, int]]:
         """Bytes each node has sent and received over its link so far, read at the switch ports.
@@ -175,11 +243,24 @@ class EmulatedCluster:
         The switch port ``n<i>`` receives what node i transmits (``tx``) and transmits what it
         receives (``rx``).
         """
-        out = _ip_json(["-n", self.switch_ns, "-s", "link", "show"])
-        ports = {d["ifname"]: d["stats64"] for d in out if "stats64" in d}
-        return [{"tx_bytes": int(ports[f"n{i}"]["rx"]["bytes"]),
-                 "rx_bytes": int(ports[f"n{i}"]["tx"]["bytes"])}
+        ports = {}
+        for ns in dict.fromkeys(self.port_ns(i) for i in range(self.spec.nodes)):
+            ports[ns] = {d["ifname"]: d["stats64"] for d in _ip_json(["-n", ns, "-s", "link", "show"])
+                         if "stats64" in d}
+        return [{"tx_bytes": int(ports[self.port_ns(i)][f"n{i}"]["rx"]["bytes"]),
+                 "rx_bytes": int(ports[self.port_ns(i)][f"n{i}"]["tx"]["bytes"])}
                 for i in range(self.spec.nodes)]
+
+    def uplink_bytes(self) -> list[dict[str, int]]:
+        """Bytes each edge switch has sent to the core (``tx``) and received from it (``rx``) so
+        far, read at the core ports ``s<j>``; empty with one switch."""
+        if self.spec.switches == 1:
+            return []
+        ports = {d["ifname"]: d["stats64"] for d in _ip_json(["-n", self.switch_ns, "-s", "link", "show"])
+                 if "stats64" in d}
+        return [{"tx_bytes": int(ports[f"s{j}"]["rx"]["bytes"]),
+                 "rx_bytes": int(ports[f"s{j}"]["tx"]["bytes"])}
+                for j in range(self.spec.switches)]
 
 
 def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -257,8 +338,17 @@ def clean_stale() -> list[str]:
     return removed
 
 
+def _shape(ns: str, dev: str, rate_bps: int, spec: ClusterSpec, handle: str | None = None) -> None:
+    """Cap ``dev``'s egress in namespace ``ns`` at ``rate_bps`` with ``tbf``: bucket
+    :func:`burst_bytes` of the rate, queue ``spec.latency_ms`` at the rate (every shaped link, the
+    nodes' and the uplinks', follows this one rule); ``handle`` names the root qdisc."""
+    _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *(["handle", handle] if handle else []),
+          "tbf", "rate", f"{rate_bps}bit", "burst", str(burst_bytes(rate_bps)),
+          "latency", f"{spec.latency_ms:g}ms"])
+
+
 def build(spec: ClusterSpec, prefix: str | None = None) -> EmulatedCluster:
-    """Create the namespaces, bridge, veths, addresses and tbf shaping of ``spec`` (see module doc).
+    """Create the namespaces, bridges, veths, addresses and tbf shaping of ``spec`` (see module doc).
 
     On any failure the partial setup is torn down before the error propagates.
     """
@@ -269,18 +359,27 @@ def build(spec: ClusterSpec, prefix: str | None = None) -> EmulatedCluster:
     if list_namespaces(prefix):
         raise RuntimeError(f"an emulated cluster named {prefix!r} already exists; tear it down first")
     net = ipaddress.ip_network(spec.subnet)
-    cluster = EmulatedCluster(spec, prefix, switch_ns=f"{prefix}-br")
-    rate = f"{spec.rate_bps}bit"
-    shape = ["tbf", "rate", rate, "burst", str(spec.burst_bytes), "latency", f"{spec.latency_ms:g}ms"]
+    fabric = spec.switches > 1
+    cluster = EmulatedCluster(spec, prefix, switch_ns=f"{prefix}-core" if fabric else f"{prefix}-br")
     try:
-        # Step 2: the switch
-        sw = cluster.switch_ns
-        _run(["ip", "netns", "add", sw])
-        _run(["ip", "-n", sw, "link", "add", BRIDGE, "type", "bridge"])
-        _run(["ip", "-n", sw, "link", "set", BRIDGE, "up"])
+        # Step 2: the switch (one), or the core, the edge switches and their uplinks
+        _bridge(cluster.switch_ns)
+        if not fabric:
+            cluster.edge_ns.append(cluster.switch_ns)
+        for j in range(spec.switches if fabric else 0):
+            edge, core_port = f"{prefix}-sw{j}", f"s{j}"
+            _bridge(edge)
+            cluster.edge_ns.append(edge)
+            _run(["ip", "link", "add", UPLINK_IFNAME, "netns", edge, "type", "veth",
+                  "peer", "name", core_port, "netns", cluster.switch_ns])
+            for ns, dev in ((edge, UPLINK_IFNAME), (cluster.switch_ns, core_port)):
+                _run(["ip", "-n", ns, "link", "set", dev, "master", BRIDGE])
+                _run(["ip", "-n", ns, "link", "set", dev, "up"])
+                _shape(ns, dev, spec.uplink_bps, spec)
         for i in range(spec.nodes):
             # Step 3: node i, its veth pair and address
             ns, port, ip = f"{prefix}-n{i}", f"n{i}", str(net.network_address + i + 1)
+            sw = cluster.port_ns(i)
             _run(["ip", "netns", "add", ns])
             cluster.node_ns.append(ns)
             cluster.node_ip.append(ip)
@@ -292,15 +391,22 @@ def build(spec: ClusterSpec, prefix: str | None = None) -> EmulatedCluster:
             _run(["ip", "-n", sw, "link", "set", port, "master", BRIDGE])
             _run(["ip", "-n", sw, "link", "set", port, "up"])
             # Step 4: cap both directions of node i's link
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", NODE_IFNAME, "root", "handle", "1:", *shape])
+            _shape(ns, NODE_IFNAME, spec.rate_bps, spec, handle="1:")
             if spec.flow_rate_bps is not None:
                 flows.install(ns, NODE_IFNAME, spec.rate_bps, spec.flow_rate_bps, spec.burst_bytes)
-            _run(["tc", "-n", sw, "qdisc", "add", "dev", port, "root", *shape])
+            _shape(sw, port, spec.rate_bps, spec)
     except BaseException:
         with _interrupts_deferred():
             teardown(prefix)
         raise
     return cluster
+
+
+def _bridge(ns: str) -> None:
+    """Create namespace ``ns`` holding bridge :data:`BRIDGE`, up."""
+    _run(["ip", "netns", "add", ns])
+    _run(["ip", "-n", ns, "link", "add", BRIDGE, "type", "bridge"])
+    _run(["ip", "-n", ns, "link", "set", BRIDGE, "up"])
 
 
 @contextlib.contextmanager

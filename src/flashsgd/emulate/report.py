@@ -49,9 +49,12 @@ def bound_s(size_bytes: float, nodes: int, rate_bps: float) -> float:
 
 
 def wire_s(algorithm: str, size_bytes: float, world: int, nodes: int, rate_bps: float,
-           flow_bps: float | None = None, grid: tuple[int, int] | list[int] | str | None = None) -> float | None:
-    """The simulator's wire time of one dense all-reduce on the emulated links (module doc); None for
-    anything else (sparse and low-rank rows carry their own sizes, not a message of ``size_bytes``)."""
+           flow_bps: float | None = None, grid: tuple[int, int] | list[int] | str | None = None,
+           fabric=None) -> float | None:
+    """The simulator's wire time of one dense all-reduce on the emulated links (module doc), through
+    ``fabric`` (a :class:`flashsgd.sim.fabric.Fabric`: the emulated switches, :func:`emulated_fabric`;
+    None: one switch); None for anything else (sparse and low-rank rows carry their own sizes, not a
+    message of ``size_bytes``)."""
     from flashsgd.comm.dense import ALLREDUCE
     from flashsgd.comm.topology import parse_grid
     from flashsgd.sim.algorithms import ALGORITHMS, exchange_cost
@@ -62,11 +65,25 @@ def wire_s(algorithm: str, size_bytes: float, world: int, nodes: int, rate_bps: 
         return None
     free = Link(0.0, 1e9)  # loopback: taken as free (1e18 B/s)
     inter = Link(0.0, rate_bps / 8e9, None if flow_bps is None else flow_bps / 8e9)
-    cluster = ClusterModel("emulated", world // nodes, free, inter)
+    cluster = ClusterModel("emulated", world // nodes, free, inter, **({"fabric": fabric} if fabric else {}))
     if grid and algorithm == "torus2d":  # meta.grid: "XxY" (bench allreduce) or [X, Y] (the probe)
         grid = parse_grid(grid if isinstance(grid, str) else tuple(grid), world)
     setup = CommSetup(world, cluster, grid=grid if algorithm == "torus2d" else None)
     return float(exchange_cost(algorithm, size_bytes, setup).total)
+
+
+def emulated_fabric(nodes: int, switches: int, rate_bps: float, uplink_bps: float, placement: str):
+    """The simulator's :class:`~flashsgd.sim.fabric.Fabric` of an emulated cluster of ``nodes`` nodes
+    on ``switches`` edge switches (:func:`flashsgd.emulate.netns.switch_of`: ``ordered`` fills
+    ceil(nodes / switches) per switch): a switch's nodes send ``n x rate_bps`` into an uplink of
+    ``uplink_bps``, an oversubscription of ``n rate / uplink`` (at least 1); None with one switch."""
+    from flashsgd.sim.fabric import Fabric
+
+    if switches <= 1:
+        return None
+    per_switch = -(-nodes // switches)
+    return Fabric(nodes_per_switch=per_switch, oversubscription=max(1.0, per_switch * rate_bps / uplink_bps),
+                  placement=placement)
 
 
 def bytes_per_payload_byte(probe_doc: dict | None) -> dict[str, dict[str, float]]:
@@ -94,9 +111,9 @@ def _size_and_time(row: dict, meta: dict) -> tuple[float, float] | None:
 
 
 def annotate(doc: dict, nodes: int, rate_bps: float, probe_doc: dict | None = None,
-             flow_bps: float | None = None) -> dict:
-    """Add ``emu_*`` fields (bound, fraction of it, the simulator's wire time, link usage, algbw,
-    busbw) to every timed row.
+             flow_bps: float | None = None, fabric=None) -> dict:
+    """Add ``emu_*`` fields (bound, fraction of it, the simulator's wire time through ``fabric``,
+    link usage, algbw, busbw) to every timed row; the bound and the link usage are the nodes' links'.
 
     Link usage comes from the probe's measured bytes per message byte (dense algorithms), else from
     the row's own ``bytes_per_rank`` (the sparse bench's count) times the ranks per node, which is
@@ -118,7 +135,7 @@ def annotate(doc: dict, nodes: int, rate_bps: float, probe_doc: dict | None = No
         row["emu_bound_us"] = b * 1e6
         row["emu_frac_of_bound"] = b / t if nodes > 1 else None
         if "size_bytes" in row and nodes > 1:
-            wire = wire_s(row.get("algorithm", ""), size, world, nodes, rate_bps, flow_bps, meta.get("grid"))
+            wire = wire_s(row.get("algorithm", ""), size, world, nodes, rate_bps, flow_bps, meta.get("grid"), fabric)
             if wire is not None:
                 row["emu_wire_us"] = wire * 1e6
         r = ratios.get(row.get("algorithm"))
