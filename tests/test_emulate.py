@@ -77,8 +77,8 @@ def test_switch_of_both_placements():
 
     assert layout(4, 2, "ordered") == [0, 0, 1, 1]
     assert layout(4, 2, "interleaved") == [0, 1, 0, 1]
-    assert layout(5, 2, "ordered") == [0, 0, 0, 1, 1]  # i // ceil(5 / 2)
-    assert layout(5, 2, "interleaved") == [0, 1, 0, 1, 0]
+    with pytest.raises(ValueError, match=r"switches must divide the 5 nodes .* got 2; valid: 1, 5"):
+        layout(5, 2, "ordered")
     assert layout(6, 3, "ordered") == [0, 0, 1, 1, 2, 2]
     assert layout(3, 1, "interleaved") == [0, 0, 0] and layout(4, 4, "ordered") == [0, 1, 2, 3]
     with pytest.raises(ValueError, match=r"node must be an integer in 0..3, got 4"):
@@ -134,8 +134,10 @@ def test_bench_emulate_switch_flags_are_checked_before_any_setup(monkeypatch, ca
     for flags, needle in [
             (["--switches", "2"], "--uplink RATE (each edge switch's uplink, e.g. 100mbit) is required with "
                                   "--switches 2"),
-            (["--switches", "5", "--uplink", "1gbit"], "--switches must be in 1..4"),
-            (["--switches", "0"], "--switches must be in 1..4"),
+            (["--switches", "5", "--uplink", "1gbit"], "--switches must divide the 4 nodes of --cluster 4x1 (as many "
+             "nodes on every edge switch), got 5; valid: 1, 2, 4"),
+            (["--switches", "3", "--uplink", "1gbit"], "got 3; valid: 1, 2, 4"),
+            (["--switches", "0"], "--switches must divide the 4 nodes"),
             (["--uplink", "1gbit"], "--uplink applies only with --switches 2..4"),
             (["--switches", "2", "--uplink", "fast"], "--uplink: link rate must look like")]:
         assert emulate.run(parser.parse_args(["--cluster", "4x1", *flags])) == 2, flags
@@ -144,8 +146,8 @@ def test_bench_emulate_switch_flags_are_checked_before_any_setup(monkeypatch, ca
         parser.parse_args(["--placement", "random"])
     err = capsys.readouterr().err  # argparse quotes the choices or not, by Python version
     assert "--placement: invalid choice: 'random'" in err and "ordered" in err and "interleaved" in err
-    spec = ClusterSpec(5, 1, 10**8, switches=2, uplink_bps=10**8)
-    assert emulate._fabric_line(spec) == "; 2 edge switches (ordered: 3/2 nodes), uplinks 0.1 Gbit/s to a core"
+    spec = ClusterSpec(6, 1, 10**8, switches=2, uplink_bps=10**8)
+    assert emulate._fabric_line(spec) == "; 2 edge switches (ordered: 3/3 nodes), uplinks 0.1 Gbit/s to a core"
     assert emulate._fabric_line(ClusterSpec(5, 1, 10**8)) == ""
 
 

@@ -14,7 +14,7 @@ from flashsgd.sim import fabric as fabric_module
 from flashsgd.sim.algorithms import exchange_cost
 from flashsgd.sim.cluster_file import load_cluster, load_cluster_text, to_toml
 from flashsgd.sim.costs import CommSetup
-from flashsgd.sim.fabric import Fabric, pair_uplink_flows, ring_uplink_flows
+from flashsgd.sim.fabric import Fabric, uplink_flows
 from flashsgd.sim.network import CLUSTERS, ClusterModel, Link, with_input
 from flashsgd.sim.uncertainty import assumptions
 
@@ -77,20 +77,82 @@ def test_gtopk_butterfly_pays_in_the_round_that_crosses(placement):
     assert _bandwidth("gtopk", 4000.0, 4, _cluster(1)) == pytest.approx(80 * 2 * NS_PER_BYTE)
 
 
-def test_flow_counts_by_enumeration():
+def test_flow_counts_by_hand():
     ordered = Fabric(nodes_per_switch=2, oversubscription=2.0)
     interleaved = dataclasses.replace(ordered, placement="interleaved")
     # 8 nodes x 2 ranks, hierarchical's cross-node rings (members 8, stride 2): 2 rings, each
     # leaving every switch once when ordered; every hop crosses when interleaved (4 switches of 2).
-    assert ring_uplink_flows(ordered, 16, 2, 8, 2) == 2.0
-    assert ring_uplink_flows(interleaved, 16, 2, 8, 2) == 4.0
-    # the ring within a node never leaves it
-    assert ring_uplink_flows(ordered, 16, 2, 2, 1) == 0.0
-    # a pairwise round 4 ranks apart on 2 ranks per node: node distance 2, both nodes of a switch
-    # send 2 flows each across (ordered); a tree's round (one way): only nodes with the bit set
-    assert pair_uplink_flows(ordered, 16, 2, 4, 2) == 4.0
-    assert pair_uplink_flows(ordered, 16, 2, 4, 1, both_ways=False) == 2.0
-    assert pair_uplink_flows(ordered, 16, 2, 2, 2) == 0.0  # node distance 1: the switch's own pair
+    assert uplink_flows(ordered, 16, 2, ("ring", 8, 2)) == 2.0
+    assert uplink_flows(interleaved, 16, 2, ("ring", 8, 2)) == 4.0
+    assert uplink_flows(ordered, 16, 2, ("ring", 2, 1)) == 0.0  # the ring within a node never leaves it
+    # a torus column jumping 2 nodes (X = 4 ranks): every hop of the switch's 4 ranks crosses
+    assert uplink_flows(ordered, 16, 2, ("ring", 4, 4)) == 4.0
+    # a butterfly round 4 ranks apart: node distance 2, both nodes of a switch send 2 flows each
+    assert uplink_flows(ordered, 16, 2, ("butterfly", 4, 16)) == 4.0
+    assert uplink_flows(ordered, 16, 2, ("butterfly", 2, 16)) == 0.0  # node distance 1: within the switch
+    # a binomial round 4 ranks apart: only ranks 4 and 12 send (to 0 and 8), one flow per uplink
+    assert uplink_flows(ordered, 16, 2, ("tree", 4, 0)) == 1.0
+    # 7 nodes x 1 rank, 3 per switch: the fold sends nodes 4, 5, 6 to 0, 1, 2, all into switch 0
+    three = Fabric(nodes_per_switch=3)
+    assert uplink_flows(three, 7, 1, ("fold", 4, 0)) == 3.0
+    # the butterfly over the 4 ranks below P' = 4: only 1 <-> 3 crosses (nodes 4-6 sit it out)
+    assert uplink_flows(three, 7, 1, ("butterfly", 2, 4)) == 1.0
+
+
+def _brute(nodes_per_switch, placement, gpus, per_node, pairs):
+    """Flows across the busiest uplink, by brute force over explicit (sender, receiver) rank pairs."""
+    nodes = gpus // per_node
+    switches = -(-nodes // nodes_per_switch)
+    where = [(r // per_node) // nodes_per_switch if placement == "ordered" else (r // per_node) % switches
+             for r in range(gpus)]
+    count = {}
+    for a, b in pairs:
+        if a // per_node != b // per_node and where[a] != where[b]:
+            count[("out", where[a])] = count.get(("out", where[a]), 0) + 1
+            count[("in", where[b])] = count.get(("in", where[b]), 0) + 1
+    return float(max(count.values(), default=0))
+
+
+@pytest.mark.parametrize("placement", ["ordered", "interleaved"])
+@pytest.mark.parametrize("gpus,per_node,per_switch", [(8, 1, 2), (12, 2, 2), (14, 2, 3), (24, 4, 2), (20, 1, 3)])
+def test_flow_counts_match_brute_force_for_every_pattern(placement, gpus, per_node, per_switch):
+    fabric = Fabric(nodes_per_switch=per_switch, placement=placement)
+    p2 = 1 << (gpus.bit_length() - 1)
+    cases = {}
+    for members in (d for d in range(2, gpus + 1) if gpus % d == 0):
+        for stride in (s for s in range(1, gpus // members + 1) if gpus % (members * s) == 0):
+            # rings of `members` ranks `stride` apart: block b holds ranks with (r // stride) // members = b
+            pairs = []
+            for base in range(gpus):
+                if (base // stride) % members == 0:
+                    ring = [base + k * stride for k in range(members)]
+                    pairs += list(zip(ring, ring[1:] + ring[:1]))
+            cases[("ring", members, stride)] = pairs
+    d = 1
+    while d < p2:
+        cases[("butterfly", d, p2)] = [(r, r ^ d) for r in range(p2)]
+        cases[("tree", d, 0)] = [(r, r - d) for r in range(gpus) if r % (2 * d) == d]
+        d *= 2
+    if p2 < gpus:
+        cases[("fold", p2, 0)] = [(r, r - p2) for r in range(p2, gpus)]
+    for pattern, pairs in cases.items():
+        assert uplink_flows(fabric, gpus, per_node, pattern) == _brute(per_switch, placement, gpus, per_node, pairs), \
+            pattern
+
+
+def test_abci_fabric_spares_its_node_rings_and_trees_at_every_size():
+    abci = CLUSTERS.get("abci")
+    flat = dataclasses.replace(abci, fabric=Fabric())
+    for gpus in (1088, 2048, 4096):
+        for algorithm in ("native", "hierarchical", "binomial", "gtopk_tree"):
+            a = exchange_cost(algorithm, 100e6, CommSetup(gpus=gpus, cluster=abci, density=0.01))
+            b = exchange_cost(algorithm, 100e6, CommSetup(gpus=gpus, cluster=flat, density=0.01))
+            assert float(a.total) == pytest.approx(float(b.total)), (algorithm, gpus)
+    # a 64 x 64 torus at 4096: its columns jump 16 nodes, so every hop of a rack's 64 columns
+    # crosses to another rack: u o / n = 64 x 3 / 34 = 5.6 node links against the NIC's 4 flows
+    grid = CommSetup(gpus=4096, cluster=abci, grid=(64, 64))
+    assert float(exchange_cost("torus2d", 100e6, grid).total) > \
+        float(exchange_cost("torus2d", 100e6, CommSetup(gpus=4096, cluster=flat, grid=(64, 64))).total)
 
 
 def test_fabric_validation_names_the_valid_values():
@@ -133,10 +195,14 @@ def test_cluster_file_fabric_round_trip_and_range():
     ("[fabric]\noversubscription = 2.0\n", r"\[fabric\] needs fabric.nodes_per_switch"),
     ("[fabric]\nnodes_per_switch = 4\nplacement = \"rack\"\n",
      r"fabric.placement must be one of ordered, interleaved, random, got 'rack'"),
-    ("[fabric]\nnodes_per_switch = 4\noversubscription = 0.5\n", r"oversubscription \(and its range\) must be >= 1"),
+    ("[fabric]\nnodes_per_switch = 4\noversubscription = 0.5\n",
+     r"fabric.oversubscription must be in \[1, 10000\] \(1: non-blocking, 3 for 3:1\), got 0.5"),
     ("[fabric]\nnodes_per_switch = 4\noversubscription = 2.0\noversubscription_range = [0.5, 3.0]\n",
-     r"must be >= 1 \(1: non-blocking, 3 for 3:1\), got 2 in \[0.5, 3\]"),
-    ("[fabric]\nnodes_per_switch = 0\n", r"nodes_per_switch must be an integer in \[1, 1,000,000\]"),
+     r"fabric.oversubscription_range must be in \[1, 10000\] \(1: non-blocking, 3 for 3:1\), got 0.5"),
+    ("[fabric]\nnodes_per_switch = 4\noversubscription = 2.0\noversubscription_range = [3.0, 4.0]\n",
+     r"fabric.oversubscription_range = \[3, 4\] must hold fabric.oversubscription = 2"),
+    ("[fabric]\nnodes_per_switch = 0\n", r"fabric.nodes_per_switch must be an integer in \[1, 1,000,000\], got 0"),
+    ("[fabric]\n", r"\[fabric\] needs fabric.nodes_per_switch"),
     ("[fabric]\nnodes_per_switch = 4\nuplink_gbit = 10.0\n", r"unknown key\(s\) fabric.uplink_gbit; valid: "),
 ])
 def test_cluster_file_fabric_errors(table, message):
@@ -164,3 +230,15 @@ def test_abci_fabric_leaves_its_rings_and_slows_its_all_to_all():
 def test_oversubscription_is_an_input_the_ranges_can_vary():
     c = load_cluster_text(_file(FABRIC), "lab.toml")
     assert with_input(c, "fabric.oversubscription", 4.0).fabric.oversubscription == 4.0
+    # the ends of its range move an interleaved ring across the two switches of 16 nodes: o / n x u
+    ring = [float(exchange_cost("native", 1e6, CommSetup(gpus=16, cluster=with_input(c, "fabric.oversubscription", o))).total)
+            for o in (1.0, 4.0)]
+    assert ring[1] > ring[0]
+
+
+def test_a_model_ranges_oversubscription_only_with_a_fabric_and_from_1():
+    link = Link(0.0, 1.0)
+    with pytest.raises(ValueError, match=r"assumed\['fabric.oversubscription'\]: the cluster has no fabric"):
+        ClusterModel("x", 1, link, link, assumed={"fabric.oversubscription": (1.0, 3.0)})
+    with pytest.raises(ValueError, match=r"assumed\['fabric.oversubscription'\] low must be >= 1"):
+        ClusterModel("x", 1, link, link, fabric=Fabric(4), assumed={"fabric.oversubscription": (0.5, 3.0)})

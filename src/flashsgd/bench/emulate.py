@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each edge switch's uplink to the core, a rate as --link, both directions; "
                              "required with --switches > 1")
     parser.add_argument("--placement", default="ordered", choices=PLACEMENTS,
-                        help="which switch node i is on with --switches S: ordered = i // ceil(nodes / S) "
+                        help="which switch node i is on with --switches S: ordered = i // (nodes / S) "
                              "(consecutive nodes share a switch), interleaved = i %% S (default ordered)")
     parser.add_argument("--subnet", default="10.213.0.0/24", help="private /24 for the namespaces")
     add_output(parser, "--json", default=None, help="write the annotated results here")
@@ -161,9 +161,10 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
     """Step 1's cluster: shape, link, flow cap and fabric; ValueError naming the flag and what is valid."""
     nodes, rpn = parse_shape(args.cluster)
     link = parse_rate(args.link)
-    if not 1 <= args.switches <= nodes:
-        raise ValueError(f"--switches must be in 1..{nodes} (at most one switch per node of "
-                         f"--cluster {args.cluster}), got {args.switches}")
+    if not 1 <= args.switches <= nodes or nodes % args.switches:
+        valid = ", ".join(str(d) for d in range(1, nodes + 1) if nodes % d == 0)
+        raise ValueError(f"--switches must divide the {nodes} nodes of --cluster {args.cluster} (as many nodes on "
+                         f"every edge switch), got {args.switches}; valid: {valid}")
     if args.switches > 1 and args.uplink is None:
         raise ValueError(f"--uplink RATE (each edge switch's uplink, e.g. 100mbit) is required with "
                          f"--switches {args.switches}")

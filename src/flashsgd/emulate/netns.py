@@ -17,7 +17,7 @@ links together)::
     namespace <prefix>-core :  bridge br0 -- s0, s1, ... s{S-1}     (the core switch)
     namespace <prefix>-sw<j>:  bridge br0 -- uplink, and n<i> for each node i on edge switch j
     veth pair: uplink (edge switch j)  <->  s<j> (core port); tbf at uplink_bps on both ends' egress
-    node i's veth goes to edge switch j = switch_of(i): ``ordered`` i // ceil(N / S) (consecutive
+    node i's veth goes to edge switch j = switch_of(i): ``ordered`` i // (N / S) (consecutive
     nodes share a switch), ``interleaved`` i % S
 
 One L2 segment throughout (bridges, no routing): node addresses are the same as with one switch.
@@ -177,6 +177,10 @@ class ClusterSpec:
         if (not isinstance(self.switches, int) or isinstance(self.switches, bool)
                 or not 1 <= self.switches <= self.nodes):
             raise ValueError(f"switches must be an integer in 1..nodes (1..{self.nodes}), got {self.switches!r}")
+        if self.nodes % self.switches:
+            valid = ", ".join(str(d) for d in range(1, self.nodes + 1) if self.nodes % d == 0)
+            raise ValueError(f"switches must divide the {self.nodes} nodes (every edge switch holds as many, "
+                             f"as the simulator's Fabric has it), got {self.switches}; valid: {valid}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
         if self.switches > 1 and self.uplink_bps is None:
@@ -205,9 +209,9 @@ def burst_bytes(rate_bps: int) -> int:
 
 
 def switch_of(node: int, spec: ClusterSpec) -> int:
-    """The edge switch of node ``node`` (0-based): ``ordered`` node // ceil(nodes / switches)
-    (consecutive nodes share a switch; with nodes not a multiple of switches the last switches
-    hold fewer nodes, possibly none), ``interleaved`` node % switches. Always 0 with one switch.
+    """The edge switch of node ``node`` (0-based): ``ordered`` node // (nodes / switches)
+    (consecutive nodes share a switch), ``interleaved`` node % switches (the simulator's layouts,
+    :class:`flashsgd.sim.fabric.Fabric`; ``switches`` divides ``nodes``). Always 0 with one switch.
 
     >>> [switch_of(i, ClusterSpec(4, 1, 10**8, switches=2, uplink_bps=10**8)) for i in range(4)]
     [0, 0, 1, 1]

@@ -74,14 +74,16 @@ def wire_s(algorithm: str, size_bytes: float, world: int, nodes: int, rate_bps: 
 
 def emulated_fabric(nodes: int, switches: int, rate_bps: float, uplink_bps: float, placement: str):
     """The simulator's :class:`~flashsgd.sim.fabric.Fabric` of an emulated cluster of ``nodes`` nodes
-    on ``switches`` edge switches (:func:`flashsgd.emulate.netns.switch_of`: ``ordered`` fills
-    ceil(nodes / switches) per switch): a switch's nodes send ``n x rate_bps`` into an uplink of
-    ``uplink_bps``, an oversubscription of ``n rate / uplink`` (at least 1); None with one switch."""
+    on ``switches`` edge switches of ``n = nodes / switches`` each (:func:`flashsgd.emulate.netns.switch_of`,
+    the same layouts): a switch's nodes send ``n x rate_bps`` into an uplink of ``uplink_bps``, an
+    oversubscription of ``n rate / uplink`` (at least 1); None with one switch."""
     from flashsgd.sim.fabric import Fabric
 
     if switches <= 1:
         return None
-    per_switch = -(-nodes // switches)
+    if nodes % switches:
+        raise ValueError(f"switches must divide the {nodes} nodes (as the emulator builds them), got {switches}")
+    per_switch = nodes // switches
     return Fabric(nodes_per_switch=per_switch, oversubscription=max(1.0, per_switch * rate_bps / uplink_bps),
                   placement=placement)
 

@@ -255,22 +255,28 @@ def _count(where: str, doc: dict, key: str, required: bool) -> int | None:
 
 def _fabric(where: str, doc: dict) -> tuple[Fabric, dict[str, tuple[float, float]]]:
     """The ``[fabric]`` table (absent: one non-blocking switch) and its oversubscription's range."""
-    t = _table(where, doc, "fabric", _FABRIC, required=False)
-    if not t:
+    if "fabric" not in doc:
         return Fabric(), {}
-    if "nodes_per_switch" not in t:
+    t = _table(where, doc, "fabric", _FABRIC, required=True)
+    per_switch = t.get("nodes_per_switch")
+    if per_switch is None:
         raise ValueError(f"{where}: [fabric] needs fabric.nodes_per_switch (an integer >= 1: the nodes on one "
                          "edge switch); leave [fabric] out for one non-blocking switch")
+    top = LIMITS["nodes_per_switch"]
+    if not isinstance(per_switch, int) or isinstance(per_switch, bool) or not 1 <= per_switch <= top:
+        raise ValueError(f"{where}: fabric.nodes_per_switch must be an integer in [1, {top:,}], got {per_switch!r}")
     placement = t.get("placement", "ordered")
     if placement not in PLACEMENTS:
         raise ValueError(f"{where}: fabric.placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
-    over = _number(where, "fabric.oversubscription", t.get("oversubscription", 1.0), positive=True)
+    over = t.get("oversubscription", 1.0)
+    bounds = t.get("oversubscription" + RANGE)
+    for name, v in [("oversubscription", over)] + [(f"oversubscription{RANGE}", b) for b in bounds or ()]:
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not 1 <= v <= LIMITS["oversubscription"]:
+            raise ValueError(f"{where}: fabric.{name} must be in [1, {LIMITS['oversubscription']:g}] (1: "
+                             f"non-blocking, 3 for 3:1), got {v!r}")
+    over = _number(where, "fabric.oversubscription", over, positive=True)
     r = _range(where, t, "fabric", "oversubscription", over)
-    if over < 1 or (r is not None and r[0] < 1):
-        raise ValueError(f"{where}: fabric.oversubscription (and its range) must be >= 1 (1: non-blocking, "
-                         f"3 for 3:1), got {over:g}" + (f" in [{r[0]:g}, {r[1]:g}]" if r else ""))
-    fabric = Fabric(nodes_per_switch=_count(where, t, "nodes_per_switch", required=True), oversubscription=over,
-                    placement=placement)
+    fabric = Fabric(nodes_per_switch=per_switch, oversubscription=over, placement=placement)
     return fabric, ({"fabric.oversubscription": r} if r is not None else {})
 
 

@@ -81,7 +81,7 @@ import numpy as np
 
 from flashsgd.exchanges import DEFAULT_DENSITY, NODE_SPLITS, WIRE_INDEX_BYTES, option_default
 from flashsgd.registry import Registry
-from flashsgd.sim.fabric import pair_uplink_flows, ring_uplink_flows, uplink_beta_factor
+from flashsgd.sim.fabric import uplink_beta_factor, uplink_flows
 from flashsgd.sim.network import ClusterModel
 
 
@@ -234,28 +234,33 @@ def _ring_levels(members: int, stride: int, setup: CommSetup) -> list[tuple[floa
         return [intra]
     per_node = max(1, lr // stride)  # ring members on one node (consecutive in the ring)
     flows = lr // per_node  # concurrent rings on a node, one outgoing NIC hop (one flow) each
-    levels = [inter_level(setup, flows, ring_uplink_flows(c.fabric, setup.gpus, lr, members, stride))]
+    levels = [inter_level(setup, flows, uplink_flows(c.fabric, setup.gpus, lr, ("ring", members, stride)))]
     return levels + [intra] if per_node > 1 else levels
 
 
-def pair_levels(distance: int, flows: int, setup: CommSetup, both_ways: bool = True) -> list[tuple[float, float]]:
-    """Link between partners ``distance`` ranks apart; ``flows`` ranks per node cross at once
-    (``both_ways`` False: only one partner of each pair sends, a tree's round)."""
+def pair_levels(distance: int, flows: int, setup: CommSetup, pattern: str = "butterfly") -> list[tuple[float, float]]:
+    """Link between partners ``distance`` ranks apart; ``flows`` ranks per node cross at once.
+    ``pattern`` says which ranks send (:data:`flashsgd.sim.fabric.PATTERNS`, for the switches'
+    uplinks): ``butterfly`` (every rank below the largest power of two swaps with ``r XOR
+    distance``), ``tree`` (a binomial round) or ``fold`` (``distance`` = that power of two)."""
     c, lr = setup.cluster, setup.ranks_per_node_used
     if distance < lr:
         return [(c.intra.alpha_s, c.intra.flow_beta(1))]
-    return [inter_level(setup, flows, pair_uplink_flows(c.fabric, setup.gpus, lr, distance, flows, both_ways))]
+    p2 = 1 << (setup.gpus.bit_length() - 1)
+    shape = (pattern, distance, p2 if pattern == "butterfly" else 0)
+    return [inter_level(setup, flows, uplink_flows(c.fabric, setup.gpus, lr, shape))]
 
 
-def inter_level(setup: CommSetup, flows: int, uplink_flows: float) -> tuple[float, float]:
+def inter_level(setup: CommSetup, flows: int, uplink: float, incast: float = 1.0) -> tuple[float, float]:
     """The inter-node level of a round, (alpha, seconds per byte of one flow): ``flows`` flows
-    share each node's link (:meth:`~flashsgd.sim.network.Link.flow_beta`) and ``uplink_flows``
-    leave the busiest edge switch through its uplink (:mod:`flashsgd.sim.fabric`: ``u o / n``
-    node links' worth per byte; 0 within one switch); the slower of the two bounds the round."""
+    share each node's link (:meth:`~flashsgd.sim.network.Link.flow_beta`), slowed by ``incast``
+    into the receiving port (:meth:`~flashsgd.sim.network.Link.incast_factor`), and ``uplink``
+    flows cross the busiest edge switch's uplink (:mod:`flashsgd.sim.fabric`: ``u o / n`` node
+    links' worth per byte; 0 within one switch); the slower of the two bounds the round."""
     c = setup.cluster
-    beta = c.inter.flow_beta(flows)
-    if uplink_flows:
-        beta = max(beta, uplink_beta_factor(c.fabric, uplink_flows) * c.inter.beta_s_per_byte)
+    beta = c.inter.flow_beta(flows) * incast
+    if uplink:
+        beta = max(beta, uplink_beta_factor(c.fabric, uplink) * c.inter.beta_s_per_byte)
     return c.inter.alpha_s, beta
 
 
@@ -321,7 +326,7 @@ def _fold(n: np.ndarray, setup: CommSetup) -> tuple[int, Cost]:
     p2 = 1 << (p.bit_length() - 1)
     if p2 == p:
         return p2, zero_cost(n)
-    lat, bw = step_cost(n, 2, pair_levels(p2, 1, setup, both_ways=False))  # in, then out
+    lat, bw = step_cost(n, 2, pair_levels(p2, min(p - p2, setup.ranks_per_node_used), setup, "fold"))  # in, out
     return p2, Cost(lat, bw, n * setup.cluster.gamma_s_per_byte, np.zeros_like(n))
 
 
@@ -365,6 +370,6 @@ def binomial(n_bytes, setup: CommSetup) -> Cost:
     for i in range(math.ceil(math.log2(setup.gpus))):
         # At round i the senders are ranks = 2^i mod 2^(i+1): L/2^(i+1) per node stay inside the
         # node; once 2^i >= L at most one rank per node crosses.
-        lat, bw = step_cost(n, 2, pair_levels(1 << i, 1, setup, both_ways=False))  # reduce + broadcast round
+        lat, bw = step_cost(n, 2, pair_levels(1 << i, 1, setup, "tree"))  # reduce + broadcast round
         cost = cost + Cost(lat, bw, n * g, np.zeros_like(n))
     return cost + _call_overhead(n, setup, calls=2)

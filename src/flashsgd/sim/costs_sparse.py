@@ -80,9 +80,8 @@ def direct_levels(setup: CommSetup) -> list[tuple[float, float]]:
     if lr > 1:  # each message its own flow: L-1 on the rank's intra link
         levels.append((c.intra.alpha_s, c.intra.flow_beta(lr - 1)))
     if p > lr:  # (P-L) L flows through the node's link, from N - 1 sending nodes at once
-        incast = c.inter.incast_factor(p // lr - 1)
-        alpha, beta = inter_level(setup, (p - lr) * lr, all_to_all_uplink_flows(c.fabric, p, lr))
-        levels.append((alpha, beta * incast))
+        levels.append(inter_level(setup, (p - lr) * lr, all_to_all_uplink_flows(c.fabric, p, lr),
+                                  incast=c.inter.incast_factor(p // lr - 1)))
     return levels
 
 
@@ -176,7 +175,7 @@ def gtopk(n_bytes, setup: CommSetup) -> Cost:
     fold_flows = min(extra, setup.ranks_per_node_used) if extra else 1
     if extra:
         # Step 2 (fold in): rank r + P' sends its k pairs to r, which merges them.
-        lat, bw = step_cost(msg, 1, pair_levels(p2, fold_flows, setup, both_ways=False))
+        lat, bw = step_cost(msg, 1, pair_levels(p2, fold_flows, setup, "fold"))
         cost = cost + Cost(lat, bw, merge, z)
     for i in range(p2.bit_length() - 1):
         # Step 3 (butterfly round i): every rank r < P' swaps k pairs with r XOR 2^i (send and
@@ -187,7 +186,7 @@ def gtopk(n_bytes, setup: CommSetup) -> Cost:
     if extra:
         # Step 4 (fold out): rank r sends the final k pairs + a k-byte survivor mask to r + P'.
         lat, bw = step_cost(sparse_message_bytes(k, setup, extra_bytes=k), 1,
-                        pair_levels(p2, fold_flows, setup, both_ways=False))
+                        pair_levels(p2, fold_flows, setup, "fold"))
         cost = cost + Cost(lat, bw, z, z)
     return cost + fixed_rounds(n, _rounds_gtopk(p), setup)  # every round's fixed cost
 
@@ -204,7 +203,7 @@ def gtopk_tree(n_bytes, setup: CommSetup) -> Cost:
     for i in range(math.ceil(math.log2(setup.gpus))):
         # Step 2: round i, receivers get k pairs from 2^i away and keep the top k of the 2k union;
         # Step 3 (broadcast) sends the final k pairs back down the same tree: 2 messages per level.
-        lat, bw = step_cost(k * pair, 2, pair_levels(1 << i, 1, setup, both_ways=False))
+        lat, bw = step_cost(k * pair, 2, pair_levels(1 << i, 1, setup, "tree"))
         cost = cost + Cost(lat, bw, merge, np.zeros_like(n)) + fixed_rounds(n, 2, setup)
     return cost
 

@@ -6,37 +6,42 @@ uplinks to the core carry less than the ``n`` nodes can send: an oversubscriptio
 common between racks; cheap Ethernet labs cascade small switches). A flow between two nodes of one
 switch never leaves it; a flow to another switch shares that switch's uplink with every other such
 flow of the round. With node bandwidth B (``inter.bandwidth_gbps``), an uplink carries ``n B / o``
-per direction, so each of the ``u`` flows leaving one switch at once gets at most ``n B / (o u)``:
+per direction, so each of the ``u`` flows crossing one uplink in one direction gets at most
+``n B / (o u)``:
 
     beta_uplink = u o beta_node / n          (seconds per byte of one flow; beta_node = 1 / B)
 
 and a round is as slow as its slowest flow: ``beta_inter = max(NIC share (flows x beta_node, at most
-the per-flow rate), beta_uplink)`` (:func:`flashsgd.sim.costs.inter_level`). ``u`` is the busiest
-switch's count of flows leaving it in one direction, which depends on the pattern and on where the
-ranks sit (:class:`Fabric` ``placement``):
+the per-flow rate), beta_uplink)`` (:func:`flashsgd.sim.costs.inter_level`). ``u`` is the most
+flows crossing any one uplink in either direction in one round, counted over the round's rank-level
+messages (a message between ranks of two nodes is a flow) for the pattern the exchange runs
+(:data:`PATTERNS`), given where the ranks sit (:class:`Fabric` ``placement``; rank r on node
+``r // L``):
 
-* ``ordered``: ranks are numbered switch by switch (nodes ``0..n-1`` on the first switch, as a
-  scheduler that fills racks in order and ``torchrun``'s node ranks give): a ring over the nodes
-  leaves each switch once per direction, so ``u`` = the concurrent rings (flows per NIC); a
-  pairwise round at node distance ``d >= n`` sends every node's flows across.
-* ``interleaved``: node ``i`` on switch ``i mod S`` (the worst order for a ring: every hop leaves
-  its switch). Used to validate the term on the emulated cluster
-  (``flashsgd bench emulate --switches``).
+* ``ordered``: nodes numbered switch by switch (nodes ``0..n-1`` on the first switch, as a
+  scheduler that fills racks in order and ``torchrun``'s node ranks give). A ring whose hops move to
+  the next node leaves each switch once per direction (u = the concurrent rings); a ring whose hops
+  jump ``s`` nodes (a torus column, ``X = s L`` ranks apart) crosses on up to ``s L`` of a switch's
+  hops; a pairwise round at node distance ``>= n`` sends every node's flows across.
+* ``interleaved``: node ``i`` on switch ``i mod S``, ``S = ceil(N / n)`` (every hop of a node ring
+  crosses). Used to validate the term on the emulated cluster (``flashsgd bench emulate
+  --switches``).
 * ``random``: ranks in no relation to switches (a hostfile in arbitrary order): each inter-node flow
-  leaves its switch with probability ``(N - n) / (N - 1)``, so ``u`` = (the switch's inter-node
-  flows) x that probability, in expectation.
+  leaves its switch with probability ``(N - n) / (N - 1)``, so ``u`` = the mean switch's expected
+  count, ``n x (the pattern's inter-node flows per node) x (N - n) / (N - 1)``; the busiest switch
+  carries more: optimistic.
 
 An all-to-all round (Top-k's direct exchange) sends from every node to every other: ``u = n L^2
-(N - n)`` whatever the placement. Counts are exact (enumerated over the ranks, cached) for
-``ordered`` and ``interleaved``. Cost: O(P) per distinct pattern, once; nothing at all without a
-fabric (``nodes_per_switch`` None: one non-blocking switch, every preset).
+(N - n)`` whatever the placement. Cost: O(P) per distinct pattern and layout, once (cached on the
+layout, not on ``o``); nothing at all without a fabric (``nodes_per_switch`` None: one non-blocking
+switch) or within one switch.
 
 Example: 4 nodes of 1 rank on 2 switches, uplink = one node link (``o = 2``): an ordered ring
 crosses with 1 flow per direction (``u o / n = 1``: as fast as without switches), an interleaved one
 with 2 (each hop at half the node's bandwidth)::
 
     >>> f = Fabric(nodes_per_switch=2, oversubscription=2.0, placement="interleaved")
-    >>> ring_uplink_flows(f, gpus=4, ranks_per_node=1, members=4, stride=1)
+    >>> uplink_flows(f, gpus=4, ranks_per_node=1, pattern=("ring", 4, 1))
     2.0
     >>> uplink_beta_factor(f, 2.0)
     2.0
@@ -80,74 +85,33 @@ class Fabric:
     def describe(self) -> str:
         if self.nodes_per_switch is None:
             return "one non-blocking switch"
-        return (f"{self.nodes_per_switch} nodes per switch, uplinks {self.oversubscription:g}:1 "
-                f"oversubscribed, ranks {self.placement}")
+        uplinks = ("non-blocking uplinks" if self.oversubscription == 1
+                   else f"uplinks {self.oversubscription:g}:1 oversubscribed")
+        return f"{self.nodes_per_switch} nodes per switch, {uplinks}, ranks {self.placement}"
 
 
 def uplink_beta_factor(fabric: Fabric, flows: float) -> float:
-    """``beta_uplink / beta_node`` for ``flows`` flows leaving one switch at once: ``u o / n``."""
+    """``beta_uplink / beta_node`` for ``flows`` flows crossing one uplink at once: ``u o / n``."""
     return flows * fabric.oversubscription / fabric.nodes_per_switch
 
 
-def _switch_of(node: int, nodes: int, fabric: Fabric) -> int:
-    n = fabric.nodes_per_switch
-    if fabric.placement == "ordered":
-        return node // n
-    return node % math.ceil(nodes / n)  # interleaved
+PATTERNS = ("ring", "butterfly", "tree", "fold")
+"""The message patterns of one round, as ``(kind, a, b)``: ``("ring", members, stride)``: rings of
+``members`` ranks ``stride`` apart, rank r at position ``(r // stride) % members`` sends to ``r +
+stride`` and the last back to the first (:func:`flashsgd.sim.costs._ring_levels`);
+``("butterfly", distance, p2)``: every rank r < p2 swaps with ``r XOR distance``; ``("tree",
+distance, 0)``: the ranks with ``r mod 2 distance == distance`` send to ``r - distance`` (a
+binomial round; the broadcast runs it back); ``("fold", p2, 0)``: the ranks ``r >= p2`` send to ``r -
+p2`` (the fold of a non-power of two; the fold-out runs it back). One-way patterns are counted in
+both directions: the same step cost covers the round and its reverse."""
 
 
-def _busiest(edges: list[tuple[int, int]], nodes: int, fabric: Fabric) -> float:
-    """The most (source node, destination node) edges leaving any one switch."""
-    out: dict[int, int] = {}
-    for a, b in edges:
-        sa, sb = _switch_of(a, nodes, fabric), _switch_of(b, nodes, fabric)
-        if sa != sb:
-            out[sa] = out.get(sa, 0) + 1
-    return float(max(out.values(), default=0))
-
-
-def _random(fabric: Fabric, nodes: int, node_flows: float) -> float:
-    """Expected flows leaving a full switch when each of its nodes sends ``node_flows`` inter-node
-    flows to partners placed at random: ``n f (N - n) / (N - 1)``."""
-    n = fabric.nodes_per_switch
-    return n * node_flows * (nodes - n) / (nodes - 1)
-
-
-@lru_cache(maxsize=4096)
-def ring_uplink_flows(fabric: Fabric, gpus: int, ranks_per_node: int, members: int, stride: int) -> float:
-    """Flows leaving the busiest switch in one step of the rings of ``members`` ranks ``stride``
-    apart that run at once over ``gpus`` ranks (:func:`flashsgd.sim.costs._ring_levels`: rank r at
-    position ``(r // stride) % members`` of its ring sends to ``r + stride``, the last back to the
-    first). Every inter-node hop is a flow. 0 when the ranks span one switch."""
-    nodes = gpus // ranks_per_node
-    if not fabric.splits(nodes):
+def uplink_flows(fabric: Fabric, gpus: int, ranks_per_node: int, pattern: tuple[str, int, int]) -> float:
+    """The most flows crossing one uplink in one direction in a round of ``pattern``
+    (:data:`PATTERNS`) over ``gpus`` ranks, ``ranks_per_node`` per node; 0 within one switch."""
+    if not fabric.splits(gpus // ranks_per_node):
         return 0.0
-    edges = []
-    for r in range(gpus):
-        nxt = r + stride if (r // stride) % members < members - 1 else r - (members - 1) * stride
-        a, b = r // ranks_per_node, nxt // ranks_per_node
-        if a != b:
-            edges.append((a, b))
-    if fabric.placement == "random":
-        return _random(fabric, nodes, len(edges) / nodes)
-    return _busiest(edges, nodes, fabric)
-
-
-@lru_cache(maxsize=4096)
-def pair_uplink_flows(fabric: Fabric, gpus: int, ranks_per_node: int, distance: int, flows: int,
-                      both_ways: bool = True) -> float:
-    """Flows leaving the busiest switch in a round where node ``i`` sends ``flows`` flows to node
-    ``i XOR d`` (``d = distance // ranks_per_node``, partners ``distance`` ranks apart: the
-    butterflies and the folds of :mod:`flashsgd.sim.costs` and :mod:`flashsgd.sim.costs_sparse`);
-    ``both_ways`` False: only the nodes with bit ``d`` set send (a tree's round, one direction)."""
-    nodes = gpus // ranks_per_node
-    d = distance // ranks_per_node
-    if not fabric.splits(nodes) or d == 0:
-        return 0.0
-    senders = [i for i in range(nodes) if (i ^ d) < nodes and (both_ways or i & d)]
-    if fabric.placement == "random":
-        return _random(fabric, nodes, flows * len(senders) / nodes)
-    return flows * _busiest([(i, i ^ d) for i in senders], nodes, fabric)
+    return _counted(fabric.nodes_per_switch, fabric.placement, gpus, ranks_per_node, pattern)
 
 
 def all_to_all_uplink_flows(fabric: Fabric, gpus: int, ranks_per_node: int) -> float:
@@ -159,3 +123,50 @@ def all_to_all_uplink_flows(fabric: Fabric, gpus: int, ranks_per_node: int) -> f
         return 0.0
     n = fabric.nodes_per_switch
     return float(n * ranks_per_node ** 2 * (nodes - n))
+
+
+def _edges(gpus: int, pattern: tuple[str, int, int]):
+    """The (sender, receiver) rank pairs of one round of ``pattern``."""
+    kind, a, b = pattern
+    if kind == "ring":
+        members, stride = a, b
+        for r in range(gpus):
+            last = (r // stride) % members == members - 1
+            yield r, r - (members - 1) * stride if last else r + stride
+    elif kind == "butterfly":
+        for r in range(min(b, gpus)):
+            if (r ^ a) < gpus:
+                yield r, r ^ a
+    elif kind == "tree":
+        for r in range(a, gpus, 2 * a):
+            yield r, r - a
+    elif kind == "fold":
+        for r in range(a, gpus):
+            yield r, r - a
+    else:
+        raise ValueError(f"pattern kind must be one of {', '.join(PATTERNS)}, got {kind!r}")
+
+
+@lru_cache(maxsize=4096)
+def _counted(per_switch: int, placement: str, gpus: int, ranks_per_node: int, pattern: tuple[str, int, int]) -> float:
+    """:func:`uplink_flows` for one layout (no oversubscription: the count does not depend on it)."""
+    nodes = gpus // ranks_per_node
+    switches = math.ceil(nodes / per_switch)
+
+    def switch(node: int) -> int:
+        return node // per_switch if placement == "ordered" else node % switches
+
+    out, into = [0] * switches, [0] * switches
+    crossing_nodes = 0
+    for a, b in _edges(gpus, pattern):
+        na, nb = a // ranks_per_node, b // ranks_per_node
+        if na == nb:
+            continue
+        crossing_nodes += 1
+        sa, sb = switch(na), switch(nb)
+        if sa != sb:
+            out[sa] += 1
+            into[sb] += 1
+    if placement == "random":  # the mean full switch's expectation
+        return per_switch * crossing_nodes / nodes * (nodes - per_switch) / (nodes - 1)
+    return float(max(max(out), max(into)))

@@ -196,6 +196,11 @@ class ClusterModel:
                 _check_positive("ClusterModel", f"assumed[{key!r}] {name}", v, allow_zero=True)
             if bounds[0] > bounds[1]:
                 raise ValueError(f"ClusterModel.assumed[{key!r}]: low {bounds[0]!r} > high {bounds[1]!r}")
+            if key.startswith("fabric.") and self.fabric.nodes_per_switch is None:
+                raise ValueError(f"ClusterModel.assumed[{key!r}]: the cluster has no fabric (one non-blocking "
+                                 "switch): give it a Fabric with nodes_per_switch, or leave the range out")
+            if key == "fabric.oversubscription" and bounds[0] < 1:
+                raise ValueError(f"ClusterModel.assumed[{key!r}] low must be >= 1 (1: non-blocking), got {bounds[0]!r}")
             if key in UNLIMITED and input_value(self, key) is None:
                 level = key.partition(".")[0]
                 bandwidth, spread = getattr(self, level).bandwidth_gbps, self.assumed.get(f"{level}.bandwidth_gbps")
