@@ -63,8 +63,8 @@ def test_switches_spec_validation():
             (dict(uplink_bps=10**8), r"uplink_bps applies only with switches > 1 .* valid: None, or switches "
                                      r"in 2..4"),
             (dict(switches=2, uplink_bps=10), r"link rate must be at least 100kbit"),
-            (dict(switches=2, uplink_bps=10**8, placement="random"),
-             r"placement must be one of ordered, interleaved, got 'random'")]:
+            (dict(switches=2, uplink_bps=10**8, placement="rack"),
+             r"placement must be one of ordered, interleaved, random, got 'rack'")]:
         with pytest.raises(ValueError, match=needle):
             ClusterSpec(4, 1, 10**8, **kwargs)
 
@@ -83,6 +83,17 @@ def test_switch_of_both_placements():
     assert layout(3, 1, "interleaved") == [0, 0, 0] and layout(4, 4, "ordered") == [0, 1, 2, 3]
     with pytest.raises(ValueError, match=r"node must be an integer in 0..3, got 4"):
         netns.switch_of(4, ClusterSpec(4, 1, 10**8))
+    # random: a seeded shuffle, as many nodes on every switch, the same for a seed, not for every seed
+    draws = {seed: tuple(layout_seeded(8, 2, seed)) for seed in range(6)}
+    assert all(sorted(d) == [0] * 4 + [1] * 4 for d in draws.values())
+    assert draws[3] == tuple(layout_seeded(8, 2, 3)) and len(set(draws.values())) > 1
+    with pytest.raises(ValueError, match=r"placement_seed must be an integer >= 0, got -1"):
+        ClusterSpec(8, 1, 10**8, switches=2, uplink_bps=10**8, placement="random", placement_seed=-1)
+
+
+def layout_seeded(nodes, switches, seed):
+    spec = ClusterSpec(nodes, 1, 10**8, switches=switches, uplink_bps=10**8, placement="random", placement_seed=seed)
+    return [netns.switch_of(i, spec) for i in range(nodes)]
 
 
 def _recorded_build(monkeypatch, spec: ClusterSpec) -> tuple[list[list[str]], "netns.EmulatedCluster"]:
@@ -143,9 +154,9 @@ def test_bench_emulate_switch_flags_are_checked_before_any_setup(monkeypatch, ca
         assert emulate.run(parser.parse_args(["--cluster", "4x1", *flags])) == 2, flags
         assert needle in capsys.readouterr().err, flags
     with pytest.raises(SystemExit):
-        parser.parse_args(["--placement", "random"])
+        parser.parse_args(["--placement", "rack"])
     err = capsys.readouterr().err  # argparse quotes the choices or not, by Python version
-    assert "--placement: invalid choice: 'random'" in err and "ordered" in err and "interleaved" in err
+    assert "--placement: invalid choice: 'rack'" in err and "ordered" in err and "random" in err
     spec = ClusterSpec(6, 1, 10**8, switches=2, uplink_bps=10**8)
     assert emulate._fabric_line(spec) == "; 2 edge switches (ordered: 3/3 nodes), uplinks 0.1 Gbit/s to a core"
     assert emulate._fabric_line(ClusterSpec(5, 1, 10**8)) == ""

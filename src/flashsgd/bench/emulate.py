@@ -77,7 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "required with --switches > 1")
     parser.add_argument("--placement", default="ordered", choices=PLACEMENTS,
                         help="which switch node i is on with --switches S: ordered = i // (nodes / S) "
-                             "(consecutive nodes share a switch), interleaved = i %% S (default ordered)")
+                             "(consecutive nodes share a switch), interleaved = i %% S, random = a shuffle "
+                             "seeded by --placement-seed (default ordered)")
+    parser.add_argument("--placement-seed", type=int, default=0, metavar="N",
+                        help="--placement random: the shuffle's seed, >= 0 (default 0)")
     parser.add_argument("--subnet", default="10.213.0.0/24", help="private /24 for the namespaces")
     add_output(parser, "--json", default=None, help="write the annotated results here")
     parser.add_argument("--probe-mb", type=float, default=8.0,
@@ -103,6 +106,9 @@ def _fabric_line(spec: ClusterSpec) -> str:
         return ""
     per = [sum(switch_of(i, spec) == j for i in range(spec.nodes)) for j in range(spec.switches)]
     nodes = "/".join(map(str, per))
+    if spec.placement == "random":  # which switch each node drew
+        nodes += f", seed {spec.placement_seed}: node i on switch " + " ".join(
+            str(switch_of(i, spec)) for i in range(spec.nodes))
     return (f"; {spec.switches} edge switches ({spec.placement}: {nodes} nodes), uplinks "
             f"{spec.uplink_bps / 1e9:g} Gbit/s to a core")
 
@@ -176,13 +182,15 @@ def _spec(args: argparse.Namespace) -> ClusterSpec:
     except ValueError as exc:
         raise ValueError(f"--uplink: {exc}") from None
     return ClusterSpec(nodes, rpn, link, subnet=args.subnet, flow_rate_bps=parse_flow_rate(args.flow_rate, link),
-                       switches=args.switches, uplink_bps=uplink, placement=args.placement)
+                       switches=args.switches, uplink_bps=uplink, placement=args.placement,
+                       placement_seed=args.placement_seed)
 
 
 def _add_fabric(emulated: dict, spec: ClusterSpec, uplink: str, up_bytes: list[dict]) -> None:
     """Step 5, with switches: the fabric and the bytes each uplink carried, into ``meta.emulated``."""
     emulated.update({"switches": spec.switches, "uplink_bps": spec.uplink_bps, "uplink": uplink,
-                     "placement": spec.placement, "node_switch": [switch_of(i, spec) for i in range(spec.nodes)],
+                     "placement": spec.placement, "placement_seed": spec.placement_seed,
+                     "node_switch": [switch_of(i, spec) for i in range(spec.nodes)],
                      "run_uplink_bytes": up_bytes})
     emulated["shaping"] += (f"; {spec.switches} edge switches joined through a core bridge, each uplink tbf rate "
                             f"{spec.uplink_bps}bit burst {burst_bytes(spec.uplink_bps)} latency "

@@ -57,6 +57,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -72,7 +73,7 @@ NODE_IFNAME = "veth0"
 BRIDGE = "br0"
 UPLINK_IFNAME = "uplink"
 """An edge switch's end of its uplink (the core's end is ``s<j>``)."""
-PLACEMENTS = ("ordered", "interleaved")
+PLACEMENTS = ("ordered", "interleaved", "random")
 """Where nodes sit on the edge switches (:attr:`ClusterSpec.placement`, :func:`switch_of`)."""
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
@@ -160,7 +161,9 @@ class ClusterSpec:
     """Each edge switch's uplink to the core, bits/s, both directions; required when switches > 1,
     None otherwise."""
     placement: str = "ordered"
-    """Which switch node i is on (:func:`switch_of`): ``ordered`` or ``interleaved``."""
+    """Which switch node i is on (:func:`switch_of`): ``ordered``, ``interleaved`` or ``random``."""
+    placement_seed: int = 0
+    """``random``: the seed of the shuffle of the nodes over the switches (one placement per seed)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, int) or not 1 <= self.nodes <= 200:
@@ -183,6 +186,8 @@ class ClusterSpec:
                              f"as the simulator's Fabric has it), got {self.switches}; valid: {valid}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if not isinstance(self.placement_seed, int) or isinstance(self.placement_seed, bool) or self.placement_seed < 0:
+            raise ValueError(f"placement_seed must be an integer >= 0, got {self.placement_seed!r}")
         if self.switches > 1 and self.uplink_bps is None:
             raise ValueError(f"uplink_bps (each edge switch's uplink rate, bits/s) is required with "
                              f"switches > 1 (got switches={self.switches}); valid: a rate of at least 100kbit")
@@ -211,16 +216,23 @@ def burst_bytes(rate_bps: int) -> int:
 def switch_of(node: int, spec: ClusterSpec) -> int:
     """The edge switch of node ``node`` (0-based): ``ordered`` node // (nodes / switches)
     (consecutive nodes share a switch), ``interleaved`` node % switches (the simulator's layouts,
-    :class:`flashsgd.sim.fabric.Fabric`; ``switches`` divides ``nodes``). Always 0 with one switch.
+    :class:`flashsgd.sim.fabric.Fabric`; ``switches`` divides ``nodes``), ``random`` its position in
+    a shuffle of the nodes seeded by ``placement_seed``, // (nodes / switches) (one of the placements
+    the simulator's ``random`` averages over). Always 0 with one switch.
 
     >>> [switch_of(i, ClusterSpec(4, 1, 10**8, switches=2, uplink_bps=10**8)) for i in range(4)]
     [0, 0, 1, 1]
     """
     if not isinstance(node, int) or not 0 <= node < spec.nodes:
         raise ValueError(f"node must be an integer in 0..{spec.nodes - 1}, got {node!r}")
+    per_switch = spec.nodes // spec.switches
     if spec.placement == "interleaved":
         return node % spec.switches
-    return node // -(-spec.nodes // spec.switches)
+    if spec.placement == "random":
+        order = list(range(spec.nodes))
+        random.Random(spec.placement_seed).shuffle(order)
+        return order.index(node) // per_switch
+    return node // per_switch
 
 
 @dataclass
