@@ -160,6 +160,10 @@ def test_bench_emulate_switch_flags_are_checked_before_any_setup(monkeypatch, ca
     spec = ClusterSpec(6, 1, 10**8, switches=2, uplink_bps=10**8)
     assert emulate._fabric_line(spec) == "; 2 edge switches (ordered: 3/3 nodes), uplinks 0.1 Gbit/s to a core"
     assert emulate._fabric_line(ClusterSpec(5, 1, 10**8)) == ""
+    drawn = ClusterSpec(4, 1, 10**8, switches=2, uplink_bps=10**8, placement="random", placement_seed=7)
+    layout = " ".join(str(netns.switch_of(i, drawn)) for i in range(4))
+    assert emulate._fabric_line(drawn) == (f"; 2 edge switches (random, seed 7: 2/2 nodes; node i on switch {layout}), "
+                                           "uplinks 0.1 Gbit/s to a core")
 
 
 def test_bound_and_annotation():

@@ -54,7 +54,7 @@ from flashsgd.cli_flags import comm_list
 from flashsgd.comm.dense import ALLREDUCE
 from flashsgd.emulate.netns import (PLACEMENTS, ClusterSpec, EmulationUnavailable, check_available,
                                     burst_bytes, emulated_cluster, parse_flow_rate, parse_rate, parse_shape,
-                                    switch_of)
+                                    switch_layout)
 from flashsgd.emulate.ranks import RankError, run_ranks
 from flashsgd.emulate.report import annotate, emulated_fabric, format_table
 from flashsgd.fmt import plural
@@ -104,13 +104,12 @@ def _fabric_line(spec: ClusterSpec) -> str:
     """The header's words for the switches ('' with one switch)."""
     if spec.switches == 1:
         return ""
-    per = [sum(switch_of(i, spec) == j for i in range(spec.nodes)) for j in range(spec.switches)]
-    nodes = "/".join(map(str, per))
-    if spec.placement == "random":  # which switch each node drew
-        nodes += f", seed {spec.placement_seed}: node i on switch " + " ".join(
-            str(switch_of(i, spec)) for i in range(spec.nodes))
-    return (f"; {spec.switches} edge switches ({spec.placement}: {nodes} nodes), uplinks "
-            f"{spec.uplink_bps / 1e9:g} Gbit/s to a core")
+    layout = switch_layout(spec)
+    counts = "/".join(str(layout.count(j)) for j in range(spec.switches)) + " nodes"
+    drawn = spec.placement == "random"  # then which switch each node drew
+    label = f"random, seed {spec.placement_seed}" if drawn else spec.placement
+    each = "; node i on switch " + " ".join(map(str, layout)) if drawn else ""
+    return f"; {spec.switches} edge switches ({label}: {counts}{each}), uplinks {spec.uplink_bps / 1e9:g} Gbit/s to a core"
 
 
 def _launch(cluster, module_args: list[str], log_dir: Path, timeout_s: float) -> float:
@@ -190,7 +189,7 @@ def _add_fabric(emulated: dict, spec: ClusterSpec, uplink: str, up_bytes: list[d
     """Step 5, with switches: the fabric and the bytes each uplink carried, into ``meta.emulated``."""
     emulated.update({"switches": spec.switches, "uplink_bps": spec.uplink_bps, "uplink": uplink,
                      "placement": spec.placement, "placement_seed": spec.placement_seed,
-                     "node_switch": [switch_of(i, spec) for i in range(spec.nodes)],
+                     "node_switch": switch_layout(spec),
                      "run_uplink_bytes": up_bytes})
     emulated["shaping"] += (f"; {spec.switches} edge switches joined through a core bridge, each uplink tbf rate "
                             f"{spec.uplink_bps}bit burst {burst_bytes(spec.uplink_bps)} latency "

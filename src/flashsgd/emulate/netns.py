@@ -57,7 +57,6 @@ import contextlib
 import ipaddress
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -66,15 +65,16 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
+
 from flashsgd.emulate import flows
+from flashsgd.sim.fabric import PLACEMENTS, node_switches
 
 NAME_PREFIX = "fsgdemu"
 NODE_IFNAME = "veth0"
 BRIDGE = "br0"
 UPLINK_IFNAME = "uplink"
 """An edge switch's end of its uplink (the core's end is ``s<j>``)."""
-PLACEMENTS = ("ordered", "interleaved", "random")
-"""Where nodes sit on the edge switches (:attr:`ClusterSpec.placement`, :func:`switch_of`)."""
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
@@ -217,22 +217,22 @@ def switch_of(node: int, spec: ClusterSpec) -> int:
     """The edge switch of node ``node`` (0-based): ``ordered`` node // (nodes / switches)
     (consecutive nodes share a switch), ``interleaved`` node % switches (the simulator's layouts,
     :class:`flashsgd.sim.fabric.Fabric`; ``switches`` divides ``nodes``), ``random`` its position in
-    a shuffle of the nodes seeded by ``placement_seed``, // (nodes / switches) (one of the placements
-    the simulator's ``random`` averages over). Always 0 with one switch.
+    a shuffle of the nodes seeded by ``placement_seed``, // (nodes / switches) (one placement of the
+    kind the simulator's ``random`` averages over). Always 0 with one switch.
 
     >>> [switch_of(i, ClusterSpec(4, 1, 10**8, switches=2, uplink_bps=10**8)) for i in range(4)]
     [0, 0, 1, 1]
     """
     if not isinstance(node, int) or not 0 <= node < spec.nodes:
         raise ValueError(f"node must be an integer in 0..{spec.nodes - 1}, got {node!r}")
-    per_switch = spec.nodes // spec.switches
-    if spec.placement == "interleaved":
-        return node % spec.switches
-    if spec.placement == "random":
-        order = list(range(spec.nodes))
-        random.Random(spec.placement_seed).shuffle(order)
-        return order.index(node) // per_switch
-    return node // per_switch
+    return switch_layout(spec)[node]
+
+
+def switch_layout(spec: ClusterSpec) -> list[int]:
+    """The edge switch of every node (:func:`switch_of`), from the simulator's own rule,
+    :func:`flashsgd.sim.fabric.node_switches` (``random``: its shuffle drawn from ``placement_seed``)."""
+    rng = np.random.default_rng(spec.placement_seed)
+    return node_switches(spec.nodes, spec.nodes // spec.switches, spec.placement, rng).tolist()
 
 
 @dataclass

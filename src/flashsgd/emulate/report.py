@@ -59,13 +59,14 @@ def wire_s(algorithm: str, size_bytes: float, world: int, nodes: int, rate_bps: 
     from flashsgd.comm.topology import parse_grid
     from flashsgd.sim.algorithms import ALGORITHMS, exchange_cost
     from flashsgd.sim.costs import CommSetup
+    from flashsgd.sim.fabric import Fabric
     from flashsgd.sim.network import ClusterModel, Link
 
     if algorithm not in ALLREDUCE or algorithm not in ALGORITHMS:
         return None
     free = Link(0.0, 1e9)  # loopback: taken as free (1e18 B/s)
     inter = Link(0.0, rate_bps / 8e9, None if flow_bps is None else flow_bps / 8e9)
-    cluster = ClusterModel("emulated", world // nodes, free, inter, **({"fabric": fabric} if fabric else {}))
+    cluster = ClusterModel("emulated", world // nodes, free, inter, fabric=fabric or Fabric())
     if grid and algorithm == "torus2d":  # meta.grid: "XxY" (bench allreduce) or [X, Y] (the probe)
         grid = parse_grid(grid if isinstance(grid, str) else tuple(grid), world)
     setup = CommSetup(world, cluster, grid=grid if algorithm == "torus2d" else None)

@@ -242,14 +242,15 @@ def _link(where: str, doc: dict, key: str) -> Link:
     return Link(alpha_s=lat * 1e-6, bandwidth_gbps=bw * GBIT, flow_gbps=flow, incast=incast)
 
 
-def _count(where: str, doc: dict, key: str, required: bool) -> int | None:
-    value = doc.get(key)
+def _count(where: str, doc: dict, key: str, required: bool, table: str = "") -> int | None:
+    """``doc[key]``, an integer in [1, LIMITS[key]] (``table``: the table's name, for errors)."""
+    value, name = doc.get(key), f"{table}.{key}" if table else key
     if value is None:
         if required:
-            raise ValueError(f"{where}: missing {key} (an integer >= 1)")
+            raise ValueError(f"{where}: missing {name} (an integer >= 1)")
         return None
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= LIMITS[key]:
-        raise ValueError(f"{where}: {key} must be an integer in [1, {LIMITS[key]:,}], got {value!r}")
+        raise ValueError(f"{where}: {name} must be an integer in [1, {LIMITS[key]:,}], got {value!r}")
     return value
 
 
@@ -258,13 +259,10 @@ def _fabric(where: str, doc: dict) -> tuple[Fabric, dict[str, tuple[float, float
     if "fabric" not in doc:
         return Fabric(), {}
     t = _table(where, doc, "fabric", _FABRIC, required=True)
-    per_switch = t.get("nodes_per_switch")
-    if per_switch is None:
+    if "nodes_per_switch" not in t:
         raise ValueError(f"{where}: [fabric] needs fabric.nodes_per_switch (an integer >= 1: the nodes on one "
                          "edge switch); leave [fabric] out for one non-blocking switch")
-    top = LIMITS["nodes_per_switch"]
-    if not isinstance(per_switch, int) or isinstance(per_switch, bool) or not 1 <= per_switch <= top:
-        raise ValueError(f"{where}: fabric.nodes_per_switch must be an integer in [1, {top:,}], got {per_switch!r}")
+    per_switch = _count(where, t, "nodes_per_switch", required=True, table="fabric")
     placement = t.get("placement", "ordered")
     if placement not in PLACEMENTS:
         raise ValueError(f"{where}: fabric.placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")

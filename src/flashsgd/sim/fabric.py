@@ -153,6 +153,22 @@ RANDOM_PLACEMENTS = 64
 """Placements drawn (seeded: the same every run) for ``random``'s expected busiest uplink."""
 
 
+def node_switches(nodes: int, per_switch: int, placement: str, rng: np.random.Generator | None = None) -> np.ndarray:
+    """The edge switch of every node: ``ordered`` node // n, ``interleaved`` node mod ceil(N / n),
+    ``random`` node i at position ``perm[i]`` of a shuffle drawn from ``rng``, // n (one placement;
+    the emulator builds this layout too, :func:`flashsgd.emulate.netns.switch_of`)."""
+    node = np.arange(nodes)
+    if placement == "ordered":
+        return node // per_switch
+    if placement == "interleaved":
+        return node % math.ceil(nodes / per_switch)
+    if placement == "random":
+        if rng is None:
+            raise ValueError("random placement needs a numpy Generator to draw the shuffle from")
+        return rng.permutation(nodes) // per_switch
+    raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+
+
 @lru_cache(maxsize=4096)
 def _counted(per_switch: int, placement: str, gpus: int, ranks_per_node: int, pattern: tuple[str, int, int]) -> float:
     """:func:`uplink_flows` for one layout (no oversubscription: the count does not depend on it)."""
@@ -160,12 +176,9 @@ def _counted(per_switch: int, placement: str, gpus: int, ranks_per_node: int, pa
     switches = math.ceil(nodes / per_switch)
     pairs = np.array([(a // ranks_per_node, b // ranks_per_node) for a, b in _edges(gpus, pattern)], dtype=np.int64)
     pairs = pairs[pairs[:, 0] != pairs[:, 1]] if len(pairs) else pairs.reshape(0, 2)  # inter-node messages
-    if placement == "random":  # nodes shuffled over the switches: the busiest uplink's mean over draws
-        rng = np.random.default_rng(0)
-        layouts = [rng.permutation(nodes) // per_switch for _ in range(RANDOM_PLACEMENTS)]
-    else:
-        node = np.arange(nodes)
-        layouts = [node // per_switch if placement == "ordered" else node % switches]
+    rng = np.random.default_rng(0)  # random: the busiest uplink's mean over seeded draws
+    layouts = [node_switches(nodes, per_switch, placement, rng)
+               for _ in range(RANDOM_PLACEMENTS if placement == "random" else 1)]
     busiest = []
     for switch in layouts:
         a, b = switch[pairs[:, 0]], switch[pairs[:, 1]]
