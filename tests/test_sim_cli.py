@@ -179,7 +179,7 @@ def test_simulate_prints_each_number_with_its_range_and_what_it_assumed(tmp_path
     ends = {fast: simulate(resnet50(), replace(
         one, exchange_fixed_s=0.1e-3 if fast else 9.1e-3, round_fixed_s=0.0 if fast else 0.13e-3,
         select_s_per_elem=0.2e-9 if fast else 6.03e-9, step_overhead_s=0.0 if fast else 2e-3,
-        jitter_cv=0.0 if fast else 0.03, bucket_overhead_s=0.0 if fast else 5e-3,
+        jitter_cv=0.0 if fast else 0.037, bucket_overhead_s=0.0 if fast else 5e-3,
         overlap_slowdown=0.0 if fast else 0.79,
         inter=Link(0.2e-3, 0.1177) if fast else Link(1e-3, 0.090, incast=9 / 31)),
         SimConfig("gtopk", 32, 236.0 if fast else 164.0, schedule="after_backward")) for fast in (True, False)}

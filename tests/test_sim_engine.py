@@ -12,6 +12,7 @@ from flashsgd.sim.costs import CommSetup
 from flashsgd.sim.engine import SimConfig, bucket_bounds, simulate, sweep
 from flashsgd.sim.network import CLUSTERS
 from flashsgd.sim.workload import from_module, get_workload, resnet50, vgg16
+from sim_helpers import exchange_only
 
 ABCI = CLUSTERS.get("abci")
 
@@ -119,7 +120,7 @@ def test_engine_invariants(algo):
 def test_one_bucket_without_overlap_is_compute_plus_full_communication():
     w = resnet50()
     cfg = SimConfig("torus2d", 256, 1200.0, precision="fp16", bucket_mb=1e6, schedule="after_backward")
-    r = simulate(w, ABCI, cfg)
+    r = simulate(w, exchange_only(ABCI), cfg)
     full = float(exchange_cost("torus2d", w.num_params * 2.0, CommSetup(256, ABCI, value_bytes=2)).total)
     assert r.buckets == 1
     assert r.iteration_s == pytest.approx(r.compute_s + full, rel=1e-12)
@@ -169,7 +170,7 @@ def test_grad_accum_exchanges_once_after_the_last_micro_batch():
 def test_grad_accum_at_the_same_micro_batch_amortises_the_exchange():
     """ResNet-50 on 1 GbE, 32 GPUs, micro-batch 32: N micro-batches per exchange make T1 N-fold and
     leave the exchange as it was, so with one bucket after backward the step is N T1 + c exactly."""
-    w, gbe = resnet50(), CLUSTERS.get("1gbe")
+    w, gbe = resnet50(), exchange_only(CLUSTERS.get("1gbe"))
     full = float(exchange_cost("native", w.num_params * 4.0, CommSetup(32, gbe)).total)
     effs = []
     for n in (1, 2, 4, 8):
@@ -213,7 +214,7 @@ def test_stragglers_and_step_overhead_grow_the_step_with_scale_and_spare_one_gpu
     # E[max of 3] = 3 / (2 sqrt(pi)) exactly; E[max of 5] = 1.16296 (tables)
     assert (expected_max_normal(3), expected_max_normal(5)) == (pytest.approx(0.846284, abs=1e-5),
                                                                 pytest.approx(1.162964, abs=1e-5))
-    base = replace(CLUSTERS.get("abci"), jitter_cv=0.0, step_overhead_s=0.0)
+    base = exchange_only(CLUSTERS.get("abci"))
     shaky = replace(base, jitter_cv=0.01, step_overhead_s=1e-3)
     cfg = SimConfig("native", 1024, 370.0)
     calm, slow = simulate(resnet50(), base, cfg), simulate(resnet50(), shaky, cfg)
@@ -231,13 +232,14 @@ def test_a_cluster_file_states_the_step_costs_and_defaults_to_their_ranges():
     from flashsgd.sim.network import STEP_RANGES
     from sim_helpers import LAB
 
-    given = load_cluster_text(LAB + "[costs]\nstep_overhead_us = 250.0\njitter_percent = 1.5\n", "lab")
-    assert (given.step_overhead_s, given.jitter_cv) == (pytest.approx(250e-6), pytest.approx(0.015))
+    given = load_cluster_text(LAB + "[costs]\nstep_overhead_us = 250.0\njitter_percent = 2.5\n", "lab")
+    assert (given.step_overhead_s, given.jitter_cv) == (pytest.approx(250e-6), pytest.approx(0.025))
     assert "step_overhead_s" not in given.assumed and "jitter_cv" not in given.assumed  # given: measured
     default = load_cluster_text(LAB, "lab")
-    assert (default.step_overhead_s, default.jitter_cv) == (0.0, 0.0)
+    assert (default.step_overhead_s, default.jitter_cv) == (0.0, pytest.approx(0.015))  # STEP_STATED
     assert {k: default.assumed[k] for k in STEP_RANGES} == STEP_RANGES  # not given: the presets' ranges
     back = load_cluster_text(to_toml(default), "round trip")
-    assert {k: back.assumed[k] for k in STEP_RANGES} == pytest.approx(STEP_RANGES)
+    for k, bounds in STEP_RANGES.items():
+        assert back.assumed[k] == pytest.approx(bounds)
     with pytest.raises(ValueError, match=r"lab: costs.jitter_percent must be a finite number >= 0 and <= 99"):
         load_cluster_text(LAB + "[costs]\njitter_percent = 150.0\n", "lab")

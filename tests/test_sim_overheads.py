@@ -13,11 +13,11 @@ import pytest
 from flashsgd.sim.algorithms import exchange_cost
 from flashsgd.sim.cluster_file import load_cluster_text, to_toml
 from flashsgd.sim.costs import CommSetup
-from flashsgd.sim.engine import SimConfig, comm_timeline, simulate
-from flashsgd.sim.network import CLUSTERS, STEP_RANGES, ClusterModel, Link, with_input
+from flashsgd.sim.engine import SimConfig, comm_timeline, expected_max_normal, simulate
+from flashsgd.sim.network import CLUSTERS, STEP_RANGES, STEP_STATED, ClusterModel, Link, with_input
 from flashsgd.sim.uncertainty import COMPUTE, assumed_lines, assumptions, at_corner, range_corners
 from flashsgd.sim.workload import Workload, resnet50
-from sim_helpers import LAB
+from sim_helpers import LAB, exchange_only
 
 TWO = Workload("two", np.array([1000, 1000]), np.array([1.0, 1.0]))
 """Two tensors of 1000 fp32, one bucket each, backward shares 1:1."""
@@ -111,19 +111,25 @@ def test_cluster_file_round_trip_and_defaults():
     back = load_cluster_text(to_toml(given), "back")
     assert (back.bucket_overhead_s, back.overlap_slowdown) == (pytest.approx(250e-6), pytest.approx(0.2))
     assert back.assumed["overlap_slowdown"] == pytest.approx((0.0, 0.5)) and "bucket_overhead_s" not in back.assumed
-    default = load_cluster_text(LAB, "lab.toml")  # not given: 0, with the presets' ranges
-    assert (default.bucket_overhead_s, default.overlap_slowdown) == (0.0, 0.0)
-    for key in ("bucket_overhead_s", "overlap_slowdown"):
+    default = load_cluster_text(LAB, "lab.toml")  # not given: the presets' stated values and ranges
+    assert (default.bucket_overhead_s, default.overlap_slowdown) == (0.0, pytest.approx(0.159))
+    for key in STEP_STATED:
+        assert getattr(default, key) == pytest.approx(STEP_STATED[key])
         assert default.assumed[key] == STEP_RANGES[key]
 
 
-def test_presets_state_0_and_range_them():
+def test_presets_state_the_central_values_and_range_them():
     for name in CLUSTERS.names():
         c = CLUSTERS.get(name)
-        assert (c.bucket_overhead_s, c.overlap_slowdown) == (0.0, 0.0)
+        assert {key: getattr(c, key) for key in STEP_STATED} == STEP_STATED
         assert c.assumed["bucket_overhead_s"] == (0.0, 5e-3) and c.assumed["overlap_slowdown"] == (0.0, 0.79)
+        for key, (low, high) in STEP_RANGES.items():
+            assert low <= STEP_STATED[key] <= high, key  # a best estimate inside its range, not an end of it
+    assert 0 < STEP_STATED["jitter_cv"] < STEP_RANGES["jitter_cv"][1]
+    assert 0 < STEP_STATED["overlap_slowdown"] < STEP_RANGES["overlap_slowdown"][1]
     line = assumed_lines(assumptions(CLUSTERS.get("abci"), 370.0, None, "fp32"))[0]
-    assert "per-bucket overhead 0 ms (0-5)" in line and "compute slowdown under overlap 0 % (0-79)" in line
+    assert "per-bucket overhead 0 ms (0-5)" in line and "compute slowdown under overlap 15.9 % (0-79)" in line
+    assert "compute jitter (CV) 1.5 % (0-3.7)" in line
 
 
 @pytest.mark.parametrize("name, algo, gpus, expected_ms", [
@@ -131,10 +137,22 @@ def test_presets_state_0_and_range_them():
     ("1gbe", "torus2d", 32, 1881.18), ("bigbasin-50gbe", "ring", 8, 147.09),
     ("bigbasin-50gbe", "ring", 64, 155.41), ("bigbasin-50gbe", "hierarchical", 256, 154.98),
 ])
-def test_presets_nominal_results_are_unchanged(name, algo, gpus, expected_ms):
-    c = CLUSTERS.get(name)
+def test_presets_exchange_results_are_unchanged(name, algo, gpus, expected_ms):
+    c = exchange_only(CLUSTERS.get(name))
     r = simulate(resnet50(), c, SimConfig(algo, gpus, c.resnet50_images_per_s["fp32"]))
     assert round(r.iteration_s * 1e3, 2) == expected_ms and r.slowdown_s == 0.0
+
+
+def test_the_stated_step_costs_add_stragglers_and_slowdown_to_the_exchange():
+    """The nominal step of a preset is the exchange's plus what STEP_STATED adds: the timeline
+    stretched by the slowest of P ranks (1 + cv e(P)) and backward slowed while exchanges overlap it."""
+    c = CLUSTERS.get("bigbasin-50gbe")
+    cfg = SimConfig("hierarchical", 256, c.resnet50_images_per_s["fp32"])
+    bare, full = simulate(resnet50(), exchange_only(c), cfg), simulate(resnet50(), c, cfg)
+    assert bare.straggler_s == 0.0 and bare.slowdown_s == 0.0
+    assert full.straggler_s == pytest.approx(full.compute_s * 0.015 * expected_max_normal(256), rel=1e-9)
+    assert full.slowdown_s > 0.0
+    assert full.iteration_s > bare.iteration_s + full.straggler_s
 
 
 @pytest.mark.parametrize("algo, gpus", [("native", 64), ("torus2d", 1024), ("hierarchical", 256), ("gtopk", 64)])

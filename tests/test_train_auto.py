@@ -10,7 +10,7 @@ import pytest
 
 from flashsgd.cli import main
 from flashsgd.sim.cluster_file import load_cluster
-from flashsgd.sim.network import INCAST_RANGE, STEP_RANGES, ClusterModel, Link
+from flashsgd.sim.network import INCAST_RANGE, STEP_RANGES, STEP_STATED, ClusterModel, Link
 from flashsgd.train.auto import Compute, fit_ring, measured_cluster_assumptions, with_measured_compute
 
 TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--no-progress",
@@ -86,6 +86,7 @@ def test_auto_measures_plans_records_and_a_resume_reuses_the_choice(tmp_path, ca
     assert "(48 rank-steps), DDP " in record["measured"] and " ms/step + " in record["measured"]
     assert all(cluster.assumed[k] == pytest.approx(v) for k, v in expected.items())
     assert cluster.assumed["inter.incast"] == pytest.approx(INCAST_RANGE) and cluster.inter.incast == 0.0
+    assert cluster.overlap_slowdown == STEP_STATED["overlap_slowdown"]  # not measured: the presets' stated value
     toml = (out / "cluster.toml").read_text()  # the sparse exchange's measured fixed costs
     assert "exchange_fixed_us = " in toml and "round_fixed_us = " in toml
     assert cluster.exchange_fixed_s >= 0 and cluster.round_fixed_s >= 0

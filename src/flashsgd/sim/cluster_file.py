@@ -28,9 +28,9 @@ per-call and compression costs of the devices. Units are in the key names::
     select_ns_per_elem = 0.5    # top-k selection per gradient element
     tflops = 15.0               # matrix products of PowerSGD
     step_overhead_us = 0.0      # fixed cost per multi-GPU step beyond the exchange (DDP, Python, syncs)
-    jitter_percent = 0.0        # one GPU's step-to-step compute variation (std / mean, %): stragglers
+    jitter_percent = 1.5        # one rank's compute variation over steps and GPUs (std / mean, %): stragglers
     bucket_overhead_us = 0.0    # per bucket on the communication stream (the framework's hook, bookkeeping)
-    overlap_slowdown_percent = 0.0  # compute speed lost while an exchange overlaps it (%, < 100)
+    overlap_slowdown_percent = 15.9  # compute speed lost while an exchange overlaps it (%, < 100)
     input_us_per_image = 0.0    # the node's host time per training image (read, decode, augment),
                                 # shared by its GPUs; 0: the input pipeline keeps up
 
@@ -101,16 +101,10 @@ import tomllib
 from pathlib import Path
 
 from flashsgd.sim.fabric import PLACEMENTS, Fabric
-from flashsgd.sim.network import CLUSTERS, SPARSE_RANGES, STEP_RANGES, ClusterModel, Link, highest_bandwidth
+from flashsgd.sim.network import (CLUSTERS, SPARSE_RANGES, STEP_RANGES, STEP_STATED, ClusterModel, Link,
+                                   highest_bandwidth)
 
 GBIT = 1e9 / 8 / 1e9  # 1 Gbit/s in GB/s (Link.bandwidth_gbps is in 1e9 bytes per second)
-
-DEFAULT_COSTS = {"reduce_ns_per_byte": 3.0 / 900.0, "call_overhead_us": 10.0,
-                 "exchange_fixed_us": 500.0, "round_fixed_us": 0.0, "select_ns_per_elem": 0.5,
-                 "tflops": 15.0, "step_overhead_us": 0.0, "jitter_percent": 0.0, "bucket_overhead_us": 0.0,
-                 "overlap_slowdown_percent": 0.0, "input_us_per_image": 0.0}
-"""A V100-class GPU (900 GB/s HBM2, ~15 TFLOPS fp32; NCCL-class call cost; the presets' sparse
-assumptions, :mod:`flashsgd.sim.network`)."""
 
 RENAMED_COSTS = {"sparse_overhead_us": "exchange_fixed_us"}
 """Keys of earlier files (``cluster.toml`` of earlier auto runs) and the key they are read as."""
@@ -123,6 +117,14 @@ COST_FIELDS = {"reduce_ns_per_byte": ("gamma_s_per_byte", 1e-9), "call_overhead_
                "overlap_slowdown_percent": ("overlap_slowdown", 1e-2),
                "input_us_per_image": ("input_s_per_image", 1e-6)}
 """[costs] key -> (ClusterModel field, factor to its SI unit); ``tflops`` is ``flop_s = 1 / (tflops x 1e12)``."""
+DEFAULT_COSTS = {"reduce_ns_per_byte": 3.0 / 900.0, "call_overhead_us": 10.0,
+                 "exchange_fixed_us": 500.0, "round_fixed_us": 0.0, "select_ns_per_elem": 0.5,
+                 "tflops": 15.0,
+                 **{key: round(STEP_STATED[field] / factor, 12) for key, (field, factor) in COST_FIELDS.items()
+                    if field in STEP_STATED},
+                 "input_us_per_image": 0.0}
+"""A V100-class GPU (900 GB/s HBM2, ~15 TFLOPS fp32; NCCL-class call cost; the presets' sparse
+assumptions and the step's stated costs, :data:`flashsgd.sim.network.STEP_STATED`, in this file's units)."""
 LINK_FIELDS = {"bandwidth_gbit": ("bandwidth_gbps", GBIT), "latency_us": ("alpha_s", 1e-6),
                "flow_bandwidth_gbit": ("flow_gbps", GBIT), "incast": ("incast", 1.0)}
 """[intra] / [inter] key -> (Link field, factor to its unit)."""

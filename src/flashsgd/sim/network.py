@@ -131,9 +131,9 @@ class ClusterModel:
     Balso 2018 and others: 20+ points of scaling efficiency between frameworks on the same GPUs and
     fabric)."""
     jitter_cv: float = 0.0
-    """Step-to-step variation of one GPU's compute time, as a coefficient of variation (std / mean).
-    A synchronous step waits for the slowest of P ranks: the simulator adds the expected maximum of
-    P such times (:func:`flashsgd.sim.engine.straggler_factor`)."""
+    """Variation of one rank's compute time, from step to step and from GPU to GPU, as a coefficient
+    of variation (std / mean). A synchronous step waits for the slowest of P ranks: the simulator
+    adds the expected maximum of P such times (:func:`flashsgd.sim.engine.straggler_factor`)."""
     bucket_overhead_s: float = 0.0
     """Fixed cost of each bucket of a multi-GPU step on the communication stream, beside the
     collective's own ``call_overhead_s`` (seconds per bucket): the framework's hook, bookkeeping and
@@ -342,25 +342,61 @@ SPARSE_RANGES = {
 }
 """The plausible ranges of the sparse exchange's assumed costs (seconds; per element for selection):
 used by every preset and by the defaults of a cluster file (:mod:`flashsgd.sim.cluster_file`)."""
+STEP_STATED = {
+    # Per-step overhead: 0, nothing has measured DDP's fixed cost of a multi-GPU step on GPUs
+    # (`train --comm auto` measures it where it runs: 0-0.47 ms for 4 Gloo ranks here).
+    "step_overhead_s": 0.0,
+    # Compute jitter, the variation of one rank's compute time across GPUs and steps: 1.5%, two
+    # measured parts in quadrature (independent, so their variances add and the slowest of P ranks
+    # is e(P) times their joint CV, engine.straggler_factor):
+    # - from GPU to GPU, 1.2%: Sinha et al., SC 2022 ("Not All GPUs Are Created Equal:
+    #   Characterizing Variability in Large-Scale, Accelerator-Rich Systems", arXiv 2208.11035,
+    #   abstract): "8% (max 22%) average performance variation even though the GPU architecture and
+    #   vendor SKU are identical within each cluster" (V100 clusters Summit, Vortex, Frontera,
+    #   Longhorn, and Corona's MI60s), read as the spread from the slowest to the fastest GPU
+    #   [judgement: the paper's definition was not read], which for normal speeds over ~1,000 GPUs
+    #   is 2 e(1000) = 6.5 standard deviations: 8% / 6.5 = 1.2%;
+    # - from step to step, 0.9%: the median of the CVs measured on an NVIDIA H100 over 20 ResNet-50
+    #   steps (fp32 0.4%, bf16 0.9%, fp16 1.5%; docs/gpu.md).
+    # sqrt(1.2^2 + 0.9^2) = 1.5%. Their outliers ("up to 1.5X slower than the median GPU") are not
+    # in it: one such GPU in a job sets its pace.
+    "jitter_cv": 0.015,
+    # Per-bucket overhead: 0, DDP starts a bucket's all-reduce from the autograd hook that marks its
+    # last gradient ready (no wait beyond the collective's own call cost; `train --comm auto`
+    # measured 0-90 us per bucket for 4 Gloo ranks here).
+    "bucket_overhead_s": 0.0,
+    # Compute slowdown under overlap: s = 0.159, the average of a systematic study of real training
+    # steps ("Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+    # Learning: Performance and Power Implications", arXiv 2507.03114, 2025, abstract):
+    # "overlapping computation and communication can result in an average computational slowdown of
+    # 18.9%, with a maximum of 40.0% slowdown" against compute alone (GPT and LLaMA models on 4
+    # A100s, H100s, MI250s and MI210s). Compute 1.189 times longer while overlapped is 1 / (1 - s) =
+    # 1.189 [judgement: their compute taken as overlapped throughout]; their maximum is s = 0.286.
+    "overlap_slowdown": 0.159,
+}
+"""The stated values of the step's assumed costs beyond the exchange (:attr:`ClusterModel.step_overhead_s`,
+:attr:`ClusterModel.jitter_cv`, :attr:`ClusterModel.bucket_overhead_s`, :attr:`ClusterModel.overlap_slowdown`):
+each a measured central figure where one was found, else 0, so that the nominal prediction is a
+best estimate, not the fast end of :data:`STEP_RANGES` (docs/simulator.md, "Validation against
+published figures"). Every preset's, a cluster file's defaults and what ``train --comm auto`` does
+not measure."""
 STEP_RANGES = {
-    # Per-step overhead of a multi-GPU step: stated 0 (the model of every preset); high 2 ms, the
-    # order measured on an NVIDIA H100 for flashsgd's step beside a plain DDP loop (70.7 vs 69.1 ms,
-    # ResNet-50 bf16 batch 256, world 1; docs/gpu.md) [judgement: the same again for DDP's reducer
-    # with several ranks].
+    # Per-step overhead: low 0; high 2 ms, the order measured on an NVIDIA H100 for flashsgd's step
+    # beside a plain DDP loop (70.7 vs 69.1 ms, ResNet-50 bf16 batch 256, world 1; docs/gpu.md)
+    # [judgement: the same again for DDP's reducer with several ranks].
     "step_overhead_s": (0.0, 2e-3),
-    # Compute jitter: stated 0 (every rank as fast every step); high 3% [judgement], beyond the
-    # coefficient of variation measured on an H100 over 20 ResNet-50 steps (0.2-1.7%: fp32 0.4%,
-    # bf16 0.9%, fp16 1.5%; docs/gpu.md) for shared clusters and input pipelines.
-    "jitter_cv": (0.0, 0.03),
-    # Per-bucket overhead on the communication stream: stated 0 (DDP starts a bucket's all-reduce
-    # from the autograd hook that marks its last gradient ready: no wait beyond the collective's own
-    # call cost); high 5 ms, one Horovod cycle at its default before v0.21 (release notes of Horovod
-    # v0.21.0: "Changed default cycle time from 5ms to 1ms", horovod#2468; docs/tensor-fusion.rst:
-    # the tensors ready are fused and reduced once per cycle, so a bucket ready just after a cycle
-    # began waits for the whole of it; Horovod's 2017-2018 published benchmarks ran with 5 ms).
+    # Compute jitter: low 0 (every rank as fast every step); high 3.7%: STEP_STATED's two parts at
+    # their measured highs, Sinha et al.'s maximum variation 22% / 6.5 = 3.4% and the H100's fp16
+    # 1.5%, sqrt(3.4^2 + 1.5^2).
+    "jitter_cv": (0.0, 0.037),
+    # Per-bucket overhead on the communication stream: low 0; high 5 ms, one Horovod cycle at its
+    # default before v0.21 (release notes of Horovod v0.21.0: "Changed default cycle time from 5ms
+    # to 1ms", horovod#2468; docs/tensor-fusion.rst: the tensors ready are fused and reduced once
+    # per cycle, so a bucket ready just after a cycle began waits for the whole of it; Horovod's
+    # 2017-2018 published benchmarks ran with 5 ms).
     "bucket_overhead_s": (0.0, 5e-3),
     # Compute slowdown under overlap (the fraction s of compute speed lost while an exchange runs):
-    # stated 0 (overlap is free: collectives on DMA engines or the host); high 0.79: Agrawal et al.
+    # low 0 (overlap is free: collectives on DMA engines or the host); high 0.79: Agrawal et al.
     # 2024 (AMD, "Optimizing ML Concurrent Computation and Communication with GPU DMA Engines",
     # arXiv 2412.14335, abstract): "C3 on average achieves only 21% of ideal speedup. This is so,
     # due to known challenges of compute and memory interference between concurrent GPU kernels
@@ -368,16 +404,15 @@ STEP_RANGES = {
     # communication; 42% with schedule prioritization and partitioned compute units); with the
     # exchange shorter than the compute it overlaps, the model's time saved is (1 - s) of the
     # exchange, so 21% of the ideal saving is s = 0.79 [judgement: their average over GEMM +
-    # collective pairs is taken as the worst a data-parallel backward sees]. Beside it an NVIDIA
-    # forum report on an H100 (forums.developer.nvidia.com/t/337991): a GEMM at ~80% of peak
+    # collective pairs is taken as the worst a data-parallel backward sees]. Between the two an
+    # NVIDIA forum report on an H100 (forums.developer.nvidia.com/t/337991): a GEMM at ~80% of peak
     # ("execution time nearly doubles, and its MFU drops to ~47%") with an ncclAllGather beside it
     # holding 24 of 132 SMs, s = 0.41-0.5.
     "overlap_slowdown": (0.0, 0.79),
 }
-"""The plausible ranges of the step's assumed costs beyond the exchange (:attr:`ClusterModel.step_overhead_s`,
-:attr:`ClusterModel.jitter_cv`, :attr:`ClusterModel.bucket_overhead_s`, :attr:`ClusterModel.overlap_slowdown`):
-every preset's and a cluster file's defaults, whose stated values are 0 (the nominal prediction is
-the exchange's alone; the range's slow end holds these)."""
+"""The plausible ranges of the step's assumed costs beyond the exchange, around :data:`STEP_STATED`:
+every preset's and a cluster file's defaults (the range's slow end holds the costs of untuned
+frameworks and hosts)."""
 
 
 # TCP incast (Link.incast): stated 0 on every preset (unknown without a measurement: it depends on
@@ -423,6 +458,7 @@ CLUSTERS.add("abci", ClusterModel(
     fabric=Fabric(nodes_per_switch=34, oversubscription=3.0, placement="ordered"),
     # +-1/6: docs/simulator.md's bracket for the published 1200 (1000-1400 img/s; PyTorch figures,
     # not the frameworks of the ABCI papers), the same relative spread for fp32.
+    **STEP_STATED,
     assumed={**SPARSE_RANGES, **STEP_RANGES, **_rate_range({"fp16": 1200.0, "fp32": 370.0}, 1 / 6),
              # NVLink2: 80-100% of 50 GB/s (_NVLINK_ACHIEVED); NCCL's NVLink step (_NVLINK_STEP_RANGE).
              "intra.bandwidth_gbps": (50.0 * _NVLINK_ACHIEVED[0], 50.0 * _NVLINK_ACHIEVED[1]),
@@ -452,6 +488,7 @@ CLUSTERS.add("bigbasin-50gbe", ClusterModel(
     # figure); P100 has no tensor cores, so fp16 is taken as 1.5x at best.
     resnet50_images_per_s={"fp32": 220.0, "fp16": 330.0},
     # +-18%: docs/simulator.md's bracket of the unverified 220 (180-260 img/s) [judgement].
+    **STEP_STATED,
     assumed={**SPARSE_RANGES, **STEP_RANGES, **_rate_range({"fp32": 220.0, "fp16": 330.0}, 0.18),
              # NVLink1: 80-100% of 20 GB/s (_NVLINK_ACHIEVED); NCCL's NVLink step (_NVLINK_STEP_RANGE).
              "intra.bandwidth_gbps": (20.0 * _NVLINK_ACHIEVED[0], 20.0 * _NVLINK_ACHIEVED[1]),
@@ -487,6 +524,7 @@ CLUSTERS.add("1gbe", ClusterModel(
     resnet50_images_per_s={"fp32": 200.0, "fp16": 300.0},
     # +-18%, as bigbasin-50gbe's unverified rate [judgement]. The gTop-k paper's own breakdown implies
     # 13.1 img/s (64 / 4.882 s), far outside: docs/data/gtopk_paper_*.toml are that case.
+    **STEP_STATED,
     assumed={**SPARSE_RANGES, **STEP_RANGES, **_rate_range({"fp32": 200.0, "fp16": 300.0}, 0.18),
              # 1 GbE over TCP: 111 MB/s is the gTop-k paper's figure for its cluster; low 90 MB/s
              # [judgement: MPI/Gloo over kernel TCP with small socket buffers, busy hosts]; high

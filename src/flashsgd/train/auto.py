@@ -61,7 +61,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from flashsgd.sim.network import INCAST_RANGE, STEP_RANGES, ClusterModel, Link
+from flashsgd.sim.network import INCAST_RANGE, STEP_RANGES, STEP_STATED, ClusterModel, Link
 from flashsgd.timing import rank_times, time_ops
 
 PROBE_DENSITY = 0.01
@@ -313,7 +313,8 @@ per-bucket overhead too where the two bucket caps give different bucket counts
 
 
 def measured_cluster_assumptions() -> dict[str, tuple[float, float]]:
-    """What a measured cluster still assumes, with the presets' ranges: the step's costs beyond the
+    """What a measured cluster still assumes, with the presets' stated values and ranges
+    (:data:`~flashsgd.sim.network.STEP_STATED`, the cluster's; the ranges here): the step's costs beyond the
     exchange that Step 1 does not measure (:data:`~flashsgd.sim.network.STEP_RANGES` less
     :data:`MEASURED_STEP_COSTS`: the slowdown of compute under overlap, which needs an exchange
     beside the compute, and the per-bucket overhead until :func:`with_measured_compute` has Step
@@ -357,7 +358,7 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, los
     inter = _ring_link(topo.cross_group, topo.cross_ranks, topo.local_rank == 0, large, gamma,
                        device) if world > L else None
     cluster = ClusterModel(name="measured", ranks_per_node=L, nodes=world // L,
-                           intra=intra or inter, inter=inter or intra, **dev,
+                           intra=intra or inter, inter=inter or intra, **dev, **STEP_STATED,
                            source=f"measured by flashsgd train --comm auto on {world} ranks",
                            assumed=measured_cluster_assumptions())
     cluster = replace(cluster, **sparse_fixed_costs(cluster, numel, selection, timeout_s, device))
