@@ -254,3 +254,19 @@ def test_a_model_ranges_oversubscription_only_with_a_fabric_and_from_1():
         ClusterModel("x", 1, link, link, assumed={"fabric.oversubscription": (1.0, 3.0)})
     with pytest.raises(ValueError, match=r"assumed\['fabric.oversubscription'\] low must be >= 1"):
         ClusterModel("x", 1, link, link, fabric=Fabric(4), assumed={"fabric.oversubscription": (0.5, 3.0)})
+
+
+def test_rounds_below_l_apart_cross_nodes_when_l_is_not_a_multiple_of_twice_the_distance():
+    """Recursive doubling over 12 ranks, 3 per node (1 GB/s node links, 100 GB/s inside, by hand):
+    the fold (8 -> 0 .. 11 -> 3) sends 3 flows per node twice, 3 ns/B x 2; below L the XOR pairs
+    straddle nodes: distance 1 only 2 <-> 3 (one flow, 1 ns/B), distance 2 all three of node 1's
+    ranks (3 <-> 1, 4 <-> 6, 5 <-> 7: 3 ns/B); distance 4 is across nodes (3 ns/B). With 4 ranks per
+    node (a multiple of 2 and 4) distances 1 and 2 stay inside the node."""
+    assert fabric_module.node_flows(12, 3, ("butterfly", 1, 8)) == 1
+    assert fabric_module.node_flows(12, 3, ("butterfly", 2, 8)) == 3
+    assert fabric_module.node_flows(16, 4, ("butterfly", 2, 16)) == 0
+    assert fabric_module.node_flows(6, 6, ("butterfly", 2, 4)) == 0  # one node holds them all
+    n = 1e6
+    assert _bandwidth("recursive_doubling", n, 12, _cluster(3)) == pytest.approx(n * (6 + 1 + 3 + 3) * NS_PER_BYTE)
+    inside = 2 * n * 0.01 * NS_PER_BYTE  # distances 1 and 2 at 100 GB/s
+    assert _bandwidth("recursive_doubling", n, 16, _cluster(4)) == pytest.approx(inside + n * 4 * 2 * NS_PER_BYTE)

@@ -81,7 +81,7 @@ import numpy as np
 
 from flashsgd.exchanges import DEFAULT_DENSITY, NODE_SPLITS, WIRE_INDEX_BYTES, option_default
 from flashsgd.registry import Registry
-from flashsgd.sim.fabric import uplink_beta_factor, uplink_flows
+from flashsgd.sim.fabric import node_flows, uplink_beta_factor, uplink_flows
 from flashsgd.sim.network import ClusterModel
 
 
@@ -242,12 +242,18 @@ def pair_levels(distance: int, flows: int, setup: CommSetup, pattern: str = "but
     """Link between partners ``distance`` ranks apart; ``flows`` ranks per node cross at once.
     ``pattern`` says which ranks send (:data:`flashsgd.sim.fabric.PATTERNS`, for the switches'
     uplinks): ``butterfly`` (every rank below the largest power of two swaps with ``r XOR
-    distance``), ``tree`` (a binomial round) or ``fold`` (``distance`` = that power of two)."""
+    distance``), ``tree`` (a binomial round) or ``fold`` (``distance`` = that power of two). Below
+    L ranks apart the partners share a node when L is a multiple of 2 x distance; otherwise some
+    pairs straddle two nodes and the round is the network's, with at most as many flows per node
+    as cross (:func:`flashsgd.sim.fabric.node_flows`; e.g. L = 3, distance 2: all three)."""
     c, lr = setup.cluster, setup.ranks_per_node_used
-    if distance < lr:
-        return [(c.intra.alpha_s, c.intra.flow_beta(1))]
     p2 = 1 << (setup.gpus.bit_length() - 1)
     shape = (pattern, distance, p2 if pattern == "butterfly" else 0)
+    if distance < lr:  # partners on one node, unless L is not a multiple of 2 x distance
+        crossing = node_flows(setup.gpus, lr, shape)
+        if not crossing:
+            return [(c.intra.alpha_s, c.intra.flow_beta(1))]
+        flows = min(flows, crossing)
     return [inter_level(setup, flows, uplink_flows(c.fabric, setup.gpus, lr, shape))]
 
 
