@@ -270,3 +270,15 @@ def test_rounds_below_l_apart_cross_nodes_when_l_is_not_a_multiple_of_twice_the_
     assert _bandwidth("recursive_doubling", n, 12, _cluster(3)) == pytest.approx(n * (6 + 1 + 3 + 3) * NS_PER_BYTE)
     inside = 2 * n * 0.01 * NS_PER_BYTE  # distances 1 and 2 at 100 GB/s
     assert _bandwidth("recursive_doubling", n, 16, _cluster(4)) == pytest.approx(inside + n * 4 * 2 * NS_PER_BYTE)
+
+
+def test_a_binomial_round_below_l_apart_crosses_once_per_node():
+    """Binomial over 12 ranks, 3 per node: at distance 1 the senders 1, 3, 5, ... go to 0, 2, 4, ...;
+    3 -> 2 and 9 -> 8 leave their nodes (one sender per node at most), so the round is the
+    network's; at distance 2 the senders 2, 6, 10 cross to 0, 4, 8, one per node as well."""
+    assert fabric_module.node_flows(12, 3, ("tree", 1, 0)) == 1
+    assert fabric_module.node_flows(12, 3, ("tree", 2, 0)) == 1
+    assert fabric_module.node_flows(16, 4, ("tree", 2, 0)) == 0  # a multiple of 2 x 2: inside the nodes
+    n = 1e6  # each round reduces then broadcasts: 2 steps of n bytes, 1 ns/B across nodes
+    assert _bandwidth("binomial", n, 12, _cluster(3)) == pytest.approx(4 * 2 * n * NS_PER_BYTE)
+    assert _bandwidth("binomial", n, 16, _cluster(4)) == pytest.approx(2 * 2 * n * (1 + 0.01) * NS_PER_BYTE)

@@ -22,7 +22,7 @@ Algorithm (per iteration, one GPU's view; all GPUs are identical in data paralle
    when backward ends (the last buckets in backward order, which become ready last) are the
    step's non-overlappable tail: ``exposed = max(0, end of the last exchange - end of backward)``.
 5. Beyond the exchange, with more than one GPU: the step waits for the slowest of P ranks,
-   whose compute is ``T1 (1 + cv e(P))`` for a per-step jitter ``cv`` of one GPU's compute
+   whose compute is ``T1 (1 + cv e(P))`` for a jitter ``cv`` of one rank's compute over steps and GPUs
    (:attr:`~flashsgd.sim.network.ClusterModel.jitter_cv`; :func:`straggler_factor`: e(P) the
    expected maximum of P standard normal draws, :func:`expected_max_normal`), so the whole timeline of steps 1-4 is stretched
    by that factor; and each step pays the cluster's fixed ``step_overhead_s``.

@@ -234,9 +234,9 @@ class ClusterModel:
             f"{self.call_overhead_s * 1e6:.3g} us; sparse exchange fixed {self.exchange_fixed_s * 1e6:.3g} us "
             f"+ {self.round_fixed_s * 1e6:.3g} us per round; "
             f"top-k select {self.select_s_per_elem * 1e9:.3g} ns/elem; step overhead "
-            f"{self.step_overhead_s * 1e3:.3g} ms, compute jitter {self.jitter_cv:.1%} per step"
+            f"{self.step_overhead_s * 1e3:.3g} ms, compute jitter {self.jitter_cv:.1%} over steps and GPUs"
             + (f", {self.bucket_overhead_s * 1e3:.3g} ms per bucket" if self.bucket_overhead_s else "")
-            + (f", compute {self.overlap_slowdown:.0%} slower under overlap" if self.overlap_slowdown else "")
+            + (f", compute {self.overlap_slowdown:.1%} slower under overlap" if self.overlap_slowdown else "")
             + (f", input pipeline {1 / self.input_s_per_image:.0f} images/s per node" if self.input_s_per_image else "")
             + (f"; fabric: {self.fabric.describe()}" if self.fabric.nodes_per_switch is not None else "")
         )
@@ -349,13 +349,16 @@ STEP_STATED = {
     # Compute jitter, the variation of one rank's compute time across GPUs and steps: 1.5%, two
     # measured parts in quadrature (independent, so their variances add and the slowest of P ranks
     # is e(P) times their joint CV, engine.straggler_factor):
-    # - from GPU to GPU, 1.2%: Sinha et al., SC 2022 ("Not All GPUs Are Created Equal:
-    #   Characterizing Variability in Large-Scale, Accelerator-Rich Systems", arXiv 2208.11035,
-    #   abstract): "8% (max 22%) average performance variation even though the GPU architecture and
-    #   vendor SKU are identical within each cluster" (V100 clusters Summit, Vortex, Frontera,
-    #   Longhorn, and Corona's MI60s), read as the spread from the slowest to the fastest GPU
-    #   [judgement: the paper's definition was not read], which for normal speeds over ~1,000 GPUs
-    #   is 2 e(1000) = 6.5 standard deviations: 8% / 6.5 = 1.2%;
+    # - from GPU to GPU, 1.2%: Sinha et al., "Not All GPUs Are Created Equal: Characterizing
+    #   Variability in Large-Scale, Accelerator-Rich Systems" (arXiv 2208.11035, abstract):
+    #   "8% (max 22%) average performance variation even though the GPU architecture and vendor SKU
+    #   are identical within each cluster", over five computing centers (Summit, Vortex, Frontera,
+    #   Longhorn, Corona), read as the spread from the slowest to the fastest GPU [judgement: the
+    #   paper's definition was not read], which for normal speeds over ~1,000 GPUs [judgement: the
+    #   clusters hold ~100 to ~27,000; 1.3-1.6% over that span] is 2 e(1000) = 6.5 standard
+    #   deviations: 8% / 6.5 = 1.2%. The SC22 program's abstract of the same work (4 clusters,
+    #   "32% (max 72%) average performance variation") is not used [judgement: the paper's own
+    #   abstract, on arXiv since before the conference, gives the figures above];
     # - from step to step, 0.9%: the median of the CVs measured on an NVIDIA H100 over 20 ResNet-50
     #   steps (fp32 0.4%, bf16 0.9%, fp16 1.5%; docs/gpu.md).
     # sqrt(1.2^2 + 0.9^2) = 1.5%. Their outliers ("up to 1.5X slower than the median GPU") are not
@@ -365,13 +368,15 @@ STEP_STATED = {
     # last gradient ready (no wait beyond the collective's own call cost; `train --comm auto`
     # measured 0-90 us per bucket for 4 Gloo ranks here).
     "bucket_overhead_s": 0.0,
-    # Compute slowdown under overlap: s = 0.159, the average of a systematic study of real training
-    # steps ("Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
-    # Learning: Performance and Power Implications", arXiv 2507.03114, 2025, abstract):
-    # "overlapping computation and communication can result in an average computational slowdown of
-    # 18.9%, with a maximum of 40.0% slowdown" against compute alone (GPT and LLaMA models on 4
-    # A100s, H100s, MI250s and MI210s). Compute 1.189 times longer while overlapped is 1 / (1 - s) =
-    # 1.189 [judgement: their compute taken as overlapped throughout]; their maximum is s = 0.286.
+    # Compute slowdown under overlap: s = 0.159, the average of a characterization of overlapped
+    # distributed training ("Characterizing Compute-Communication Overlap in GPU-Accelerated
+    # Distributed Deep Learning: Performance and Power Implications", arXiv 2507.03114, 2025,
+    # abstract): "overlapping computation and communication can result in an average computational
+    # slowdown of 18.9%, with a maximum of 40.0% slowdown" against compute alone ("GPT and LLaMA
+    # models, across 4 A100s, H100s, MI250, and MI210", the paper's HTML version). Compute 1.189
+    # times longer while overlapped is 1 / (1 - s) = 1.189 [judgement: their compute taken as
+    # overlapped throughout, and their LLM training's overlap taken for a data-parallel all-reduce
+    # beside backward]; their maximum is s = 0.286.
     "overlap_slowdown": 0.159,
 }
 """The stated values of the step's assumed costs beyond the exchange (:attr:`ClusterModel.step_overhead_s`,
