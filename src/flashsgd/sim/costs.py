@@ -244,16 +244,16 @@ def pair_levels(distance: int, flows: int, setup: CommSetup, pattern: str = "but
     uplinks): ``butterfly`` (every rank below the largest power of two swaps with ``r XOR
     distance``), ``tree`` (a binomial round) or ``fold`` (``distance`` = that power of two). Below
     L ranks apart the partners share a node when L is a multiple of 2 x distance; otherwise some
-    pairs straddle two nodes and the round is the network's, with at most as many flows per node
-    as cross (:func:`flashsgd.sim.fabric.node_flows`; e.g. L = 3, distance 2: all three)."""
+    pairs straddle two nodes and the round is the network's, with the flows per node that cross
+    (:func:`flashsgd.sim.fabric.node_flows`, counted from the round's messages; e.g. L = 3,
+    distance 2: all three)."""
     c, lr = setup.cluster, setup.ranks_per_node_used
     p2 = 1 << (setup.gpus.bit_length() - 1)
     shape = (pattern, distance, p2 if pattern == "butterfly" else 0)
     if distance < lr:  # partners on one node, unless L is not a multiple of 2 x distance
-        crossing = node_flows(setup.gpus, lr, shape)
-        if not crossing:
+        flows = node_flows(setup.gpus, lr, shape)
+        if not flows:
             return [(c.intra.alpha_s, c.intra.flow_beta(1))]
-        flows = min(flows, crossing)
     return [inter_level(setup, flows, uplink_flows(c.fabric, setup.gpus, lr, shape))]
 
 
