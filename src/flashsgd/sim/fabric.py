@@ -50,7 +50,6 @@ with 2 (each hop at half the node's bandwidth)::
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -117,18 +116,13 @@ def uplink_flows(fabric: Fabric, gpus: int, ranks_per_node: int, pattern: tuple[
     return _counted(fabric.nodes_per_switch, fabric.placement, gpus, ranks_per_node, pattern)
 
 
-@lru_cache(maxsize=4096)
 def node_flows(gpus: int, ranks_per_node: int, pattern: tuple[str, int, int]) -> int:
     """The most messages of one round of ``pattern`` (:data:`PATTERNS`) that leave or enter one
     node, over ``gpus`` ranks of ``ranks_per_node`` per node; 0: the round stays inside the nodes
     (a butterfly or tree round at a distance below L does, unless L is not a multiple of twice the
-    distance: then the blocks of 2 x distance ranks that pair up straddle node boundaries)."""
-    out, into = Counter(), Counter()
-    for a, b in _edges(gpus, pattern):
-        if a // ranks_per_node != b // ranks_per_node:
-            out[a // ranks_per_node] += 1
-            into[b // ranks_per_node] += 1
-    return max([*out.values(), *into.values()], default=0)
+    distance: then the blocks of 2 x distance ranks that pair up straddle node boundaries). The
+    uplinks' count with every node its own switch."""
+    return int(_counted(1, "ordered", gpus, ranks_per_node, pattern))
 
 
 def all_to_all_uplink_flows(fabric: Fabric, gpus: int, ranks_per_node: int) -> float:
