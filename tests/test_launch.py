@@ -39,6 +39,39 @@ def test_results_per_rank(run_ranks):
     assert launch.run(_sum_of_ranks, (1.0,), world_size=2, timeout_s=30, deadline_s=GUARD_S) == [3.0] * 4
 
 
+def _large_tensor(n):
+    return torch.arange(n, dtype=torch.float32) * (dist.get_rank() + 1)
+
+
+def test_a_result_arrives_after_its_rank_has_exited(monkeypatch):
+    """A rank returns a 4 MiB tensor and exits at once; the launcher reads only after every rank
+    has exited (or 5 s). Sent as a file descriptor (torch's multiprocessing pickler), the result
+    would need its sender alive: ``ConnectionResetError`` in the launcher (issue 53)."""
+    collect = launch._Job.collect
+
+    def late_collect(job, wait_s):
+        if not job.reports:  # the first reading: wait until the ranks are gone
+            end = time.monotonic() + 5.0
+            while time.monotonic() < end and any(p.exitcode is None for p in job.procs):
+                time.sleep(0.05)
+        collect(job, wait_s)
+
+    monkeypatch.setattr(launch._Job, "collect", late_collect)
+    n = 1 << 20
+    out = spawn(_large_tensor, 2, (n,), timeout_s=60, deadline_s=GUARD_S, start_method="fork")
+    for rank, t in enumerate(out):
+        assert torch.equal(t, torch.arange(n, dtype=torch.float32) * (rank + 1))
+
+
+def _unpicklable():
+    return lambda: None
+
+
+def test_an_unpicklable_result_is_the_ranks_error():
+    with pytest.raises(WorkerError, match=r"rank 0's result \(function\) cannot be sent to the launcher"):
+        spawn(_unpicklable, 1, timeout_s=60, deadline_s=GUARD_S)
+
+
 @pytest.mark.parametrize("kwargs, expected", [
     (dict(world_size=0), "world_size must be an integer >= 1, got 0"),
     (dict(timeout_s=float("nan")), "timeout_s must be a finite number > 0, got nan"),

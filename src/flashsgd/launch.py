@@ -4,7 +4,8 @@ flashsgd never writes its own transport or rendezvous. Under ``torchrun`` (any n
 process group comes from the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...). On one
 machine without torchrun, :func:`spawn` starts W local processes that rendezvous through a
 ``torch.distributed.TCPStore`` hosted by the parent on an OS-chosen port (no port races), run the
-function, and send back its return value.
+function, and send back its return value (by value: it reaches the launcher even when the rank has
+exited first, see :func:`_by_value`).
 
 A spawned job never hangs, never leaves orphans and names the rank at fault:
 
@@ -45,6 +46,7 @@ import gc
 import math
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_module
 import signal
 import sys
@@ -277,6 +279,26 @@ def _join_group(rank: int, world_size: int, ports: Any, backend: str, env: dict[
                             **_device_id(backend, rank))
 
 
+def _by_value(report: tuple[int, bool, Any]) -> bytes:
+    """The report as bytes that hold every tensor's data: it reaches the launcher after this rank
+    has exited.
+
+    A queue pickles with torch's multiprocessing reductions, which send a tensor as a file
+    descriptor (CUDA: an IPC handle) that the *sending* process hands over when the receiver
+    unpickles it; a rank that has exited by then loses its result (``ConnectionResetError`` in the
+    launcher, seen in a test run). The standard pickler copies the storage's bytes instead.
+    A result that cannot be pickled is reported as this rank's error, naming its type.
+    """
+    try:
+        return pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - an unpicklable result is the rank's error
+        rank, _, value = report
+        error = TypeError(f"rank {rank}'s result ({type(value).__name__}) cannot be sent to the launcher: "
+                          f"{type(exc).__name__}: {exc}; return picklable values (tensors, numbers, "
+                          "lists, dicts)")
+        return pickle.dumps((rank, False, describe_exception(error)), protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _worker(rank: int, world_size: int, ports: Any, backend: str, fn: Callable, args: Sequence,
             env: dict[str, str], results: Any, timeout_s: float, parent_pid: int) -> None:
     """One rank: die with the parent, join the group, run ``fn``, report its result or error."""
@@ -289,7 +311,7 @@ def _worker(rank: int, world_size: int, ports: Any, backend: str, fn: Callable, 
         report = (rank, False, describe_exception(exc))
     # Deliver the report before anything slow (shutdown; a busy core): the launcher judges who is
     # silent by what has arrived, so a sent report must not wait in this process's feeder thread.
-    results.put(report)
+    results.put(_by_value(report))
     results.close()
     results.join_thread()
     shutdown()
@@ -314,10 +336,10 @@ class _Job:
         """
         ended = {r: p.exitcode for r, p in enumerate(self.procs) if p.exitcode is not None}
         try:
-            rank, ok, value = self.results.get(timeout=wait_s)
+            rank, ok, value = pickle.loads(self.results.get(timeout=wait_s))  # _by_value's bytes
             while True:
                 self.reports[rank] = (ok, value)
-                rank, ok, value = self.results.get_nowait()
+                rank, ok, value = pickle.loads(self.results.get_nowait())
         except queue_module.Empty:
             pass
         self.exits.update({r: c for r, c in ended.items() if r not in self.reports})
