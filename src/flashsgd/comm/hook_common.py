@@ -213,6 +213,10 @@ class StatelessHookState:
     def __init__(self, name: str) -> None:
         self.name = name
 
+    def use_scaler(self, scaler: Any) -> "StatelessHookState":
+        """Nothing kept, so nothing to keep in true units: the scaler is not needed. Returns self."""
+        return self
+
     def begin_step(self, grad_scale: torch.Tensor | None = None) -> None:
         """Nothing kept, nothing to unscale (:mod:`flashsgd.comm.hook_step`, Step 1)."""
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -116,7 +117,13 @@ def _not_ddp_remedy(model: Any) -> str:
     if {("lightning", "LightningModule"), ("pytorch_lightning", "LightningModule")} & names:
         return ("this is a LightningModule: Lightning wraps it in DDP inside Trainer.fit, so register the "
                 "hook there with the callback flashsgd.integrations.lightning.FlashsgdHook(NAME, **options) "
-                "in Trainer(strategy='ddp', callbacks=[...]) (docs/integrations.md)")
+                "in Trainer(strategy='ddp', callbacks=[...]), or pass trainer.strategy.model (the DDP model, once "
+                "fit has started) (docs/integrations.md)")
+    if {("transformers", "PreTrainedModel")} & names:
+        return ("a transformers model: a Hugging Face Trainer wraps it in DDP inside train(), so use the callback "
+                "flashsgd.integrations.transformers.FlashsgdCallback(NAME, **options) in Trainer(callbacks=[...]), "
+                "or pass trainer.model_wrapped (the DDP model, once train() has started); in an Accelerate "
+                "loop, pass the model accelerator.prepare(model) returned (docs/integrations.md)")
     state = sys.modules.get("accelerate.state")
     if state is not None and getattr(state.PartialState, "_shared_state", None):
         world = getattr(state.PartialState(), "num_processes", 1)
@@ -130,8 +137,28 @@ def _not_ddp_remedy(model: Any) -> str:
     return "wrap it: DDP(model)"
 
 
+_STATES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # DDP model -> its hook state
+
+
+def hook_state_of(ddp_model: Any) -> Any:
+    """The state :func:`register_hook` returned for ``ddp_model`` (None: no flashsgd hook on it)."""
+    try:
+        return _STATES.get(ddp_model)
+    except TypeError:  # not weak-referenceable: never registered
+        return None
+
+
+def _check_scaler(name: str, scaler: Any) -> None:
+    """TypeError unless ``scaler`` is None or a loss scaler (``torch.amp.GradScaler`` or anything
+    with its ``scale(tensor)`` and ``update()``: Lightning's and Accelerate's are torch's)."""
+    if scaler is not None and not (callable(getattr(scaler, "scale", None)) and callable(getattr(scaler, "update", None))):
+        raise TypeError(f"register_hook({name!r}, scaler=...): a loss scaler is a torch.amp.GradScaler (the one "
+                        f"whose scaler.scale(loss).backward() this loop calls), got {type(scaler).__name__}; "
+                        f"pass scaler=None without fp16 loss scaling")
+
+
 def register_hook(ddp_model: Any, name: str, options: Any = None, *, wrap: Callable | None = None,
-                  total_steps: int | None = None, **kwargs: Any) -> Any:
+                  total_steps: int | None = None, scaler: Any = None, **kwargs: Any) -> Any:
     """Attach the hook registered as ``name`` to a DDP model; return its state (for checkpoints).
 
     Must be called on every rank, with the same name and options, before the first backward
@@ -150,6 +177,11 @@ def register_hook(ddp_model: Any, name: str, options: Any = None, *, wrap: Calla
             than the run is a ValueError, and a sparse hook whose step-count bound is below
             :data:`~flashsgd.exchanges.MIN_COVERAGE` warns on rank 0 (UserWarning), as
             ``flashsgd train`` does.
+        scaler: the loop's ``torch.amp.GradScaler`` under fp16 (None: none). A hook with memory
+            across steps (``topk``, ``gtopk``, ``hgtopk``, ``powersgd``) then keeps them in true
+            gradient units, and a step the scaler skips leaves them as they were, GradScaler
+            seeing the overflow on every rank as with DDP's own all-reduce
+            (:mod:`flashsgd.comm.hook_step`). Hooks without memory need none (accepted).
         **kwargs: the hook's options by name (unknown options raise ValueError listing the valid
             ones; bad values raise ValueError naming the option; ``density_warmup`` without
             ``density_warmup_steps`` raises ValueError: :func:`hook_options`).
@@ -164,6 +196,7 @@ def register_hook(ddp_model: Any, name: str, options: Any = None, *, wrap: Calla
         raise ValueError(f"hook {name!r}: pass either an {exchange.options.__name__} or options by "
                          f"name, got {type(options).__name__} and {sorted(kwargs)}")
     _check_density_warmup(name, options)
+    _check_scaler(name, scaler)
     if total_steps is not None:
         _check_run_length(name, options, total_steps)
     if not isinstance(ddp_model, DistributedDataParallel):
@@ -171,8 +204,10 @@ def register_hook(ddp_model: Any, name: str, options: Any = None, *, wrap: Calla
                         f"{type(ddp_model).__module__}.{type(ddp_model).__qualname__}; "
                         f"{_not_ddp_remedy(ddp_model)}")
     state, hook = factory(ddp_model, options)
+    state.use_scaler(scaler)
     if hook is not None:
         ddp_model.register_comm_hook(state, _gated(ddp_model, wrap(hook) if wrap else hook))
+    _STATES[ddp_model] = state
     return state
 
 

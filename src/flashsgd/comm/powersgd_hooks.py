@@ -73,8 +73,14 @@ class PowerSGDHookState:
         self.comm = CommThread()  # Gloo: each bucket's chain of all-reduces, in bucket order
         self.layouts: dict[int, tuple] = {}  # bucket index -> ((position, shape), ...) in buffer order
         self.pending: dict[str, dict[int, torch.Tensor]] = {}  # memory name -> position -> piece
-        self.step = HookStep()  # the open training step: loss scale, non-finite inputs (hook_step)
+        self.step = HookStep("powersgd")  # the open training step: loss scale, non-finite inputs (hook_step)
         self.saved: dict | None = None  # what the open step started from (begin_step)
+
+    def use_scaler(self, scaler: Any) -> "PowerSGDHookState":
+        """The loop's ``torch.amp.GradScaler`` (None: none): the hook reads each step's loss scale
+        from it (:mod:`flashsgd.comm.hook_step`). Returns the state."""
+        self.step.scaler = scaler
+        return self
 
     def begin_step(self, grad_scale: torch.Tensor | None = None) -> None:
         """Step 1 of :mod:`flashsgd.comm.hook_step`: this step's buckets carry ``grad_scale``;
@@ -147,7 +153,9 @@ class PowerSGDHookState:
         return [piece.clone() for piece in flat.split(sizes)]
 
     def state_dict(self) -> dict:
-        """Iteration, counters, per-bucket memories (cloned) and the RNG state, as plain values."""
+        """Iteration, counters, per-bucket memories (cloned) and the RNG state, as plain values. A
+        step whose backward is done is closed first (:mod:`flashsgd.comm.hook_step`, Step 4)."""
+        self.step.settle(self)
         s = self.powersgd
         kind, keys, pos, has_gauss, cached = s.rng.get_state()
         rank, world = rank_and_world(s.process_group) or (None, None)
@@ -165,6 +173,8 @@ class PowerSGDHookState:
         if state.get("algorithm") != "powersgd":
             raise ValueError(f"state_dict is for hook {state.get('algorithm')!r}, not 'powersgd'")
         check_owner(state, "powersgd", self.powersgd.process_group)
+        self.step.end()  # an open step is forgotten: the loaded state is where the next one starts
+        self.saved = None
         s = self.powersgd
         for name in _COUNTERS:
             setattr(s, name, int(state[name]))
@@ -199,18 +209,25 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     when DDP changed the bucket's parameters, and moved to the bucket's device), in true gradient
     units: the bucket is divided by the step's loss scale first and multiplied back after, so
     that the error feedback and Q are kept unscaled (:mod:`flashsgd.comm.hook_step`)."""
+    step, last, group = state.step, bucket.is_last(), state.powersgd.process_group
+    step.arrive(state, bucket)  # the first bucket of a backward closes the step before (hook_step)
     state.follow_layout(bucket)
-    step = state.step
     step.unscale_(bucket.buffer())
+
+    def done(out: Any) -> torch.Tensor:  # loss-scaled units again; the last bucket shows the agreement
+        return step.finish_(step.rescale_(_tensor(out)), last, group)
+
     if native_stages(bucket.buffer()):  # NCCL: the chain is enqueued on the stream in order
+        if last:
+            step.agree(bucket.buffer(), group)  # before torch's chain: no collective in a callback
         fut = powerSGD_hook(state.powersgd, bucket)
-        return fut if step.scale is None else fut.then(lambda f: step.rescale_(_tensor(f.value())))
+        return fut if step.scale is None and not last else fut.then(lambda f: done(f.value()))
     # Gloo: torch's hook issues the Q all-reduce (and the decompression) in Future callbacks, on
     # Gloo's threads, while the backward thread goes on to the next bucket's P all-reduce: with
     # several buckets the ranks then issue collectives in different orders (a size mismatch or a
     # hang). The communication thread runs each bucket's whole chain before the next bucket's
     # (FIFO: one order on every rank, test_powersgd) while backward goes on.
-    return state.comm.submit(lambda: step.rescale_(_tensor(powerSGD_hook(state.powersgd, bucket).wait())))
+    return state.comm.submit(lambda: done(powerSGD_hook(state.powersgd, bucket).wait()))
 
 
 def _tensor(value: Any) -> torch.Tensor:

@@ -321,7 +321,8 @@ def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.future
                            "state.bind(ddp_model) before ddp_model.register_comm_hook(state, sparse_hook)")
     buf = bucket.buffer()
     world, n = dist.get_world_size(state.process_group), buf.numel()
-    step = state.step
+    step, last, group = state.step, bucket.is_last(), state.process_group
+    step.arrive(state, bucket)  # the first bucket of a backward closes the step before (hook_step)
     step.unscale_(buf)  # true gradient units (fp16: the loss scale divided out; hook_step)
     clip_local_(buf, state.options.local_clip)  # Step 1: local clipping
     if state.iter < state.options.start_iter:  # dense: the thread is idle (DDP waited for last iteration's)
@@ -334,14 +335,20 @@ def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.future
     else:  # an empty bucket: only its (empty) layer norms, in order with the other buckets
         layout, idx = state.layout(bucket), bucket.index()
         rest = (lambda: state.record_layer_norms(layout, idx, buf) or buf) if state.options.layer_trust else None
-    if bucket.is_last():
+    if last:
         state.iter += 1
-    if rest is None:
-        return completed_future(step.rescale_(buf))
-    if state.comm is not None and not buf.is_cuda:
-        state.pending_job = state.comm.submit(lambda: step.rescale_(rest()))
+
+    def done(out: torch.Tensor) -> torch.Tensor:  # loss-scaled units again; the last bucket agrees
+        return step.finish_(step.rescale_(out), last, group)
+
+    threaded = state.comm is not None and not buf.is_cuda
+    if rest is None and not (last and threaded):
+        return completed_future(done(buf))
+    if threaded:  # the last bucket's agreement too, in order after the buckets still on the thread
+        work = rest or (lambda: buf)
+        state.pending_job = state.comm.submit(lambda: done(work()))
         return state.pending_job
-    return completed_future(step.rescale_(rest()))
+    return completed_future(done(rest()))
 
 
 def sparse_factory(algorithm: str) -> Callable:

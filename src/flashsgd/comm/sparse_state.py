@@ -86,7 +86,7 @@ class SparseHookState:
         self.saved_generator: tuple[torch.Tensor, str | None] | None = None  # (state, device type) to continue
         self.workspace = SelectionWorkspace()
         self.checked: set[int] = set()
-        self.step = HookStep()  # the open training step: loss scale, non-finite inputs (hook_step)
+        self.step = HookStep(algorithm)  # the open training step: loss scale, non-finite inputs (hook_step)
         self.saved: tuple | None = None  # what the open step started from (begin_step)
         self.spare: dict[tuple[str, int], torch.Tensor] = {}  # ("residual"|"velocity", bucket) -> free buffer
         self.bytes_sent = 0       # bytes handed to the backend by this rank (sparse + dense phase)
@@ -164,6 +164,12 @@ class SparseHookState:
         return {"generator": None if state is None else state.clone(), "generator_device": device}
 
     # ------------------------------------------------------------ the step protocol -------
+    def use_scaler(self, scaler: Any) -> "SparseHookState":
+        """The loop's ``torch.amp.GradScaler`` (None: none): the hook reads each step's loss scale
+        from it (:mod:`flashsgd.comm.hook_step`). Returns the state."""
+        self.step.scaler = scaler
+        return self
+
     def begin_step(self, grad_scale: torch.Tensor | None = None) -> None:
         """Step 1 of :mod:`flashsgd.comm.hook_step`: the gradients of this step's buckets are
         ``grad_scale`` times the true ones (None: 1); remember what the state holds now (by
@@ -206,7 +212,9 @@ class SparseHookState:
     def state_dict(self) -> dict:
         """Iteration, residuals with their parameter layouts, RNG state and counters (tensors cloned),
         and the rank and world size that own them: the residuals are this rank's (save one file per
-        rank; :meth:`load_state_dict` refuses another rank's)."""
+        rank; :meth:`load_state_dict` refuses another rank's). A step whose backward is done is
+        closed first (kept, or put back: :mod:`flashsgd.comm.hook_step`, Step 4)."""
+        self.step.settle(self)
         rank, world = rank_and_world(self.process_group) or (None, None)
         return {
             "algorithm": self.algorithm, "iter": self.iter, "rank": rank, "world": world,
@@ -232,6 +240,9 @@ class SparseHookState:
         if state.get("algorithm") != self.algorithm:
             raise ValueError(f"state_dict is for hook {state.get('algorithm')!r}, not {self.algorithm!r}")
         check_owner(state, self.algorithm, self.process_group)
+        self.drain()
+        self.step.end()  # an open step is forgotten: the loaded state is where the next one starts
+        self.saved = None
         self.iter = int(state["iter"])
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
         self.layouts = {int(k): tuple(tuple(x) for x in v) for k, v in state["layouts"].items()}

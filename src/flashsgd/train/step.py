@@ -24,16 +24,20 @@ Used by :class:`flashsgd.train.worker.Worker` (``flashsgd train``), ``bench scal
    loss's device): every rank learns the global mean loss and whether any rank saw a NaN / Inf in
    its loss (counted in units of :data:`LOSS_FLAG`) or its gradient (units of 1).
 5. Non-finite policy: ``"skip"`` zeroes the gradients and leaves the parameters, the optimizer
-   state and the hook's memories alone (the hook puts back what it started from:
-   :mod:`flashsgd.comm.hook_step`; it is told each step's loss scale, so that those memories are
-   in true gradient units under fp16, and its non-finite inputs count in Step 4's flag; the result
-   says ``skipped``; the caller counts), ``"stop"`` raises FloatingPointError naming the step;
+   state and the hook's memories alone (the optimizer does not step, so the hook puts back what
+   it started from, as in any loop: :mod:`flashsgd.comm.hook_step`; it is handed the loss scaler,
+   so that those memories are in true gradient units under fp16, and a non-finite input the
+   sparse output did not select still reaches every rank's gradients, so Step 4 sees it; the
+   result says ``skipped``; the caller counts), ``"stop"`` raises FloatingPointError naming the step;
    otherwise the optimizer steps. A skipped step also checks the parameters (one tiny all-reduce, on skipped steps only): skipping cannot recover from
    non-finite parameters (every later loss is NaN), so the run has diverged and the step raises
    FloatingPointError naming the first skipped step of the streak and what to try; so it does
    after ``max_skipped`` consecutive skipped steps (:meth:`check_parameters` is the same check
-   for callers about to evaluate or checkpoint). fp16: the scaler is told the agreed flag (not its
-   own rank's inf check), so every rank skips the same steps and keeps the same scale; a step
+   for callers about to evaluate or checkpoint). fp16: through public GradScaler calls only
+   (``scale``, ``unscale_``, ``update``; ``optimizer.step`` itself when Step 4 says so): every
+   rank's gradients show a non-finite value of any rank (DDP's all-reduce, or the hook's Step 3
+   agreement), so every rank's ``unscale_`` finds the same overflow and ``update`` keeps one
+   scale everywhere; a step
    whose loss is finite on every rank but whose gradients overflow is the scaler's *overflow*
    skip (``StepResult.overflow``): counted and reported as skipped, the scale halved, but neither
    stopped by ``"stop"`` nor counted in the ``max_skipped`` streak while the scale is above 1
@@ -71,6 +75,7 @@ import torch
 import torch.distributed as dist
 
 from flashsgd.comm.hook_common import StatelessHookState, floating_tensors
+from flashsgd.comm.hooks import hook_state_of
 from flashsgd.fmt import plural
 from flashsgd.timing import Stamp, elapsed_s, reached, stamp
 
@@ -179,9 +184,9 @@ class TrainStep:
         forward: what Step 2 calls on the input (default ``ddp``; ``run.compile``: the compiled
             ``ddp``, :func:`flashsgd.train.rank.compile_model`).
         hook_state: the state :func:`flashsgd.comm.hooks.register_hook` returned for ``ddp``
-            (None: the state registered on ``ddp``, if any): told each step's loss scale, asked for
-            non-finite inputs, and told whether the step was kept (:mod:`flashsgd.comm.hook_step`);
-            a state without the protocol (a hook of torch's own) is left alone.
+            (None: the state registered on ``ddp``, if any): handed the fp16 loss scaler
+            (``use_scaler``; the hook keeps its step protocol itself, :mod:`flashsgd.comm.hook_step`);
+            a state without it (a hook of torch's own) is left alone.
     """
 
     __slots__ = ("ddp", "optimizer", "loss_fn", "timer", "device", "nonfinite", "max_skipped", "world",
@@ -211,12 +216,13 @@ class TrainStep:
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
         self.grad_accum, self.channels_last = grad_accum, channels_last
         self.forward = forward if forward is not None else ddp
-        # the hook's side of the step (flashsgd.comm.hook_step): loss scale in, non-finite inputs
-        # out, memories kept or put back; a hook with no memory has nothing to do. Not given: the
-        # state registered on ddp (DDP keeps its (hook, state) pairs), so it cannot be forgotten
-        if hook_state is None and getattr(ddp, "_comm_hooks", None):
-            hook_state = ddp._comm_hooks[-1][1]
-        self.hook_state = hook_state if hasattr(hook_state, "begin_step") else StatelessHookState("none")
+        # the hook's side of the step (flashsgd.comm.hook_step) runs in the hook itself, as in any
+        # loop: it is handed the loss scaler, the one thing it cannot find. Not given: the state
+        # register_hook made for ddp, so it cannot be forgotten
+        if hook_state is None:
+            hook_state = hook_state_of(ddp)
+        self.hook_state = hook_state if hasattr(hook_state, "use_scaler") else StatelessHookState("none")
+        self.hook_state.use_scaler(self.scaler)
         self.one = torch.ones((), device=self.device)  # scaled by the scaler: the scale, no host sync
         self.skipped_in_row = 0                    # consecutive skipped steps (Step 5)
         self.first_skipped: tuple[int, int | None] | None = None  # (step, epoch) starting the streak
@@ -267,27 +273,21 @@ class TrainStep:
         if grads:  # sum_i |g_i| per tensor, one batched kernel: NaN and Inf propagate into it
             l1 = torch.stack(torch._foreach_norm(grads, 1)).sum()
             bad = (~torch.isfinite(l1)).float().to(loss.device) + bad
-        hook_bad = self.hook_state.nonfinite_inputs()  # a NaN the sparse output does not show
-        if hook_bad is not None:
-            bad = bad + hook_bad.to(loss.device)
         count = torch.full((), float(samples), dtype=torch.float64, device=loss.device)  # a fill, no copy
         stats = torch.stack([loss.double(), count, bad.double()])
         dist.all_reduce(stats)
         return stats
 
     def apply(self, skipped: bool, step: int, epoch: int | None, overflow: bool = False) -> bool:
-        """Step 5: the optimizer step, or the non-finite policy; fp16: the scaler's update from the
-        agreed flag. ``overflow``: only gradients were non-finite (the loss was finite on every
+        """Step 5: the optimizer step, or the non-finite policy; fp16: the scaler's update (from what
+        its ``unscale_`` found: the same on every rank). ``overflow``: only gradients were non-finite (the loss was finite on every
         rank). Returns whether the skip was the loss scaler's overflow skip (see the module
         docstring)."""
-        if self.scaler is not None:
-            # a gradient that overflows at a scale <= 1 is non-finite without any scaling
-            overflow = skipped and overflow and self.scaler.get_scale() > 1.0
-            self._agree_scaler(skipped)
-        else:
-            overflow = False
+        before = self.scaler.get_scale() if self.scaler is not None and skipped else None  # skipped only
+        # a gradient that overflows at a scale <= 1 is non-finite without any scaling
+        overflow = skipped and overflow and before is not None and before > 1.0
         if overflow:  # the scaler's normal back-off: the scale halves, the streak is not advanced
-            self.scaler.update()
+            self._back_off(before)
             self.optimizer.zero_grad(set_to_none=False)
             self.check_parameters(f"at {_where(step, epoch)}")
             return True
@@ -301,7 +301,7 @@ class TrainStep:
                 self.scaler.update()
             return False
         if self.scaler is not None:
-            self.scaler.update()
+            self._back_off(before)
         self.optimizer.zero_grad(set_to_none=False)
         self.skipped_in_row += 1
         if self.first_skipped is None:
@@ -315,15 +315,18 @@ class TrainStep:
                 f"{_where(*self.first_skipped)}; {TRY}")
         return False
 
-    def _agree_scaler(self, skipped: bool) -> None:
-        """fp16: the scaler's inf check for this step := the agreed flag (Step 4), on every rank, so
-        that ``scaler.update()`` backs off (or grows) the same scale everywhere even where a hook
-        left the non-finite values on one rank only (sparse exchanges). GradScaler keeps the checks
-        of ``unscale_`` per optimizer and device (``_per_optimizer_states``, torch 2.x); there is no
-        public setter."""
-        state = self.scaler._per_optimizer_states[id(self.optimizer)]
-        for found in state["found_inf_per_device"].values():
-            found.fill_(1.0 if skipped else 0.0)
+    def _back_off(self, before: float) -> None:
+        """fp16, a skipped step: ``scaler.update()``, which backs the scale off where this rank's
+        ``unscale_`` found the overflow (every rank, with DDP's all-reduce or a flashsgd hook: the
+        overflow reaches every rank's gradients). Where it did not (a non-finite loss with finite
+        gradients, or a hook that leaves a peer's overflow on the peer: ``noop``), the same back-off
+        is set through the scaler's public state dict, so that every rank keeps one scale and one
+        growth count."""
+        self.scaler.update()
+        if self.scaler.get_scale() >= before:
+            state = self.scaler.state_dict()
+            state.update(scale=before * state["backoff_factor"], _growth_tracker=0)
+            self.scaler.load_state_dict(state)
 
     def check_parameters(self, where: str, buffers: bool = False, memories: Any = None) -> None:
         """FloatingPointError when any rank holds a non-finite parameter, or with ``buffers`` a
@@ -370,7 +373,6 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=False)
         if self.timer is not None:
             self.timer.take()  # exchanges before this step (a bucket rebuild) are not its own
-        self.hook_state.begin_step(self.scaler.scale(self.one) if self.scaler is not None else None)
         t1 = stamp(dev)
         forward: list[tuple[Stamp, Stamp]] = []
         loss_total = None
@@ -390,10 +392,9 @@ class TrainStep:
         t4 = stamp(dev)
         loss_sum_all, samples, flags = stats.tolist()  # the step's one host sync
         skipped = flags > 0
-        self.hook_state.end_step(kept=not skipped)  # a skipped step leaves the hook's memories as they were
         overflow = self.apply(skipped, step, epoch, overflow=0 < flags < LOSS_FLAG)   # Step 5
         # fp16: the updated scale, copied on the device (reading it now would be a second sync)
-        scale = self.scaler._get_scale_async().clone() if self.scaler is not None else None
+        scale = self.scaler.scale(self.one) if self.scaler is not None else None
         t5 = stamp(dev)
         return StepResult(loss=loss_sum_all / samples, samples=int(samples), skipped=bool(skipped),
                           marks=(t0, t1, t3, t4, t5), forward_marks=tuple(forward),
