@@ -35,7 +35,7 @@ def _run(spec: dict) -> None:
     from flashsgd.integrations.accelerate import attach_hook, recipe_optimizer
     from flashsgd.optim.schedules import lambda_lr
 
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=not spec.get("gpu"), mixed_precision="fp16" if spec.get("fp16") else "no")
     world, rank = accelerator.num_processes, accelerator.process_index
     n = STEPS_PER_EPOCH * BATCH * world
     gen = torch.Generator().manual_seed(7)
@@ -61,15 +61,25 @@ def _run(spec: dict) -> None:
     start, stop = spec.get("start", 0), spec.get("stop", STEPS_PER_EPOCH * EPOCHS)
     if spec.get("resume") and not spec.get("load_first"):
         accelerator.load_state(spec["resume"])
-    records, step = [], start
+    records, step, seen = [], start, {}
     while step < stop:
         for xb, yb in loader:  # an epoch: this process's shard, in order (a resume starts at an epoch)
             if step >= stop:
                 break
             lr = optimizer.param_groups[0]["lr"]
             loss = setup.loss_fn(model(xb), yb)
+            if step == spec.get("overflow_at"):  # fp16: finite in fp32, its fp16 gradients overflow
+                loss = loss * 1e30
+                seen["before"] = _hook_memories(model)
+                seen["params"] = [p.detach().clone() for p in model.parameters()]
             accelerator.backward(loss)
             optimizer.step()
+            if step == spec.get("overflow_at"):
+                after = _hook_memories(model)
+                seen["same"] = seen["before"].keys() == after.keys() and all(
+                    torch.equal(seen["before"][k], after[k]) for k in after)
+                seen["stepped"] = not all(torch.equal(a, b) for a, b in zip(seen.pop("params"), model.parameters()))
+                del seen["before"]
             scheduler.step()  # prepared: Accelerate steps it num_processes times
             optimizer.zero_grad()
             records.append((step, loss.item(), lr))
@@ -77,8 +87,21 @@ def _run(spec: dict) -> None:
     if spec.get("save"):
         accelerator.save_state(spec["save"])
     (out / f"losses{rank}.json").write_text(json.dumps(records))
+    if spec.get("fp16"):
+        seen["scale"] = accelerator.scaler.get_scale()
+        (out / f"report{rank}.json").write_text(json.dumps(seen))
     if rank == 0:
         torch.save({k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}, out / "params.pt")
+
+
+def _hook_memories(model) -> dict:
+    """The memories of the hook on ``model`` (after ``state_dict()``: a finished step is closed)."""
+    from flashsgd.comm.hooks import hook_state_of
+
+    state = hook_state_of(model)
+    state.state_dict()
+    return {f"{kind}{k}": v.clone() for kind, d in (("r", state.residuals), ("v", state.velocities),
+                                                      ("n", state.layer_norms)) for k, v in d.items()}
 
 
 def main(specs: list[dict]) -> None:
@@ -136,8 +159,11 @@ def test_accelerate_dense_matches_and_gtopk_resume_is_bit_identical(tmp_path):
     assert first.stderr.count("can send each gradient entry at most") == 1  # rank 0 only (Python shows it once)
 
     resume = {**gtopk, "resume": str(d["half"] / "state"), "start": STEPS_PER_EPOCH}
-    _job(tmp_path, [{**resume, "out": str(d["resumed"])},
-                    {**resume, "out": str(tmp_path / "bare"), "load_first": True}])
+    second = _job(tmp_path, [{**resume, "out": str(d["resumed"])},
+                             {**resume, "out": str(tmp_path / "bare"), "load_first": True}])
+    # attach_hook after load_state: told that the hook state was not restored, and what to do
+    assert second.stderr.count("attach_hook('gtopk') after the optimizer already has state") == 1, second.stderr[-3000:]
+    assert "call attach_hook before accelerator.load_state" in second.stderr
     full = _records(d["full"])
     for r, (a, b) in enumerate(zip(full, _records(d["resumed"]))):
         assert b == a[STEPS_PER_EPOCH:], f"rank {r}: resumed steps differ: {a[STEPS_PER_EPOCH:]} vs {b}"
@@ -149,6 +175,24 @@ def test_accelerate_dense_matches_and_gtopk_resume_is_bit_identical(tmp_path):
     p, q = torch.load(d["full"] / "params.pt"), torch.load(d["resumed"] / "params.pt")
     assert all(torch.equal(p[k], q[k]) for k in p)
     print(f"gtopk {WORLD} ranks: steps 10-19 after load_state bit-identical (losses, LRs, parameters)")
+
+
+@pytest.mark.gpu
+def test_accelerate_fp16_overflow_is_skipped_with_the_memories_untouched(tmp_path):
+    """One GPU (NCCL), ``mixed_precision="fp16"``: ``attach_hook`` hands ``accelerator.scaler`` to
+    the hook (no extra line); an overflow at step 6 is skipped by Accelerate's GradScaler (the
+    parameters stay, the scale halves against the run without it), the hook's memories are bit for
+    bit as before it, and the runs end within 0.1 of each other."""
+    pytest.importorskip("accelerate", reason=REASON)
+    gtopk = {"hook": "gtopk", "options": {"density": 0.05, "start_iter": 2, "layer_trust": True},
+             "gpu": True, "fp16": True}
+    job(__file__, [{**gtopk, "out": str(tmp_path / "clean")}, {**gtopk, "out": str(tmp_path / "over"), "overflow_at": 6}],
+        tmp_path, 1, 300, {})
+    clean, over = (json.loads((tmp_path / d / "report0.json").read_text()) for d in ("clean", "over"))
+    assert over["same"] and not over["stepped"], over
+    assert over["scale"] == clean["scale"] / 2, (over, clean)
+    a, b = (json.loads((tmp_path / d / "losses0.json").read_text())[-1][1] for d in ("clean", "over"))
+    assert abs(a - b) <= 0.1, (a, b)
 
 
 def test_accelerate_example_runs(tmp_path):

@@ -56,10 +56,24 @@ def _fit(spec: dict) -> None:
         def training_step(self, batch, batch_idx):
             loss = torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
             self.log("loss", loss)  # logging inside the step (the resume's bucket rebuild must discard it)
+            if self.trainer.global_step == spec.get("overflow_at") and rank == spec.get("overflow_rank", 1):
+                loss = loss * 1e30  # finite in fp32; its fp16 gradients overflow (rank 1 only)
             return loss
 
+        def on_train_batch_start(self, batch, batch_idx):
+            if self.trainer.global_step == spec.get("overflow_at"):
+                self.before = _memories(hook.state)
+                self.params = torch.cat([p.detach().flatten().clone() for p in self.parameters()])
+
         def on_train_batch_end(self, outputs, batch, batch_idx):  # the rebuild's extra training_step: not here
+            step = len(self.losses)
             self.losses.append((self.trainer.global_step - 1, outputs["loss"].item()))
+            if step == spec.get("overflow_at"):
+                after = _memories(hook.state)
+                params = torch.cat([p.detach().flatten() for p in self.parameters()])
+                self.overflow = {"same": self.before.keys() == after.keys()
+                                 and all(torch.equal(self.before[k], after[k]) for k in after),
+                                 "stepped": not torch.equal(params, self.params)}
 
         def configure_optimizers(self):
             return configure_optimizers(self, "goyal", global_batch=BATCH * world, num_samples=n, epochs=2)
@@ -69,19 +83,46 @@ def _fit(spec: dict) -> None:
             return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
 
     model = Net()
-    callbacks = [FlashsgdHook(spec["hook"], **spec.get("options", {}))] if spec["hook"] != "lightning" else []
+    hook = FlashsgdHook(spec["hook"], **spec.get("options", {})) if spec["hook"] != "lightning" else None
+    callbacks = [hook] if hook is not None else []
+    plugins = []
+    if spec.get("precision") == "16-mixed":  # Lightning's fp16 plugin, forced onto the CPU
+        from lightning.pytorch.plugins.precision import MixedPrecision
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
     ckpt_dir = Path(spec["out"]) / "ckpt"
     callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_top_k=spec.get("top_k", -1),
                                      every_n_train_steps=spec.get("every", STEPS_PER_EPOCH)))
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+    if spec.get("precision") == "16-mixed-gpu":  # Lightning's own fp16 on a GPU
+        plugins = []
+    trainer = L.Trainer(accelerator="gpu" if spec.get("precision") == "16-mixed-gpu" else "cpu",
+                        precision="16-mixed" if spec.get("precision") == "16-mixed-gpu" else None,
+                        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
                         strategy=DDPStrategy(timeout=timedelta(seconds=120)), max_epochs=spec["epochs"],
                         callbacks=callbacks, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, deterministic=True, default_root_dir=spec["out"])
+                        enable_model_summary=False, deterministic=True, default_root_dir=spec["out"],
+                        plugins=plugins)
     trainer.fit(model, ckpt_path=spec.get("resume"))
     out = Path(spec["out"])
     (out / f"losses{rank}.json").write_text(json.dumps(model.losses))
+    if hook is not None and spec.get("report"):
+        memories = _memories(hook.state)
+        scaler = trainer.strategy.precision_plugin.__dict__.get("scaler")
+        (out / f"report{rank}.json").write_text(json.dumps({
+            "memory": torch.cat([t.flatten().float() for t in memories.values()]).norm().item(),
+            "scale": scaler.get_scale() if scaler is not None else None,
+            "overflow": getattr(model, "overflow", None)}))
     if rank == 0:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / "params.pt")
+
+
+def _memories(state) -> dict:
+    """The hook's memories (residuals, velocities) and layer norms, cloned, by name (after
+    ``state_dict()``, which closes a step whose backward is done: kept, or put back)."""
+    state.state_dict()
+    out = {f"r{k}": v.clone() for k, v in state.residuals.items()}
+    out.update({f"v{k}": v.clone() for k, v in state.velocities.items()})
+    out.update({f"n{k}": v.clone() for k, v in state.layer_norms.items()})
+    return out
 
 
 def main(specs: list[dict]) -> None:
@@ -149,6 +190,44 @@ def test_gtopk_resume_from_lightning_checkpoint_is_bit_identical(tmp_path):
     p, q = torch.load(full / "params.pt"), torch.load(resumed / "params.pt")
     assert all(torch.equal(p[k], q[k]) for k in p)
     print(f"gtopk {WORLD} ranks: steps 10-19 after the resume bit-identical (losses and parameters)")
+
+
+def test_fp16_plugin_keeps_true_units_and_skipped_steps(tmp_path):
+    """Lightning's fp16 ``MixedPrecision`` plugin (forced onto the CPU) with ``FlashsgdHook("gtopk")``
+    and LARS-style layer norms: no flashsgd line beyond the callback. The memories are the
+    ``32-true`` run's to within 1% (before: 65,536x); an overflow injected on rank 1 at step 6 is
+    skipped by the plugin's GradScaler on both ranks (the scale halves, the parameters stay), every memory bit-identical across it, and the run ends within 0.05 of the run without it."""
+    pytest.importorskip("lightning", reason=REASON)
+    options = {"density": 0.05, "start_iter": 2, "layer_trust": True}
+    runs = {name: {"hook": "gtopk", "options": options, "out": str(tmp_path / name), "epochs": 1,
+                   "report": True, **extra}
+            for name, extra in {"fp32": {}, "fp16": {"precision": "16-mixed"},
+                                "overflow": {"precision": "16-mixed", "overflow_at": 6}}.items()}
+    job(__file__, list(runs.values()), tmp_path, 2, 300, ENV)
+    reports = {name: [json.loads((tmp_path / name / f"report{r}.json").read_text()) for r in range(2)]
+               for name in runs}
+    for r in range(2):
+        m32, m16 = reports["fp32"][r]["memory"], reports["fp16"][r]["memory"]
+        assert m16 == pytest.approx(m32, rel=0.01), f"rank {r}: memories fp16 {m16} vs 32-true {m32}"
+        over = reports["overflow"][r]
+        assert over["overflow"] == {"same": True, "stepped": False}, over
+        assert over["scale"] == reports["fp16"][r]["scale"] / 2, (over["scale"], reports["fp16"][r]["scale"])
+    clean = [json.loads((tmp_path / "fp16" / f"losses{r}.json").read_text())[-1][1] for r in range(2)]
+    skipped = [json.loads((tmp_path / "overflow" / f"losses{r}.json").read_text())[-1][1] for r in range(2)]
+    assert all(abs(a - b) <= 0.05 for a, b in zip(clean, skipped)), (clean, skipped)
+
+
+@pytest.mark.gpu
+def test_16_mixed_on_a_gpu_skips_an_overflow_with_the_memories_untouched(tmp_path):
+    """One GPU (NCCL), ``precision="16-mixed"``: the same checks as on the CPU plugin, on the GPU."""
+    pytest.importorskip("lightning", reason=REASON)
+    options = {"density": 0.05, "start_iter": 2, "layer_trust": True}
+    base = {"hook": "gtopk", "options": options, "epochs": 1, "report": True, "precision": "16-mixed-gpu"}
+    job(__file__, [{**base, "out": str(tmp_path / "clean")},
+                   {**base, "out": str(tmp_path / "over"), "overflow_at": 6, "overflow_rank": 0}], tmp_path, 1, 300, ENV)
+    clean, over = (json.loads((tmp_path / d / "report0.json").read_text()) for d in ("clean", "over"))
+    assert over["overflow"] == {"same": True, "stepped": False}, over
+    assert over["scale"] == clean["scale"] / 2, (over, clean)
 
 
 def test_lightning_example_runs(tmp_path):

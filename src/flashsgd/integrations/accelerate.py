@@ -22,7 +22,10 @@ DDP model from ``prepare`` (nothing to exchange), and :func:`attach_hook` says s
    :func:`recipe_optimizer`) counts optimizer steps, so it is right either way.
 2. Registers the hook (:func:`flashsgd.comm.hooks.register_hook`) on the prepared DDP model, with
    the run length when given (``total_steps``: the trainer's step-count check, warned on the main
-   process as ``flashsgd train`` does; a density warm-up longer than the run is an error).
+   process as ``flashsgd train`` does; a density warm-up longer than the run is an error) and
+   ``accelerator.scaler`` (fp16's GradScaler, None otherwise: :mod:`flashsgd.comm.hook_step`).
+   Called after ``load_state`` (the optimizer already has state), it warns: that load did not
+   restore the hook's state.
 3. ``accelerator.save_state(dir)`` then also writes each process's hook state to
    ``dir/flashsgd_hook/rank<r>.pt`` (:mod:`flashsgd.integrations.rank_state`: per rank, not a
    gather into the main process's files), through ``register_save_state_pre_hook``;
@@ -35,6 +38,7 @@ DDP model from ``prepare`` (nothing to exchange), and :func:`attach_hook` says s
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
@@ -110,7 +114,9 @@ def attach_hook(accelerator: Any, model: Any, name: str, options: Any = None, *,
                                                                  density_warmup_epochs))
     elif kwargs or density_warmup_epochs is not None:
         raise ValueError(f"attach_hook({name!r}): pass either an options object or options by name")
-    state = register_hook(model, name, options, wrap=wrap, total_steps=total_steps)  # Step 2
+    state = register_hook(model, name, options, wrap=wrap, total_steps=total_steps,  # Step 2
+                          scaler=accelerator.scaler)
+    _warn_if_resumed(accelerator, name)
     shutdown_at_exit()  # Accelerate never destroys its process group: flashsgd's subgroups with it
     resumed = {"pending": False}
 
@@ -131,6 +137,20 @@ def attach_hook(accelerator: Any, model: Any, name: str, options: Any = None, *,
     accelerator.register_load_state_pre_hook(load)
     model.register_forward_pre_hook(rebuild, with_kwargs=True)
     return state
+
+
+def _warn_if_resumed(accelerator: Any, name: str) -> None:
+    """A warning when the prepared optimizers already have state (``accelerator.load_state`` ran
+    before :func:`attach_hook`, or training did): the hook's per-rank state would not be restored
+    by that load, and the hook starts from empty memories."""
+    if not EXCHANGES[name].compresses:  # only memories across steps are lost
+        return
+    stepped = [o for o in getattr(accelerator, "_optimizers", []) if getattr(o, "state", None)]
+    if stepped and accelerator.is_main_process:
+        warnings.warn(f"attach_hook({name!r}) after the optimizer already has state (an accelerator.load_state, "
+                      f"or steps taken without the hook): the hook starts from empty error-feedback memories. "
+                      f"For a resume, call attach_hook before accelerator.load_state: then load_state restores "
+                      f"each rank's hook state and the resume is exact", UserWarning, stacklevel=3)
 
 
 def _as_loss(output: Any) -> torch.Tensor:

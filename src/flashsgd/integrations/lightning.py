@@ -30,6 +30,9 @@ What :class:`FlashsgdHook` does, at these points of ``Trainer.fit``:
    length ``trainer.estimated_stepping_batches``: the trainer's step-count check warns on rank 0 as
    ``flashsgd train`` does, a warm-up longer than the run is an error. ``density_warmup_epochs`` is
    turned into steps with the trainer's steps per epoch. On a resume, each rank loads its own state.
+   Under ``precision="16-mixed"`` the precision plugin's GradScaler is handed to the hook
+   (:func:`loss_scaler`): memories in true gradient units, and a step the scaler skips for an
+   overflow leaves them as they were (:mod:`flashsgd.comm.hook_step`).
 4. ``on_train_batch_start`` of the first batch after a resume:
    :func:`flashsgd.comm.hooks.rebuild_buckets` with that batch (through
    ``trainer.strategy.training_step``, its logging discarded), so DDP's buckets are the
@@ -176,7 +179,7 @@ class FlashsgdHook(pl.Callback):
                                  f"unknown: an iterable dataset without a length)") from None
             options = EXCHANGES[self.name].make_options(**kwargs)
         self.state = register_hook(trainer.strategy.model, self.name, options, wrap=self.wrap,
-                                   total_steps=int(total) if known else None)
+                                   total_steps=int(total) if known else None, scaler=loss_scaler(trainer))
         shutdown_at_exit()  # Lightning never destroys its process group: flashsgd's subgroups with it
         where = ""
         if self._resume is not None:
@@ -276,6 +279,12 @@ class _PruneStates(CheckpointIO):
         if name in ("inner", "callback"):
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+def loss_scaler(trainer: pl.Trainer) -> Any:
+    """The fp16 loss scaler of the run: the precision plugin's ``scaler`` (``MixedPrecision`` with
+    ``precision="16-mixed"``; None with ``bf16-mixed``, ``32-true`` and other plugins)."""
+    return getattr(trainer.strategy.precision_plugin, "scaler", None)
 
 
 def _loss_of(output: Any) -> torch.Tensor:
