@@ -1,6 +1,7 @@
 """The own-code examples run as written and the docs show them verbatim: examples/train_ddp.py (the
 README) and examples/custom_recipe.py (docs/recipe.md) under torchrun (2 ranks); the README's hook
-list is the catalog's."""
+list is the catalog's. examples/transformers_gtopk.py (a Hugging Face Trainer) runs under torchrun
+too: stopped after its checkpoint of step 40, then resumed from it (needs transformers)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from torchrun_jobs import flashsgd_lines
 
 from flashsgd.exchanges import EXCHANGES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
 CUSTOM = ROOT / "examples" / "custom_recipe.py"
+TRAINER = ROOT / "examples" / "transformers_gtopk.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
@@ -54,6 +57,26 @@ def test_custom_recipe_example_trains_under_torchrun_without_a_warning(tmp_path)
     lrs, losses, accs = ([float(r[i]) for r in rows] for i in (2, 3, 4))
     assert lrs[-1] < 0.01 * max(lrs)  # the poly decay reached its end
     assert losses[-1] < losses[0] and accs[-1] > 85.0, out.stdout  # chance is ~10%
+
+
+def test_transformers_example_trains_stops_and_resumes_under_torchrun(tmp_path):
+    pytest.importorskip("transformers", reason="needs Hugging Face Transformers (pip install "
+                        "'flashsgd[integrations]'; scripts/setup.sh installs it)")
+    out = tmp_path / "run"
+    first = subprocess.run(TORCHRUN + [str(TRAINER), str(out), "40"], capture_output=True, text=True,
+                           timeout=180, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-20", "checkpoint-40"], first.stdout
+    resumed = subprocess.run(TORCHRUN + [str(TRAINER), str(out)], capture_output=True, text=True,
+                             timeout=180, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoint-40'}" in resumed.stdout, resumed.stdout
+    losses = [float(v) for v in re.findall(r"epoch \d: loss ([0-9.]+)", resumed.stdout)]
+    assert len(losses) == 4 and losses[-1] < losses[0], resumed.stdout
+    for step in (20, 40, 60, 80):  # each rank's hook state inside each checkpoint
+        assert sorted(p.name for p in (out / f"checkpoint-{step}" / "flashsgd_hook").iterdir()) == \
+            ["rank0.pt", "rank1.pt"]
+    assert len(flashsgd_lines(TRAINER)) <= 3, flashsgd_lines(TRAINER)
 
 
 def test_readme_hook_list_is_the_catalog():

@@ -42,7 +42,8 @@ the loop only hands over its loss scaler, once (``register_hook(ddp, name, scale
    gradients were non-finite on some rank (Step 3's agreed value) and no optimizer step ran after
    its backward (torch's public ``register_optimizer_step_post_hook``, counted for every optimizer
    of the process; GradScaler skips ``optimizer.step`` on an overflow, ``flashsgd train`` skips it
-   on any non-finite step). A skipped step puts back everything ``state_dict()`` holds apart from
+   on any non-finite step; a fused optimizer, which GradScaler calls on every step with its
+   ``found_inf`` to skip inside the kernel, stepped where that is 0). A skipped step puts back everything ``state_dict()`` holds apart from
    its statistics (residuals, velocities, PowerSGD error, P and Q, the iteration, RNG streams, kept
    thresholds and their counters), and the LARS layer norms, bit for bit as they were at Step 1.
    The statistics (``stats``: bytes sent, buckets, remaps; torch's PowerSGD compression counters)
@@ -54,10 +55,9 @@ the loop only hands over its loss scaler, once (``register_hook(ddp, name, scale
 
 The agreed value is read on the host only when Step 4 needs it (no optimizer step since: rare),
 on CUDA from a pinned copy made when Step 3 ran (``event.synchronize()``: it waits for that
-point of the previous backward only, long passed in practice). Without a scaler, a non-finite
-step tells rank 0 once (a warning) to pass ``scaler=`` if it trains under fp16 with GradScaler;
-on CUDA this check reads the pinned copy only once the device has passed it (``event.query()``),
-never waiting. Loss-scaled gradients without ``scaler=`` cannot be told from large ones, so that
+point of the previous backward only, long passed in practice). Without a scaler, such a step (non-
+finite, and skipped by the loop, as GradScaler skips it) makes rank 0 warn once to pass
+``scaler=``. Loss-scaled gradients without ``scaler=`` cannot be told from large ones, so that
 mistake itself is not detected: docs/integrations.md says what to pass in each loop.
 
 The same protocol by hand (``state.begin_step(grad_scale)`` before the backward,
@@ -94,19 +94,32 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from flashsgd.host_syncs import device_path
+
 __all__ = ["HookStep", "optimizer_steps"]
 
-_STEPS = [0, None]  # [optimizer steps taken in this process, the hook's handle]
+_STEPS: dict[str, Any] = {"plain": 0, "conditional": 0, "found_inf": None, "handle": None}
+"""Optimizer steps taken in this process: ``plain`` ones, and ``conditional`` ones (a fused or
+capturable optimizer under GradScaler is called on every step with the scaler's ``found_inf`` set
+on it, and skips inside its kernel where it is not 0; the last one's ``found_inf``)."""
 
 
-def optimizer_steps() -> int:
-    """Optimizer steps taken in this process since the first call (every ``torch.optim.Optimizer``:
-    torch's global step post-hook, registered once; Step 4's "did an optimizer step run")."""
-    if _STEPS[1] is None:
+def optimizer_steps() -> tuple[int, int]:
+    """(plain, conditional) optimizer steps taken in this process since the first call (every
+    ``torch.optim.Optimizer``: torch's global step post-hook, registered once; Step 4's "did an
+    optimizer step run")."""
+    if _STEPS["handle"] is None:
         def count(optimizer: Any, args: Any, kwargs: Any) -> None:
-            _STEPS[0] += 1
-        _STEPS[1] = register_optimizer_step_post_hook(count)
-    return _STEPS[0]
+            # GradScaler hands a fused optimizer its found_inf as an attribute for the call (torch 2.x,
+            # GradScaler.step), or as a keyword to an optimizer that takes one: the kernel skips
+            found = getattr(optimizer, "found_inf", kwargs.get("found_inf"))
+            if isinstance(found, torch.Tensor):  # GradScaler left the skip to the optimizer's kernel
+                _STEPS["conditional"] += 1
+                _STEPS["found_inf"] = found
+            else:
+                _STEPS["plain"] += 1
+        _STEPS["handle"] = register_optimizer_step_post_hook(count)
+    return _STEPS["plain"], _STEPS["conditional"]
 
 
 class AgreedFlag:
@@ -124,12 +137,10 @@ class AgreedFlag:
             self.event = torch.cuda.Event()
             self.event.record()
 
-    def read(self, wait: bool) -> bool | None:
-        """Whether some rank's input was non-finite; None when ``wait`` is False and the device
-        has not reached Step 3 yet."""
+    def read(self) -> bool:
+        """Whether some rank's input was non-finite (CUDA: waits for the device to reach Step 3 of
+        that step, long passed when Step 4 asks)."""
         if self.event is not None:
-            if not wait and not self.event.query():
-                return None
             self.event.synchronize()
         return bool(self.host > 0)
 
@@ -173,7 +184,7 @@ class HookStep:
     def end(self) -> None:
         """Step 4's bookkeeping: no step open, units as they arrive."""
         self.scale, self.inverse, self.bad, self.open, self.by_hand = None, None, None, False, False
-        self.closed, self.agreed, self.steps_at_open = False, None, 0
+        self.closed, self.agreed, self.steps_at_open = False, None, (0, 0)
 
     def loss_scale(self, device: torch.device) -> torch.Tensor | None:
         """The scaler's scale as a 0-dim tensor on ``device`` (``scaler.scale(1)``: no host sync);
@@ -202,12 +213,18 @@ class HookStep:
 
     def kept(self) -> bool:
         """Step 4's decision: False when the step's gradients were non-finite on some rank and no
-        optimizer step ran since it opened. Warns once (rank 0) when they were non-finite and there
-        is no scaler."""
-        stepped = optimizer_steps() != self.steps_at_open
-        if self.agreed is None:
+        optimizer step ran since it opened (the agreed count is read only then); a fused optimizer
+        under GradScaler is called on every step and skips inside its kernel, so after such a
+        call the step is skipped where the count is not 0 and the scaler's ``found_inf`` is not
+        (the count read each step, from pinned memory; ``found_inf`` on a non-finite step only).
+        Warns once (rank 0) when a skipped step had no scaler."""
+        plain, conditional = optimizer_steps()
+        if plain != self.steps_at_open[0] or self.agreed is None:
             return True
-        if self.scaler is None and not self.warned and self.agreed.read(wait=not stepped):
+        bad = self.agreed.read()
+        if conditional != self.steps_at_open[1]:
+            return not (bad and bool(_STEPS["found_inf"] > 0))
+        if bad and self.scaler is None and not self.warned:
             self.warned = True
             if not dist.is_initialized() or dist.get_rank() == 0:
                 warnings.warn(
@@ -217,7 +234,7 @@ class HookStep:
                     "so that the hook keeps its memories in true gradient units and a step GradScaler "
                     "skips leaves them as they were (docs/integrations.md, mixed precision)",
                     UserWarning, stacklevel=2)
-        return stepped or not self.agreed.read(wait=True)
+        return not bad
 
     # ------------------------------------------------------------------ inside the hook -------
     def unscale_(self, buf: torch.Tensor) -> torch.Tensor:
@@ -230,7 +247,7 @@ class HookStep:
             flag = (~torch.isfinite(buf.sum())).float()
             self.bad = flag if self.bad is None else self.bad + flag.to(self.bad.device)
             # CUDA: one more pass rather than a host sync; the CPU reads the flag for free
-            if buf.is_cuda or flag.item():
+            if device_path(buf) or flag.item():
                 buf.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         if self.scale is not None:
             buf.mul_(self.inverse.to(buf.device))
@@ -261,7 +278,7 @@ class HookStep:
             return buf
         self.agree(buf, group)
         flag = self.agreed.tensor
-        if buf.numel() and (flag.is_cuda or bool(flag > 0)):  # CUDA: a select, not a host read
+        if buf.numel() and (device_path(flag) or bool(flag > 0)):  # CUDA: a select, not a host read
             buf[:1].add_(torch.where(flag.to(buf.device) > 0, float("inf"), 0.0).to(buf.dtype))
         self.closed = True
         return buf

@@ -121,7 +121,7 @@ def _not_ddp_remedy(model: Any) -> str:
                 "fit has started) (docs/integrations.md)")
     if {("transformers", "PreTrainedModel")} & names:
         return ("a transformers model: a Hugging Face Trainer wraps it in DDP inside train(), so use the callback "
-                "flashsgd.integrations.transformers.FlashsgdCallback(NAME, **options) in Trainer(callbacks=[...]), "
+                "flashsgd.integrations.transformers.FlashsgdCallback(NAME, **options).attach(trainer), "
                 "or pass trainer.model_wrapped (the DDP model, once train() has started); in an Accelerate "
                 "loop, pass the model accelerator.prepare(model) returned (docs/integrations.md)")
     state = sys.modules.get("accelerate.state")

@@ -173,7 +173,7 @@ def _as_loss(output: Any) -> torch.Tensor:
                 collect(v)
     collect(output)
     if not found:
-        raise ValueError(f"attach_hook: the model's first forward after load_state returned "
+        raise ValueError(f"flashsgd: the model's first training forward after a resume returned "
                          f"{type(output).__name__} with no tensor that needs a gradient: DDP's buckets "
                          f"cannot be rebuilt from it")
     return torch.stack(found).sum()

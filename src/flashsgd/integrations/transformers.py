@@ -34,18 +34,25 @@ What :class:`FlashsgdCallback` does, at these points of ``Trainer.train``:
    Trainer's optimizer steps per epoch.
 2. Still ``on_train_begin``, on a resume: each rank loads its own state from
    ``<checkpoint>/flashsgd_hook/rank<r>.pt`` (:mod:`flashsgd.integrations.rank_state`); a
-   checkpoint without one is a warning naming it (the hook starts from empty residuals).
+   checkpoint without states is a warning naming it (rank 0; the hook starts from empty
+   residuals), states that only some ranks see an error naming the others (one all-gather of a
+   flag decides, so that every rank does the same).
 3. The first training forward after a resume first rebuilds DDP's buckets
    (:func:`flashsgd.comm.hooks.rebuild_buckets`, with that batch and the model's ``loss``: the
    same backward graph; a forward pre-hook on the DDP model), so the resumed run is
-   bit-identical to the uninterrupted one.
+   bit-identical to the uninterrupted one. (DDP rebuilds its buckets only without
+   ``find_unused_parameters``: ``TrainingArguments(ddp_find_unused_parameters=False)``; the
+   Trainer's default for a PreTrainedModel is True, and then the layout never changes.)
 4. ``on_save`` (every rank, after the Trainer wrote ``<output_dir>/checkpoint-<global step>``):
    each rank writes its hook state to ``checkpoint-<step>/flashsgd_hook/rank<r>.pt``, inside the
    checkpoint, so that ``save_total_limit`` removes it with the checkpoint.
 
 Not supported: FSDP, DeepSpeed and one-process ``DataParallel`` (flashsgd hooks are DDP
 communication hooks: an error names what ``trainer.model_wrapped`` is), ``hyperparameter_search``
-(its checkpoints go to per-trial folders).
+(its checkpoints go to per-trial folders). Under ``fp16=True`` a fused optimizer (transformers 5's
+default ``optim="adamw_torch_fused"``) is called by GradScaler on every step with its ``found_inf``
+and skips inside the kernel; the hook reads that ``found_inf`` on a non-finite step and puts its
+memories back as for any other optimizer (:mod:`flashsgd.comm.hook_step`).
 
 Example::
 
@@ -59,11 +66,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 try:
@@ -78,7 +87,7 @@ from flashsgd.comm.hooks import HOOKS, rebuild_buckets, register_hook
 from flashsgd.exchanges import EXCHANGES
 from flashsgd.integrations.accelerate import _as_loss
 from flashsgd.integrations.plan import warmup_in_steps
-from flashsgd.integrations.rank_state import load_rank_state, rank_file, save_rank_state
+from flashsgd.integrations.rank_state import load_rank_state, save_rank_state
 from flashsgd.launch import shutdown_at_exit
 
 __all__ = ["FlashsgdCallback", "STATE_DIR"]
@@ -188,13 +197,14 @@ class FlashsgdCallback(TrainerCallback):
         where = ""
         if resume:                                                                       # Step 2
             directory = Path(resume) / STATE_DIR
-            if any(directory.glob("rank*.pt")):
+            if _seen_by_every_rank(directory, resume):
                 load_rank_state(self.state, directory, self.name, f" (checkpoint {resume})")
                 where = f"; each rank's state restored from {directory}"
-            elif EXCHANGES[self.name].compresses:
+            elif EXCHANGES[self.name].compresses and state.is_world_process_zero:
                 warnings.warn(f"FlashsgdCallback({self.name!r}): the checkpoint {resume} has no flashsgd hook "
-                              f"state ({rank_file(directory, 0)}: written without FlashsgdCallback, or removed): "
-                              f"the hook starts from empty error-feedback residuals", UserWarning)
+                              f"state (no {directory}{os.sep}rank<r>.pt: written without FlashsgdCallback, or "
+                              f"removed): the hook starts from empty error-feedback residuals, and the run "
+                              f"departs from the uninterrupted one", UserWarning)
             self._rebuild = True
         if state.is_world_process_zero:
             logger.info(f"flashsgd: hook {self.name}({_shown(self.name, self._registered)}) registered on "
@@ -230,6 +240,22 @@ class FlashsgdCallback(TrainerCallback):
             return
         checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"  # the Trainer's name
         save_rank_state(self.state, checkpoint / STATE_DIR, self.name)
+
+
+def _seen_by_every_rank(directory: Path, checkpoint: Any) -> bool:
+    """Whether every rank sees per-rank states in ``directory`` (collective: one all-gather of a
+    flag). None does: False. Some do: FileNotFoundError on every rank, naming the others."""
+    here = any(directory.glob("rank*.pt"))
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, here)
+    if all(seen):
+        return True
+    if any(seen):
+        raise FileNotFoundError(
+            f"flashsgd hook states of checkpoint {checkpoint}: rank(s) {[r for r, s in enumerate(seen) if not s]} "
+            f"see no {directory}, the others do: the per-rank states are written inside the checkpoint, one file "
+            f"per rank; resume from a filesystem every rank reads (or copy the folder to every node)")
+    return False
 
 
 def _shown(name: str, options: Any) -> str:
