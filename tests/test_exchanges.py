@@ -79,7 +79,7 @@ def test_unknown_and_bad_options_name_what_is_valid():
         gtopk.make_options(grid="2x2")
     assert gtopk.options_from(grid="2x2", density=0.01) == X.SparseOptions(density=0.01)
     for bad, message in (({"density": 0}, "density must be a number in \\(0, 1\\]"),
-                         ({"selection": "fast"}, "selection must be one of exact, sampled, threshold"),
+                         ({"selection": "fast"}, "selection must be one of auto, exact, sampled, threshold"),
                          ({"start_iter": 1}, "start_iter must be an integer >= 2"),
                          ({"timeout_s": float("inf")}, "timeout_s must be a finite number")):
         with pytest.raises(ValueError, match=message):

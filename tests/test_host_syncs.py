@@ -101,6 +101,37 @@ def test_the_dense_hooks_add_no_host_sync_on_the_calling_thread(run_ranks):
             assert counts == [1, 1], (algorithm, calls)
 
 
+def _count_cuda_path(cases: dict[str, dict]):
+    from flashsgd.host_syncs import as_if_cuda
+
+    with as_if_cuda():  # the code path of CUDA buckets, on this CPU: what it would wait for on a GPU
+        return {name: _count_default_step(extra, 3, True) for name, extra in cases.items()}
+
+
+CUDA_PATH_CASES = {"topk": {}, "gtopk": {}, "hgtopk-leader": {"node_split": "leader"},
+                   "hgtopk-sparse": {"node_split": "sparse"}}
+
+
+def test_the_compressing_hooks_cuda_path_waits_for_nothing(run_ranks):
+    """Issue 48: inside topk, gtopk and hgtopk (leader and sparse node steps) with the selection CUDA
+    runs (``auto`` -> exact), no call would wait for the GPU, at 3 ranks (gTop-k's fold-in and
+    fold-out) and 4 (a butterfly of 2 rounds): every step counts exactly the step's own read
+    (``tolist`` of the agreed [loss, samples, flag]), but the first sparse step, which also runs the
+    size check of each bucket once (one exchange of 3 integers per bucket: a tensor made from
+    Python integers, and its rows read). Before: 16 at
+    2 ranks and 24 at 4 with gtopk (the merges' masks, ``nonzero``, sizes read with ``int``, the
+    counted indices by mask; tests/test_host_syncs.py at eefc2b2)."""
+    cases = {name: {"algorithm": name.split("-")[0], "density": 0.05, "density_warmup": 0, "selection": "exact",
+                    **extra} for name, extra in CUDA_PATH_CASES.items()}
+    for world in (3, 4):
+        for name, (counts, calls, _) in run_ranks(_count_cuda_path, world, cases)[0].items():
+            first, *rest = calls
+            assert rest == [["tolist " + first[-1].split(" ", 1)[1]]] * 2, (name, world, calls)
+            size_checks = [c.split()[0] for c in first[:-1]]  # once per bucket: 3 integers made, read
+            assert sorted(set(size_checks)) in ([], ["tensor", "tolist"]) and \
+                size_checks.count("tensor") == size_checks.count("tolist"), (name, world, calls)
+
+
 def test_the_sparse_hooks_host_syncs_are_counted(run_ranks):
     """The sparse exchanges read sizes on the host (a selection's count, a merge's length): counted
     here and stated in docs/training.md ("Host synchronizations"); printed with ``-s``."""

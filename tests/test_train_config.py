@@ -56,7 +56,7 @@ def test_resolved_config_round_trips():
     ('[run]\nprogress = 3\n', "'run.progress': expected true or false"),
     ("[optim\n", "invalid TOML"),
     ("[comm]\ndensity = 0.1\ndensity_warmup = 0.05\n", "comm.density_warmup must be in [comm.density, 1]"),
-    ('[comm]\nselection = "fast"\n', "valid choices: exact, sampled"),
+    ('[comm]\nselection = "fast"\n', "valid choices: auto, exact, sampled"),
     ('[run]\ntimeout_s = nan\n', "'run.timeout_s': expected a finite number, got nan"),
     ('[optim]\nepochs = inf\n', "'optim.epochs': expected a finite number, got inf"),
     ('[optim]\nlr_per_ref = -0.1\n', "optim.lr_per_ref must be in [0, inf), got -0.1"),

@@ -69,9 +69,25 @@ DENSE_ITERATIONS = 2
 """Dense all-reduce iterations before a compressing hook starts (``start_iter``): DDP rebuilds its
 buckets after the first iteration, so no per-bucket state (residual, P/Q memory) exists before the
 layout is final; torch's PowerSGD default is 1000, ours matches the sparse hooks'."""
-SELECTIONS: tuple[str, ...] = ("exact", "sampled", "threshold")
-"""How a sparse hook picks its k entries (:mod:`flashsgd.comm.sparse_select`); all three give the
-same entries (exact top-k, ties to the lower index)."""
+SELECTIONS: tuple[str, ...] = ("auto", "exact", "sampled", "threshold")
+"""How a sparse hook picks its k entries (:mod:`flashsgd.comm.sparse_select`); all give the same
+entries (exact top-k, ties to the lower index); ``auto``: :data:`SELECTION_BY_DEVICE`."""
+SELECTION_BY_DEVICE: dict[str, str] = {"cuda": "exact", "cpu": "sampled"}
+"""The selection ``auto`` (the default) runs on a bucket of each device type, resolved at the hook's
+first call (``flashsgd train``: in its plan, from the run's backend).
+cuda: ``exact`` (``torch.topk``, no host synchronization): on one H200, ResNet-50 bf16 at batch 256
+and density 0.001, gtopk ran at 0.970x plain DDP with 0 host syncs per step, against 0.792x and 20
+with ``sampled`` (docs/gpu.md, the default selection by device); on an H100 ``torch.topk`` was the fastest selection
+of a 25.6M-element gradient (0.71 ms; sampled 0.74-1.05 ms, threshold 2.7-7.5 ms).
+cpu: ``sampled``: 3.2-11.3x faster than ``torch.topk`` on the 2-core VM (docs/benchmarks.md,
+"Selection"). Another device type gets ``exact``."""
+
+
+def resolved_selection(selection: str, device_type: str) -> str:
+    """``selection`` with ``auto`` resolved for a bucket on ``device_type`` (:data:`SELECTION_BY_DEVICE`)."""
+    return SELECTION_BY_DEVICE.get(device_type, "exact") if selection == "auto" else selection
+
+
 NODE_SPLITS: tuple[str, ...] = ("leader", "slices", "sparse")
 """How ``hgtopk`` combines the ranks of a node (:mod:`flashsgd.comm.sparse_hier`)."""
 DENSITY_WARMUP_MODES: tuple[str, ...] = ("exponential", "linear")
@@ -186,8 +202,9 @@ class SparseOptions(CommonOptions):
     or linear."""
     start_iter: int = DENSE_ITERATIONS
     """Dense iterations before sparsification, >= 2 (DDP rebuilds its buckets after the first)."""
-    selection: str = "sampled"
-    """exact (torch.topk), sampled (threshold from a sample, then an exact trim) or threshold
+    selection: str = "auto"
+    """auto (by the bucket's device: :data:`SELECTION_BY_DEVICE`, exact on CUDA, sampled on the CPU),
+    exact (torch.topk), sampled (threshold from a sample, then an exact trim) or threshold
     (candidates from block maxima, the threshold kept across steps): the same entries."""
     threshold_tolerance: float = 0.25
     """threshold selection: re-estimate a kept threshold that selects more than (1 + tol) k entries

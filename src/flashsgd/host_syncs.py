@@ -65,6 +65,27 @@ class SyncCount:
         return len(self.calls)
 
 
+_AS_IF_CUDA = [False]
+
+
+def device_path(t: torch.Tensor) -> bool:
+    """Whether code serving ``t`` must take its path that never reads a device value on the host:
+    ``t`` is on CUDA, or the caller is inside :func:`as_if_cuda` (how a CPU test checks that path).
+    On the CPU path a read costs nothing and may save work (a branch on a flag)."""
+    return t.is_cuda or _AS_IF_CUDA[0]
+
+
+@contextlib.contextmanager
+def as_if_cuda() -> Iterator[None]:
+    """Inside: :func:`device_path` is True for CPU tensors too, so the CUDA code path runs on a CPU
+    and :func:`count_host_syncs` counts what it would wait for on a GPU."""
+    before, _AS_IF_CUDA[0] = _AS_IF_CUDA[0], True
+    try:
+        yield
+    finally:
+        _AS_IF_CUDA[0] = before
+
+
 def _would_sync(name: str, args: tuple, kwargs: dict) -> bool:
     """Whether the call ``name(*args, **kwargs)`` synchronizes when its tensors are on CUDA."""
     if name in READS or name in DATA_SIZED:

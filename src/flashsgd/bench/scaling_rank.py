@@ -129,7 +129,8 @@ def model_info(spec: dict) -> dict:
 def compression_seconds(spec: dict, bucket_bytes: list[int], reps: int = 5) -> float:
     """Step 4: median time of the sparse hooks' local work per step (accumulate + selection), summed
     over the DDP buckets: :data:`flashsgd.comm.sparse_select.SELECTIONS` on a bucket-sized tensor."""
-    from flashsgd.comm.sparse_select import SELECTIONS, SelectionWorkspace, k_from_density
+    from flashsgd.comm.sparse_select import SELECTIONS, SelectionWorkspace, k_from_density, selection_for
+    from flashsgd.exchanges import resolved_selection
 
     total = 0.0
     g = torch.Generator().manual_seed(1)
@@ -140,10 +141,10 @@ def compression_seconds(spec: dict, bucket_bytes: list[int], reps: int = 5) -> f
         for _ in range(reps):
             t0 = time.perf_counter()
             acc = residual.add(grad)
-            if spec["selection"] == "sampled":
+            if resolved_selection(spec["selection"], acc.device.type) == "sampled":
                 SELECTIONS["sampled"](acc, k, generator=g, workspace=ws)
             else:
-                SELECTIONS[spec["selection"]](acc, k)
+                selection_for(spec["selection"], acc.device)(acc, k)
             times.append(time.perf_counter() - t0)
         total += statistics.median(times)
     return total

@@ -54,6 +54,7 @@ from torch.distributed import ProcessGroup
 from flashsgd.comm.p2p import exchange, gather_from_peers
 from flashsgd.comm.topology import default_timeout_s
 from flashsgd.exchanges import INT32_NUMEL, wire_index_bytes  # noqa: F401 (INT32_NUMEL re-exported)
+from flashsgd.host_syncs import device_path
 
 # selection and density live in sparse_select; re-exported here (one import site for callers)
 from flashsgd.comm.sparse_select import (DEFAULT_DENSITY, SELECTIONS,  # noqa: F401
@@ -69,16 +70,19 @@ def merge_topk(va: torch.Tensor, ia: torch.Tensor, vb: torch.Tensor, ib: torch.T
     """Sum two sparse vectors and keep the k entries of largest |sum|; ties go to the lower index.
 
     Inputs: values and int64 indices, each side sorted by index with distinct indices (the
-    canonical form). Output in the same form. Algorithm:
+    canonical form). Output in the same form, always k pairs (the union of two k-sets has at
+    least k indices). Algorithm:
         1. Merge positions by binary search: a_i goes to slot i + #{b < a_i}, b_j to
            j + #{a < b_j}; an index present on both sides lands in one slot (i + j), where the two
-           values are added; slots left empty are marked with index -1 and magnitude -1.
-        2. t = the k-th largest magnitude; keep every |sum| > t, then the lowest-index entries
-           with |sum| == t until k are kept (the slots are in index order).
-    The result does not depend on the order of the two sides (a common index's sum has exactly
-    two terms, and IEEE addition is commutative), so the two ranks of a butterfly pair get
-    bit-identical results. Cost: one O(k log k) binary search, then O(k) passes (the b side's
-    slots by counting, the selection by quickselect), no sort.
+           values are added; the slots left empty (one per common index) are the last ones and
+           are marked with index -1 and magnitude -1.
+        2. Keep the k slots first in (|sum| descending, slot ascending): a stable descending sort
+           of the 2k magnitudes; the slots are in index order, so ties go to the lower index.
+    Every size is k or 2k, fixed before any value is known: no host synchronization on CUDA
+    (a data-dependent size, a boolean mask or ``nonzero`` would read the device). The result does
+    not depend on the order of the two sides (a common index's sum has exactly two terms, and
+    IEEE addition is commutative), so the two ranks of a butterfly pair get bit-identical results.
+    Cost: one O(k log k) binary search and one O(k log k) sort of 2k magnitudes, then O(k) passes.
     """
     val, idx, _, _, keep = _merge_slots(va, ia, vb, ib, k)
     return val[keep], idx[keep]
@@ -86,20 +90,24 @@ def merge_topk(va: torch.Tensor, ia: torch.Tensor, vb: torch.Tensor, ib: torch.T
 
 def _slots_of_b(ia: torch.Tensor, ib: torch.Tensor, below: torch.Tensor) -> torch.Tensor:
     """Slot j + #{a < b_j} of every b_j, from ``below`` = #{b < a_i} (one binary search, not two):
-    a_i <= b_j iff below_i <= j, so #{a <= b_j} = cumsum of bincount(below) at j, minus one when
-    b_j is also in a (then a_i == b_{below_i})."""
+    a_i <= b_j iff below_i <= j, so #{a <= b_j} = cumsum of the counts of ``below`` at j, minus
+    one when b_j is also in a (then a_i == b_{below_i}). Fixed sizes only (scatter-adds, no
+    ``bincount``, whose output size is read from the data)."""
     nb = ib.numel()
-    at_or_below = torch.bincount(below, minlength=nb + 1)[:nb].cumsum(0)   # #{a <= b_j}
-    inside = (below < nb).nonzero().squeeze(1)                              # a_i <= b_last
-    same = inside[ib[below[inside]] == ia[inside]]                          # a_i == b_{below_i}
-    common = torch.zeros(nb, dtype=torch.int64, device=ib.device)
-    common[below[same]] = 1
+    ones = torch.ones_like(below)
+    at_or_below = torch.zeros(nb + 1, dtype=torch.int64, device=ib.device).scatter_add_(0, below, ones)
+    at_or_below = at_or_below[:nb].cumsum(0)                                # #{a <= b_j}
+    at = below.clamp(max=nb - 1)
+    same = (below < nb) & (ib[at] == ia)                                    # a_i == b_{below_i}
+    common = torch.zeros(nb, dtype=torch.int64, device=ib.device).index_put_((at,), same.long(),
+                                                                              accumulate=True)
     return torch.arange(nb, device=ib.device) + at_or_below - common
 
 
 def _merge_slots(va: torch.Tensor, ia: torch.Tensor, vb: torch.Tensor, ib: torch.Tensor, k: int):
     """:func:`merge_topk`'s steps on the slots: ``(slot values, slot indices, slots of a, slots
-    of b, kept slots)``; the result is ``values[kept], indices[kept]``."""
+    of b, kept slots)``, the kept slots ascending (k of them); the result is
+    ``values[kept], indices[kept]``."""
     na, nb = ia.numel(), ib.numel()
     # Step 1
     below = torch.searchsorted(ib, ia)   # #{b < a_i}
@@ -112,23 +120,16 @@ def _merge_slots(va: torch.Tensor, ia: torch.Tensor, vb: torch.Tensor, ib: torch
     val = torch.zeros(slots, dtype=va.dtype, device=va.device)
     val.index_put_((pa,), va)
     val.index_put_((pb,), vb, accumulate=True)
-    filled = idx >= 0
-    if int(filled.sum()) <= k:
-        return val, idx, pa, pb, filled
-    mag = val.abs().masked_fill_(~filled, -1)
-    # Step 2
-    t = torch.kthvalue(mag, slots - k + 1).values  # the k-th largest
-    keep = mag > t
-    need = k - int(keep.sum())
-    if need > 0:
-        keep[(mag == t).nonzero().squeeze(1)[:need]] = True
-    return val, idx, pa, pb, keep
+    # Step 2: empty slots (index -1) below every filled one; stable: equal magnitudes by slot
+    mag = val.abs().masked_fill_(idx < 0, -1)
+    order = torch.sort(mag, descending=True, stable=True).indices[:k]
+    return val, idx, pa, pb, order.sort().values
 
 
 def _carry(mask: torch.Tensor, slots_of_side: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """A mask over one side's pairs, moved onto the merge result (False where the other side's
-    pair alone sits): O(k), no search."""
-    out = torch.zeros(keep.numel(), dtype=torch.bool, device=keep.device)
+    pair alone sits); ``keep``: the kept slots. O(k), no search, fixed size."""
+    out = torch.zeros(2 * slots_of_side.numel(), dtype=torch.bool, device=keep.device)
     out[slots_of_side] = mask
     return out[keep]
 
@@ -137,8 +138,43 @@ def _counted(mine: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """The entries of sorted ``mine`` that are also in sorted ``kept`` (binary search, O(k log k))."""
     if mine.numel() == 0 or kept.numel() == 0:
         return mine[:0]
-    pos = torch.searchsorted(kept, mine).clamp_(max=kept.numel() - 1)
-    return mine[kept[pos] == mine]
+    return mine[_found(mine, kept)]
+
+
+def _found(x: torch.Tensor, sorted_keys: torch.Tensor, alive: torch.Tensor | None = None) -> torch.Tensor:
+    """(len(x),) bool: which entries of ``x`` are in the ascending, distinct ``sorted_keys`` (and
+    ``alive`` there, when given); binary search, fixed size (``torch.isin`` reads sizes on CUDA)."""
+    if x.numel() == 0 or sorted_keys.numel() == 0:
+        return torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
+    pos = torch.searchsorted(sorted_keys, x).clamp_(max=sorted_keys.numel() - 1)
+    hit = sorted_keys[pos] == x
+    return hit & alive[pos] if alive is not None else hit
+
+
+class Counted(NamedTuple):
+    """This rank's local entries that an exchange's result includes (the error-feedback set), in a
+    size fixed before the exchange: ``positions[survived]``. Zeroing them with :meth:`zero_` never
+    reads how many there are (no host synchronization on CUDA); :meth:`indices` does."""
+
+    positions: torch.Tensor  # (k,) int64 indices into the bucket (a position not survived may repeat)
+    survived: torch.Tensor   # (k,) bool
+
+    @staticmethod
+    def every(indices: torch.Tensor) -> "Counted":
+        """All of ``indices`` counted (Top-k's local picks, a single rank's result)."""
+        return Counted(indices, torch.ones(indices.numel(), dtype=torch.bool, device=indices.device))
+
+    def indices(self) -> torch.Tensor:
+        """The counted indices, ascending when ``positions`` is (a data-dependent size: a host sync on CUDA)."""
+        return self.positions[self.survived]
+
+    def zero_(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` with the counted entries set to 0, in place (an accumulating scatter of ``-t`` at the
+        survived positions and ``-0`` elsewhere: exact, and right where a not-survived position
+        repeats a survived one). ``t`` must be finite there (a hook's acc is). Returns ``t``."""
+        if self.positions.numel():
+            t.index_put_((self.positions,), -t[self.positions] * self.survived, accumulate=True)
+        return t
 
 
 def _canonical(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int, check: bool = True
@@ -156,7 +192,7 @@ def _canonical(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int, 
     if values.numel() != k:
         raise ValueError(f"expected k={k} (value, index) pairs, got {values.numel()}")
     indices = indices.to(torch.int64)
-    unread = indices.is_cuda and not check  # sort blind: an ascending input keeps its order
+    unread = device_path(indices) and not check  # sort blind: an ascending input keeps its order
     if k > 1 and (unread or not bool((indices[1:] > indices[:-1]).all())):  # sort, O(k log k)
         order = indices.argsort()
         indices, values = indices[order], values[order]
@@ -169,11 +205,17 @@ def _canonical(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int, 
 
 
 class GTopk(NamedTuple):
-    """Result of :func:`gtopk_allreduce` / :func:`gtopk_reference` (identical on every rank)."""
+    """Result of :func:`gtopk_allreduce` / :func:`gtopk_reference` (identical on every rank but
+    ``mine``)."""
 
     values: torch.Tensor   # (k,) summed values of the global top-k
     indices: torch.Tensor  # (k,) int64 indices, ascending
-    counted: torch.Tensor  # this rank's local indices whose values are inside ``values``
+    mine: Counted          # this rank's local indices whose values are inside ``values``
+
+    @property
+    def counted(self) -> torch.Tensor:
+        """``mine`` as a tensor of indices (a data-dependent size: a host sync on CUDA)."""
+        return self.mine.indices()
 
 
 def gtopk_reference(values: list[torch.Tensor], indices: list[torch.Tensor], k: int, numel: int
@@ -200,7 +242,7 @@ def gtopk_reference(values: list[torch.Tensor], indices: list[torch.Tensor], k: 
         level = [join(level[j], level[j + 1]) for j in range(0, len(level), 2)]
     v, i, alive = level[0]
     counted = [alive[r] for r in range(world)]
-    return GTopk(v, i, counted[0]), counted
+    return GTopk(v, i, Counted.every(counted[0])), counted
 
 
 # ------------------------------------------------------------------------- messages -------------
@@ -368,7 +410,7 @@ def _extra_rank(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int,
     msg = torch.empty(_message_len(k, values.dtype, numel, k), dtype=wire_index_dtype(numel), device=values.device)
     _swap(_pack(values, indices, numel), msg, partner, group, timeout_s, "gtopk all-reduce, fold-in")
     gv, gi, mask = _unpack(msg, k, values.dtype, k)
-    return GTopk(gv.clone(), gi.clone(), indices[mask.bool()])
+    return GTopk(gv.clone(), gi.clone(), Counted(indices, mask.bool()))
 
 
 def _fold_in(values: torch.Tensor, indices: torch.Tensor, k: int, numel: int, guest: int,
@@ -441,7 +483,7 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
     if check:
         check_sizes(k, numel, values.numel(), group, "gtopk_allreduce", timeout_s, values.device)
     if world == 1:
-        return GTopk(values, indices, indices)
+        return GTopk(values, indices, Counted.every(indices))
     p2 = 1 << (world.bit_length() - 1)
     if rank >= p2:  # Steps 1 and 3 as an extra rank
         return _extra_rank(values, indices, k, numel, rank - p2, group, timeout_s)
@@ -455,10 +497,10 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
                                               timeout_s, timings)
     # Step 3: fold out
     if guest is not None:
-        mask = torch.isin(guest_all, indices[guest]).to(torch.uint8)  # (k,) 1 = that value counted
+        mask = _found(guest_all, indices, guest).to(torch.uint8)  # (k,) 1 = that value counted
         _swap(_pack(values, indices, numel, mask), None, rank + p2, group, timeout_s,
               "gtopk all-reduce, fold-out")
-    return GTopk(values, indices, indices[mine])
+    return GTopk(values, indices, Counted(indices, mine))
 
 
 def _butterfly(values, indices, mine, guest, k: int, numel: int, p2: int, group, timeout_s: float,

@@ -81,9 +81,13 @@ def accumulate_velocity(residual: torch.Tensor, velocity: torch.Tensor, grad: to
     return torch.add(residual, velocity, out=out), velocity
 
 
-def mask_momentum_(velocity: torch.Tensor, sent: torch.Tensor) -> None:
-    """Step 3: zero the velocity at the ``sent`` indices (int64, into the flat bucket)."""
-    velocity.index_fill_(0, sent, 0)
+def mask_momentum_(velocity: torch.Tensor, sent: Any) -> None:
+    """Step 3: zero the velocity at the ``sent`` indices (int64, into the flat bucket), or at the
+    counted ones of a :class:`flashsgd.comm.sparse.Counted` (fixed size: no host sync)."""
+    if isinstance(sent, torch.Tensor):
+        velocity.index_fill_(0, sent, 0)
+    else:
+        sent.zero_(velocity)
 
 
 def layer_norms(buf: torch.Tensor, sizes: list[int], group: Any, timeout_s: float,

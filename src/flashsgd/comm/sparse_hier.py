@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.sparse import (GTopk, _bytes_as_words, _counted, gtopk_allreduce,
+from flashsgd.comm.sparse import (Counted, GTopk, _bytes_as_words, _found, gtopk_allreduce,
                                   gtopk_bytes_sent, topk_exact, wire_index_dtype)
 from flashsgd.comm.sparse_slices import hgtopk_slices_allreduce
 from flashsgd.comm.topology import Topology, check_timeout_s
@@ -73,8 +73,7 @@ def _broadcast_msg(res: GTopk, k: int, numel: int) -> torch.Tensor:
     """Message of words of wire_index_dtype(numel): k global indices, k counted indices padded
     with -1, the values' bytes."""
     word = wire_index_dtype(numel)
-    counted = torch.full((k,), -1, dtype=word, device=res.indices.device)
-    counted[:res.counted.numel()] = res.counted
+    counted = torch.where(res.mine.survived, res.mine.positions, -1).to(word)  # fixed k: no size read
     return torch.cat([res.indices.to(word), counted,
                       _bytes_as_words(res.values.contiguous().view(torch.uint8), word)])
 
@@ -83,7 +82,7 @@ def _unpack_broadcast(msg: torch.Tensor, k: int, dtype: torch.dtype) -> GTopk:
     item = dtype.itemsize
     counted = msg[k:2 * k].to(torch.int64)
     values = msg[2 * k:].view(torch.uint8)[:k * item].view(dtype)
-    return GTopk(values, msg[:k].to(torch.int64), counted[counted >= 0])
+    return GTopk(values, msg[:k].to(torch.int64), Counted(counted.clamp(min=0), counted >= 0))
 
 
 def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torch.Tensor,
@@ -151,7 +150,7 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
             res = gtopk_allreduce(values, indices, k, n, topology.cross_group, check=check,
                                   timeout_s=timeout_s, timings=timings)
         else:
-            res = GTopk(values, indices, indices)
+            res = GTopk(values, indices, Counted.every(indices))
         msg = _broadcast_msg(res, k, n)
     # Step 4: the result to every rank of the node
     if node is not None:
@@ -175,14 +174,14 @@ def _sparse_in_node(acc: torch.Tensor, k: int, topology: Topology, out: torch.Te
     if node is not None:  # Step 1': the node's merge, identical on its R ranks
         res = gtopk_allreduce(values, indices, k, n, node, check=check, timeout_s=timeout_s,
                               timings=timings)
-        values, indices, mine = res.values, res.indices, res.counted
+        values, indices, mine = res.values, res.indices, res.mine
     else:
-        mine = indices
+        mine = Counted.every(indices)
     msg = torch.empty(broadcast_len(k, acc.dtype, n), dtype=wire_index_dtype(n), device=acc.device)
     if topology.local_rank == 0:  # Step 3 among the leaders
         res = (gtopk_allreduce(values, indices, k, n, topology.cross_group, check=check,
                                timeout_s=timeout_s, timings=timings)
-               if topology.num_nodes > 1 else GTopk(values, indices, indices))
+               if topology.num_nodes > 1 else GTopk(values, indices, Counted.every(indices)))
         msg = _broadcast_msg(res, k, n)
     if node is not None:  # Step 4
         work = dist.broadcast(msg, src=topology.node_ranks[0], group=node, async_op=True)
@@ -190,7 +189,9 @@ def _sparse_in_node(acc: torch.Tensor, k: int, topology: Topology, out: torch.Te
     res = _unpack_broadcast(msg, k, acc.dtype)
     out.zero_()
     out[res.indices] = res.values
-    return GTopk(res.values, res.indices, _counted(mine, res.counted))
+    # counted: survived the node merge, and the node's entry survived the cross-node merges
+    node_counted = torch.where(res.mine.survived, res.mine.positions, -1).sort().values  # -1s first: never found
+    return GTopk(res.values, res.indices, Counted(mine.positions, mine.survived & _found(mine.positions, node_counted)))
 
 
 def hgtopk_bytes_sent(k: int, topology: Topology, numel: int,

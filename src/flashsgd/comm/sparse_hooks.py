@@ -107,7 +107,7 @@ import torch
 import torch.distributed as dist
 
 from flashsgd.comm.hook_common import completed_future, ddp_hook
-from flashsgd.comm.sparse import (SELECTIONS, check_sizes, gtopk_allreduce, gtopk_bytes_sent,
+from flashsgd.comm.sparse import (SELECTIONS, Counted, check_sizes, gtopk_allreduce, gtopk_bytes_sent,
                                   k_from_density, topk_allgather, topk_bytes_sent)
 from flashsgd.comm.sparse_corrections import accumulate_velocity, clip_local_, mask_momentum_
 from flashsgd.comm.sparse_fused import add_block_maxima
@@ -116,7 +116,7 @@ from flashsgd.comm.sparse_select import auto_block, topk_threshold
 from flashsgd.comm.sparse_state import SparseHookState
 from flashsgd.comm.topology import default_timeout_s
 from flashsgd.comm.waits import wait_collective
-from flashsgd.exchanges import SparseOptions, names
+from flashsgd.exchanges import SparseOptions, names, resolved_selection
 
 __all__ = ["ALGORITHMS", "EXCHANGE_STEPS", "SparseHookState", "sparse_hook", "sparse_factory",
            "prepare_sparse", "dense_iteration", "select"]
@@ -166,7 +166,8 @@ def _accumulate(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tens
                                             out_velocity=state.scratch("velocity", idx, buf))
         return acc, velocity, None
     reads_acc = EXCHANGE_STEPS[state.algorithm].selects_acc(state.options)
-    block = auto_block(buf.numel(), k) if state.options.selection == "threshold" and reads_acc else None
+    threshold = resolved_selection(state.options.selection, buf.device.type) == "threshold"
+    block = auto_block(buf.numel(), k) if threshold and reads_acc else None
     if block is None:
         return torch.add(residual, buf, out=out), None, None
     acc, bmax = add_block_maxima(residual, buf, block, state.options.compiled, out=out)
@@ -177,7 +178,7 @@ def select(state: SparseHookState, x: torch.Tensor, k: int, idx: int, rank: int,
            bmax: torch.Tensor | None = None):
     """Step 2: the state's selection of k entries of x (bucket ``idx``; ``bmax``: x's block
     maxima at :func:`~flashsgd.comm.sparse_select.auto_block`, for the threshold selection)."""
-    selection = state.options.selection
+    selection = resolved_selection(state.options.selection, x.device.type)
     if selection == "threshold":
         return topk_threshold(x, k, reuse=state.reuse, key=idx, bmax=bmax)
     if selection == "sampled":
@@ -214,8 +215,9 @@ def prepare_sparse(state: SparseHookState, bucket: dist.GradBucket, buf: torch.T
             state.checked.add(idx)
         # Steps 3 and 5: the exchange, the bucket = sum / world
         counted = exchange.run(state, buf, acc, k, picked, (idx, rank, world), bmax)
-        # Step 4: residual = acc minus what was counted; momentum-factor masking
-        acc.index_fill_(0, counted, 0)
+        # Step 4: residual = acc minus what was counted; momentum-factor masking (fixed sizes: no
+        # host sync, flashsgd.comm.sparse.Counted)
+        counted.zero_(acc)
         if velocity is not None and state.options.momentum_masking:
             mask_momentum_(velocity, counted)
         state.keep(idx, layout, acc, velocity)
@@ -237,7 +239,7 @@ def _topk(state: SparseHookState, buf: torch.Tensor, acc: torch.Tensor, k: int, 
     _lap(state, "exchange")
     buf.div_(world)
     state.bytes_sent += topk_bytes_sent(k, world, values.dtype, n)
-    return indices
+    return Counted.every(indices)
 
 
 def _gtopk(state: SparseHookState, buf: torch.Tensor, acc: torch.Tensor, k: int, picked,
@@ -251,7 +253,7 @@ def _gtopk(state: SparseHookState, buf: torch.Tensor, acc: torch.Tensor, k: int,
     buf.zero_()
     buf[res.indices] = res.values.div(world)
     state.bytes_sent += gtopk_bytes_sent(k, world, rank, values.dtype, n)
-    return res.counted
+    return res.mine
 
 
 def _hgtopk(state: SparseHookState, buf: torch.Tensor, acc: torch.Tensor, k: int, picked,
@@ -271,7 +273,7 @@ def _hgtopk(state: SparseHookState, buf: torch.Tensor, acc: torch.Tensor, k: int
     buf.div_(world)
     state.bytes_sent += sum(hgtopk_bytes_sent(k, state.topology, n, buf.dtype,
                                                  state.options.node_split).values())
-    return res.counted
+    return res.mine
 
 
 def _lap(state: SparseHookState, phase: str) -> None:

@@ -25,11 +25,13 @@ Example::
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 # the density's default, its check and its schedule are the catalog's (torch-free)
 from flashsgd.exchanges import DEFAULT_DENSITY, check_density as validate_density, density_at  # noqa: F401
+from flashsgd.exchanges import resolved_selection
 
 # ----------------------------------------------------------------------------- density ----------
 
@@ -402,5 +404,11 @@ def _topk_ties_low(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 SELECTIONS = {"exact": topk_exact, "sampled": topk_sampled, "threshold": topk_threshold}
+
+
+def selection_for(name: str | None, device: torch.device | str) -> Callable:
+    """The selection function of option ``name`` for a tensor on ``device`` (None and ``auto``:
+    :data:`flashsgd.exchanges.SELECTION_BY_DEVICE`)."""
+    return SELECTIONS[resolved_selection(name or "auto", torch.device(device).type)]
 """Selection by name: ``exact`` (torch.topk over |x|), ``sampled`` (threshold from a sample) and
 ``threshold`` (block maxima and a threshold kept across iterations; exact)."""

@@ -34,7 +34,7 @@ import math
 import torch
 
 from flashsgd.comm.p2p import exchange, gather_from_peers
-from flashsgd.comm.sparse import GTopk, _bytes_as_words, gtopk_allreduce, topk_exact, wire_index_dtype
+from flashsgd.comm.sparse import Counted, GTopk, _bytes_as_words, gtopk_allreduce, topk_exact, wire_index_dtype
 from flashsgd.comm.topology import Topology
 
 
@@ -73,7 +73,8 @@ def _pack_slice(res: GTopk, offset: int, kmax: int, numel: int) -> torch.Tensor:
     idx = torch.full((kmax,), -1, dtype=word, device=device)
     cnt = torch.full((kmax,), -1, dtype=word, device=device)
     idx[:res.indices.numel()] = res.indices + offset
-    cnt[:res.counted.numel()] = res.counted + offset
+    mine = res.mine
+    cnt[:mine.positions.numel()] = torch.where(mine.survived, mine.positions + offset, -1)
     vals = torch.zeros(kmax, dtype=res.values.dtype, device=device)
     vals[:res.values.numel()] = res.values
     return torch.cat([idx, cnt, _bytes_as_words(vals.view(torch.uint8), word)])
@@ -100,10 +101,10 @@ def hgtopk_slices_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, ou
             res = gtopk_allreduce(values, indices, ks[local], sizes[local], topology.cross_group,
                                   check=check, timeout_s=timeout_s, timings=timings)
         else:
-            res = GTopk(values, indices, indices)
+            res = GTopk(values, indices, Counted.every(indices))
     else:
         none = torch.zeros(0, dtype=torch.int64, device=acc.device)
-        res = GTopk(acc[:0], none, none)
+        res = GTopk(acc[:0], none, Counted.every(none))
     # Step 4
     kmax = max(ks)
     msg = _pack_slice(res, bounds[local], kmax, n)
@@ -116,4 +117,5 @@ def hgtopk_slices_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, ou
     values, indices = vals[keep], idx[keep]          # row-major: slices in order, ascending
     out.zero_()
     out[indices] = values
-    return GTopk(values, indices, cnt[cnt >= 0])
+    cnt = cnt.flatten()
+    return GTopk(values, indices, Counted(cnt.clamp(min=0), cnt >= 0))

@@ -245,13 +245,13 @@ class Measured:
 
 def measure_devices(numel: int, selection: str, device: torch.device) -> dict[str, float]:
     """Step 3 (local part): gamma, selection per element and PowerSGD's flop time."""
-    from flashsgd.comm.sparse_select import SELECTIONS, k_from_density
+    from flashsgd.comm.sparse_select import k_from_density, selection_for
 
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(numel, generator=g).to(device) for _ in range(2))
     t_add = _timed(lambda: a.add_(b), device)
     k = k_from_density(numel, PROBE_DENSITY)
-    t_sel = _timed(lambda: SELECTIONS[selection](a.add(b), k), device)
+    t_sel = _timed(lambda: selection_for(selection, device)(a.add(b), k), device)
     rows = 512 if numel >= 1024 else 1
     m, q = a[: rows * (numel // rows)].view(rows, -1), torch.randn(numel // rows, 2, generator=g).to(device)
     t_mm = _timed(lambda: m @ q, device)
@@ -284,7 +284,7 @@ def sparse_fixed_costs(cluster: ClusterModel, numel: int, selection: str, timeou
     import numpy as np
 
     from flashsgd.comm.sparse import gtopk_allreduce
-    from flashsgd.comm.sparse_select import SELECTIONS, k_from_density
+    from flashsgd.comm.sparse_select import k_from_density, selection_for
     from flashsgd.sim.algorithms import exchange_cost
     from flashsgd.sim.costs import CommSetup, pair_levels, step_cost
     from flashsgd.sim.planner import WIRE_INDEX_BYTES
@@ -293,7 +293,7 @@ def sparse_fixed_costs(cluster: ClusterModel, numel: int, selection: str, timeou
     k = k_from_density(numel, PROBE_DENSITY)
 
     def exchange() -> None:
-        values, indices = SELECTIONS[selection](x, k)
+        values, indices = selection_for(selection, device)(x, k)
         gtopk_allreduce(values, indices, k, numel, timeout_s=timeout_s)
 
     t_round, t = round_seconds(device, timeout_s), _timed(exchange, device)

@@ -40,7 +40,8 @@ from typing import Any
 
 from flashsgd.comm.sparse_checks import check_sparse_run
 from flashsgd.comm.topology import parse_grid
-from flashsgd.exchanges import EXCHANGES, MIN_COVERAGE, DensityWarmup, coverage
+from flashsgd.exchanges import (EXCHANGES, MIN_COVERAGE, SELECTION_BY_DEVICE, DensityWarmup, coverage,
+                                resolved_selection)
 from flashsgd.fmt import number, plural
 from flashsgd.optim.plan import build_batch_table
 from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
@@ -170,7 +171,8 @@ class RunPlan:
                               if self.grid else "ranks per node detected at start-up")
         return "\n".join([
             f"flashsgd train | world {self.world} ({layout}) | backend {self.backend or cfg.run.backend}",
-            f"  algorithm   {cfg.comm.algorithm} {self.hook_options or ''} bucket {cfg.comm.bucket_mb:g} MiB",
+            f"  algorithm   {cfg.comm.algorithm} {self.hook_options or ''} bucket {cfg.comm.bucket_mb:g} MiB"
+            + (f", selection {self.selection}" if self.selection else ""),
             *([f"  warm-up     {self.density_warmup['text']}"] if self.density_warmup else []),
             f"  batch       global {' -> '.join(map(str, batches))} (table {list(self.table.rows)}), "
             f"per worker {per_worker}; {plural(self.total_steps, 'step')} in {plural(self.epochs, 'epoch')}",
@@ -181,6 +183,23 @@ class RunPlan:
             f"  run dir     {cfg.run.out}",
             *(f"  WARNING     {w}" for w in self.warnings),
         ])
+
+    @property
+    def selection(self) -> str | None:
+        """A sparse exchange's top-k selection as its hook will run it: ``comm.selection``, with
+        ``auto`` resolved for the buckets' device (NCCL's are on CUDA, Gloo's on the host:
+        :data:`flashsgd.exchanges.SELECTION_BY_DEVICE`; under torchrun, where the plan does not know
+        the backend, ``auto (exact on cuda, sampled on cpu)``); None for other exchanges."""
+        algorithm = self.config.comm.algorithm
+        if algorithm not in EXCHANGES or EXCHANGES[algorithm].family != "sparse":
+            return None
+        name = self.hook_options.get("selection") or "auto"
+        device = {"nccl": "cuda", "gloo": "cpu"}.get(self.backend or "")
+        if name != "auto":
+            return name
+        if device is None:
+            return "auto (" + ", ".join(f"{v} on {k}" for k, v in SELECTION_BY_DEVICE.items()) + ")"
+        return f"{resolved_selection(name, device)} (auto on {device})"
 
     def with_comm(self, **changes: Any) -> "RunPlan":
         """This plan with ``comm`` keys changed (the choice of ``--comm auto``): only the
@@ -201,6 +220,7 @@ class RunPlan:
                 "batch_rows": [list(r) for r in self.table.rows], "epochs": self.epochs,
                 "total_steps": self.total_steps, "peak_lr": self.peak_lr(),
                 "algorithm": self.config.comm.algorithm, "hook_options": self.hook_options,
+                "selection": self.selection,
                 "recipe_source": self.recipe_source, "warnings": list(self.warnings),
                 "density_warmup": self.density_warmup,
                 "execution": self.execution,
