@@ -4,6 +4,7 @@ hang; a job that computes, however long a loaded machine makes it, does not. The
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -32,6 +33,39 @@ def test_ranks_that_all_wait_fail_as_a_hang_within_the_stall_deadline():
 
 def test_ranks_that_compute_longer_than_the_stall_deadline_are_not_a_hang():
     assert spawn(_compute, 2, (3.0,), stall_s=1.5, deadline_s=300, start_method="fork") == ["computed"] * 2
+
+
+def _starved_compute(seconds: float) -> str:
+    os.sched_setaffinity(0, {0})  # on the hog's core, at the lowest priority: runnable, rarely running
+    os.nice(19)
+    return _compute(seconds)
+
+
+def _hog(stop) -> None:
+    os.sched_setaffinity(0, {0})
+    while not stop.is_set():
+        sum(range(1000))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+def test_ranks_starved_of_cpu_are_not_a_hang():
+    """A loaded machine (a clean-clone test run on 2 busy cores failed this way): ranks that have
+    work but wait for a core use almost no CPU for seconds. Here two ranks at nice 19 share one core
+    with a busy loop at nice 0 (about 1.5% of the core each): runnable, so not a hang."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    hog = ctx.Process(target=_hog, args=(stop,), daemon=True)
+    hog.start()
+    try:
+        assert spawn(_starved_compute, 2, (0.05,), stall_s=1.5, deadline_s=300, start_method="fork") \
+            == ["computed"] * 2
+    finally:
+        stop.set()
+        hog.join(10)
+        if hog.is_alive():
+            hog.kill()
 
 
 def test_cpu_seconds_reads_the_processes_own_clocks():

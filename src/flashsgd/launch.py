@@ -430,6 +430,19 @@ def cpu_seconds(procs: Sequence[Any]) -> float | None:
     return total / tick
 
 
+def runnable(procs: Sequence[Any]) -> bool:
+    """Whether one of ``procs`` is running or waiting for a CPU (state ``R`` in ``/proc/PID/stat``):
+    on a loaded machine a rank that has work may use little CPU for seconds while it waits for a
+    core (and its peers wait for it); it is not hung. False where there is no /proc."""
+    for p in procs:
+        try:
+            if Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "R":
+                return True
+        except (OSError, IndexError, TypeError):  # exited
+            continue
+    return False
+
+
 def _wait(job: _Job, deadline_s: float | None, caught: list[int],
           stall_s: float | None = None) -> WorkerError | Interrupted | None:
     """Collect the ranks' results; the error to raise when the job failed, was stopped, late, or
@@ -449,7 +462,7 @@ def _wait(job: _Job, deadline_s: float | None, caught: list[int],
                              reason=f"the run passed its deadline (deadline_s={deadline_s:g})")
         if stall_s is not None and used is not None and not job.done():
             current = cpu_seconds(job.procs)
-            if current is not None and current - used >= STALL_CPU_S:
+            if current is not None and (current - used >= STALL_CPU_S or runnable(job.procs)):
                 moved_at, used = now, current
             elif now - moved_at > stall_s:
                 return attribute([o for o in job.outcomes() if o.state != "ok"],
@@ -505,7 +518,8 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
         env: extra environment variables for the workers.
         stall_s: deadline of progress, or None (default) for none: the run fails when its ranks
             together use less than :data:`STALL_CPU_S` of CPU in ``stall_s`` seconds (all blocked:
-            a hang), however long a loaded machine makes it otherwise (Linux; elsewhere ignored).
+            a hang) and none is runnable (waiting for a core: a loaded machine, not a hang), however
+            long a loaded machine makes it otherwise (Linux; elsewhere ignored).
 
     Raises:
         WorkerError: a rank raised, exited without a result, or stopped responding, or the
