@@ -73,6 +73,7 @@ def test_seeds_of_one_setting_are_grouped(runs, tmp_path, capsys):
     assert [r["label"] for r in rows] == ["dense", "sparse"]
     dense = rows[0]
     assert dense["seeds"] == [0, 1] and dense["runs"] == [dirs[0], dirs[2]]
+    assert dense["status"] == "complete" and dense["note"] == ""  # complete, distinct seeds: pooled
     finals = [_summary(runs[n])["final_test_accuracy"] for n in ("ring-s0", "ring-s1")]
     assert dense["final_test_accuracy"]["values"] == finals
     assert dense["final_test_accuracy"]["mean"] == pytest.approx(statistics.mean(finals))
@@ -113,8 +114,8 @@ def _setting(path: str, **settings) -> list[Run]:
 
 def test_labels_name_what_differs():
     ring = _setting("r", algorithm="ring", recipe="fujitsu")
-    sparse = _setting("s1", algorithm="gtopk", recipe="fujitsu", density=0.001, selection="sampled")
-    denser = _setting("s2", algorithm="gtopk", recipe="fujitsu", density=0.01, selection="sampled")
+    sparse = _setting("s1", algorithm="gtopk", recipe="fujitsu", density=0.001, selection="auto")
+    denser = _setting("s2", algorithm="gtopk", recipe="fujitsu", density=0.01, selection="auto")
     # density: differs between the runs that take it; selection: the default everywhere it is used
     assert derive_labels([ring, sparse, denser]) == ["ring", "gtopk density=0.001", "gtopk density=0.01"]
     assert derive_labels([ring, sparse]) == ["ring", "gtopk"]  # 0.001 is the default density

@@ -176,3 +176,100 @@ def test_a_failed_start_does_not_block_the_corrected_command(tmp_path, capfd):
     # a run that did complete a step is still protected
     assert _train(out, "--max-steps", "1", "--lr-per-ref", "0.5") == 2
     assert "holds a run with other settings" in _one_line(capfd)
+
+
+# ------------------------------------------- issue 49 item 7: the bad inputs left, and their order
+
+STARTED = "flashsgd train: "  # the start line ("flashsgd train: loading MNIST-1D ... for 2 workers")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    # the plan's checks: they need the sample count, which the config gives before the data exist
+    (["--global-batch", "4096"], "optim.global_batch=4096 is larger than the 1600 training samples"),
+    (["--num-samples", "10"], "larger than the 8 training samples"),
+    (["--workers", "5000"], "every worker needs >= 1 sample per step"),
+    (["--global-batch", "1"], "every worker needs >= 1 sample per step"),
+    (["--fail-at", "9:3:exit"], "names rank 9, but the run has 2 ranks"),
+    (["--fail-at", "1:14:exit"], "names step 14, but the run has 14 steps"),
+    (["--grid", "3x3"], "comm.grid: grid 3x3 has 9 ranks but the world size is 2"),
+    (["--grid", "banana"], "comm.grid: grid must look like 'XxY'"),
+    (["--ranks-per-node", "3"], "comm.ranks_per_node=3 must divide the world size 2"),
+    (["--grad-accum", "1000"], "optim.grad_accum=1000: the smallest per-worker shard is 128 samples"),
+    (["--comm", "auto", "--cluster", "1gbe"], "'1gbe' has 1 rank per node, this run 2"),
+    (["--comm", "auto", "--momentum-correction"], "--comm auto chooses the algorithm itself"),
+    # the model against two samples of the dataset's shape
+    (["--model", "resnet20"], "model 'resnet20' does not accept dataset 'mnist1d': its samples have shape (40,)"),
+    (["--dataset", "synthetic", "--image-shape", "cifar", "--num-samples", "512", "--model", "mnist1d_cnn"],
+     "model 'mnist1d_cnn' does not accept dataset 'synthetic': its samples have shape (3, 32, 32)"),
+    # where the data live, and a checkpoint named to resume from
+    (["--data-dir", "/proc/x"], "the MNIST-1D cache folder (config key data.data_dir) /proc/x: cannot create "
+                                "files in /proc"),
+    (["--data-dir", "AFILE"], "the MNIST-1D cache folder (config key data.data_dir) AFILE: is a file, not a "
+                              "directory"),
+    (["--dataset", "imagefolder", "--data-dir", "/nonexistent"],
+     "config key data.data_dir='/nonexistent' is not a directory here"),
+    (["--resume", "EMPTY"], "config key run.resume: EMPTY holds no checkpoint (no shared.pt)"),
+])
+def test_bad_input_is_refused_before_the_start_line(tmp_path, capfd, flags, needle):
+    """These printed "flashsgd train: loading MNIST-1D ..." (work announced) before their error."""
+    places = {"AFILE": tmp_path / "afile", "EMPTY": tmp_path / "empty"}
+    places["AFILE"].write_text("")
+    places["EMPTY"].mkdir()
+    flags = [str(places.get(f, f)) for f in flags]
+    needle = needle.replace("AFILE", str(places["AFILE"])).replace("EMPTY", str(places["EMPTY"]))
+    assert _train(tmp_path / "run", *flags) == 2
+    captured = capfd.readouterr()
+    assert STARTED not in captured.out, captured.out  # nothing announced
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--channels", "99999999"], "config key model.channels must be in [1, 4096]"),  # was a traceback
+    (["--epochs", "1e300"], "config key optim.epochs must be in (0, 2**30] = (0, 1073741824]"),
+    (["--config", "/etc"], "--config '/etc' is a directory; expected a TOML file"),
+])
+def test_the_last_unchecked_values_are_one_line(tmp_path, capfd, flags, needle):
+    # --max-steps 1: where a value used to be accepted, the run stops after one step
+    assert _train(tmp_path / "run", "--max-steps", "1", *flags) == 2
+    captured = capfd.readouterr()
+    assert STARTED not in captured.out and needle in _one_line_of(captured.err), captured
+
+
+def _one_line_of(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_the_bounds_hold_their_ends_and_a_run_directory_is_named():
+    assert C.resolve(cli={"channels": "4096"}).model.channels == 4096
+    assert C.resolve(cli={"epochs": str(2 ** 30)}).optim.epochs == 2 ** 30
+    with pytest.raises(ValueError, match="model.channels must be in"):
+        C.resolve(cli={"channels": "4097"})
+    with pytest.raises(ValueError, match="optim.epochs must be in"):
+        C.resolve(cli={"epochs": str(2 ** 30 + 1)})
+
+
+def test_config_naming_a_run_directory_points_at_its_config_toml(tmp_path):
+    (tmp_path / "config.toml").write_text("[optim]\nepochs = 3\n")
+    with pytest.raises(ValueError, match=f"is a directory; expected a TOML file; the run directory's "
+                                         f"own is {tmp_path / 'config.toml'}"):
+        C.resolve(tmp_path)
+    assert C.resolve(tmp_path / "config.toml").optim.epochs == 3
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--target", "150"], "--target is a test accuracy in percent: valid 0-100, got 150"),
+    (["--target", "-1"], "--target is a test accuracy in percent: valid 0-100, got -1"),
+    (["--target", "nan"], "--target is a test accuracy in percent: valid 0-100, got nan"),
+    (["SAME/"], "run directory 'SAME/' is named twice (also as 'SAME'); name each run once"),
+    (["./SAME"], "run directory './SAME' is named twice (also as 'SAME'); name each run once"),
+])
+def test_compare_refuses_a_bad_target_and_one_directory_twice(tmp_path, monkeypatch, capfd, extra, needle):
+    """Checked before any run is read (the names need not be run directories for this)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "SAME").mkdir()
+    assert main(["compare", "SAME", *extra]) == 2
+    assert f"flashsgd compare: error: {needle}" == _one_line(capfd)

@@ -124,5 +124,8 @@ def test_an_old_run_directory_still_compares(run, tmp_path, capsys):
     assert timed_median(steps, "t_sync_s") != timed_median(steps, "t_sync_s")  # missing: nan
     assert timed_median(steps, "t_comm_s") == timed_median(read_metrics(run / "metrics.jsonl")[0], "t_comm_s")
     rows = compare([str(run), str(old)], labels=None, out=str(tmp_path / "c.png"))
-    assert rows[0]["images_per_s"]["values"][0] == rows[0]["images_per_s"]["values"][1]
-    assert "not reached" in capsys.readouterr().out
+    assert rows[0]["images_per_s"]["values"] == rows[1]["images_per_s"]["values"]
+    # both stopped at run.max_steps: each a row of its own, never pooled (nor one seed twice)
+    assert [(r["status"], r["runs"]) for r in rows] == [("stopped 9/14", [str(run)]), ("stopped 9/14", [str(old)])]
+    printed = capsys.readouterr().out
+    assert "not reached" in printed and f"{old}: stopped at step 9 of 14 (run.max_steps)" in printed

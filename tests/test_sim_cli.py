@@ -3,8 +3,11 @@
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 from flashsgd.sim import cli
 
@@ -227,3 +230,63 @@ def test_simulate_on_measured_inputs_says_there_is_no_range(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "assumed: compute (fp32) 300 images/s (250-350)" in out and "  compute          " in out
     assert f"  compute             106.67 ms [{32e3 / 350:.2f}-{32e3 / 250:.2f}]" in out
+
+
+# ------------------------------------------- issue 49 item 7: one check of simulate's and plan's inputs
+
+def _error_line(capfd) -> str:
+    captured = capfd.readouterr()
+    assert captured.out == "", captured.out  # refused before any output
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_simulate_and_plan_refuse_the_same_gpu_counts_in_the_same_words(tmp_path, capfd):
+    """--gpus beyond MAX_GPUS (1e9 ran over 100 s, 1e12 over 240 s) and more GPUs than a cluster
+    file holds (plan refused 64 on an 8-GPU file, simulate predicted it) are the cluster's one rule."""
+    from flashsgd.cli import main
+    from sim_helpers import LAB
+
+    lab = tmp_path / "lab.toml"
+    lab.write_text(LAB)
+    over = 2 ** 18 + 4  # whole nodes of abci (4 GPUs each): only the bound refuses it
+    for cluster, gpus, needle in (("abci", over, "262,148 GPUs is more than flashsgd simulates or plans: "
+                                                 "at most 262,144 (2**18)"),
+                                  (str(lab), 64, "64 GPUs exceed cluster 'lab': 4 nodes x 2 = 8 GPUs at most")):
+        lines = []
+        for argv in (["simulate", "--sweep-gpus", f"8,{gpus}"], ["simulate", "--gpus", str(gpus)],
+                     ["plan", "--gpus", str(gpus), "--images-per-s", "300"]):
+            assert main([argv[0], "--cluster", cluster, *argv[1:]]) == 2
+            lines.append(_error_line(capfd))
+        messages = {line.split(": error: ", 1)[1] for line in lines}
+        assert len(messages) == 1 and needle in messages.pop(), lines
+    assert main(["simulate", "--gpus", str(10 ** 12)]) == 2  # at once
+    assert "at most 262,144" in _error_line(capfd)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--comm", "powersgd", "--matrix-approximation-rank", "0"],
+     "matrix_approximation_rank must be an integer >= 1, got 0"),
+    (["--comm", "powersgd", "--matrix-approximation-rank", "-3"],
+     "matrix_approximation_rank must be an integer >= 1, got -3"),
+    (["--comm", "gtopk", "--density", "0"], "density must be a number in (0, 1] (fraction of entries sent), got 0.0"),
+])
+def test_simulate_refuses_exchange_options_as_train_does(argv, needle, capfd):
+    """The catalog's rule (flashsgd.sim.inputs.check_option), read by train's [comm] keys too."""
+    from flashsgd.cli import main
+    from flashsgd.train import config as C
+
+    assert main(["simulate", "--gpus", "64", *argv]) == 2
+    assert _error_line(capfd) == f"flashsgd simulate: error: {needle}"
+    key, value = argv[-2].lstrip("-").replace("-", "_"), argv[-1]
+    with pytest.raises(ValueError, match=re.escape(f"config key comm.{needle}")):
+        C.resolve(cli={key: value})
+
+
+def test_simulate_checks_the_groups_before_any_output(capfd):
+    from flashsgd.cli import main
+
+    assert main(["simulate", "--gpus", "64", "--groups", "1,2"]) == 2
+    assert _error_line(capfd) == ("flashsgd simulate: error: groups (1, 2) sum to 3, need 161 (the "
+                                  "workload's tensors)")

@@ -21,9 +21,9 @@ def _metrics(out, steps: int) -> None:
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _summarize(tmp_path, monkeypatch, cli: dict, steps: int):
-    """summarize() of a made-up metrics.jsonl under the plan of ``cli``; returns (summary, printed
-    text, legend labels of the loss panel)."""
+def _summarize(tmp_path, monkeypatch, cli: dict, steps: int, edit=None):
+    """summarize() of a made-up metrics.jsonl (then ``edit(path)``) under the plan of ``cli``;
+    returns (summary, printed text, legend labels of the loss panel)."""
     import matplotlib.pyplot as plt
 
     legends = []
@@ -38,6 +38,8 @@ def _summarize(tmp_path, monkeypatch, cli: dict, steps: int):
     cfg = C.resolve(cli={"out": str(tmp_path), **cli})
     plan = build_plan(cfg, 2, 32000, local_spawn=True, backend="gloo")
     _metrics(tmp_path, steps)
+    if edit is not None:
+        edit(tmp_path / "metrics.jsonl")
     topo = SimpleNamespace(num_nodes=1, ranks_per_node=2, grid=(2, 1))
     progress = Progress.from_json({"tta_s": None, "elapsed_s": 1.0, "step": steps, "epoch": 1, "skipped": 0})
     summary = report.summarize(plan, progress, topo, None, 1.0)
@@ -67,3 +69,18 @@ def test_legend_names_the_smoothing_the_run_used(tmp_path, monkeypatch, capsys):
 def test_loss_label():
     assert report.train_loss_label(0.0) == "train loss"
     assert report.train_loss_label(0.1) == "train loss (label smoothing 0.1)"
+
+
+def test_a_damaged_row_never_stops_a_run_from_finishing(tmp_path, monkeypatch, capsys):
+    """The run's own summary leaves a damaged line out, with a note naming the file and the line
+    (it used to end the finished run with a bare JSONDecodeError, on every rerun)."""
+    def cut_row_2(path):
+        lines = path.read_text().splitlines()
+        lines[1] = lines[1][:40]
+        path.write_text("".join(x + "\n" for x in lines))
+
+    _, summary, _ = _summarize(tmp_path, monkeypatch, {}, steps=4, edit=cut_row_2)
+    assert summary["steps"] == 4 and summary["final_test_accuracy"] == 50.0
+    err = capsys.readouterr().err
+    assert f"flashsgd train: note: {tmp_path / 'metrics.jsonl'} line 2: damaged: not JSON" in err
+    assert "left out" in err and (tmp_path / "report.png").is_file()

@@ -32,7 +32,8 @@ from flashsgd.exchanges import DEFAULT_DENSITY, INT32_NUMEL, NODE_SPLITS, WIRE_I
 from flashsgd.fmt import percent, plural, size, span
 from flashsgd.outputs import add_output
 from flashsgd.sim.algorithms import ALGORITHMS
-from flashsgd.sim.engine import SimConfig, SimResult, simulate, straddling_alternative, sweep
+from flashsgd.sim.engine import (BYTES, SimConfig, SimResult, bucket_bounds, simulate,
+                                  straddling_alternative, sweep)
 from flashsgd.sim.cluster_file import load_cluster
 from flashsgd.sim.network import CLUSTERS, get_cluster
 from flashsgd.sim.plan_cli import compute_range, images_per_s
@@ -366,6 +367,9 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate_on:
         raise ValueError("--calibrate-on needs --calibrate PATH")
     cluster, bench, fitted = _cluster(args)
+    simulating = not (args.validate or args.predict)
+    if simulating:
+        workload, ips, ips_range, algos, base = _checked_inputs(args, cluster)
     report: dict = {"cluster": cluster.describe()}
     if args.show:
         print(cluster.describe())
@@ -378,20 +382,9 @@ def run(args: argparse.Namespace) -> int:
         if bench is None:
             raise ValueError("--predict needs --calibration PATH")
         report["prediction"] = _predict_file(args.predict, fitted.params, args.statistic, bench)
-    if args.validate or args.predict:
+    if not simulating:
         _write_json(args.json, report)
         return 0
-    workload = get_workload(args.model)
-    ips = images_per_s(args, cluster, workload)  # plan's rules: the same defaults and ranges
-    ips_range = compute_range(args, cluster, workload)
-    algos = _algorithms(args.comm)
-    base = SimConfig(algorithm=algos[0], gpus=args.gpus, images_per_s=ips,
-                     batch_per_gpu=args.batch_per_gpu, precision=args.precision,
-                     bucket_mb=args.bucket_mb, groups=tuple(args.groups) if args.groups else None,
-                     grad_accum=args.grad_accum,
-                     grid=_grid(args.grid, args.sweep_gpus or [args.gpus]), density=args.density,
-                     index_bytes=args.index_bytes, node_split=args.node_split,
-                     matrix_approximation_rank=args.matrix_approximation_rank)
     grad_bytes = workload.num_params * (2 if args.precision == "fp16" else 4)
     print(f"{cluster.describe()}\nworkload {workload.name}: {workload.num_tensors} tensors, "
           f"{workload.num_params:,} params, {size(grad_bytes)} of {args.precision} gradients; "
@@ -453,6 +446,28 @@ def _breakdowns(args, workload, cluster, base: SimConfig, algos: list[str], ips:
             report["grids"].append(line)
     _print_assumed(ranged)
     return ranged
+
+
+def _checked_inputs(args, cluster):
+    """``(workload, images/s, its range, algorithms, base SimConfig)``: every input of a simulation
+    checked before the first line of output, by the rules `flashsgd plan` reads (the GPU counts:
+    :meth:`~flashsgd.sim.network.ClusterModel.check_gpus`; the compute rate and its range) and the
+    catalog's (the exchange options, in :class:`SimConfig`)."""
+    for gpus in args.sweep_gpus or [args.gpus]:
+        cluster.check_gpus(gpus)  # whole nodes, at most the cluster file's nodes, MAX_GPUS
+    workload = get_workload(args.model)
+    ips = images_per_s(args, cluster, workload)  # plan's rules: the same defaults and ranges
+    ips_range = compute_range(args, cluster, workload)
+    algos = _algorithms(args.comm)
+    base = SimConfig(algorithm=algos[0], gpus=args.gpus, images_per_s=ips,
+                     batch_per_gpu=args.batch_per_gpu, precision=args.precision,
+                     bucket_mb=args.bucket_mb, groups=tuple(args.groups) if args.groups else None,
+                     grad_accum=args.grad_accum,
+                     grid=_grid(args.grid, args.sweep_gpus or [args.gpus]), density=args.density,
+                     index_bytes=args.index_bytes, node_split=args.node_split,
+                     matrix_approximation_rank=args.matrix_approximation_rank)
+    bucket_bounds(workload.numels, BYTES[args.precision], args.bucket_mb, base.groups)  # --groups' sum
+    return workload, ips, ips_range, algos, base
 
 
 def _write_json(path: str | None, report: dict) -> None:

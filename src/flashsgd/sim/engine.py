@@ -65,10 +65,15 @@ import numpy as np
 from flashsgd.exchanges import DEFAULT_DENSITY, WIRE_INDEX_BYTES, option_default
 from flashsgd.sim.algorithms import exchange_cost
 from flashsgd.sim.costs import CommSetup, Cost
+from flashsgd.sim.inputs import check_option
 from flashsgd.sim.network import ClusterModel
 from flashsgd.sim.workload import SCHEDULES, Workload
 
 BYTES = {"fp16": 2, "fp32": 4}
+
+
+EXCHANGE_OPTIONS = ("density", "node_split", "matrix_approximation_rank")
+"""The :class:`SimConfig` fields that are options of the exchange catalog (:mod:`flashsgd.exchanges`)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,8 @@ class SimConfig:
                 and 1 <= self.grad_accum <= self.batch_per_gpu):
             raise ValueError(f"grad_accum must be an int in [1, batch_per_gpu={self.batch_per_gpu}] "
                              f"(every micro-batch needs >= 1 sample), got {self.grad_accum!r}")
+        for name in EXCHANGE_OPTIONS:  # the catalog's rules, as flashsgd train's [comm] keys
+            check_option(name, getattr(self, name))
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,14 @@ from flashsgd.sim.fabric import Fabric
 
 GB = 1e9  # nccl-tests convention: GB/s = 1e9 bytes per second
 
+MAX_GPUS = 2 ** 18
+"""The most GPUs a prediction takes (262,144: above the largest single training clusters reported,
+about 100,000-200,000 GPUs in 2025).
+Measured on a 2-core VM with the abci preset (4 GPUs per node: the fabric model's work is linear in
+the nodes): `flashsgd simulate` 0.5 s at 10,000 GPUs, 0.9 s at 100,000, 1.0 s at 262,144, 1.9 s
+at 1,000,000 and 12 s with 1.7 GB at 10,000,000 (over 100 s at 1e9); `flashsgd plan` 3.8 s,
+9.7 s, 16.5 s and 74 s at the first four."""
+
 
 def _check_positive(owner: str, name: str, value: float, *, allow_zero: bool = False) -> None:
     ok = value >= 0 if allow_zero else value > 0
@@ -211,9 +219,15 @@ class ClusterModel:
                                      f"highest bandwidth {top:g} GB/s, got {bounds[1]!r}")
 
     def check_gpus(self, gpus: int) -> None:
-        """ValueError unless ``gpus`` ranks fit this cluster: full nodes, at most ``nodes`` of them."""
-        if not isinstance(gpus, int) or gpus < 1:
+        """ValueError unless ``gpus`` ranks fit this cluster: full nodes, at most ``nodes`` of them,
+        at most :data:`MAX_GPUS` (the one rule `flashsgd simulate` and `flashsgd plan` read before
+        any output)."""
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
             raise ValueError(f"the number of GPUs must be an int >= 1, got {gpus!r}")
+        if gpus > MAX_GPUS:
+            raise ValueError(f"{gpus:,} GPUs is more than flashsgd simulates or plans: at most {MAX_GPUS:,} "
+                             f"(2**18); a prediction's time and memory grow with the GPUs, and flashsgd "
+                             f"plan takes seconds already at the bound")
         per_node = self.ranks_per_node
         if gpus > per_node and gpus % per_node:
             raise ValueError(f"{gpus} GPUs do not fill whole nodes of cluster {self.name!r} "

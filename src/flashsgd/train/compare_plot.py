@@ -1,6 +1,8 @@
 """The figure of `flashsgd compare`: test accuracy (top) and loss (bottom) of several settings
 against the optimizer step, the samples seen and the wall time; a setting run with several seeds
-is drawn as the mean with a min..max band.
+is drawn as the mean with a min..max band. A run that is not complete (stopped early, failed or still
+running: :func:`flashsgd.train.compare.run_state`) is never pooled: it is drawn alone, dotted and
+fainter, ending in an ``x`` (its label, from compare, says how far it got: ``[incomplete 11/14]``).
 
 Seeds of one setting are aligned by optimizer step (they have the same batch schedule) and cut to
 the steps every seed reached. Samples seen before step ``s`` are the sum of ``global_batch`` over
@@ -66,6 +68,10 @@ def group_curves(group: list[Any]) -> dict[str, Any]:
     }
 
 
+INCOMPLETE = dict(ls=":", alpha=0.6, markevery=[-1], marker="x", ms=7)
+"""How a run that is not complete is drawn (dotted, fainter, an ``x`` where it ended)."""
+
+
 def _line(ax: Any, x: np.ndarray, ys: np.ndarray, color: str, **style: Any) -> None:
     """Mean over the rows of ``ys`` (one per seed), with a min..max band when there are several."""
     ax.plot(x, ys.mean(axis=0), color=color, **style)
@@ -75,24 +81,30 @@ def _line(ax: Any, x: np.ndarray, ys: np.ndarray, color: str, **style: Any) -> N
 
 def plot_comparison(groups: list[list[Any]], labels: list[str], png_path: str | Path,
                     target: float) -> None:
-    """Write the 2x3 figure (accuracy, loss) x (step, samples, wall time) to ``png_path``."""
+    """Write the 2x3 figure (accuracy, loss) x (step, samples, wall time) to ``png_path``: a curve
+    per part of each setting (``groups``, named by ``labels``;
+    :func:`flashsgd.train.compare.split_settings`), a run that is not complete as :data:`INCOMPLETE`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from flashsgd.train.compare import split_settings
+
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True, sharey="row")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     lowest = 100.0
-    for i, (group, label) in enumerate(zip(groups, labels)):
+    for i, part in enumerate(split_settings(groups, labels)):
+        group, label, done = part.runs, part.legend, part.complete
         c, color = group_curves(group), colors[i % len(colors)]
         seeds = f" ({len(group)} seeds: mean, min..max)" if len(group) > 1 else ""
         lowest = min(lowest, float(c["test_accuracy"].min()))
         for col, (key, _) in enumerate(AXES):
             tx, ex = c["train_x"][key], c["eval_x"][key]
-            _line(axes[0, col], ex, c["test_accuracy"], color, marker="o", ms=3, label=label + seeds)
-            _line(axes[1, col], tx, c["train_loss"], color, lw=0.8, alpha=0.7)
-            _line(axes[1, col], ex, c["test_loss"], color, ls="--", marker="o", ms=3)
+            _line(axes[0, col], ex, c["test_accuracy"], color, label=label + seeds,
+                  **(dict(marker="o", ms=3) if done else INCOMPLETE))
+            _line(axes[1, col], tx, c["train_loss"], color, lw=0.8, alpha=0.7, ls="-" if done else ":")
+            _line(axes[1, col], ex, c["test_loss"], color, ls="--", marker="o" if done else "x", ms=3)
     for col, (_, xlabel) in enumerate(AXES):
         axes[0, col].axhline(target, color="gray", lw=0.8, ls=":")
         axes[0, col].set(title=f"Test accuracy vs {xlabel.split(' (')[0]}", xlabel=xlabel)

@@ -38,6 +38,7 @@ from typing import Any, Callable, Literal, Optional
 
 from flashsgd import exchanges as X
 from flashsgd.exchanges import BUCKET_MB, DENSITY_WARMUP_START
+from flashsgd.sim.inputs import check_option
 from flashsgd.train.config_values import choices_of, coerce
 
 __all__ = ["TrainConfig", "DataConfig", "ModelConfig", "OptimConfig", "CommConfig", "RunConfig",
@@ -360,6 +361,23 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+MAX_CHANNELS = 4096
+"""The widest ``model.channels``: mnist1d_cnn at 4096 has 101M parameters (400 MB in fp32, per copy:
+weights, gradients, momentum, on every rank); wider is no experiment on 40-value signals, and
+99,999,999 asked torch for 1.2e17 bytes."""
+MAX_EPOCHS = 2 ** 30
+"""The longest ``optim.epochs``: the epoch number enters the seeds of the data order and of each
+sample's augmentation ((seed * 7919 + epoch) * 1_000_003 + index, :mod:`flashsgd.train.images`),
+which stay below torch's 2**63 for seed and epoch < 2**30 (run.seed's bound) and index < 2**32."""
+
+
+def check_accuracy_percent(value: float, what: str) -> None:
+    """ValueError naming ``what`` unless ``value`` is a test accuracy in percent, 0-100 (the one rule
+    of run.target_accuracy and `flashsgd compare --target`)."""
+    if not 0 <= value <= 100:  # NaN too
+        raise ValueError(f"{what} is a test accuracy in percent: valid 0-100, got {value:g}")
+
+
 def _positive(cfg: TrainConfig, section: str, key: str, allow_zero: bool = False) -> None:
     v = getattr(getattr(cfg, section), key)
     if v < 0 or (v == 0 and not allow_zero):
@@ -383,15 +401,21 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"config key run.threads must be at most this machine's {cores} cores, got "
                          f"{cfg.run.threads}; valid: 0 (automatic: the cores shared by a node's "
                          f"ranks) to {cores}")
+    if cfg.model.channels > MAX_CHANNELS:  # 99999999 was a traceback (a 1e17-byte allocation)
+        raise ValueError(f"config key model.channels must be in [1, {MAX_CHANNELS}] (the width of "
+                         f"mnist1d_cnn's conv layers; {MAX_CHANNELS} is 101M parameters), got "
+                         f"{cfg.model.channels}")
+    if cfg.optim.epochs > MAX_EPOCHS:
+        raise ValueError(f"config key optim.epochs must be in (0, 2**30] = (0, {MAX_EPOCHS}] (the epoch "
+                         f"number enters the data order's and the augmentation's 64-bit seeds, as "
+                         f"run.seed does), got {cfg.optim.epochs:g}")
     for s, k in (("run", "seed"), ("data", "data_seed")):
         v = getattr(getattr(cfg, s), k)
         # the derived streams must fit torch's 64-bit seeds: a sample's augmentation seed is
         # (seed * 7919 + epoch) * 1_000_003 + index (flashsgd.train.images), < 2**63 for seed < 2**30
         if not 0 <= v < 2 ** 30:
             raise ValueError(f"config key {s}.{k} must be in [0, 2**30 - 1] = [0, 1073741823], got {v}")
-    if not 0 <= cfg.run.target_accuracy <= 100:
-        raise ValueError(f"config key run.target_accuracy is a test accuracy in percent: valid 0-100, "
-                         f"got {cfg.run.target_accuracy:g}")
+    check_accuracy_percent(cfg.run.target_accuracy, "config key run.target_accuracy")
     from flashsgd.train.datasets import DATASETS
 
     DATASETS.get(cfg.data.dataset).check(cfg.data)  # the dataset's own rules (catalog)
@@ -439,20 +463,20 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 def _check_exchange_options(c: CommConfig) -> None:
-    """Every generated ``[comm]`` key that is set, checked by each options class that has it (the
-    catalog's own rules, written once there: ``--start-iter 1`` is an error even on a run whose
-    exchange does not read it); the error names the key."""
+    """Every generated ``[comm]`` key that is set, checked by each options class that has it
+    (:func:`flashsgd.sim.inputs.check_option`, which `flashsgd simulate` reads too: the catalog's own
+    rules, written once there; ``--start-iter 1`` is an error even on a run whose exchange does not
+    read it); the error names the key."""
     for name in COMM_OPTION_KEYS:
         value = getattr(c, name)
         if value is None:
             continue
-        for options in dict.fromkeys(e.options for e in X.EXCHANGES.values() if e.reads(name)):
-            try:
-                options(**{name: value})
-            except ValueError as exc:
-                text = str(exc)
-                raise ValueError(f"config key comm.{text}" if text.startswith(f"{name} ") else
-                                 f"config key comm.{name}: {text}") from None
+        try:
+            check_option(name, value)
+        except ValueError as exc:
+            text = str(exc)
+            raise ValueError(f"config key comm.{text}" if text.startswith(f"{name} ") else
+                             f"config key comm.{name}: {text}") from None
 
 
 # optim override -> (lowest valid, whether the lowest is allowed, highest or None, whether it is)
@@ -507,6 +531,20 @@ def apply(cfg: TrainConfig, section: str, values: dict[str, Any], source: str) -
         setattr(obj, key, coerce(f"{section}.{key}", value, hint, f.metadata.get("choices")))
 
 
+def _check_config_path(path: Path) -> None:
+    """``--config`` must name a TOML file: ValueError saying what it names instead."""
+    if path.is_file():
+        return
+    if path.is_dir():
+        inside = path / "config.toml"
+        hint = (f"; the run directory's own is {inside}" if inside.is_file() else
+                " (such as a run directory's config.toml)")
+        raise ValueError(f"--config {str(path)!r} is a directory; expected a TOML file{hint}")
+    if path.exists():
+        raise ValueError(f"--config {str(path)!r} is not a regular file; expected a TOML file")
+    raise ValueError(f"--config {str(path)!r}: no such file")
+
+
 def resolve(toml_path: str | Path | None = None, cli: dict[str, Any] | None = None,
             toml_text: str | None = None, preset: str | None = None) -> TrainConfig:
     """Steps 1-4: defaults < preset (:mod:`flashsgd.train.presets`) < TOML (file or text) < CLI
@@ -522,8 +560,7 @@ def resolve(toml_path: str | Path | None = None, cli: dict[str, Any] | None = No
             apply(cfg, index[key][0], {key: value}, f"preset {preset}")
     if toml_path is not None:
         path = Path(toml_path)
-        if not path.is_file():
-            raise ValueError(f"--config {str(path)!r}: no such file")
+        _check_config_path(path)
         try:
             toml_text, source = path.read_text(), str(path)
         except (OSError, UnicodeDecodeError) as exc:  # a binary file, unreadable: named

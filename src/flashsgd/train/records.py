@@ -13,6 +13,13 @@ StepResult property) and one field below, e.g.::
 
 Rows stay the JSON objects (dicts) earlier runs wrote, with the same keys, so old run directories
 load (:func:`read_metrics`); a field an older run did not write is missing from its rows.
+
+A row is one line, written with its newline in one append; a crash or a full disk during the append
+leaves a *torn* last line (bytes after the last newline). The writer cuts it off before it appends
+again (:func:`drop_torn_tail`: a resumed run writes the rows after its checkpoint again), and readers
+leave it out with a note; any other line that is not a row is a :class:`RecordError` naming the file
+and the line (:func:`read_rows`).
+
 :class:`Progress` is stored in a checkpoint as the plain dict :meth:`Progress.to_json` writes
 (evaluations as ``[epoch, step, accuracy, elapsed_s]`` lists, as before): old checkpoints resume.
 """
@@ -20,6 +27,7 @@ load (:func:`read_metrics`); a field an older run did not write is missing from 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
@@ -120,12 +128,117 @@ def resume_row(step: int) -> dict[str, Any]:
     return {"kind": "resume", "step": step}
 
 
-def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
-    """(step rows, eval rows) of a metrics.jsonl, keeping the last row logged for each step."""
+class RecordError(ValueError):
+    """A line of a record file that is not a row: the message names the file and the line."""
+
+
+ROW_KEYS = {"step": ("step",), "eval": ("epoch", "step"), "resume": ("step",)}
+"""The keys a reader needs in each kind of row (a kind not listed here is skipped: a newer version's)."""
+
+
+@dataclass(frozen=True)
+class Damage:
+    """A line of a record file that is not a row."""
+
+    path: Path
+    line: int
+    """1-based."""
+    size: int
+    """Bytes of the line."""
+    why: str
+    torn: bool = False
+    """The last line, without its newline: an append cut short (a crash, a full disk)."""
+    recovered: bool = False
+    """A torn row with a whole row appended after it (a version before torn tails were cut off):
+    the whole row is kept."""
+
+    def describe(self) -> str:
+        return f"{self.path} line {self.line}: {self.why}"
+
+
+def _parse(raw: bytes) -> tuple[dict | None, str]:
+    """(the row of one line, "") or (None, what is wrong with it)."""
+    try:
+        row = json.loads(raw)
+    except json.JSONDecodeError as exc:  # its own line number is 1: the column says where
+        return None, f"not JSON ({exc.msg} at column {exc.colno})"
+    except ValueError as exc:  # invalid UTF-8
+        return None, f"not JSON ({exc})"
+    if not isinstance(row, dict) or "kind" not in row:
+        return None, "not a row (a JSON object with a \"kind\")"
+    missing = [k for k in ROW_KEYS.get(row["kind"], ()) if k not in row]
+    if missing:
+        return None, f"a {row['kind']} row without {', '.join(missing)}"
+    return row, ""
+
+
+def _torn_then_row(raw: bytes) -> dict | None:
+    """The whole row appended after a torn one on the same line, or None."""
+    at = raw.rfind(b'{"kind": ')
+    return _parse(raw[at:])[0] if at > 0 else None
+
+
+def read_rows(path: str | Path) -> tuple[list[dict], list[Damage]]:
+    """Every row of a record file (one JSON object per line) and every line that is not one.
+
+    A torn last line (:class:`Damage` ``torn``) and a torn row with a whole one after it on one
+    line (``recovered``: the whole one is in the rows) are what an interrupted append leaves; any
+    other damage is a line that something else changed."""
+    path = Path(path)
+    lines = path.read_bytes().split(b"\n")
+    tail = lines.pop()  # after the last newline: b"" when the last append completed
+    rows, damage = [], []
+    for number, raw in enumerate(lines, 1):
+        row, why = _parse(raw)
+        if row is None and (row := _torn_then_row(raw)) is not None:
+            damage.append(Damage(path, number, len(raw), "a torn row, then a whole row appended after it by a "
+                                 "version that did not cut torn rows off: the torn part left out", recovered=True))
+        elif row is None:
+            damage.append(Damage(path, number, len(raw), f"damaged: {why}"))
+        if row is not None:
+            rows.append(row)
+    if tail:
+        damage.append(Damage(path, len(lines) + 1, len(tail), f"torn last row ({len(tail)} bytes without "
+                             "a newline: an append cut short by a crash or a full disk)", torn=True))
+    return rows, damage
+
+
+def drop_torn_tail(path: str | Path) -> Damage | None:
+    """Cut a torn last line (the bytes after the last newline) off a record file before appending
+    to it, so that the next row starts a line of its own; the torn line, or None."""
+    path = Path(path)
+    with open(path, "r+b") as f:
+        data = f.read()
+        intact = data.rfind(b"\n") + 1  # 0: not one whole line
+        if intact == len(data):
+            return None
+        f.truncate(intact)
+    torn = len(data) - intact
+    return Damage(path, data.count(b"\n") + 1, torn, f"torn last row ({torn} bytes without a newline: "
+                  "an append cut short by a crash or a full disk) dropped", torn=True)
+
+
+def note_to_stderr(text: str) -> None:
+    """The default ``note`` of :func:`read_metrics`: one line on stderr."""
+    print(f"note: {text}", file=sys.stderr, flush=True)
+
+
+def read_metrics(path: str | Path, *, skip_damaged: bool = False,
+                 note: Callable[[str], None] = note_to_stderr) -> tuple[list[dict], list[dict]]:
+    """(step rows, eval rows) of a metrics.jsonl, keeping the last row logged for each step.
+
+    A torn last line (a run that stopped during an append) is left out with a ``note``; so is any
+    other damaged line with ``skip_damaged`` (a run's own summary: a record never blocks a run),
+    else it is a :class:`RecordError` naming the file and the line."""
+    rows, damage = read_rows(path)
+    for d in damage:
+        if not (d.torn or d.recovered or skip_damaged):
+            raise RecordError(f"{d.describe()}; not as a run writes it (edited, or damaged on disk): "
+                              "repair or remove that line")
+        note(d.describe() if d.recovered else f"{d.describe()}, left out")
     steps: dict[int, dict] = {}
     evals: dict[float, dict] = {}
-    for line in Path(path).read_text().splitlines():
-        row = json.loads(line)
+    for row in rows:
         if row["kind"] == "step":
             steps[row["step"]] = row
         elif row["kind"] == "eval":

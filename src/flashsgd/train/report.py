@@ -4,7 +4,10 @@ Everything here runs on rank 0 only (logging on one rank, as torchrun users expe
 JSON object per line, its fields described in :mod:`flashsgd.train.records`: ``{"kind": "step", ...}`` per
 optimizer step, ``{"kind": "eval", ...}`` per evaluation (``"at_stop": true`` for the one after a
 ``run.max_steps`` stop), ``{"kind": "resume", "step": N}`` when a run continues from a checkpoint (steps
-after N that were logged before the interruption are then logged again; readers keep the last).
+after N that were logged before the interruption are then logged again; readers keep the last). A torn
+last line (an append cut short by a crash or a full disk) is cut off, with a note, before the resumed
+run appends (:func:`flashsgd.train.records.drop_torn_tail`), and the summary of a run leaves out a
+damaged line with a note naming it: a record never stops a run from finishing.
 
 Example::
 
@@ -15,13 +18,15 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
 from flashsgd.exchanges import DENSE_ITERATIONS
 from flashsgd.fmt import percent, plural
 from flashsgd.outputs import write_json
-from flashsgd.train.records import FIELDS, STEP_FIELDS, Progress, read_metrics, resume_row
+from flashsgd.train.records import (FIELDS, STEP_FIELDS, Progress, drop_torn_tail, read_metrics,
+                                    resume_row)
 
 WARMUP_STEPS = DENSE_ITERATIONS
 """Steps left out of a run's throughput and communication share (summary.json, ``flashsgd compare``):
@@ -46,6 +51,9 @@ class Metrics:
         if not enabled:
             return
         self.path = Path(out) / "metrics.jsonl"
+        if self.path.exists() and (torn := drop_torn_tail(self.path)) is not None:
+            train_note(torn.describe() + (f"; the run writes the rows after its checkpoint (step "
+                                          f"{resumed_from}) again" if resumed_from is not None else ""))
         self.file = self.path.open("a")
         from torch.utils.tensorboard import SummaryWriter
 
@@ -78,11 +86,16 @@ class Metrics:
             self.tb.close()
 
 
+def train_note(text: str) -> None:
+    """A one-line note of `flashsgd train` on stderr."""
+    print(f"flashsgd train: note: {text}", file=sys.stderr, flush=True)
+
+
 def summarize(plan, progress: Progress, topo, metrics, timer_total: float) -> dict[str, Any]:
     """Write summary.json and report.png; print the final summary; return the summary dict."""
     cfg, world = plan.config, plan.world
     out = Path(cfg.run.out)
-    steps, evals = read_metrics(out / "metrics.jsonl")
+    steps, evals = read_metrics(out / "metrics.jsonl", skip_damaged=True, note=train_note)
     ips = timed_median(steps, "images_per_s")
     medians = {f.summary: timed_median(steps, f.name) for f in STEP_FIELDS if f.summary}
     t_step, t_comm = timed_median(steps, "t_step_s"), timed_median(steps, "t_comm_s")
@@ -111,7 +124,7 @@ def summarize(plan, progress: Progress, topo, metrics, timer_total: float) -> di
     make_report(out / "metrics.jsonl", out / "report.png", title=(
         f"{cfg.model.model} on {cfg.data.dataset}: {plan.recipe.name} recipe, {cfg.comm.algorithm}, "
         f"{plural(world, 'worker')}, global batch {plan.table.final_batch}"),
-        label_smoothing=plan.recipe.label_smoothing)
+        label_smoothing=plan.recipe.label_smoothing, rows=(steps, evals))
     tta = f"{progress.tta_s:.1f} s" if progress.tta_s is not None else "not reached"
     accuracy = (f"test accuracy {final:.2f}% (best {summary['best_test_accuracy']:.2f}%)"
                 if final is not None else "not evaluated")
@@ -126,17 +139,19 @@ def summarize(plan, progress: Progress, topo, metrics, timer_total: float) -> di
 
 
 def make_report(metrics_path: str | Path, png_path: str | Path, title: str = "",
-                label_smoothing: float = 0.0) -> None:
+                label_smoothing: float = 0.0, rows: tuple[list[dict], list[dict]] | None = None) -> None:
     """report.png: loss, test accuracy, LR and global batch against the optimizer step.
 
     ``label_smoothing``: the run's (the resolved recipe's); the train loss is labelled with it only
-    when it is > 0 (the loss is then the smoothed cross-entropy, not comparable with the test loss)."""
+    when it is > 0 (the loss is then the smoothed cross-entropy, not comparable with the test loss).
+    ``rows``: (step rows, eval rows) already read from ``metrics_path``
+    (:func:`~flashsgd.train.records.read_metrics`: a damaged line is a RecordError naming it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, evals = read_metrics(metrics_path)
+    steps, evals = rows if rows is not None else read_metrics(metrics_path)
     x = [s["step"] for s in steps]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
     ax = axes[0, 0]
