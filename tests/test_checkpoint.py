@@ -325,3 +325,39 @@ def test_a_full_disk_inside_torch_save_is_reported_as_the_os_error(tmp_path, mon
     assert err.value.errno == errno.ENOSPC and err.value.filename == str(path)
     assert "No space left on device" in str(err.value) and "inline_container" not in str(err.value)
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------ belonging --------
+def _save_runs(root: str) -> None:
+    """Run "a" saves steps 4 and 8 in ``root/a``, run "b" step 8 in ``root/b`` (2 ranks)."""
+    rank = dist.get_rank()
+    for run, steps in (("a", (4, 8)), ("b", (8,))):
+        for step in steps:
+            shared = {"model": {"w": W * step}} if rank == 0 else None
+            ckpt.save(Path(root) / run, step, shared, {"rank": rank}, keep=2, run={"id": run})
+
+
+def test_a_checkpoint_of_another_run_is_passed_over_like_a_damaged_one(tmp_path, run_ranks):
+    """Issue 49 item 3: every file records the run's id; given this run's, a step directory (or a
+    rank file) of another run is not resumed, with the note a corrupt one gets."""
+    import shutil
+
+    run_ranks(_save_runs, 2, str(tmp_path))
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert ckpt.resume_point(a, run="a") == (a / "step-00000008", None)
+    _, meta, _ = ckpt.resume_checkpoint(a, run="a")
+    assert meta["step"] == 8 and ckpt.run_id(meta) == "a"
+    shutil.rmtree(a / "step-00000008")
+    shutil.copytree(b / "step-00000008", a / "step-00000008")
+    assert ckpt.damage(a / "step-00000008") is None  # intact: only the run it belongs to differs
+    target, note = ckpt.resume_point(a, run="a")
+    assert target == a / "step-00000004"
+    assert note == (f"checkpoint {a / 'step-00000008'} belongs to another run (its run id b, this run's "
+                    "a): copied from elsewhere; resuming from the older intact checkpoint step-00000004 instead")
+    assert ckpt.resume_point(a)[0] == a / "step-00000008"  # without the run's id: any run's
+    # one rank file of another run in a checkpoint without manifest (the manifest's CRC finds it first)
+    own = a / "step-00000004"
+    (own / "manifest.json").unlink()
+    torch.save({"meta": {**torch.load(own / "rank-00000.pt", weights_only=True)["meta"], "run": {"id": "b"}},
+                "rank": 1}, own / "rank-00001.pt")
+    assert "rank 1's file is from another run (run id b, shared.pt's a)" in ckpt.damage(own)

@@ -139,6 +139,8 @@ def test_an_edited_config_toml_does_not_pass_the_changed_settings_guard(tmp_path
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "config.toml was edited after the run started" in err[0], err
     assert "optim.epochs: 2.0 -> 3.0" in err[0], err
-    # the settings it started with still resume it
+    # the settings it started with still resume it, and the edited file is named and rewritten
     assert _train(out) == 0
+    assert f"{path} was edited after the run started (optim.epochs differs" in capfd.readouterr().out
+    assert "epochs = 2.0" in path.read_text()
     assert json.loads((out / "summary.json").read_text())["steps"] == 14

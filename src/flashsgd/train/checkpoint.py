@@ -26,6 +26,13 @@ included, is found; ``torch.load`` itself checks no record), and loadable with
 loaded unsafely). A checkpoint of a flashsgd before the manifest is checked record by record (the
 CRC-32 torch's zip writer keeps per record: ``zipfile.testzip``).
 
+Belonging: a run's checkpoints carry its identity (``meta["run"]`` in every file: ``id``, written
+at the run's start, ``settings``, the digest of the settings that can change results, and
+``config``, the run's config text; :func:`flashsgd.train.rundir.identity`). Given the run's id, a
+checkpoint of another run (a step directory copied in, a rank file from elsewhere) counts as
+damaged: skipped with a note like a corrupt one. Checkpoints without an identity (a flashsgd
+before it, or ``save`` called without ``run``) belong to any run.
+
 Resuming (:func:`resume_point`): one rule, the newest intact checkpoint, whatever ``latest``
 says (at or below the step it names, when it names one). When ``latest`` is missing, empty or
 invalid, or the checkpoint it names is damaged (a file missing, truncated, altered or not a
@@ -193,10 +200,11 @@ def _check_keep(keep: int) -> None:
 
 
 def save(ckpt_dir: str | Path, step: int, shared: dict[str, Any] | None, local: dict[str, Any],
-         keep: int = 2, group: Any = None) -> Path:
+         keep: int = 2, group: Any = None, run: dict[str, str] | None = None) -> Path:
     """Steps 1-3 (collective): write this rank's part; rank 0 also ``shared`` and ``latest``.
 
     ``keep`` (>= 1): checkpoints at or below ``step`` kept, this one included (:func:`prune`).
+    ``run``: the run's identity (module docstring, "Belonging"), recorded in every file.
     """
     _check_keep(keep)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -205,6 +213,8 @@ def save(ckpt_dir: str | Path, step: int, shared: dict[str, Any] | None, local: 
     target.mkdir(parents=True, exist_ok=True)
     # Step 1
     meta = {"format": FORMAT, "step": step, "world_size": world}
+    if run is not None:
+        meta["run"] = dict(run)
     written = {}  # file name -> [size, CRC-32]
     if rank == 0:
         if shared is None:
@@ -347,6 +357,12 @@ def _load(path: Path, manifest: dict[str, dict[str, int]] | None = None) -> dict
     return obj
 
 
+def run_id(meta: dict[str, Any]) -> str | None:
+    """The run id a checkpoint file's ``meta`` records (None: a checkpoint without identity)."""
+    run = meta.get("run")
+    return run.get("id") if isinstance(run, dict) else None
+
+
 def _load_checked(target: Path, rank: int, world_size: int | None = None,
                   shared: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(shared, rank ``rank``'s file or None when ``world_size`` differs from the writer's),
@@ -360,62 +376,80 @@ def _load_checked(target: Path, rank: int, world_size: int | None = None,
     if local["meta"]["step"] != shared["meta"]["step"]:
         raise _Damaged(f"checkpoint {target}: rank {rank}'s file is from step "
                        f"{local['meta']['step']}, shared.pt from {shared['meta']['step']}")
+    if run_id(local["meta"]) != run_id(shared["meta"]):
+        raise _Damaged(f"checkpoint {target}: rank {rank}'s file is from another run (run id "
+                       f"{run_id(local['meta'])}, shared.pt's {run_id(shared['meta'])})")
     return shared, local
 
 
-def damage(target: str | Path) -> str | None:
-    """What is wrong with the files of checkpoint directory ``target``, or None when it is intact:
-    every file of it read once and checked (module docstring, "Intact"), the writer's every rank
-    file present and of the same step."""
-    target = Path(target)
+def _inspect(target: Path, run: str | None = None) -> tuple[str | None, dict[str, Any] | None]:
+    """(what is wrong with checkpoint directory ``target`` or None, shared.pt's ``meta`` when
+    intact): :func:`damage`, which also returns the meta the files record."""
     try:
         shared, _ = _load_checked(target, 0)
         for r in range(1, shared["meta"]["world_size"]):
             _load_checked(target, r, shared=shared)
     except _Damaged as exc:
-        return str(exc)
-    return None
+        return str(exc), None
+    theirs = run_id(shared["meta"])
+    if run is not None and theirs is not None and theirs != run:
+        return (f"checkpoint {target} belongs to another run (its run id {theirs}, this run's "
+                f"{run}): copied from elsewhere"), None
+    return None, shared["meta"]
 
 
-def _newest_intact(ckpt_dir: Path, below: int | None) -> Path | None:
-    """The newest intact checkpoint (below step ``below``, when given)."""
+def damage(target: str | Path, run: str | None = None) -> str | None:
+    """What is wrong with the files of checkpoint directory ``target``, or None when it is intact:
+    every file of it read once and checked (module docstring, "Intact"), the writer's every rank
+    file present, of the same step and the same run; ``run``: this run's id, which a checkpoint
+    with an identity must record ("Belonging")."""
+    return _inspect(Path(target), run)[0]
+
+
+def _newest_intact(ckpt_dir: Path, below: int | None,
+                   run: str | None = None) -> tuple[Path | None, dict[str, Any] | None]:
+    """(the newest intact checkpoint of run ``run`` (below step ``below``, when given), its meta)."""
     for s, path in reversed(step_dirs(ckpt_dir)):
-        if (below is None or s < below) and damage(path) is None:
-            return path
-    return None
+        if below is None or s < below:
+            problem, meta = _inspect(path, run)
+            if problem is None:
+                return path, meta
+    return None, None
 
 
 def _intact_hint(ckpt_dir: Path, below: int | None) -> str:
-    older = _newest_intact(ckpt_dir, below)
+    older = _newest_intact(ckpt_dir, below)[0]
     return (f"; the newest intact checkpoint{' before it' if below is not None else ''} is "
             f"{older}: resume from it explicitly, or start over in a new directory" if older else "")
 
 
-def verify(target: str | Path) -> None:
-    """Raise CheckpointError unless checkpoint directory ``target`` is intact (:func:`damage`),
-    naming the file, what is wrong and the newest older intact checkpoint: what a launcher asks of
-    an explicitly named checkpoint before any worker starts."""
+def verify(target: str | Path) -> dict[str, Any]:
+    """shared.pt's ``meta`` (step, world size, the run's identity) when checkpoint directory
+    ``target`` is intact (:func:`damage`); else CheckpointError naming the file, what is wrong and
+    the newest older intact checkpoint: what a launcher asks of an explicitly named checkpoint
+    before any worker starts."""
     target = Path(target)
-    problem = damage(target)
+    problem, meta = _inspect(target)
     if problem is None:
-        return
+        return meta
     step = STEP_DIR.fullmatch(target.name)
     if step:
         raise CheckpointError(f"{problem}{_intact_hint(target.parent, int(step.group(1)))}")
     if not (target / "shared.pt").exists():  # not a step directory: perhaps a checkpoints root
-        inner = _newest_intact(target, None)
+        inner = _newest_intact(target, None)[0]
         problem = (f"{target} holds no checkpoint (no shared.pt); a checkpoint is a step-NNNNNNNN "
                    "directory" + (f": the newest intact one in it is {inner}" if inner else
                                   " such as <out>/checkpoints/step-00000050"))
     raise CheckpointError(problem)
 
 
-def resume_point(ckpt_dir: str | Path) -> tuple[Path | None, str | None]:
+def resume_point(ckpt_dir: str | Path, run: str | None = None) -> tuple[Path | None, str | None]:
     """The checkpoint to resume from and, when it is not the one ``latest`` names, why.
 
     One rule: the newest intact checkpoint, whatever ``latest`` says; when ``latest`` names a step,
     the newest intact one at or below it (checkpoints above it are not this run's: an older run in
-    the same directory, see :func:`prune`). ``latest`` only says where to look first.
+    the same directory, see :func:`prune`). ``latest`` only says where to look first. ``run``: this
+    run's id; a checkpoint of another run is passed over like a damaged one ("Belonging").
 
     Returns ``(None, None)`` when there is no checkpoint directory at all; ``(latest, None)`` when
     the checkpoint ``latest`` names is intact; ``(other, note)`` when ``latest`` is missing, empty,
@@ -428,23 +462,31 @@ def resume_point(ckpt_dir: str | Path) -> tuple[Path | None, str | None]:
         CheckpointError: ``latest`` names a checkpoint (or is empty or invalid) and no intact one
             is left to resume from.
     """
+    target, _, note = resume_checkpoint(ckpt_dir, run)
+    return target, note
+
+
+def resume_checkpoint(ckpt_dir: str | Path, run: str | None = None
+                      ) -> tuple[Path | None, dict[str, Any] | None, str | None]:
+    """:func:`resume_point` with the chosen checkpoint's ``meta`` (the step its files record,
+    which a directory renamed by hand does not change; the run's identity): ``(target, meta, note)``."""
     root = Path(ckpt_dir)
     target, named_step, problem = _read_pointer(root)
     if target is not None:
-        problem = damage(target)
+        problem, meta = _inspect(target, run)
         if problem is None:
-            return target, None
+            return target, meta, None
     below = None if named_step is None else named_step + 1
-    found = _newest_intact(root, below)
+    found, meta = _newest_intact(root, below, run)
     if found is not None:
         if problem is None:
             problem = f"{root / 'latest'} is missing"
         kind = "older intact" if target is not None else "newest intact"
-        return found, f"{problem}; resuming from the {kind} checkpoint {found.name} instead"
+        return found, meta, f"{problem}; resuming from the {kind} checkpoint {found.name} instead"
     if problem is None:
         damaged = [path.name for _, path in step_dirs(root)]
-        return None, (f"no intact checkpoint (damaged or unfinished: {', '.join(damaged)})"
-                      if damaged else None)
+        return None, None, (f"no intact checkpoint (damaged or unfinished: {', '.join(damaged)})"
+                            if damaged else None)
     where = "older intact checkpoint" if target is not None else "intact checkpoint"
     raise CheckpointError(f"{problem}; no {where} in {root} to resume from")
 

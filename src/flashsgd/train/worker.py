@@ -170,7 +170,7 @@ class Worker:
                 shared["scaler"] = self.step.scaler.state_dict()
         try:
             ckpt.save(self.out / "checkpoints", self.progress.step, shared, local,
-                      keep=self.cfg.run.keep_checkpoints)
+                      keep=self.cfg.run.keep_checkpoints, run=self.start.run)  # the run's identity
         except OSError as exc:
             raise CheckpointWriteError(f"cannot write the checkpoint of step {self.progress.step}: "
                                        f"{exc}; {self._resume_point()}") from exc
