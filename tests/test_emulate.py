@@ -410,7 +410,6 @@ def test_rank_failure_and_deadline_are_reported(tmp_path):
     assert netns.list_namespaces(f"{netns.NAME_PREFIX}-{os.getpid()}") == []
 
 
-@needs_netns
 def _foreground_sigint() -> None:
     """SIGINT as a terminal's foreground job has it. A non-interactive shell starts a background job
     (``bash .ci/run &``) with SIGINT ignored, the child inherits that, and Python then installs no
@@ -418,6 +417,7 @@ def _foreground_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@needs_netns
 def test_ctrl_c_tears_down_with_one_line_and_exit_130(tmp_path):
     # a built-in probe of 10 MB over 1 Mbit/s links takes minutes: interrupt it while the ranks run
     # (`flashsgd bench emulate` would also import every other benchmark; only this one is under test)
