@@ -59,24 +59,39 @@ def test_custom_recipe_example_trains_under_torchrun_without_a_warning(tmp_path)
     assert losses[-1] < losses[0] and accs[-1] > 85.0, out.stdout  # chance is ~10%
 
 
-def test_transformers_example_trains_stops_and_resumes_under_torchrun(tmp_path):
+def _trainer_example(out: Path, *stop: str) -> subprocess.CompletedProcess:
     pytest.importorskip("transformers", reason="needs Hugging Face Transformers (pip install "
                         "'flashsgd[integrations]'; scripts/setup.sh installs it)")
+    done = subprocess.run(TORCHRUN + [str(TRAINER), str(out), *stop], capture_output=True, text=True,
+                          timeout=180, cwd=out.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_transformers_example_trains_and_checkpoints_under_torchrun(tmp_path):
+    """The first half of the example's stop-and-resume (the resume is the slow test below; a resume's
+    bit-identity: tests/test_integrations_transformers.py)."""
     out = tmp_path / "run"
-    first = subprocess.run(TORCHRUN + [str(TRAINER), str(out), "40"], capture_output=True, text=True,
-                           timeout=180, cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    first = _trainer_example(out, "40")
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-20", "checkpoint-40"], first.stdout
-    resumed = subprocess.run(TORCHRUN + [str(TRAINER), str(out)], capture_output=True, text=True,
-                             timeout=180, cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for step in (20, 40):  # each rank's hook state inside each checkpoint
+        assert sorted(p.name for p in (out / f"checkpoint-{step}" / "flashsgd_hook").iterdir()) == \
+            ["rank0.pt", "rank1.pt"]
+    assert len(flashsgd_lines(TRAINER)) <= 3, flashsgd_lines(TRAINER)
+
+
+@pytest.mark.slow
+def test_transformers_example_trains_stops_and_resumes_under_torchrun(tmp_path):
+    out = tmp_path / "run"
+    first = _trainer_example(out, "40")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-20", "checkpoint-40"], first.stdout
+    resumed = _trainer_example(out)
     assert f"resuming from {out / 'checkpoint-40'}" in resumed.stdout, resumed.stdout
     losses = [float(v) for v in re.findall(r"epoch \d: loss ([0-9.]+)", resumed.stdout)]
     assert len(losses) == 4 and losses[-1] < losses[0], resumed.stdout
     for step in (20, 40, 60, 80):  # each rank's hook state inside each checkpoint
         assert sorted(p.name for p in (out / f"checkpoint-{step}" / "flashsgd_hook").iterdir()) == \
             ["rank0.pt", "rank1.pt"]
-    assert len(flashsgd_lines(TRAINER)) <= 3, flashsgd_lines(TRAINER)
 
 
 def test_readme_hook_list_is_the_catalog():

@@ -59,7 +59,7 @@ def test_ranks_starved_of_cpu_are_not_a_hang():
     hog = ctx.Process(target=_hog, args=(stop,), daemon=True)
     hog.start()
     try:
-        assert spawn(_starved_compute, 2, (0.05,), stall_s=1.5, deadline_s=300, start_method="fork") \
+        assert spawn(_starved_compute, 2, (0.02,), stall_s=1.5, deadline_s=300, start_method="fork") \
             == ["computed"] * 2
     finally:
         stop.set()
