@@ -46,6 +46,7 @@ def test_bench_data_gpu_decode_rows_their_ratios_and_the_default(tmp_path, capsy
     assert "gpu decode vs cpu decode with the same data workers: 0 workers" in text and "1 worker " in text
 
 
+@pytest.mark.slow  # 22 s
 def test_bench_data_training_rows_show_the_data_wait(tmp_path, capsys):
     assert main(["bench", "data", "--images", "24", "--photo-size", "60x45", "--image-size", "32",
                  "--batch", "4", "--reps", "1", "--data-workers", "0,1", "--train-steps", "4",

@@ -139,6 +139,7 @@ def test_a_hook_that_kills_a_rank_is_one_failed_row(monkeypatch, capfd):
     assert "ring" in capfd.readouterr().out
 
 
+@pytest.mark.slow  # 29 s; the GPU check's code paths, run by pytest -m gpu on a GPU
 def test_cpu_path_select_lars_and_train(tmp_path, capfd):
     out = tmp_path / "gpu.json"
     rc = main(["bench", "gpu", "--device", "cpu", "--checks", "select,lars,train", "--precisions", "fp16",

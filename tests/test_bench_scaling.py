@@ -418,6 +418,7 @@ def test_a_step_of_k_micro_batches_exchanges_once(run_ranks, k):
     assert out["forward"] == k and out["hook"] == out["buckets"] >= 1
 
 
+@pytest.mark.slow  # 16 s
 @needs_netns
 def test_a_flow_capped_accumulating_run_on_an_emulated_cluster(tmp_path):
     """2 nodes, noop and ring, flow = link / 4, 2 micro-batches: the rows and the header say so and

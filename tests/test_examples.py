@@ -45,6 +45,7 @@ def test_example_trains_under_torchrun(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rank0.pt", "rank1.pt"]
 
 
+@pytest.mark.slow  # 14 s; the recipe API is tested in tests/test_recipes.py
 def test_custom_recipe_example_trains_under_torchrun_without_a_warning(tmp_path):
     out = subprocess.run(TORCHRUN + [str(CUSTOM)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -68,6 +69,7 @@ def _trainer_example(out: Path, *stop: str) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow  # 23 s; the Trainer path and its resume: tests/test_integrations_transformers.py
 def test_transformers_example_trains_and_checkpoints_under_torchrun(tmp_path):
     """The first half of the example's stop-and-resume (the resume is the slow test below; a resume's
     bit-identity: tests/test_integrations_transformers.py)."""

@@ -149,6 +149,7 @@ def _losses(out: Path) -> list[list[tuple[int, float]]]:
     return [[tuple(r) for r in json.loads((out / f"losses{r}.json").read_text())] for r in range(WORLD)]
 
 
+@pytest.mark.slow  # 27 s; the same check with Accelerate stays in the default suite
 def test_dense_hook_matches_lightning_all_reduce(tmp_path):
     pytest.importorskip("lightning", reason=REASON)
     import torch

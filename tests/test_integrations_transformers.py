@@ -247,6 +247,7 @@ def test_trainer_gtopk_resume_is_bit_identical_and_a_missing_state_warns(first_j
         assert gap > 1e-5, name
 
 
+@pytest.mark.slow  # 16 s (a fresh interpreter importing transformers)
 def test_one_process_names_model_wrapped_and_the_launch(tmp_path):
     """A Trainer in one process (python, not torchrun): model_wrapped is the plain model."""
     pytest.importorskip("transformers", reason=REASON)
