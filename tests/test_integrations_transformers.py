@@ -28,6 +28,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from test_hook_step import _assert_same
 from torchrun_jobs import job
 
 REASON = "needs Hugging Face Transformers (pip install 'flashsgd[integrations]'; scripts/setup.sh installs it)"
@@ -174,22 +175,6 @@ def _records(out: Path) -> list[list[tuple]]:
     return [[tuple(r) for r in json.loads((out / f"losses{r}.json").read_text())] for r in range(WORLD)]
 
 
-def _same_state(a, b, where: str) -> None:
-    import torch
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
-        for k in a:
-            _same_state(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same_state(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 @pytest.fixture(scope="module")
 def first_job(tmp_path_factory) -> Path:
     """One torchrun job: the uninterrupted gTop-k run, and the overflow runs with GradScaler forced
@@ -233,7 +218,7 @@ def test_trainer_gtopk_resume_is_bit_identical_and_a_missing_state_warns(first_j
             assert b == a[half:], f"{name}, rank {r}: resumed losses differ: {a[half:]} vs {b}"
             hook_a, hook_b = (torch.load(d / f"hook{r}.pt", weights_only=False) for d in (full, tmp_path / name))
             assert hook_b["iter"] == hook_a["iter"] >= STEPS, (hook_a["iter"], hook_b["iter"])
-            _same_state(hook_a, hook_b, f"{name}: rank {r}'s hook state")
+            _assert_same(hook_a, hook_b, f"{name}: rank {r}'s hook state")
         p, q = torch.load(full / "params.pt"), torch.load(tmp_path / name / "params.pt")
         assert all(torch.equal(p[k], q[k]) for k in p), name
     # the controls depart: the first-iteration buckets after the resume; empty residuals (a warning)

@@ -68,9 +68,9 @@ except ImportError as exc:  # pragma: no cover - the optional extra is missing
     raise ImportError("flashsgd.integrations.lightning needs PyTorch Lightning: pip install "
                       "'flashsgd[integrations]' (or lightning>=2.4)") from exc
 
-from flashsgd.comm.hooks import HOOKS, rebuild_buckets, register_hook
+from flashsgd.comm.hooks import rebuild_buckets, register_hook
 from flashsgd.exchanges import EXCHANGES
-from flashsgd.integrations.plan import warmup_in_steps
+from flashsgd.integrations.plan import check_callback_options, warmup_in_steps
 from flashsgd.integrations.rank_state import load_rank_state, save_rank_state
 from flashsgd.integrations.recipe import RecipeLR, recipe_optimizer
 from flashsgd.launch import shutdown_at_exit
@@ -110,18 +110,7 @@ class FlashsgdHook(pl.Callback):
 
     def __init__(self, name: str, options: Any = None, *, density_warmup_epochs: float | None = None,
                  wrap: Callable | None = None, **kwargs: Any) -> None:
-        HOOKS.get(name)  # an unknown name lists the known ones
-        exchange = EXCHANGES[name]
-        if options is not None and (kwargs or density_warmup_epochs is not None):
-            raise ValueError(f"FlashsgdHook({name!r}): pass either an options object or options by name")
-        if options is None:
-            exchange.make_options(**kwargs)  # unknown options and bad values: now, not at fit
-            if kwargs.get("density_warmup") is not None and "density_warmup_steps" not in kwargs \
-                    and density_warmup_epochs is None:
-                raise ValueError(f"FlashsgdHook({name!r}): density_warmup={kwargs['density_warmup']:g} needs "
-                                 f"its length: density_warmup_epochs=E (epochs of this run) or "
-                                 f"density_warmup_steps=N; or density_warmup=None for no warm-up")
-            warmup_in_steps(name, kwargs, 1.0, density_warmup_epochs)  # checks the epochs' value
+        check_callback_options("FlashsgdHook", name, options, kwargs, density_warmup_epochs)  # now, not at fit
         self.name, self.options, self.kwargs, self.wrap = name, options, kwargs, wrap
         self.density_warmup_epochs = density_warmup_epochs
         self.state: Any = None

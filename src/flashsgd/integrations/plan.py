@@ -124,6 +124,28 @@ def comm_from_plan(plan: Mapping[str, Any] | str | os.PathLike, *, total_steps: 
     return TrainerComm(name, options, float(bucket), total_steps, warnings)
 
 
+def check_callback_options(owner: str, name: str, options: Any, kwargs: dict[str, Any],
+                           density_warmup_epochs: float | None) -> None:
+    """A trainer callback's checks of hook ``name`` and its options at construction, before the
+    trainer starts any process (``owner``: the callback's name, for the messages): a known name,
+    an options object or options by name (not both), every option and value valid, and a density
+    warm-up with its length (``density_warmup_steps`` or ``density_warmup_epochs``)."""
+    from flashsgd.comm.hooks import HOOKS
+
+    HOOKS.get(name)  # an unknown name lists the known ones
+    if options is not None:
+        if kwargs or density_warmup_epochs is not None:
+            raise ValueError(f"{owner}({name!r}): pass either an options object or options by name")
+        return
+    EXCHANGES[name].make_options(**kwargs)  # unknown options and bad values
+    if kwargs.get("density_warmup") is not None and "density_warmup_steps" not in kwargs \
+            and density_warmup_epochs is None:
+        raise ValueError(f"{owner}({name!r}): density_warmup={kwargs['density_warmup']:g} needs "
+                         f"its length: density_warmup_epochs=E (epochs of this run) or "
+                         f"density_warmup_steps=N; or density_warmup=None for no warm-up")
+    warmup_in_steps(name, kwargs, 1.0, density_warmup_epochs)  # checks the epochs' value
+
+
 def warmup_in_steps(name: str, options: dict[str, Any], steps_per_epoch: float | None,
                     epochs: float | None) -> dict[str, Any]:
     """``options`` with ``density_warmup_epochs`` (a trainer integration's keyword: the warm-up's
