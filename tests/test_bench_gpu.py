@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from flashsgd.bench import gpu, gpu_hooks
+from flashsgd.bench import gpu, gpu_hooks, gpu_overhead
 from flashsgd.bench.gpu_common import RATIO_TARGET, GpuSettings, cuda_missing
 from flashsgd.cli import main
 from flashsgd.exchanges import EXCHANGES, NODE_SPLITS, SELECTIONS
@@ -72,7 +72,9 @@ def _args(*argv):
 def test_quick_and_the_device_defaults():
     args = _args
     settings, checks, worlds = gpu.settings_from(args("--quick"), torchvision=True)
-    assert (worlds, settings.channels_last, settings.compile, checks) == ((2,), (True,), (False,), gpu.CHECKS)
+    assert (worlds, settings.channels_last, settings.compile, checks) == ((2,), (True,), (False,), gpu.QUICK_CHECKS)
+    assert gpu.settings_from(args(), torchvision=True)[1] == gpu.CHECKS == gpu.QUICK_CHECKS + ("overhead",)
+    assert gpu.settings_from(args("--quick", "--checks", "overhead"), torchvision=True)[1] == ("overhead",)
     assert (settings.model, settings.batch, settings.numel, settings.torchvision) == ("resnet50", 256, 25_557_032, True)
     settings, _, worlds = gpu.settings_from(args("--device", "cpu", "--compile", "on"), torchvision=True)
     assert (worlds, settings.compile, settings.channels_last) == ((2, 4), (True,), (False, True))
@@ -204,6 +206,41 @@ def test_cpu_path_every_training_configuration_with_compile(tmp_path, capfd):
     assert all(r["flashsgd"]["compiled"] in (True, False) for r in rows if r["compile"])
 
 
+def test_cpu_path_overhead_every_hook_and_no_host_sync_on_its_cuda_path(tmp_path, capfd):
+    """Every hook of the catalog in a plain DDP loop: a row each, timed beside the plain loop, and
+    its CUDA code path (counted on this CPU) adds no host synchronization to the plain loop's."""
+    out = tmp_path / "overhead.json"
+    rc = main(["bench", "gpu", "--device", "cpu", "--checks", "overhead", "--json", str(out)])
+    rows, text = _rows(out), capfd.readouterr().out
+    assert rc == 0, text
+    assert [r["hook"] for r in rows] == list(EXCHANGES) and {r["batch"] for r in rows} == {8}
+    for r in rows:
+        assert r["host_syncs"] == r["plain_host_syncs"] == 0, r
+        assert r["passed"] and r["target"] is None and r["reps"] == 2  # no time target on a CPU
+        assert r["ratio_to_plain"] == pytest.approx(r["plain_ms"] / r["ms"])
+        assert r["min_ms"] <= r["ms"] <= r["max_ms"]
+    assert gpu_overhead.target("powersgd") == 0.90 and gpu_overhead.target("gtopk") == RATIO_TARGET
+    assert f"# {len(EXCHANGES)} rows with a target: {len(EXCHANGES)} pass, 0 FAIL" in text
+
+
+def _selection_that_reads_its_count(select):
+    def run(state, x, k, idx, rank, bmax=None):
+        int(x.abs().max() > 0)  # a host read, as a data-dependent size would be
+        return select(state, x, k, idx, rank, bmax)
+    return run
+
+
+def test_overhead_a_hook_that_waits_for_the_device_fails_its_row(monkeypatch, capfd):
+    from flashsgd.comm import sparse_hooks
+
+    monkeypatch.setattr(sparse_hooks, "select", _selection_that_reads_its_count(sparse_hooks.select))
+    monkeypatch.setattr(gpu_overhead, "hooks", lambda: ["ring", "gtopk"])  # inherited by the forked rank
+    assert main(["bench", "gpu", "--device", "cpu", "--checks", "overhead"]) == 1
+    text = capfd.readouterr().out
+    assert "# 2 rows with a target: 1 pass, 1 FAIL (overhead gtopk batch 8)" in text
+    assert "__int__ sparse_hooks.py" in text or "__int__ test_bench_gpu.py" in text, text
+
+
 # ---------------------------------------------------------------------------- with CUDA -------
 
 @pytest.mark.gpu
@@ -217,3 +254,16 @@ def test_the_gpu_check_on_cuda(tmp_path, capfd):
     assert correctness and all(r["passed"] for r in correctness), [r for r in correctness if not r["passed"]]
     assert {r["backend"] for r in rows if r["check"] == "hooks"} == {"gloo", "nccl"}
     assert [r["error"] for r in rows if r["check"] == "train"] == [None]
+
+
+@pytest.mark.gpu
+def test_the_overhead_check_on_cuda(tmp_path, capfd):
+    """On a GPU: every hook's row, and no hook adds a host synchronization to the plain loop's
+    (the time ratios are the check's own targets, at batch 256: see docs/gpu.md)."""
+    out = tmp_path / "overhead.json"
+    main(["bench", "gpu", "--checks", "overhead", "--batch", "32", "--steps", "3", "--warmup", "3",
+          "--json", str(out)])
+    rows, text = _rows(out), capfd.readouterr().out
+    assert [(r["hook"], r["batch"]) for r in rows] == [(h, b) for b in (32, 8) for h in EXCHANGES], text
+    assert all(r["host_syncs"] <= r["plain_host_syncs"] for r in rows), \
+        [(r["hook"], r["sync_sites"]) for r in rows if r["host_syncs"] > r["plain_host_syncs"]]

@@ -11,6 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from flashsgd.exchanges import NODE_SPLITS
 from flashsgd.host_syncs import count_host_syncs, watched
 
 
@@ -108,21 +109,19 @@ def _count_cuda_path(cases: dict[str, dict]):
         return {name: _count_default_step(extra, 3, True) for name, extra in cases.items()}
 
 
-CUDA_PATH_CASES = {"topk": {}, "gtopk": {}, "hgtopk-leader": {"node_split": "leader"},
-                   "hgtopk-sparse": {"node_split": "sparse"}}
+CUDA_PATH_CASES = {"topk": {}, "gtopk": {}, **{f"hgtopk-{split}": {"node_split": split} for split in NODE_SPLITS}}
 
 
 def test_the_compressing_hooks_cuda_path_waits_for_nothing(run_ranks):
-    """Issue 48: inside topk, gtopk and hgtopk (leader and sparse node steps) with the selection CUDA
-    runs (``auto`` -> exact), no call would wait for the GPU, at 3 ranks (gTop-k's fold-in and
+    """Issue 48: inside topk, gtopk and hgtopk (every node step) at the default selection (``auto``,
+    which the CUDA path resolves to exact), no call would wait for the GPU, at 3 ranks (gTop-k's fold-in and
     fold-out) and 4 (a butterfly of 2 rounds): every step counts exactly the step's own read
     (``tolist`` of the agreed [loss, samples, flag]), but the first sparse step, which also runs the
     size check of each bucket once (one exchange of 3 integers per bucket: a tensor made from
     Python integers, and its rows read). Before: 16 at
     2 ranks and 24 at 4 with gtopk (the merges' masks, ``nonzero``, sizes read with ``int``, the
     counted indices by mask; tests/test_host_syncs.py at eefc2b2)."""
-    cases = {name: {"algorithm": name.split("-")[0], "density": 0.05, "density_warmup": 0, "selection": "exact",
-                    **extra} for name, extra in CUDA_PATH_CASES.items()}
+    cases = {name: {"algorithm": name.split("-")[0], "density": 0.05, "density_warmup": 0, **extra} for name, extra in CUDA_PATH_CASES.items()}
     for world in (3, 4):
         for name, (counts, calls, _) in run_ranks(_count_cuda_path, world, cases)[0].items():
             first, *rest = calls

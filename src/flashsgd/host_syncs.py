@@ -75,6 +75,13 @@ def device_path(t: torch.Tensor) -> bool:
     return t.is_cuda or _AS_IF_CUDA[0]
 
 
+def path_device_type(t: torch.Tensor) -> str:
+    """The device type whose code path serves ``t``: ``"cuda"`` where :func:`device_path` is True
+    (so a choice made by device, such as the hooks' ``selection="auto"``, follows the path a CPU
+    test runs), else ``t``'s own."""
+    return "cuda" if device_path(t) else t.device.type
+
+
 @contextlib.contextmanager
 def as_if_cuda() -> Iterator[None]:
     """Inside: :func:`device_path` is True for CPU tensors too, so the CUDA code path runs on a CPU

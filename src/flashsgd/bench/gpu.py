@@ -22,6 +22,11 @@ pass or FAIL (exit status 1 when any row fails, 0 when all pass):
    torchvision's ResNet-50 in the plain loop where torchvision imports). Target: flashsgd's
    images/s >= 0.95 x the plain loop's at every configuration.
 
+5. ``overhead`` (:mod:`flashsgd.bench.gpu_overhead`): every hook of the catalog in a user's own
+   DDP loop (registered through the library API) against the plain DDP loop, ResNet-50 bf16
+   channels_last at batch 256 and 64, one GPU: step time ratio and host synchronizations per step.
+   Targets: >= 0.95x plain (PowerSGD 0.90x), no host synchronization beyond the plain loop's.
+
 Timing is :func:`flashsgd.timing.time_ops` everywhere: warm-up calls excluded, compared calls
 interleaved, the device synchronized before each clock read, median with min..max over the
 repetitions. The header names the GPU, the driver stack and the versions.
@@ -54,9 +59,12 @@ from flashsgd.bench.gpu_hooks import HOOK_WORLDS
 from flashsgd.fmt import plural
 from flashsgd.outputs import add_output
 
-HELP = "check flashsgd on a GPU: every hook on CUDA, top-k selection, LARS, ResNet-50 images/s vs a plain loop"
+HELP = ("check flashsgd on a GPU: every hook on CUDA, top-k selection, LARS, ResNet-50 images/s vs a plain loop, "
+        "each hook's cost in a plain DDP loop (overhead)")
 
-CHECKS = ("hooks", "select", "lars", "train")
+CHECKS = ("hooks", "select", "lars", "train", "overhead")
+QUICK_CHECKS = ("hooks", "select", "lars", "train")
+"""What ``--quick`` runs unless ``--checks`` says (the overhead check is its own run: ``--checks overhead``)."""
 PRECISIONS = ("fp32", "bf16", "fp16")
 SWITCH = {"both": (False, True), "on": (True,), "off": (False,)}
 TORCHVISION_MODELS = ("resnet50",)
@@ -64,7 +72,8 @@ TORCHVISION_MODELS = ("resnet50",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checks", default=",".join(CHECKS), help=f"checks to run (default {','.join(CHECKS)})")
+    parser.add_argument("--checks", default=None,
+                        help=f"checks to run (default {','.join(CHECKS)}; --quick: {','.join(QUICK_CHECKS)})")
     parser.add_argument("--quick", action="store_true",
                         help="a shorter run: hooks at 2 ranks (and NCCL at 1), training with channels_last "
                              "on and compile off only (unless --hook-ranks / --channels-last / --compile say)")
@@ -74,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"training precisions (default {','.join(PRECISIONS)})")
     parser.add_argument("--channels-last", choices=list(SWITCH), default=None, help="training: default both")
     parser.add_argument("--compile", choices=list(SWITCH), default=None, help="training: default both")
-    parser.add_argument("--batch", type=int, default=None, help="training batch per GPU (default 256)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="training batch per GPU (default 256; the overhead check also runs a quarter of it)")
     parser.add_argument("--steps", type=int, default=None,
                         help="timed repetitions per measured call (default 20; --device cpu: 2)")
     parser.add_argument("--warmup", type=int, default=None,
@@ -111,7 +121,7 @@ def settings_from(args: argparse.Namespace, torchvision: bool) -> tuple[GpuSetti
     ``torchvision``: whether it imports (then its model of the same name joins the plain loop)."""
     from flashsgd.exchanges import check_density
 
-    checks = _names(args.checks, CHECKS, "--checks")
+    checks = _names(args.checks or ",".join(QUICK_CHECKS if args.quick else CHECKS), CHECKS, "--checks")
     for flag, value, low in (("--batch", args.batch, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
@@ -160,6 +170,7 @@ def _on(flag: bool) -> str:
 
 
 def _plan_line(settings: GpuSettings, checks: tuple[str, ...], worlds: tuple[int, ...]) -> str:
+    from flashsgd.bench.gpu_overhead import PRECISION, overhead_batches
     from flashsgd.bench.gpu_train import configurations
 
     parts = {"hooks": f"hooks ({','.join(map(str, worlds))} Gloo ranks on one device, and "
@@ -168,7 +179,9 @@ def _plan_line(settings: GpuSettings, checks: tuple[str, ...], worlds: tuple[int
              "lars": f"lars ({settings.model})",
              "train": f"train ({settings.model}, batch {settings.batch}, "
                       f"{plural(len(configurations(settings)), 'configuration')}, recipe {settings.recipe}, torchvision's model: "
-                      f"{'yes' if settings.torchvision else 'no'})"}
+                      f"{'yes' if settings.torchvision else 'no'})",
+             "overhead": f"overhead ({settings.model}, batch {','.join(map(str, overhead_batches(settings)))}, "
+                         f"{PRECISION}, channels_last, every hook vs plain DDP at world 1)"}
     return (f"# checks: {'; '.join(parts[c] for c in checks)}; {settings.steps} timed repetitions after "
             f"{settings.warmup} warm-up (excluded), median (min..max)")
 
@@ -225,6 +238,14 @@ def run(args: argparse.Namespace) -> int:
         print(TRAIN_HEADER, flush=True)
         rows += _job(train_rank, (settings, configurations(settings)), settings, "train")
         _save(args.json, meta, rows)
+    if "overhead" in checks:
+        from flashsgd.bench.gpu_overhead import HEADER as OVERHEAD_HEADER, overhead_rank
+
+        _section("overhead: each hook in a plain DDP loop (world 1: the hook's own work) vs the plain loop; "
+                 f"target x plain >= {RATIO_TARGET} (powersgd 0.90) on CUDA, no host sync beyond the plain loop's")
+        print(OVERHEAD_HEADER, flush=True)
+        rows += _job(overhead_rank, (settings,), settings, "overhead")
+        _save(args.json, meta, rows)
     return _summary(rows)
 
 
@@ -246,6 +267,8 @@ def _summary(rows: list[dict]) -> int:
 def _name(row: dict) -> str:
     if row["check"] == "hooks":
         return f"hooks {row.get('case')} x{row.get('world')}"
+    if row["check"] == "overhead" and "hook" in row:
+        return f"overhead {row['hook']} batch {row['batch']}"
     if row["check"] == "train" and "precision" in row:
         return f"train {row['precision']} ch_last {_on(row['channels_last'])} compile {_on(row['compile'])}"
     return f"{row['check']} {row.get('method') or row.get('step') or 'job'}"

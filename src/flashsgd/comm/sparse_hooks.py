@@ -117,6 +117,7 @@ from flashsgd.comm.sparse_state import SparseHookState
 from flashsgd.comm.topology import default_timeout_s
 from flashsgd.comm.waits import wait_collective
 from flashsgd.exchanges import SparseOptions, names, resolved_selection
+from flashsgd.host_syncs import path_device_type
 
 __all__ = ["ALGORITHMS", "EXCHANGE_STEPS", "SparseHookState", "sparse_hook", "sparse_factory",
            "prepare_sparse", "dense_iteration", "select"]
@@ -166,7 +167,7 @@ def _accumulate(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tens
                                             out_velocity=state.scratch("velocity", idx, buf))
         return acc, velocity, None
     reads_acc = EXCHANGE_STEPS[state.algorithm].selects_acc(state.options)
-    threshold = resolved_selection(state.options.selection, buf.device.type) == "threshold"
+    threshold = resolved_selection(state.options.selection, path_device_type(buf)) == "threshold"
     block = auto_block(buf.numel(), k) if threshold and reads_acc else None
     if block is None:
         return torch.add(residual, buf, out=out), None, None
@@ -178,7 +179,7 @@ def select(state: SparseHookState, x: torch.Tensor, k: int, idx: int, rank: int,
            bmax: torch.Tensor | None = None):
     """Step 2: the state's selection of k entries of x (bucket ``idx``; ``bmax``: x's block
     maxima at :func:`~flashsgd.comm.sparse_select.auto_block`, for the threshold selection)."""
-    selection = resolved_selection(state.options.selection, x.device.type)
+    selection = resolved_selection(state.options.selection, path_device_type(x))
     if selection == "threshold":
         return topk_threshold(x, k, reuse=state.reuse, key=idx, bmax=bmax)
     if selection == "sampled":

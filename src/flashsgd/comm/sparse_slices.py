@@ -113,8 +113,10 @@ def hgtopk_slices_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, ou
     item = acc.element_size()
     vals = rows[:, 2 * kmax:].contiguous().view(torch.uint8)[:, :kmax * item].contiguous().view(acc.dtype)
     idx, cnt = rows[:, :kmax].to(torch.int64), rows[:, kmax:2 * kmax].to(torch.int64)
-    keep = idx >= 0
-    values, indices = vals[keep], idx[keep]          # row-major: slices in order, ascending
+    # Row j holds exactly ks[j] pairs (gTop-k keeps k; padding after them): sizes known on the
+    # host, so no boolean mask (a host synchronization on CUDA). Slices in order, ascending.
+    values = torch.cat([vals[j, :ks[j]] for j in range(r)])
+    indices = torch.cat([idx[j, :ks[j]] for j in range(r)])
     out.zero_()
     out[indices] = values
     cnt = cnt.flatten()
