@@ -31,7 +31,7 @@ def test_bench_data_gpu_decode_rows_their_ratios_and_the_default(tmp_path, capsy
     """The device-decode pipelines' rows (one per worker count), their ratios to CPU decode with the
     same workers and the trainer's default pick, run on the CPU (decode="device" there decodes in
     the receiving process: the plumbing, not nvJPEG)."""
-    from flashsgd.train import images
+    from flashsgd.train.data import images
 
     monkeypatch.setattr(images, "device_decode_unavailable", lambda device: None)
     out = tmp_path / "data.json"

@@ -231,14 +231,14 @@ def _selection_that_reads_its_count(select):
 
 
 def test_overhead_a_hook_that_waits_for_the_device_fails_its_row(monkeypatch, capfd):
-    from flashsgd.comm import sparse_hooks
+    from flashsgd.comm.sparse import hooks as sparse_hooks
 
     monkeypatch.setattr(sparse_hooks, "select", _selection_that_reads_its_count(sparse_hooks.select))
     monkeypatch.setattr(gpu_overhead, "hooks", lambda: ["ring", "gtopk"])  # inherited by the forked rank
     assert main(["bench", "gpu", "--device", "cpu", "--checks", "overhead"]) == 1
     text = capfd.readouterr().out
     assert "# 2 rows with a target: 1 pass, 1 FAIL (overhead gtopk batch 8)" in text
-    assert "__int__ sparse_hooks.py" in text or "__int__ test_bench_gpu.py" in text, text
+    assert "__int__ hooks.py" in text or "__int__ test_bench_gpu.py" in text, text
 
 
 # ---------------------------------------------------------------------------- with CUDA -------

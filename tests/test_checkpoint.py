@@ -1,4 +1,4 @@
-"""flashsgd.train.checkpoint: the ``latest`` pointer, damaged checkpoints, pruning among runs."""
+"""flashsgd.train.records.checkpoint: the ``latest`` pointer, damaged checkpoints, pruning among runs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashsgd.train import checkpoint as ckpt
+from flashsgd.train.records import checkpoint as ckpt
 
 
 def _write(root: Path, step: int, world: int) -> Path:

@@ -180,7 +180,7 @@ def test_config_toml_written_before_the_generated_keys_still_loads():
            'threshold_every = 8\nbucket_mb = 25.0\n')
     # its selection was the default then; it stays what the run trained with (the default is now auto)
     assert C.resolve(toml_text=old) == C.resolve(cli={"algorithm": "gtopk", "selection": "sampled"})
-    from flashsgd.train.config_file import dumps_run_config
+    from flashsgd.train.config.file import dumps_run_config
 
     for flags in ({"algorithm": "gtopk", "threaded": True, "start_iter": 4}, {"algorithm": "torus2d", "threaded": False},
                   {"algorithm": "gtopk", "density_warmup_steps": 7}):

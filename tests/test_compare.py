@@ -1,4 +1,4 @@
-"""`flashsgd compare` (flashsgd.train.compare): the table agrees with each run's summary.json and
+"""`flashsgd compare` (flashsgd.train.records.compare): the table agrees with each run's summary.json and
 metrics.jsonl, seeds of one setting are grouped, labels name what differs, bad input is one line."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from flashsgd.cli import main
-from flashsgd.train.compare import Run, compare, derive_labels
-from flashsgd.train.report import read_metrics
+from flashsgd.train.records.compare import Run, compare, derive_labels
+from flashsgd.train.records.report import read_metrics
 
 TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--no-progress",
         "--workers", "2"]

@@ -1,5 +1,5 @@
 """The run directory's config.toml lists the keys the run reads and loads back to the same config
-(flashsgd.train.config_file, flashsgd.train.rundir)."""
+(flashsgd.train.config.file, flashsgd.train.records.rundir)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from flashsgd.train import rundir
+from flashsgd.train.records import rundir
 from flashsgd.train.config import resolve
-from flashsgd.train.config_file import applies, dumps_run_config, unread_keys
+from flashsgd.train.config.file import applies, dumps_run_config, unread_keys
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -69,7 +69,7 @@ def test_which_keys_each_exchange_reads():
 def test_keys_said_unread_do_not_change_the_data_or_the_model(tmp_path):
     """The table against the code that reads it: changing a key said not to apply changes nothing."""
     from flashsgd.train.data import build_datasets
-    from flashsgd.train.images import write_jpeg_folder
+    from flashsgd.train.data.images import write_jpeg_folder
     from flashsgd.train.models import build_model
 
     folder = write_jpeg_folder(tmp_path / "img", classes=2, per_class=3, size=(48, 40))
@@ -121,7 +121,7 @@ def test_resume_ignores_keys_neither_run_reads_and_compares_the_rest(tmp_path):
 def test_doctest():
     import doctest
 
-    from flashsgd.train import config_file
+    from flashsgd.train.config import file as config_file
 
     assert doctest.testmod(config_file).failed == 0
 
@@ -142,7 +142,7 @@ def test_a_key_set_but_not_read_by_the_exchange_is_named_in_the_plan():
 def test_the_dataset_catalog_is_what_the_config_and_the_plan_read():
     """Issue 34 item 2: one entry per dataset; the config's choices, the keys config.toml keeps,
     channels_last and the data-workers rule come from it."""
-    from flashsgd.train.datasets import DATASETS, dataset_keys
+    from flashsgd.train.data.catalog import DATASETS, dataset_keys
     from flashsgd.train.plan import build_plan
 
     with pytest.raises(ValueError, match="valid choices: mnist1d, synthetic, imagefolder"):

@@ -87,7 +87,7 @@ def _in_place() -> dict:
     (the shard is a view of the tensor: reduce-scatter output = input + x c, all-gather input =
     output + x c), one padded buffer for the whole chain otherwise; op=avg is ReduceOp.AVG."""
     seen = []
-    rs, ag = dense_native._reduce_scatter_single, dense_native._all_gather_single
+    rs, ag = dense_native._reduce_scatter_single, dense_native.all_gather_single
 
     def record_rs(out, inp, op=dist.ReduceOp.SUM, group=None, async_op=False):
         seen.append(("rs", out.data_ptr(), inp.data_ptr(), out.numel(), inp.numel(), op))
@@ -97,7 +97,7 @@ def _in_place() -> dict:
         seen.append(("ag", inp.data_ptr(), out.data_ptr(), inp.numel(), out.numel(), None))
         return ag(out, inp, group=group, async_op=async_op)
 
-    dense_native._reduce_scatter_single, dense_native._all_gather_single = record_rs, record_ag  # this forked rank only
+    dense_native._reduce_scatter_single, dense_native.all_gather_single = record_rs, record_ag  # this forked rank only
     out = {}
     try:
         topo = get_topology(grid="2x2")
@@ -113,7 +113,7 @@ def _in_place() -> dict:
                       "ag in place": ag_in == ag_out + x * c * 4,
                       "avg": op == dist.ReduceOp.AVG}
     finally:
-        dense_native._reduce_scatter_single, dense_native._all_gather_single = rs, ag
+        dense_native._reduce_scatter_single, dense_native.all_gather_single = rs, ag
     return out
 
 

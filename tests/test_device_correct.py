@@ -31,8 +31,8 @@ def _strict(device: str):
 
 def _exchanges(device: str):
     from flashsgd.comm.sparse import gtopk_allreduce, merge_topk, topk_allgather
-    from flashsgd.comm.sparse_hier import hgtopk_allreduce
-    from flashsgd.comm.sparse_select import (SelectionWorkspace, ThresholdReuse, topk_exact, topk_sampled,
+    from flashsgd.comm.sparse.hier import hgtopk_allreduce
+    from flashsgd.comm.sparse.select import (SelectionWorkspace, ThresholdReuse, topk_exact, topk_sampled,
                                              topk_threshold)
     from flashsgd.comm.topology import get_topology
 
@@ -78,8 +78,8 @@ def test_sampled_selection_stream_survives_a_checkpoint_on_the_buckets_device(de
     one place: SparseHookState.sampling_generator); a state_dict round trip (through torch.save,
     weights_only) continues the stream on that device: the same selections and the same generator
     state as the uninterrupted hook, unlike a freshly seeded one (the control)."""
-    from flashsgd.comm.sparse_hooks import select
-    from flashsgd.comm.sparse_state import SparseHookState
+    from flashsgd.comm.sparse.hooks import select
+    from flashsgd.comm.sparse.state import SparseHookState
     from flashsgd.exchanges import SparseOptions
 
     g = torch.Generator().manual_seed(0)
@@ -114,8 +114,8 @@ def test_sampled_selection_stream_survives_a_checkpoint_on_the_buckets_device(de
 def test_a_sampled_stream_of_another_device_type_restarts_from_its_seed_with_a_warning():
     """A CUDA run's checkpoint resumed on CPU buckets (or the reverse): the generator states have
     different formats, so the stream restarts from its seed and says so; nothing fails."""
-    from flashsgd.comm.sparse_hooks import select
-    from flashsgd.comm.sparse_state import SparseHookState
+    from flashsgd.comm.sparse.hooks import select
+    from flashsgd.comm.sparse.state import SparseHookState
     from flashsgd.exchanges import SparseOptions
 
     options = SparseOptions(density=0.01, selection="sampled", seed=5)

@@ -1,4 +1,4 @@
-"""DGC corrections in the ``topk`` / ``gtopk`` hooks (flashsgd.comm.sparse_corrections): momentum
+"""DGC corrections in the ``topk`` / ``gtopk`` hooks (flashsgd.comm.sparse.corrections): momentum
 correction, momentum-factor masking, local clipping, their checkpoints and their bad input."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd.comm.hooks import register_hook
-from flashsgd.comm.sparse_corrections import (accumulate_velocity, check_momentum_owner,
+from flashsgd.comm.sparse.corrections import (accumulate_velocity, check_momentum_owner,
                                               clip_local_, mask_momentum_)
 
 
@@ -120,7 +120,7 @@ def test_masking_and_clipping(run_ranks):
 
 
 def test_run_checks_conflicts_and_step_count_bound():
-    from flashsgd.comm.sparse_checks import check_optimizer_momentum, check_sparse_run
+    from flashsgd.comm.sparse.checks import check_optimizer_momentum, check_sparse_run
     from flashsgd.exchanges import MIN_COVERAGE, CommonOptions, SparseOptions, coverage
 
     with pytest.raises(ValueError, match="warm-up lasts 500 steps, longer than the run \\(120 steps\\)"):

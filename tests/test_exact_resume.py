@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_helpers import flat_params, tiny_net
 from ports import free_port
 from flashsgd.comm.hooks import rebuild_buckets, register_hook
-from flashsgd.comm.sparse_state import SparseHookState
+from flashsgd.comm.sparse.state import SparseHookState
 from flashsgd.exchanges import SparseOptions
 from flashsgd.train.data import ShardedSampler
 

@@ -29,7 +29,7 @@ def test_every_catalog_entry_has_its_implementation_and_its_cost():
     registers without an implementation fails here, not at its first backward."""
     from flashsgd.comm.dense import ALLREDUCE
     from flashsgd.comm.hooks import HOOKS
-    from flashsgd.comm.sparse_hooks import ALGORITHMS, EXCHANGE_STEPS
+    from flashsgd.comm.sparse.hooks import ALGORITHMS, EXCHANGE_STEPS
     from flashsgd.sim.algorithms import ALGORITHMS as SIMULATED
 
     assert HOOKS.names() == X.names()

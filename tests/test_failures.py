@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_helpers import tiny_net
 from flashsgd.cli import main
 from flashsgd.launch import WorkerError
-from flashsgd.launch_failures import describe_exception
-from flashsgd.train import checkpoint as ckpt
+from flashsgd.launch.failures import describe_exception
+from flashsgd.train.records import checkpoint as ckpt
 from flashsgd.train import config as C
 from flashsgd.train.step import TrainStep
 
@@ -85,7 +85,7 @@ def test_a_diverged_run_exits_1_and_writes_no_result(tmp_path, capfd):
 
 
 def test_max_skipped_is_a_checked_config_key_that_a_resume_may_change():
-    from flashsgd.train.rundir import NEUTRAL_KEYS
+    from flashsgd.train.records.rundir import NEUTRAL_KEYS
 
     assert C.resolve(cli={"max_skipped": "4"}).run.max_skipped == 4
     with pytest.raises(ValueError, match="run.max_skipped"):
@@ -102,7 +102,7 @@ def _cfg(out, **over):
 
 def _worker_on_a_full_disk(plan, data, start, full_from_step: int):
     """Rank 0's checkpoint writes fail as on a full disk (a write() raising ENOSPC) from a step on."""
-    from flashsgd.train import checkpoint as ckpt_mod
+    from flashsgd.train.records import checkpoint as ckpt_mod
     from flashsgd.train.trainer import worker
 
     real = ckpt_mod.torch.save
@@ -123,7 +123,7 @@ def _worker_on_a_full_disk(plan, data, start, full_from_step: int):
 def test_a_full_disk_names_the_rank_path_and_os_error_and_keeps_the_resume_point(tmp_path, run_ranks):
     from flashsgd.train.plan import build_plan
     from flashsgd.train.rank import load_data
-    from flashsgd.train.rundir import open_run_dir
+    from flashsgd.train.records.rundir import open_run_dir
     from flashsgd.train.trainer import train
 
     out = tmp_path / "run"
@@ -147,7 +147,7 @@ def test_a_full_disk_names_the_rank_path_and_os_error_and_keeps_the_resume_point
 
 
 def test_enospc_when_taking_the_lock_is_one_line(tmp_path, capfd, monkeypatch):
-    from flashsgd.train import rundir
+    from flashsgd.train.records import rundir
 
     real_write = os.write
 
@@ -189,7 +189,7 @@ def _worker_with_a_bug(plan, data, start):
 def test_an_error_of_a_rank_is_not_called_a_communication_failure(tmp_path, run_ranks):
     from flashsgd.train.plan import build_plan
     from flashsgd.train.rank import load_data
-    from flashsgd.train.rundir import open_run_dir
+    from flashsgd.train.records.rundir import open_run_dir
 
     cfg = _cfg(tmp_path / "run")
     data = load_data(cfg)
@@ -202,7 +202,7 @@ def test_an_error_of_a_rank_is_not_called_a_communication_failure(tmp_path, run_
 
 # ---------------------------------------------------------------- item 12: messages ------------
 def test_torchs_doubled_callback_prefix_is_dropped():
-    from flashsgd.launch_failures import one_line
+    from flashsgd.launch.failures import one_line
 
     inner = "PeerTimeout: rank 0: no data from peer rank 1 within 5 s (torus2d all-reduce, row stage)"
     doubled = ("Got the following error when running the callback: RuntimeError: Got the following "
@@ -213,7 +213,7 @@ def test_torchs_doubled_callback_prefix_is_dropped():
 
 
 def test_long_failure_lines_are_cut_between_words():
-    from flashsgd.launch_failures import one_line
+    from flashsgd.launch.failures import one_line
 
     words = [f"word{i:03d}" for i in range(80)]
     text = one_line(" ".join(words), 300)
@@ -248,7 +248,7 @@ def test_an_interrupted_run_without_a_checkpoint_does_not_promise_a_resume(tmp_p
 # torch's "enforce fail at inline_container.cc". The summary now leads with the real cause.
 
 def _timed_out(rank, peer=None, rpn=None, error="Timed out waiting 10000ms for recv operation to complete"):
-    from flashsgd.launch_failures import RankOutcome
+    from flashsgd.launch.failures import RankOutcome
 
     return RankOutcome(rank, "raised", error=error, comm=True, timeout=True, peer=peer, timeout_s=10.0,
                        ranks_per_node=rpn)
@@ -258,7 +258,7 @@ CUT = "the connection between node 0 (ranks 0,1) and node 1 (ranks 2,3) was lost
 
 
 def test_a_partition_is_named_as_the_lost_connection_not_as_ranks_blaming_each_other():
-    from flashsgd.launch_failures import RankOutcome, attribute, lost_connections
+    from flashsgd.launch.failures import RankOutcome, attribute, lost_connections
 
     # 4 ranks, 2 per node; every rank timed out on a rank of the other node (flashsgd's own waits)
     across = [_timed_out(r, (r + 2) % 4) for r in range(4)]
@@ -282,7 +282,7 @@ def test_a_partition_is_named_as_the_lost_connection_not_as_ranks_blaming_each_o
 
 
 def test_a_rank_that_really_died_is_named_not_a_partition():
-    from flashsgd.launch_failures import RankOutcome, attribute, lost_connections
+    from flashsgd.launch.failures import RankOutcome, attribute, lost_connections
 
     killed = [_timed_out(0, 2), _timed_out(1, 3), _timed_out(2, 0), RankOutcome(3, "exited", exitcode=-9)]
     err = attribute(killed, ranks_per_node=2)
@@ -293,7 +293,7 @@ def test_a_rank_that_really_died_is_named_not_a_partition():
 
 
 def test_a_one_sided_stall_is_the_node_that_stopped_not_a_partition():
-    from flashsgd.launch_failures import RankOutcome, attribute, lost_connections
+    from flashsgd.launch.failures import RankOutcome, attribute, lost_connections
 
     # node 1's ranks stopped (kill -STOP, a frozen machine): only node 0 timed out, on node 1
     stalled = [_timed_out(0, 2), _timed_out(1, 3), RankOutcome(2, "silent"), RankOutcome(3, "silent")]
@@ -306,7 +306,7 @@ def test_a_one_sided_stall_is_the_node_that_stopped_not_a_partition():
 
 
 def test_a_full_disk_leads_the_summary_before_torchs_words_for_it(tmp_path):
-    from flashsgd.launch_failures import RankOutcome, attribute, describe_exception
+    from flashsgd.launch.failures import RankOutcome, attribute, describe_exception
 
     path = tmp_path / "checkpoints" / "step-00000008" / "shared.pt"
     try:
@@ -394,7 +394,7 @@ EMULATED_LOG = """\
 
 def test_the_emulated_launcher_reads_each_ranks_failure_from_its_log(tmp_path):
     from flashsgd.emulate.ranks import rank_outcome
-    from flashsgd.launch_failures import attribute, describe_log
+    from flashsgd.launch.failures import attribute, describe_log
 
     d = describe_log(EMULATED_LOG)
     assert d["comm"] and d["timeout"] and d["peer"] is None and d["timeout_s"] == 8.0

@@ -69,7 +69,7 @@ def test_planner_rule_never_contradicts_itself():
 
 
 def test_sparse_run_warning_and_error():
-    from flashsgd.comm.sparse_checks import check_sparse_run
+    from flashsgd.comm.sparse.checks import check_sparse_run
     from flashsgd.exchanges import SparseOptions
 
     (warning,) = check_sparse_run("gtopk", SparseOptions(density=0.001), 26)

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from flashsgd.train.data import ShardedSampler
-from flashsgd.train.images import (IMAGENET_STD, ImageFolderSplit, decode_bytes, decode_on,
+from flashsgd.train.data.images import (IMAGENET_STD, ImageFolderSplit, decode_bytes, decode_on,
                                    device_decode_unavailable, scan_folder, write_jpeg_folder)
-from flashsgd.train.loader import BatchStream, eval_batches
+from flashsgd.train.data.loader import BatchStream, eval_batches
 
 pytestmark = pytest.mark.gpu
 

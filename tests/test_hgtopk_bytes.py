@@ -1,4 +1,4 @@
-"""hgtopk's byte count (flashsgd.comm.sparse_hier.hgtopk_bytes_sent) is what each node split hands
+"""hgtopk's byte count (flashsgd.comm.sparse.hier.hgtopk_bytes_sent) is what each node split hands
 to the backend: counted on real Gloo process groups by wrapping the calls that send."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from flashsgd.exchanges import NODE_SPLITS
 def _count_bytes(split: str, numel: int, k: int) -> tuple[int, dict]:
     import torch.distributed as dist
 
-    from flashsgd.comm.sparse_hier import hgtopk_allreduce, hgtopk_bytes_sent
+    from flashsgd.comm.sparse.hier import hgtopk_allreduce, hgtopk_bytes_sent
     from flashsgd.comm.topology import get_topology
 
     topo = get_topology(ranks_per_node=2)
@@ -56,7 +56,7 @@ def test_the_count_is_what_each_rank_sends(run_ranks, split):
 
 
 def test_an_unknown_split_is_refused():
-    from flashsgd.comm.sparse_hier import hgtopk_bytes_sent
+    from flashsgd.comm.sparse.hier import hgtopk_bytes_sent
     from flashsgd.comm.topology import Topology
 
     topo = Topology(4, 0, 2, (2, 2), 10.0, (0, 1), (0, 2), (0, 1), (0, 2), None, None, None, None)

@@ -164,7 +164,7 @@ def test_bad_registrations_raise_value_error(run_ranks):
 
 def test_hook_modules_import_one_way():
     # hooks.py fills the registry from dense_hooks and sparse_hooks; neither imports hooks.py back.
-    code = ("import sys, flashsgd.comm.dense_hooks, flashsgd.comm.sparse_hooks; "
+    code = ("import sys, flashsgd.comm.dense_hooks, flashsgd.comm.sparse.hooks; "
             "assert 'flashsgd.comm.hooks' not in sys.modules, 'cycle'")
     subprocess.run([sys.executable, "-c", code], check=True)
     from flashsgd.exchanges import names

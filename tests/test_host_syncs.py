@@ -42,7 +42,7 @@ def _count_default_step(extra: dict, steps: int = 3, unthreaded: bool = False):
     ``unthreaded``: the hook exchanges on the calling thread (the one the counter watches)."""
     from flashsgd.train.config import resolve
     from flashsgd.train.data import ShardedSampler
-    from flashsgd.train.loader import augmentation_key
+    from flashsgd.train.data.loader import augmentation_key
     from flashsgd.train.plan import build_plan
     from flashsgd.train.rank import CommTimer, build_rank, load_data
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from flashsgd import launch
 from flashsgd.launch import Interrupted, WorkerError, spawn
-from flashsgd.launch_failures import RankOutcome, attribute, describe_exception, shorten
+from flashsgd.launch.failures import RankOutcome, attribute, describe_exception, shorten
 
 REPO = Path(__file__).resolve().parents[1]
 GUARD_S = 120.0  # whole-run deadline of every spawn here: a hang fails the test

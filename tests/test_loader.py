@@ -1,4 +1,4 @@
-"""The input pipeline (flashsgd.train.loader, flashsgd.train.images) and where ranks run (launch.local_ranks).
+"""The input pipeline (flashsgd.train.data.loader, flashsgd.train.data.images) and where ranks run (launch.local_ranks).
 
 DataLoader workers and the training process produce the same tensors (each sample has its own
 augmentation generator); the sampler's position counts batches taken, not prefetched, so a resume
@@ -14,8 +14,8 @@ import torch
 
 from flashsgd import launch
 from flashsgd.train.data import ShardedSampler, build_datasets
-from flashsgd.train.images import ImageFolderSplit, scan_folder, write_jpeg_folder
-from flashsgd.train.loader import BatchStream, default_data_workers, eval_batches
+from flashsgd.train.data.images import ImageFolderSplit, scan_folder, write_jpeg_folder
+from flashsgd.train.data.loader import BatchStream, default_data_workers, eval_batches
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def test_cpu_decode_and_augmentation_are_bit_identical_to_before():
 
 
 def test_device_normalization_equals_the_former_cpu_formula_and_is_channels_last_when_asked(jpegs):
-    from flashsgd.train.images import IMAGENET_MEAN, IMAGENET_STD
+    from flashsgd.train.data.images import IMAGENET_MEAN, IMAGENET_STD
 
     split = _split(jpegs)
     levels = torch.arange(256, dtype=torch.uint8).repeat(2, 3, 1, 1)  # (2, 3, 1, 256): every level
@@ -219,7 +219,7 @@ def test_decoding_from_bytes_in_the_receiving_process_gives_the_worker_tensors(j
 
 
 def test_decode_place_is_the_host_without_cuda_and_checked():
-    from flashsgd.train.images import device_decode_unavailable
+    from flashsgd.train.data.images import device_decode_unavailable
 
     d = build_datasets("synthetic", num_samples=20, image_shape="cifar")
     assert BatchStream(d.train, 0).decode == "host"
@@ -256,8 +256,8 @@ def test_evaluation_runs_under_the_training_autocast_on_cpu(jpegs, run_ranks):
 def test_default_decode_place_follows_the_worker_count(tmp_path, monkeypatch):
     """Where nvJPEG is available the default decodes on the device below HOST_DECODE_FROM_WORKERS
     data workers and on the host from there (nvJPEG: 0.52x CPU decode with 16 workers, H100)."""
-    from flashsgd.train import images
-    from flashsgd.train.loader import HOST_DECODE_FROM_WORKERS, decode_place
+    from flashsgd.train.data import images
+    from flashsgd.train.data.loader import HOST_DECODE_FROM_WORKERS, decode_place
 
     images.write_jpeg_folder(tmp_path / "train", classes=1, per_class=2, size=(40, 30), seed=0)
     files, labels, _ = images.scan_folder(tmp_path / "train")

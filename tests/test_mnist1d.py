@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flashsgd.train.mnist1d import generate_mnist1d, load_mnist1d
+from flashsgd.train.data.mnist1d import generate_mnist1d, load_mnist1d
 
 
 @pytest.mark.parametrize("num_samples,seed", [(1000, 42), (730, 3)])

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from flashsgd.train.mnist1d import CacheError, cache_file, generate_mnist1d, load_mnist1d
+from flashsgd.train.data.mnist1d import CacheError, cache_file, generate_mnist1d, load_mnist1d
 
 N, SEED = 100, 7
 KEYS = ("x", "y", "x_test", "y_test")

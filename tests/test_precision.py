@@ -218,7 +218,7 @@ def test_compile_falls_back_with_one_line(monkeypatch, capsys):
 
 
 def test_fp16_and_grad_accum_train_end_to_end_and_resume_exactly(tmp_path):
-    from flashsgd.train.report import read_metrics
+    from flashsgd.train.records.report import read_metrics
     from flashsgd.train.trainer import train
 
     def tiny(out, **cli):

@@ -15,7 +15,7 @@ from flashsgd.bench import recipe as bench_recipe
 from flashsgd.optim import LARS, RECIPES, Recipe, RecipeWarning, lambda_lr, prepare, tuned_variant
 from flashsgd.optim.plan import apply_model_tweaks, build_batch_table, build_loss, build_optimizer
 from flashsgd.optim.schedules import epoch_at_step, lr_at
-from flashsgd.train.mnist1d import MNIST1DCNN, load_mnist1d
+from flashsgd.train.data.mnist1d import MNIST1DCNN, load_mnist1d
 
 
 class _Block(nn.Module):
@@ -49,7 +49,7 @@ def test_registry_presets_and_sources():
 
 
 # The MNIST-1D values the trainer overlaid on the fujitsu preset before they became a registered
-# recipe (train/config.py PROXY_TUNING, warmup given for 15 epochs; lr_per_256 is now lr_per_ref).
+# recipe (train/config/__init__.py PROXY_TUNING, warmup given for 15 epochs; lr_per_256 is now lr_per_ref).
 PROXY_TUNING_FUJITSU = dict(lr_per_ref=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4,
                             warmup_epochs=3.0, label_smoothing=0.0, trust_coefficient=0.02,
                             power=1.0, bn_momentum=0.3)

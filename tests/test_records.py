@@ -109,8 +109,8 @@ def test_tensorboard_tags_come_from_the_schema(run):
 def test_an_old_run_directory_still_compares(run, tmp_path, capsys):
     """Rows of an older version (no scheduled / local batch, data, sync and optimizer times, skipped)
     and a resume row: read, summarized and compared as before."""
-    from flashsgd.train.compare import compare
-    from flashsgd.train.report import timed_median
+    from flashsgd.train.records.compare import compare
+    from flashsgd.train.records.report import timed_median
 
     old = tmp_path / "old"
     shutil.copytree(run, old)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from flashsgd.optim.plan import _last_bn_of_residual_blocks
-from flashsgd.train import checkpoint as ckpt
+from flashsgd.train.records import checkpoint as ckpt
 from flashsgd.train.models import build_model
 
 DATA = Path(__file__).parent / "data" / "torchvision_resnet_state_dict.txt"

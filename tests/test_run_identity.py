@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from flashsgd.cli import main
-from flashsgd.train import checkpoint as ckpt
+from flashsgd.train.records import checkpoint as ckpt
 from flashsgd.train import config as C
-from flashsgd.train import rundir
+from flashsgd.train.records import rundir
 
 TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--no-progress",
         "--workers", "2", "--comm", "ring", "--deterministic", "--checkpoint-every", "4"]

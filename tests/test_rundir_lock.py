@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from flashsgd.train import rundir
+from flashsgd.train.records import rundir
 
 CTX = multiprocessing.get_context("fork")
 WAIT_S = 60.0  # only a hang waits this long: every wait below is for an event the other side sets

@@ -51,11 +51,11 @@ def test_sparse_costs_match_hand_values():
     setup = CommSetup(gpus=4, cluster=flat(), density=0.01)
     n = 4e6
     k, pair = 1e4, 8
-    # direct exchange (comm/sparse.py topk_allgather): one round, (P-1) messages of k pairs at
+    # direct exchange (comm/sparse/__init__.py topk_allgather): one round, (P-1) messages of k pairs at
     # once; + residual add n g + scatter-add P k values.
     topk = A + 3 * k * pair * BETA + n * G + 4 * k * 4 * G
     assert total("topk", n, setup) == pytest.approx(topk, rel=1e-12)
-    # gTop-k butterfly (comm/sparse.py): lgP rounds, each one k-pair message (sent and received at
+    # gTop-k butterfly (comm/sparse/__init__.py): lgP rounds, each one k-pair message (sent and received at
     # once) and one merge of 2k (k values reduced): 2 a + 2 k pair b + residual add + 2 merges.
     gtopk = 2 * A + 2 * k * pair * BETA + n * G + 2 * k * 4 * G
     assert total("gtopk", n, setup) == pytest.approx(gtopk, rel=1e-12)
@@ -83,7 +83,7 @@ def test_gtopk_bytes_match_the_implementation(world):
     from flashsgd.comm.sparse import gtopk_bytes_sent, message_bytes
     from flashsgd.sim.costs_sparse import gtopk_bytes_per_rank, sparse_message_bytes
 
-    # int32 indices below 2**31 elements, int64 from there on (comm/sparse.py wire_index_dtype)
+    # int32 indices below 2**31 elements, int64 from there on (comm/sparse/__init__.py wire_index_dtype)
     for (value_bytes, dtype), (index_bytes, numel) in itertools.product(
             ((4, torch.float32), (2, torch.float16)), ((4, 10**6), (8, 2**31))):
         cluster = flat(ranks_per_node=max(world, 2))
@@ -282,7 +282,7 @@ def test_hgtopk_with_one_rank_per_node_is_gtopk_and_pays_the_node_levels_otherwi
     intra = abci.intra
     k = math.ceil(0.001 * 1e6)
     # + 2 rounds of the full 4 MB reduce + 2 rounds of k (4 + 4 B) pairs + 4 k counted-index bytes
-    # (int32, as comm/sparse_hier.py broadcasts them)
+    # (int32, as comm/sparse/hier.py broadcasts them)
     extra = 2 * (intra.alpha_s + 4e6 * intra.beta_s_per_byte) + 2 * 4e6 * abci.gamma_s_per_byte \
         + 2 * (intra.alpha_s + (4 * k + 4 * k + 4 * k) * intra.beta_s_per_byte)
     assert float(h.total) == pytest.approx(float(leaders.total) + extra)

@@ -98,8 +98,8 @@ def _counted(fn) -> dict:
 def _patterns_body() -> dict:
     from flashsgd.comm.dense import ring_allreduce
     from flashsgd.comm.sparse import gtopk_allreduce, topk_allgather, topk_exact
-    from flashsgd.comm.sparse_hier import hgtopk_allreduce
-    from flashsgd.comm.sparse_select import k_from_density
+    from flashsgd.comm.sparse.hier import hgtopk_allreduce
+    from flashsgd.comm.sparse.select import k_from_density
     from flashsgd.comm.topology import get_topology
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,6 +1,6 @@
 """The fast sparse path: threshold selection with reuse, fused compression, hierarchical gTop-k.
 
-(flashsgd.comm.sparse_select.topk_threshold, flashsgd.comm.sparse_fused, flashsgd.comm.sparse_hier,
+(flashsgd.comm.sparse.select.topk_threshold, flashsgd.comm.sparse.fused, flashsgd.comm.sparse.hier,
 and the ``hgtopk`` / ``threshold`` options of the sparse hook.)
 """
 
@@ -16,9 +16,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd.comm.hooks import HOOKS, register_hook
 from flashsgd.comm.sparse import topk_exact
-from flashsgd.comm.sparse_fused import compress_
-from flashsgd.comm.sparse_hier import check_node_layout, hgtopk_allreduce
-from flashsgd.comm.sparse_select import ThresholdReuse, block_maxima, topk_threshold
+from flashsgd.comm.sparse.fused import compress_
+from flashsgd.comm.sparse.hier import check_node_layout, hgtopk_allreduce
+from flashsgd.comm.sparse.select import ThresholdReuse, block_maxima, topk_threshold
 from flashsgd.comm.topology import get_topology
 
 from ddp_helpers import flat_params as _params  # noqa: E402

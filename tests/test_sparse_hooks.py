@@ -1,4 +1,4 @@
-"""DDP hooks ``topk`` / ``gtopk`` (flashsgd.comm.sparse_hooks): semantics, checkpoints, buckets, training."""
+"""DDP hooks ``topk`` / ``gtopk`` (flashsgd.comm.sparse.hooks): semantics, checkpoints, buckets, training."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd.comm.hooks import HOOKS, register_hook
 from flashsgd.comm.sparse import gtopk_bytes_sent, k_from_density
-from flashsgd.comm.sparse_hooks import sparse_hook
+from flashsgd.comm.sparse.hooks import sparse_hook
 
 
 def _net(seed=0):
@@ -156,7 +156,7 @@ def test_hooks_ddp(run_ranks, world):
 
 
 def _train_mnist1d(hook, epochs, batch, lr):
-    from flashsgd.train.mnist1d import MNIST1DCNN, load_mnist1d
+    from flashsgd.train.data.mnist1d import MNIST1DCNN, load_mnist1d
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y, xt, yt = load_mnist1d()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from flashsgd.cli import main
-from flashsgd.train.compare import compare
+from flashsgd.train.records.compare import compare
 from flashsgd.train.records import read_metrics, resume_row
 
 TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--no-progress",

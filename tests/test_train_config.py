@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from flashsgd.cli import build_parser
-from flashsgd.train import checkpoint as ckpt
+from flashsgd.train.records import checkpoint as ckpt
 from flashsgd.train import config as C
 from flashsgd.train.cli import parse_config
 from flashsgd import launch
 from flashsgd.train.data import ShardedSampler, build_datasets
-from flashsgd.train.images import center_crop, random_resized_crop
+from flashsgd.train.data.images import center_crop, random_resized_crop
 from flashsgd.train.models import MODELS, build_model
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from flashsgd.train import config as C
-from flashsgd.train import report
+from flashsgd.train.records import report
 from flashsgd.train.plan import build_plan
 from flashsgd.train.records import Progress
 

@@ -16,7 +16,7 @@ import torch
 from flashsgd.cli import main
 from flashsgd.launch import WorkerError
 from flashsgd.train import config as C
-from flashsgd.train.report import read_metrics
+from flashsgd.train.records.report import read_metrics
 from flashsgd.train.trainer import train
 from ports import free_port
 

@@ -1,5 +1,5 @@
 """The run directory: resume only with the same settings, never mix runs, one run at a time,
-checks before any process starts, one-line errors (flashsgd.train.rundir, flashsgd.train.cli)."""
+checks before any process starts, one-line errors (flashsgd.train.records.rundir, flashsgd.train.cli)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from flashsgd.cli import main
-from flashsgd.train import rundir
+from flashsgd.train.records import rundir
 
 TINY = ["--num-samples", "2000", "--epochs", "2", "--global-batch", "256", "--no-progress",
         "--workers", "2", "--comm", "ring"]

@@ -22,7 +22,7 @@ COMMANDS = {
                  "1,000s of GPUs"),
     "plan": ("flashsgd.sim.plan_cli", "which algorithm, grid, bucket size and density to run on "
              "a cluster, and the step time to expect"),
-    "compare": ("flashsgd.train.compare", "one plot and table from several training runs "
+    "compare": ("flashsgd.train.records.compare", "one plot and table from several training runs "
                 "(accuracy and loss vs step, samples and time)"),
 }
 

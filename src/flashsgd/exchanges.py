@@ -70,7 +70,7 @@ DENSE_ITERATIONS = 2
 buckets after the first iteration, so no per-bucket state (residual, P/Q memory) exists before the
 layout is final; torch's PowerSGD default is 1000, ours matches the sparse hooks'."""
 SELECTIONS: tuple[str, ...] = ("auto", "exact", "sampled", "threshold")
-"""How a sparse hook picks its k entries (:mod:`flashsgd.comm.sparse_select`); all give the same
+"""How a sparse hook picks its k entries (:mod:`flashsgd.comm.sparse.select`); all give the same
 entries (exact top-k, ties to the lower index); ``auto``: :data:`SELECTION_BY_DEVICE`."""
 SELECTION_BY_DEVICE: dict[str, str] = {"cuda": "exact", "cpu": "sampled"}
 """The selection ``auto`` (the default) runs on a bucket of each device type, resolved at the hook's
@@ -89,7 +89,7 @@ def resolved_selection(selection: str, device_type: str) -> str:
 
 
 NODE_SPLITS: tuple[str, ...] = ("leader", "slices", "sparse")
-"""How ``hgtopk`` combines the ranks of a node (:mod:`flashsgd.comm.sparse_hier`)."""
+"""How ``hgtopk`` combines the ranks of a node (:mod:`flashsgd.comm.sparse.hier`)."""
 DENSITY_WARMUP_MODES: tuple[str, ...] = ("exponential", "linear")
 """How a density warm-up goes from its start to ``density`` (:func:`density_at`)."""
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {"selection": SELECTIONS, "node_split": NODE_SPLITS,
@@ -114,7 +114,7 @@ the largest single tensors): what the planner and ``--comm auto`` assume."""
 def wire_index_bytes(numel: int) -> int:
     """Bytes of one index on the wire for a bucket of ``numel`` elements: 4 (int32) under 2**31
     elements, else 8 (int64). A message is k indices then the k values bit-cast into the same
-    words, each part padded to whole words (``comm/sparse.py``)."""
+    words, each part padded to whole words (``comm/sparse/__init__.py``)."""
     return WIRE_INDEX_BYTES if numel < INT32_NUMEL else 8
 
 
@@ -187,7 +187,7 @@ class DenseOptions(CommonOptions):
 
 @dataclass(frozen=True)
 class SparseOptions(CommonOptions):
-    """``topk``, ``gtopk`` (:mod:`flashsgd.comm.sparse_hooks`): error-fed sparsified exchange."""
+    """``topk``, ``gtopk`` (:mod:`flashsgd.comm.sparse.hooks`): error-fed sparsified exchange."""
 
     density: float = DEFAULT_DENSITY
     """Fraction of gradient entries each rank sends, k = ceil(density x bucket), in (0, 1]
@@ -266,7 +266,7 @@ class SparseOptions(CommonOptions):
 
 @dataclass(frozen=True)
 class HierSparseOptions(SparseOptions):
-    """``hgtopk`` (:mod:`flashsgd.comm.sparse_hier`): gTop-k among nodes, a node step inside."""
+    """``hgtopk`` (:mod:`flashsgd.comm.sparse.hier`): gTop-k among nodes, a node step inside."""
 
     ranks_per_node: Optional[int] = None
     """Ranks per node (None: detected)."""

@@ -1,6 +1,6 @@
 """Tables and plots of docs/sparse_accuracy.md from the run directories under runs/sa/.
 
-`flashsgd compare`'s own loading, grouping, table and plot (flashsgd.train.compare), with one
+`flashsgd compare`'s own loading, grouping, table and plot (flashsgd.train.records.compare), with one
 addition: the hook options run.py passes outside the config (momentum_correction, local_clip, ...,
 recorded in each run's plan.json) count as settings, so runs that differ only there stay apart.
 
@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from flashsgd.train.compare import format_table, load_run, table_rows
-from flashsgd.train.compare_plot import plot_comparison
+from flashsgd.train.records.compare import format_table, load_run, table_rows
+from flashsgd.train.records.compare_plot import plot_comparison
 
 EXTRA = ("momentum_correction", "nesterov", "momentum_masking", "local_clip", "matrix_approximation_rank")
 

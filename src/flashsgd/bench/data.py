@@ -1,23 +1,23 @@
 """`flashsgd bench data`: images/s of the image-folder pipeline: in-process vs DataLoader workers, CPU vs GPU decode.
 
 What it answers: how many ImageNet-sized JPEGs per second one rank's pipeline decodes and
-augments (random-resized crop to 224, flip, normalize: :mod:`flashsgd.train.images`) with the
+augments (random-resized crop to 224, flip, normalize: :mod:`flashsgd.train.data.images`) with the
 decoding in the training process (``--data-workers 0``: what the trainer did before it had a
-pipeline), with N DataLoader workers decoding on the CPU (:mod:`flashsgd.train.loader`), and with
+pipeline), with N DataLoader workers decoding on the CPU (:mod:`flashsgd.train.data.loader`), and with
 the workers reading bytes while the rank decodes on its GPU (nvJPEG), on the same files. Every
 pipeline delivers what a rank trains on: normalized float32 batches on the rank's device (CUDA
 when available, else the CPU).
 
 1. Files: ``--data-dir`` (an image folder, ``train/<class>/*`` or ``<class>/*``), or ``--images`` JPEGs
    of ``--photo-size`` (default 500x375, ImageNet's median photo) generated into a temporary folder
-   (:func:`flashsgd.train.images.write_jpeg_folder`).
-2. Pipelines: one :class:`~flashsgd.train.loader.BatchStream` per worker count with CPU decoding
+   (:func:`flashsgd.train.data.images.write_jpeg_folder`).
+2. Pipelines: one :class:`~flashsgd.train.data.loader.BatchStream` per worker count with CPU decoding
    (``decode="host"``), and one per worker count with GPU decoding (``decode="device"``) where
-   torchvision decodes JPEG batches on CUDA (:func:`flashsgd.train.images.device_decode_unavailable`;
+   torchvision decodes JPEG batches on CUDA (:func:`flashsgd.train.data.images.device_decode_unavailable`;
    elsewhere its row says why it is absent); persistent workers started once, each pipeline read
    once untimed (warm-up: worker start, page cache, nvJPEG's first batch). Each worker count's
    GPU row says which of the two the trainer picks by default
-   (:func:`flashsgd.train.loader.decode_place`, :data:`~flashsgd.train.loader.HOST_DECODE_FROM_WORKERS`).
+   (:func:`flashsgd.train.data.loader.decode_place`, :data:`~flashsgd.train.data.loader.HOST_DECODE_FROM_WORKERS`).
 3. Repetitions, interleaved (every pipeline once per repetition, the order rotating): one epoch of
    ``--batch``-image batches through each, timed to a CUDA synchronize on a GPU; images/s =
    images / seconds; the median over repetitions with min and max, the ratio to the in-process
@@ -86,7 +86,7 @@ def _photo_size(spec: str) -> tuple[int, int]:
 
 
 def _folder(args: argparse.Namespace, tmp: str) -> Path:
-    from flashsgd.train.images import write_jpeg_folder
+    from flashsgd.train.data.images import write_jpeg_folder
 
     if args.data_dir:
         root = Path(args.data_dir)
@@ -110,8 +110,8 @@ def time_pipelines(root: Path, counts: list[int], image_size: int, batch: int, r
     import torch
 
     from flashsgd.train.data import ShardedSampler
-    from flashsgd.train.images import ImageFolderSplit, device_decode_unavailable, scan_folder
-    from flashsgd.train.loader import BatchStream, decode_place
+    from flashsgd.train.data.images import ImageFolderSplit, device_decode_unavailable, scan_folder
+    from flashsgd.train.data.loader import BatchStream, decode_place
 
     threads = os.cpu_count() or 1
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -5,7 +5,7 @@ Both run in one rank (NCCL on CUDA, Gloo with ``--device cpu``) so that
 compared functions interleaved with a rotating order, the device synchronized before each clock
 read, the median over the repetitions with min and max.
 
-Check 2, selection (the sparse hooks' Step 2, :mod:`flashsgd.comm.sparse_select`; the same
+Check 2, selection (the sparse hooks' Step 2, :mod:`flashsgd.comm.sparse.select`; the same
 functions ``flashsgd bench sparse --selection-speed`` times): a random fp32 gradient of
 ``settings.numel`` elements on the device (ResNet-50's 25,557,032), per density ``torch.add`` over
 it (the unit of one memory pass), ``torch.topk(|x|)`` (the baseline) and the exact, sampled and
@@ -74,7 +74,7 @@ def _agreement(picked, reference) -> tuple[bool, float]:
 
 def select_rows(settings: GpuSettings, device: torch.device, progress: str) -> list[dict]:
     """Check 2 for every density of ``settings`` (rows printed by rank 0 as measured)."""
-    from flashsgd.comm.sparse_select import k_from_density
+    from flashsgd.comm.sparse.select import k_from_density
 
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(settings.numel, device=device, generator=g)  # (numel,) fp32, on the device

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from flashsgd.train.loader import augmentation_key
+from flashsgd.train.data.loader import augmentation_key
 from flashsgd.train.step import PRECISIONS
 
 

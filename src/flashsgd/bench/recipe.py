@@ -1,7 +1,7 @@
 """`flashsgd bench recipe`: does the large-batch recipe close the accuracy gap? (MNIST-1D proxy)
 
 The small-scale proxy (MNIST-1D, Greydanus 2020, standing in for ImageNet): the small 1D CNN
-(:class:`~flashsgd.train.mnist1d.MNIST1DCNN`) on MNIST-1D (32,000 train / 8,000 test), one rank
+(:class:`~flashsgd.train.data.mnist1d.MNIST1DCNN`) on MNIST-1D (32,000 train / 8,000 test), one rank
 (a 1-rank Gloo group) trained by the trainer's step (:class:`~flashsgd.train.step.TrainStep`),
 data order and LR schedule (:func:`train_once`), the same number of epochs at every batch size:
 
@@ -50,7 +50,7 @@ from flashsgd.optim.stability import LossRiseGuard
 from flashsgd.outputs import add_output
 from flashsgd.train.config import RunConfig
 from flashsgd.train.data import ShardedSampler
-from flashsgd.train.mnist1d import MNIST1DCNN, load_mnist1d
+from flashsgd.train.data.mnist1d import MNIST1DCNN, load_mnist1d
 from flashsgd.train.step import TrainStep
 
 HELP = "MNIST-1D accuracy at batch 128 vs large batches: plain SGD, + warmup, full recipe"

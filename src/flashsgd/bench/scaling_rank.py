@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 from flashsgd import launch
-from flashsgd.comm.sparse_hooks import ALGORITHMS as SPARSE_HOOKS
-from flashsgd.train.loader import augmentation_key
+from flashsgd.comm.sparse.hooks import ALGORITHMS as SPARSE_HOOKS
+from flashsgd.train.data.loader import augmentation_key
 
 
 def run_config(spec: dict, comm: str, world: int) -> dict:
@@ -128,8 +128,8 @@ def model_info(spec: dict) -> dict:
 
 def compression_seconds(spec: dict, bucket_bytes: list[int], reps: int = 5) -> float:
     """Step 4: median time of the sparse hooks' local work per step (accumulate + selection), summed
-    over the DDP buckets: :data:`flashsgd.comm.sparse_select.SELECTIONS` on a bucket-sized tensor."""
-    from flashsgd.comm.sparse_select import SELECTIONS, SelectionWorkspace, k_from_density, selection_for
+    over the DDP buckets: :data:`flashsgd.comm.sparse.select.SELECTIONS` on a bucket-sized tensor."""
+    from flashsgd.comm.sparse.select import SELECTIONS, SelectionWorkspace, k_from_density, selection_for
     from flashsgd.exchanges import resolved_selection
 
     total = 0.0

@@ -59,9 +59,9 @@ from flashsgd.cli_flags import add_comm_flag, add_option_flag, comm_list
 from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, gtopk_bytes_sent,
                                   k_from_density, topk_bytes_sent, validate_density,
                                   wire_index_dtype)
-from flashsgd.comm.sparse_fused import compiled_available, compress_
-from flashsgd.comm.sparse_hier import broadcast_len, check_node_layout
-from flashsgd.comm.sparse_select import ThresholdReuse, topk_threshold
+from flashsgd.comm.sparse.fused import compiled_available, compress_
+from flashsgd.comm.sparse.hier import broadcast_len, check_node_layout
+from flashsgd.comm.sparse.select import ThresholdReuse, topk_threshold
 from flashsgd.emulate.netns import parse_rate
 from flashsgd.exchanges import BUCKET_MB, DEFAULT_DENSITY, NODE_SPLITS
 from flashsgd.launch import run as launch_run, under_torchrun

@@ -2,7 +2,7 @@
 exchange inside the hook (synchronous) or on a communication thread (``threaded=True``).
 
 What it answers: does handing bucket i's exchange to a thread, so that the selection of bucket
-i + 1 and the rest of backward overlap it (:mod:`flashsgd.comm.sparse_hooks`), make a step faster?
+i + 1 and the rest of backward overlap it (:mod:`flashsgd.comm.sparse.hooks`), make a step faster?
 Every rank trains an MLP of ``--hook-layers`` square layers of ``--hook-width`` (default 8 x 1024:
 8.4M parameters, 32 MiB fp32) with DDP buckets of ``--bucket-mb`` (default 8: 4-5 buckets after
 the rebuild) on a fixed per-rank batch, with the trainer's step (:class:`flashsgd.train.step.TrainStep`,

@@ -1,15 +1,15 @@
 """The timed sparse steps of `flashsgd bench sparse`, their time split, wire time and memory floor.
 
 One step is the sparse DDP hook's own step for one bucket
-(:func:`flashsgd.comm.sparse_hooks.sparse_hook` with a real
-:class:`~flashsgd.comm.sparse_state.SparseHookState` from the hook registry, on the default
+(:func:`flashsgd.comm.sparse.hooks.sparse_hook` with a real
+:class:`~flashsgd.comm.sparse.state.SparseHookState` from the hook registry, on the default
 process group, past its dense iterations), so that a change to the hook reaches the benchmark.
 Its phases are clocked through the state's clock (:class:`PhaseClock`, rank-local clocks, no
 extra synchronization; the hook calls ``lap`` after each phase):
 
 - ``accum``: ``acc = residual + grad`` into the state's spare buffer (the residual a step started
   from stays until the step is kept, :mod:`flashsgd.comm.hook_step`); with the ``threshold``
-  selector on acc also the block maxima (:func:`~flashsgd.comm.sparse_fused.add_block_maxima`,
+  selector on acc also the block maxima (:func:`~flashsgd.comm.sparse.fused.add_block_maxima`,
   fused by ``torch.compile`` in the ``compiled`` variant);
 - ``select``: the rest of the selection (threshold, candidates, trim to k);
 - ``exchange``: the communication: topk's all-gather with its scatter-add into the bucket;
@@ -84,7 +84,7 @@ FLOOR_PASSES = {
 
 class PhaseClock:
     """The clock a sparse hook state carries for the benchmark (``state.clock``, the seam of
-    :mod:`flashsgd.comm.sparse_hooks`): :meth:`start` opens a call, each ``lap(phase)`` of the
+    :mod:`flashsgd.comm.sparse.hooks`): :meth:`start` opens a call, each ``lap(phase)`` of the
     hook adds the time since the previous lap to ``phase``; ``timings`` collects gTop-k's own
     split (``merge``, part of the ``exchange`` laps)."""
 

@@ -81,7 +81,7 @@ from torch.distributed import ProcessGroup
 
 from flashsgd.comm import topology as topology_module
 from flashsgd.comm.topology import Topology, default_timeout_s, get_topology
-from flashsgd.comm.dense_native import (STAGE_GROUPS, _all_gather_single, _collective, _padded,
+from flashsgd.comm.dense_native import (STAGE_GROUPS, all_gather_single, issue_collective, padded,
                                         native_chain, stage_group)
 from flashsgd.comm.p2p import exchange, gather_from_peers, grouped
 from flashsgd.registry import Registry
@@ -129,7 +129,7 @@ def check_consistent(flat: torch.Tensor, op: str, algorithm: str,
                         dtype=torch.int64, device=flat.device)
     if native_stages(flat):  # NCCL: its collective, bounded by the group's timeout
         every = torch.empty(world * 4, dtype=torch.int64, device=flat.device)
-        _all_gather_single(every, mine)
+        all_gather_single(every, mine)
     else:
         timeout_s = default_timeout_s() if timeout_s is None else timeout_s
         every = gather_from_peers(mine, None, timeout_s, f"{algorithm} all-reduce, input check")
@@ -302,8 +302,8 @@ def reduce_scatter(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup
         return 0, 0
     timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     if native_stages(flat, group):  # NCCL's, in place (a copy in and out only if P does not divide n)
-        work, c = _padded(flat, P)
-        _collective("reduce-scatter", work[p * c:(p + 1) * c], work, group, "sum", timeout_s, where).wait()
+        work, c = padded(flat, P)
+        issue_collective("reduce-scatter", work[p * c:(p + 1) * c], work, group, "sum", timeout_s, where).wait()
         if work is not flat:
             flat[b[p]:b[p + 1]].copy_(work[b[p]:b[p + 1]])
         return b[p], b[p + 1]
@@ -340,8 +340,8 @@ def all_gather(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup | N
     b = chunk_bounds(n, P)
     timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     if native_stages(flat, group):  # NCCL's, in place (through one padded copy if P does not divide n)
-        work, c = _padded(flat, P)
-        _collective("all-gather", work[p * c:(p + 1) * c], work, group, "sum", timeout_s, where).wait()
+        work, c = padded(flat, P)
+        issue_collective("all-gather", work[p * c:(p + 1) * c], work, group, "sum", timeout_s, where).wait()
         if work is not flat:
             flat.copy_(work[:n])
         return
@@ -366,7 +366,7 @@ def ring_allreduce(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup
         return
     if native_stages(flat, group):
         timeout_s = default_timeout_s() if timeout_s is None else timeout_s
-        _collective("all-reduce", flat, flat, group, "sum", timeout_s, where).wait()
+        issue_collective("all-reduce", flat, flat, group, "sum", timeout_s, where).wait()
         return
     reduce_scatter(flat, ranks, group, duplex, timeout_s=timeout_s, where=where)
     all_gather(flat, ranks, group, duplex, timeout_s=timeout_s, where=where)

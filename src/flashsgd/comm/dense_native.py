@@ -31,7 +31,7 @@ from flashsgd.comm.topology import Topology, default_timeout_s
 from flashsgd.comm.waits import grouped, wait_collective
 
 # torch >= 2.13 renames the tensor-in/tensor-out collectives (the old names warn); accept both.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 STAGE_GROUPS: dict[str, tuple[str, str | None]] = {
@@ -50,7 +50,7 @@ def stage_group(topo: Topology, kind: str | None) -> ProcessGroup | None:
     return getattr(topo, f"{kind}_group")
 
 
-def _padded(flat: torch.Tensor, P: int) -> tuple[torch.Tensor, int]:
+def padded(flat: torch.Tensor, P: int) -> tuple[torch.Tensor, int]:
     """``(work, c)`` with c = ceil(n / P): ``flat`` itself when P * c = n, else ONE new buffer of
     P * c elements holding ``flat`` then zeros (one pass over the bucket; the zeros reduce to
     zeros and are never copied back). Chunk p of :func:`~flashsgd.comm.dense.chunk_bounds` is ``work[p c:(p+1) c]``
@@ -65,7 +65,7 @@ def _padded(flat: torch.Tensor, P: int) -> tuple[torch.Tensor, int]:
     return work, c
 
 
-def _collective(kind: str, shard: torch.Tensor, work: torch.Tensor, group: ProcessGroup, op: str,
+def issue_collective(kind: str, shard: torch.Tensor, work: torch.Tensor, group: ProcessGroup, op: str,
                 timeout_s: float, where: str) -> torch.futures.Future:
     """Issue one native collective over ``group`` in place on ``work`` (P c elements; ``shard`` is
     ``work[p c:(p+1) c]``, p this rank's position in ``group``) and return a Future of it.
@@ -90,7 +90,7 @@ def _collective(kind: str, shard: torch.Tensor, work: torch.Tensor, group: Proce
     elif kind == "all-reduce":
         work_ = dist.all_reduce(shard, op=reduce, group=group, async_op=True)
     else:
-        work_ = _all_gather_single(work, shard, group=group, async_op=True)
+        work_ = all_gather_single(work, shard, group=group, async_op=True)
     if grouped(work, group):
         return work_.get_future()
     wait_collective(work_, group, timeout_s, where, work)
@@ -108,7 +108,7 @@ def native_chain(tensor: torch.Tensor, inner: ProcessGroup | None, outer: Proces
     Cost: 2(X-1) a_in + 2(X-1)/X n b_in + 2(Y-1) a_out + 2(Y-1)/(XY) n b_out + (P-1)/P n g, and
     no copy of the bucket when X divides n (else two: one into the padded buffer, one back).
 
-    1. Pad once (:func:`_padded`): ``work`` is ``tensor`` itself when X divides n, else one buffer
+    1. Pad once (:func:`padded`): ``work`` is ``tensor`` itself when X divides n, else one buffer
        of X c elements, c = ceil(n/X); ``shard`` = ``work[x c:(x+1) c]``, x = this rank's position
        in ``inner`` (chunk x of :func:`~flashsgd.comm.dense.chunk_bounds`, as on Gloo).
     2. Reduce-scatter ``work`` over ``inner`` into ``shard`` (in place).
@@ -153,13 +153,13 @@ def native_chain(tensor: torch.Tensor, inner: ProcessGroup | None, outer: Proces
     timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     # Step 1
     X = 1 if inner is None else dist.get_world_size(inner)
-    work, c = _padded(flat, X)
+    work, c = padded(flat, X)
     x = 0 if inner is None else dist.get_rank(inner)
     shard = work[x * c:(x + 1) * c]
     # Steps 2-4: (kind, group, op) of each stage present; the all-gather only copies (op unused)
     stages = [(kind, group, op) for kind, group in
               (("reduce-scatter", inner), ("all-reduce", outer), ("all-gather", inner)) if group is not None]
-    issue = [functools.partial(_collective, kind, shard, work, group, o, timeout_s, f"{where}, {kind}")
+    issue = [functools.partial(issue_collective, kind, shard, work, group, o, timeout_s, f"{where}, {kind}")
              for kind, group, o in stages]
     fut = issue[0]()
     for start in issue[1:]:

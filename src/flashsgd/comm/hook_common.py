@@ -3,7 +3,7 @@ communication thread, and the state of hooks with nothing to checkpoint.
 
 DDP calls a hook ``hook(state, bucket) -> Future[Tensor]`` per gradient bucket
 (PyTorch ``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``); the dense hooks
-(:mod:`flashsgd.comm.dense_hooks`) and the sparse hooks (:mod:`flashsgd.comm.sparse_hooks`) both
+(:mod:`flashsgd.comm.dense_hooks`) and the sparse hooks (:mod:`flashsgd.comm.sparse.hooks`) both
 build on this module, and :mod:`flashsgd.comm.hooks` registers them by name.
 """
 

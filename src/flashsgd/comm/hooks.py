@@ -18,7 +18,7 @@ registry from the hook modules (one-way imports: they never import this one):
 - :mod:`flashsgd.comm.dense_hooks`: ``native``, ``noop``, ``ring``, ``hierarchical``, ``torus2d``
   (all-reduce algorithms of :mod:`flashsgd.comm.dense`; threading, overlap and bucket sizes are
   discussed there);
-- :mod:`flashsgd.comm.sparse_hooks`: ``topk``, ``gtopk`` (sparsified exchange with error
+- :mod:`flashsgd.comm.sparse.hooks`: ``topk``, ``gtopk`` (sparsified exchange with error
   feedback, Shi et al. 2019, arXiv 1901.04359);
 - :mod:`flashsgd.comm.powersgd_hooks`: ``powersgd`` (torch's PowerSGD hook, Vogels et al. 2019,
   arXiv 1905.13727, with a checkpointable state).
@@ -40,7 +40,8 @@ from typing import Any, Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from flashsgd.comm import dense_hooks, powersgd_hooks, sparse_hooks
+from flashsgd.comm import dense_hooks, powersgd_hooks
+from flashsgd.comm.sparse import hooks as sparse_hooks
 from flashsgd.comm.hook_common import HookFactory, completed_future, ddp_hook, rank_and_world
 from flashsgd.exchanges import EXCHANGES
 from flashsgd.registry import Registry
@@ -91,10 +92,10 @@ def _check_density_warmup(name: str, options: Any) -> None:
 
 
 def _check_run_length(name: str, options: Any, total_steps: int) -> None:
-    """The trainer's coverage check (:func:`flashsgd.comm.sparse_checks.check_sparse_run`) for a
+    """The trainer's coverage check (:func:`flashsgd.comm.sparse.checks.check_sparse_run`) for a
     run of ``total_steps``: ValueError for a warm-up longer than the run; the step-count bound's
     warning on rank 0 (a :class:`UserWarning`, as ``flashsgd train`` prints it in its plan)."""
-    from flashsgd.comm.sparse_checks import check_sparse_run
+    from flashsgd.comm.sparse.checks import check_sparse_run
 
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"register_hook: total_steps must be the run's number of optimizer steps, an "
@@ -173,7 +174,7 @@ def register_hook(ddp_model: Any, name: str, options: Any = None, *, wrap: Calla
             to build it from ``kwargs``.
         wrap: optional ``wrap(hook) -> hook`` applied before registration (e.g. a timer).
         total_steps: the run's number of optimizer steps, or None. Given, the trainer's check
-            runs (:func:`flashsgd.comm.sparse_checks.check_sparse_run`): a density warm-up longer
+            runs (:func:`flashsgd.comm.sparse.checks.check_sparse_run`): a density warm-up longer
             than the run is a ValueError, and a sparse hook whose step-count bound is below
             :data:`~flashsgd.exchanges.MIN_COVERAGE` warns on rank 0 (UserWarning), as
             ``flashsgd train`` does.

@@ -13,7 +13,7 @@ Algorithm (:func:`run_ranks`):
    everything it started), output to ``<log_dir>/rank<r>.log``.
 2. Poll: all exit 0 -> done. One exits non-zero -> let the others finish failing (until all have
    exited, or none has for ``GRACE_S``), kill the rest, and raise naming the cause as
-   :func:`flashsgd.launch_failures.attribute` finds it from every rank's exit and log
+   :func:`flashsgd.launch.failures.attribute` finds it from every rank's exit and log
    (:func:`rank_outcome`): the rank that died or stopped, or the connection between nodes whose
    ranks all timed out on each other; then the tail of the blamed rank's log. Deadline passed ->
    kill all, raise naming the ranks.
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from flashsgd.emulate.netns import EmulatedCluster
-from flashsgd.launch_failures import RankOutcome, attribute, describe_log
+from flashsgd.launch.failures import RankOutcome, attribute, describe_log
 
 MASTER_PORT = 29500  # a fresh namespace has every port free
 FLOW_ENV = "FLASHSGD_EMULATED_FLOW_BPS"
@@ -90,7 +90,7 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 
 def rank_outcome(rank: int, code: int | None, log: Path) -> RankOutcome:
     """How ``rank`` ended, from its exit code (None: still running) and its log: ``ok`` (exit 0);
-    ``raised`` (its log ends in a traceback, :func:`flashsgd.launch_failures.describe_log`; also a
+    ``raised`` (its log ends in a traceback, :func:`flashsgd.launch.failures.describe_log`; also a
     rank still running after printing it); ``silent`` (still running); else ``exited``."""
     if code == 0:
         return RankOutcome(rank, "ok")

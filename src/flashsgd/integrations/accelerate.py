@@ -131,7 +131,7 @@ def attach_hook(accelerator: Any, model: Any, name: str, options: Any = None, *,
         if not resumed["pending"] or not module.training or not torch.is_grad_enabled():
             return
         resumed["pending"] = False
-        rebuild_buckets(module, lambda: _as_loss(module(*args, **kw)))
+        rebuild_buckets(module, lambda: as_loss(module(*args, **kw)))
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)
@@ -153,7 +153,7 @@ def _warn_if_resumed(accelerator: Any, name: str) -> None:
                       f"each rank's hook state and the resume is exact", UserWarning, stacklevel=3)
 
 
-def _as_loss(output: Any) -> torch.Tensor:
+def as_loss(output: Any) -> torch.Tensor:
     """A scalar through every output of the model (its ``loss`` when it has one): the backward
     graph of the real loss, for :func:`rebuild_buckets` (whose gradients are discarded)."""
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)

@@ -12,7 +12,7 @@ does with it (:func:`flashsgd.train.auto.comm_changes`), for any trainer:
    trainer's rule; never dropped (a start without a length is an error in
    :func:`flashsgd.comm.hooks.hook_options`: it used to be a silent no-op, 13 points on MNIST-1D).
 3. The options checked (:func:`~flashsgd.comm.hooks.hook_options`) and the run checked as
-   ``flashsgd train`` checks it (:func:`flashsgd.comm.sparse_checks.check_sparse_run`: a warm-up
+   ``flashsgd train`` checks it (:func:`flashsgd.comm.sparse.checks.check_sparse_run`: a warm-up
    longer than the run is an error; the step-count bound's warning is kept in ``warnings``).
 4. DDP's ``bucket_cap_mb`` from ``bucket_mb`` (the same unit, MiB): it goes to the trainer's DDP
    arguments, before the model is wrapped (``DDPStrategy(**comm.ddp_kwargs)``,
@@ -93,7 +93,7 @@ def comm_from_plan(plan: Mapping[str, Any] | str | os.PathLike, *, total_steps: 
 
     Raises ValueError: an unknown exchange, a bad option, a warm-up longer than the run."""
     from flashsgd.comm.hooks import hook_options  # torch: only here
-    from flashsgd.comm.sparse_checks import check_sparse_run
+    from flashsgd.comm.sparse.checks import check_sparse_run
 
     choice = read_choice(plan)
     name = choice["algorithm"]

@@ -13,7 +13,7 @@ rank writes and reads its own file in a directory beside the checkpoint::
 
 Every rank must see ``<dir>`` at resume: a shared filesystem (as the trainer's own checkpoint
 needs), or the same node for the same rank. A resume on another number of ranks regroups the
-states where the hook can (:meth:`flashsgd.comm.sparse_state.SparseHookState.regroup`: residuals
+states where the hook can (:meth:`flashsgd.comm.sparse.state.SparseHookState.regroup`: residuals
 averaged; not bit-identical, as for ``flashsgd train``).
 
 Example::

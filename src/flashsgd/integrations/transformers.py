@@ -85,7 +85,7 @@ except ImportError as exc:  # pragma: no cover - the optional extra is missing
 
 from flashsgd.comm.hooks import rebuild_buckets, register_hook
 from flashsgd.exchanges import EXCHANGES
-from flashsgd.integrations.accelerate import _as_loss
+from flashsgd.integrations.accelerate import as_loss
 from flashsgd.integrations.plan import check_callback_options, warmup_in_steps
 from flashsgd.integrations.rank_state import load_rank_state, save_rank_state
 from flashsgd.launch import shutdown_at_exit
@@ -221,7 +221,7 @@ class FlashsgdCallback(TrainerCallback):
         if not self._rebuild or not module.training or not torch.is_grad_enabled():
             return
         self._rebuild = False
-        rebuild_buckets(module, lambda: _as_loss(module(*args, **kw)))
+        rebuild_buckets(module, lambda: as_loss(module(*args, **kw)))
 
     # ------------------------------------------------------------------------------ Step 4 ---
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

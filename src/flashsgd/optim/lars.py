@@ -33,7 +33,7 @@ Algorithm of one :meth:`LARS.step` (the "# Step N" comments in the body):
    With ``grad_norm_source`` set, ``||g||`` comes from it instead: a sparsified exchange
    (``topk``/``gtopk`` with ``layer_trust``) hands the optimizer a mostly-zero gradient whose norm
    depends on how many of a layer's entries were sent, so the trust ratio is taken from the
-   dense gradient's norm (:meth:`flashsgd.comm.sparse_hooks.SparseHookState.grad_norms`).
+   dense gradient's norm (:meth:`flashsgd.comm.sparse.hooks.SparseHookState.grad_norms`).
 3. Compute all trust ratios at once on a stacked (n,) vector, zero-norm guards included.
 4. Update the momentum buffers and the weights with ``torch._foreach_*`` ops, per group (on CUDA
    the per-tensor ratios written out to each tensor's shape, so that every op is one fused

@@ -113,8 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="powersgd's rank (default %(default)s)")
     p.add_argument("--index-bytes", type=int, choices=(4, 8), default=WIRE_INDEX_BYTES,
                    help=f"sparse bytes per index on the wire (default {WIRE_INDEX_BYTES}: what flashsgd's "
-                        f"comm/sparse.py sends for buckets under {INT32_NUMEL:,} elements); 4: int32, as "
-                        f"in the papers; 8: int64, comm/sparse.py's format for larger buckets")
+                        f"comm/sparse/__init__.py sends for buckets under {INT32_NUMEL:,} elements); 4: int32, as "
+                        f"in the papers; 8: int64, comm/sparse/__init__.py's format for larger buckets")
     add_output(p, "--json", metavar="PATH", help="write inputs and results as JSON")
     add_output(p, "--out", "dir", metavar="DIR",
                    help="with --sweep-gpus: write the scaling-efficiency plot as DIR/sim_sweep.png")

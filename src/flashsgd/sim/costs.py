@@ -4,7 +4,7 @@ Every function here has the signature ``cost(n_bytes, setup) -> Cost``: the time
 ranks to exchange a message of ``n_bytes`` per rank (a scalar or a numpy array of bucket sizes),
 split into latency (alpha), bandwidth (beta), compute (gamma: reductions, top-k selection) and fixed
 per-call overhead. Algorithm names are the ones used across flashsgd (``comm/dense.py``,
-``comm/sparse.py``); ``recursive_doubling``, ``rabenseifner``, ``binomial`` and ``gtopk_tree`` are
+``comm/sparse/__init__.py``); ``recursive_doubling``, ``rabenseifner``, ``binomial`` and ``gtopk_tree`` are
 simulator-only.
 
 Placement: ranks ``0..L-1`` are on node 0, ``L..2L-1`` on node 1, ... A message step between two
@@ -35,14 +35,14 @@ binomial            2 lgP a + 2 n lgP b + n lgP g (binomial reduce then broadcas
 hierarchical        ring reduce-scatter in node (L) + ring all-reduce of n/L across N nodes (L
                     concurrent rings per node) + ring all-gather in node
 torus2d (X x Y)     2(X-1) a_x + 2(Y-1) a_y + 2(X-1)/X n b_x + 2(Y-1)/(XY) n b_y + (P-1)/P n g
-topk                select(m) + direct exchange, as ``comm/sparse.py`` runs it: every rank sends
+topk                select(m) + direct exchange, as ``comm/sparse/__init__.py`` runs it: every rank sends
                     its k pairs to each of the P-1 others at once (one round): a + (P-1) k s b
                     (the inter-node part, P-L messages per rank, shares the node link with the
                     node's L ranks, N-1 nodes converge on each: a_x + (P-L) k s L b_x (1 + c (N-2)),
                     c the link's incast) + scatter-add of P k values
 hgtopk              node step (``node_split``: leader, slices or sparse; :mod:`.costs_sparse`)
                     + gtopk among the N nodes + the result shared inside the node
-gtopk               butterfly as in ``comm/sparse.py``: select(m) + lgP' rounds, every rank swaps
+gtopk               butterfly as in ``comm/sparse/__init__.py``: select(m) + lgP' rounds, every rank swaps
                     k pairs with rank XOR 2^i (both directions at once) and merges 2k -> k:
                     lgP' a + lgP' k s b; P not a power of two: + fold-in (k pairs) and fold-out
                     (k pairs + k mask bytes) steps, + 2 a + (2 k s + k) b   (P' = 2^floor(lgP))
@@ -56,10 +56,10 @@ The sparse exchanges also pay the cluster's fixed costs, ``exchange_fixed_s`` pe
 ``call_overhead_s`` per collective call.
 
 Non-powers of two: recursive doubling and Rabenseifner fold the extra ``P - 2^floor(lgP)`` ranks in
-with one step before and one after (MPICH), and so does the gtopk butterfly (``comm/sparse.py``);
+with one step before and one after (MPICH), and so does the gtopk butterfly (``comm/sparse/__init__.py``);
 binomial trees and gtopk_tree use ceil(lgP) steps. The sparse exchanges (topk, gtopk, hgtopk,
 gtopk_tree) live in :mod:`flashsgd.sim.costs_sparse`, built from the link helpers here; gtopk's
-messages are sized as ``comm/sparse.py`` packs them (k s bytes padded to index-sized words). Both
+messages are sized as ``comm/sparse/__init__.py`` packs them (k s bytes padded to index-sized words). Both
 modules' functions are registered by name in one place, :data:`flashsgd.sim.algorithms.ALGORITHMS`,
 from the catalog :data:`flashsgd.exchanges.EXCHANGES` (each exchange's ``cost``).
 
@@ -104,7 +104,7 @@ class CommSetup:
     value_bytes: int = 4
     """Bytes per gradient element: 4 (fp32) or 2 (fp16)."""
     index_bytes: int = WIRE_INDEX_BYTES
-    """Bytes per sparse index: 4 (int32: the papers' format, and what ``comm/sparse.py`` sends for
+    """Bytes per sparse index: 4 (int32: the papers' format, and what ``comm/sparse/__init__.py`` sends for
     buckets under 2**31 elements) or 8 (int64, its format for larger buckets)."""
     matrices: tuple[tuple[int, int], ...] | None = None
     """PowerSGD: (rows, cols) of every gradient tensor of the message, viewed as torch's hook views

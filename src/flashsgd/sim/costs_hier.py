@@ -5,7 +5,7 @@ the hierarchical all-reduce's (Jia et al. 2018, arXiv 1807.11205). In ``comm`` t
 option of the one ``hgtopk`` exchange (``node_split`` of
 :class:`flashsgd.exchanges.HierSparseOptions`, :data:`flashsgd.exchanges.NODE_SPLITS`); here too:
 :func:`hgtopk` dispatches through :data:`NODE_SPLIT_COSTS` on :attr:`CommSetup.node_split`
-(``comm/sparse_hier.py`` and ``comm/sparse_slices.py`` run them):
+(``comm/sparse/hier.py`` and ``comm/sparse/slices.py`` run them):
 
 - ``leader``: dense binomial reduce to one rank per node, gTop-k among the N leaders, broadcast of
   the result inside the node (:func:`hgtopk_leader`);
@@ -54,7 +54,7 @@ def _node_broadcast(n: np.ndarray, setup: CommSetup, steps: int) -> Cost:
 
 
 def hgtopk_leader(n_bytes, setup: CommSetup) -> Cost:
-    """hgtopk, ``node_split="leader"`` (``comm/sparse_hier.py``): dense inside a node, gTop-k across.
+    """hgtopk, ``node_split="leader"`` (``comm/sparse/hier.py``): dense inside a node, gTop-k across.
 
     Steps (L ranks per node, N nodes): 1. binomial reduce of the n-byte accumulated gradient to the
     node's leader over the intra link: ceil(lgL) (a + n b + n g); 2-3. the leader's selection and
@@ -85,7 +85,7 @@ def hgtopk_leader(n_bytes, setup: CommSetup) -> Cost:
 
 
 def hgtopk_sparse(n_bytes, setup: CommSetup) -> Cost:
-    """hgtopk, ``node_split="sparse"`` (``comm/sparse_hier.py``): no dense traffic.
+    """hgtopk, ``node_split="sparse"`` (``comm/sparse/hier.py``): no dense traffic.
 
     Steps (L ranks per node, N nodes): 1. every rank's selection and :func:`gtopk` among the L
     ranks of its node (intra link; the selection is counted here); 2. :func:`gtopk` among the N
@@ -114,7 +114,7 @@ def hgtopk_sparse(n_bytes, setup: CommSetup) -> Cost:
 
 
 def hgtopk_slices(n_bytes, setup: CommSetup) -> Cost:
-    """hgtopk, ``node_split="slices"`` (``comm/sparse_slices.py``): L gTop-k over L slices.
+    """hgtopk, ``node_split="slices"`` (``comm/sparse/slices.py``): L gTop-k over L slices.
 
     Steps (L ranks per node, N nodes, m elements of v bytes, n = v m, w = index_bytes, k pairs):
 

@@ -52,7 +52,7 @@ from flashsgd.sim.fabric import all_to_all_uplink_flows
 
 def _k(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarray]:
     """(m elements, k pairs) of a message of ``n`` bytes: k = ceil(density m) in [1, m], the product
-    rounded to 9 digits first as ``comm.sparse_select.k_from_density`` does (0.01 x 1000 = 10)."""
+    rounded to 9 digits first as ``comm.sparse.select.k_from_density`` does (0.01 x 1000 = 10)."""
     m = n / setup.value_bytes  # gradient elements in the message
     return m, np.clip(np.ceil(np.round(setup.density * m, 9)), 1.0, np.maximum(m, 1.0))
 
@@ -87,7 +87,7 @@ def direct_levels(setup: CommSetup) -> list[tuple[float, float]]:
 
 @cost("topk")
 def topk(n_bytes, setup: CommSetup) -> Cost:
-    """Top-k S-SGD as ``comm/sparse.py`` ``topk_allgather`` runs it: local top-k, one round of direct
+    """Top-k S-SGD as ``comm/sparse/__init__.py`` ``topk_allgather`` runs it: local top-k, one round of direct
     exchange (every rank's k pairs to each of the P-1 others at once), scatter-add of P k values.
 
     Cost: select(m) + a + (P-1) k s b with one node; across nodes the slower of the node's own
@@ -112,13 +112,13 @@ def topk(n_bytes, setup: CommSetup) -> Cost:
 
 
 def _pad(nbytes, word: int):
-    """Bytes rounded up to whole words of ``word`` bytes (``comm/sparse.py`` packs a message into
+    """Bytes rounded up to whole words of ``word`` bytes (``comm/sparse/__init__.py`` packs a message into
     words of the index dtype)."""
     return word * np.ceil(np.asarray(nbytes, dtype=float) / word)
 
 
 def sparse_message_bytes(k, setup: CommSetup, extra_bytes=0):
-    """Bytes of one message of k (value, index) pairs as ``comm/sparse.py`` packs it.
+    """Bytes of one message of k (value, index) pairs as ``comm/sparse/__init__.py`` packs it.
 
     Indices, then the values' bytes and any extra bytes, each padded to words of the index's
     size w: with int32 indices (``index_bytes=4``, what flashsgd sends for buckets under 2**31
@@ -160,7 +160,7 @@ def _sparse_start(n: np.ndarray, setup: CommSetup) -> tuple[np.ndarray, np.ndarr
 
 @cost("gtopk")
 def gtopk(n_bytes, setup: CommSetup) -> Cost:
-    """Global Top-k as ``comm/sparse.py`` runs it: a butterfly of pairwise merges (critical path)."""
+    """Global Top-k as ``comm/sparse/__init__.py`` runs it: a butterfly of pairwise merges (critical path)."""
     n = np.asarray(n_bytes, dtype=float)
     if setup.gpus == 1:
         return zero_cost(n)

@@ -108,8 +108,8 @@ class SimConfig:
     density: float = DEFAULT_DENSITY
     """topk / gtopk / hgtopk: fraction of elements sent (the catalog's default)."""
     index_bytes: int = WIRE_INDEX_BYTES
-    """topk / gtopk / hgtopk: bytes per sparse index, 4 (int32: the papers, and ``comm/sparse.py``
-    for buckets under 2**31 elements) or 8 (int64, ``comm/sparse.py`` for larger buckets)."""
+    """topk / gtopk / hgtopk: bytes per sparse index, 4 (int32: the papers, and ``comm/sparse/__init__.py``
+    for buckets under 2**31 elements) or 8 (int64, ``comm/sparse/__init__.py`` for larger buckets)."""
     node_split: str = option_default("node_split")
     """hgtopk: how a node combines its ranks (:data:`flashsgd.exchanges.NODE_SPLITS`)."""
     matrix_approximation_rank: int = 1

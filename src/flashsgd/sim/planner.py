@@ -346,7 +346,7 @@ def make_plan(workload: Workload, cluster: ClusterModel, gpus: int, batch_per_gp
               schedule: str = "trainer") -> CommPlan:
     """Steps 1-3 for ``gpus`` ranks of ``cluster`` training ``workload`` (see the module docstring).
 
-    ``index_bytes``: bytes per sparse index on the wire (default: what ``comm/sparse.py`` sends).
+    ``index_bytes``: bytes per sparse index on the wire (default: what ``comm/sparse/__init__.py`` sends).
     ``grad_accum``: micro-batches per exchange (``flashsgd train --grad-accum``). ``schedule``:
     ``trainer`` (default) simulates every candidate as ``flashsgd train`` runs it
     (:func:`flashsgd.sim.workload.trainer_schedule`: the sparse hooks exchange after backward),

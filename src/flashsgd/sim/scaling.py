@@ -144,7 +144,7 @@ def design(row: dict, density: float) -> np.ndarray:
     out = []
     for cluster in clusters:
         setup = CommSetup(gpus=row["world"], cluster=cluster, grid=grid, density=density,
-                          value_bytes=4, index_bytes=WIRE_INDEX_BYTES,  # comm/sparse.py: int32 under 2**31 elements
+                          value_bytes=4, index_bytes=WIRE_INDEX_BYTES,  # comm/sparse/__init__.py: int32 under 2**31 elements
                           matrices=matrices, **({"node_split": row["node_split"]} if row.get("node_split") else {}))
         out.append(float(np.sum(fn(n, setup).total)) if row["world"] > 1 else 0.0)
     return np.array(out)

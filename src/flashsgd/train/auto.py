@@ -245,7 +245,7 @@ class Measured:
 
 def measure_devices(numel: int, selection: str, device: torch.device) -> dict[str, float]:
     """Step 3 (local part): gamma, selection per element and PowerSGD's flop time."""
-    from flashsgd.comm.sparse_select import k_from_density, selection_for
+    from flashsgd.comm.sparse.select import k_from_density, selection_for
 
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(numel, generator=g).to(device) for _ in range(2))
@@ -284,7 +284,7 @@ def sparse_fixed_costs(cluster: ClusterModel, numel: int, selection: str, timeou
     import numpy as np
 
     from flashsgd.comm.sparse import gtopk_allreduce
-    from flashsgd.comm.sparse_select import k_from_density, selection_for
+    from flashsgd.comm.sparse.select import k_from_density, selection_for
     from flashsgd.sim.algorithms import exchange_cost
     from flashsgd.sim.costs import CommSetup, pair_levels, step_cost
     from flashsgd.sim.planner import WIRE_INDEX_BYTES

@@ -58,7 +58,7 @@ def _metavar(f: dataclasses.Field, hint) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, metavar="TOML",
                         help="TOML file with [data] [model] [optim] [comm] [run] sections")
-    from flashsgd.train.presets import PRESETS
+    from flashsgd.train.config.presets import PRESETS
 
     parser.add_argument("--preset", default=None, choices=PRESETS.names(),
                         help="start from a named set of values (defaults < preset < --config < flags): "
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _resumable(out: Path) -> str:
     """What a rerun with the same settings does after an interruption, in words."""
-    from flashsgd.train import checkpoint as ckpt
+    from flashsgd.train.records import checkpoint as ckpt
 
     try:
         target, _ = ckpt.resume_point(out / "checkpoints")

@@ -13,7 +13,7 @@ projection shortcut ``downsample = Sequential(1x1 conv, BN)``; every conv withou
 padding 1, the 7x7 stem with padding 3), so a torchvision ResNet-18/50 state_dict loads into the
 same-named flashsgd model with ``strict=True`` and back. The CIFAR ResNet-20 (not in torchvision)
 names its blocks the same way. Checkpoints of the earlier names (``last_bn``, ``shortcut``) are
-renamed on load (:func:`flashsgd.train.checkpoint.rename_legacy_keys`).
+renamed on load (:func:`flashsgd.train.records.checkpoint.rename_legacy_keys`).
 
 Every residual block exposes its last BatchNorm as the read-only property ``last_bn`` (``bn2`` or
 ``bn3``; a property, so no second module name is registered), which
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashsgd.registry import Registry
-from flashsgd.train.mnist1d import MNIST1DCNN
+from flashsgd.train.data.mnist1d import MNIST1DCNN
 
 MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
 

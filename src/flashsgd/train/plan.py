@@ -38,7 +38,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashsgd.comm.sparse_checks import check_sparse_run
+from flashsgd.comm.sparse.checks import check_sparse_run
 from flashsgd.comm.topology import parse_grid
 from flashsgd.exchanges import (EXCHANGES, MIN_COVERAGE, SELECTION_BY_DEVICE, DensityWarmup, coverage,
                                 resolved_selection)
@@ -48,8 +48,8 @@ from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
 from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at, steps_in_epochs, steps_per_epoch
 from flashsgd.optim.stability import few_steps_warning
 from flashsgd.train.config import COMM_OPTION_KEYS, TrainConfig, parse_fail_at, to_dict
-from flashsgd.train.config_file import set_but_unread
-from flashsgd.train.datasets import DATASETS
+from flashsgd.train.config.file import set_but_unread
+from flashsgd.train.data.catalog import DATASETS
 
 # Recipe fields a config key may override (config key -> Recipe field; the same names).
 RECIPE_OVERRIDES = ("optimizer", "lr_per_ref", "ref_batch", "lr_max", "momentum", "nesterov", "weight_decay",
@@ -379,7 +379,7 @@ def execution(cfg: TrainConfig, table: BatchTable, world: int, local_ranks: int 
     worker's shard of the unchanged global batch split into N; ValueError when the smallest shard
     has fewer than N samples), channels_last (effective only for 4-D image inputs; a note
     otherwise), compile, as every rank's TrainStep runs them, the input pipeline's worker
-    processes per rank (``data.data_workers``; image folders only, :mod:`flashsgd.train.loader`),
+    processes per rank (``data.data_workers``; image folders only, :mod:`flashsgd.train.data.loader`),
     and ``cudnn_benchmark``: cuDNN times its algorithms for each new input shape and keeps the
     fastest (``torch.backends.cudnn.benchmark``, as PyTorch's ImageNet example sets it); on by
     default, since a run's shapes are few (one per batch-table row, plus an epoch's remainder),
@@ -395,7 +395,7 @@ def execution(cfg: TrainConfig, table: BatchTable, world: int, local_ranks: int 
     data_workers = 0  # in-memory datasets are indexed in the training process
     dataset = DATASETS.get(cfg.data.dataset)
     if not dataset.in_memory:
-        from flashsgd.train.loader import default_data_workers
+        from flashsgd.train.data.loader import default_data_workers
 
         data_workers = (cfg.data.data_workers if cfg.data.data_workers is not None
                         else default_data_workers(local_ranks))

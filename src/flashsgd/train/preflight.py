@@ -12,7 +12,7 @@ ValueError naming the config key and what is valid here (exit 2, one line):
    the CPU torch here does not) and knows NAME.
 4. ``data.data_dir`` is usable here: MNIST-1D's cache folder can be written when the cache file is
    not there yet; an image folder is a directory. A checkpoint named by ``run.resume`` is intact
-   (:func:`flashsgd.train.checkpoint.verify`; checked by the process that opens the run directory).
+   (:func:`flashsgd.train.records.checkpoint.verify`; checked by the process that opens the run directory).
 
 The trainer announces its work ("flashsgd train: generating MNIST-1D ...") after these steps, so the
 checks that need the data also run here, on what the config says about the data before it is
@@ -46,7 +46,7 @@ from flashsgd.train.config import TrainConfig
 
 MNIST1D_LENGTH, MNIST1D_CLASSES, MNIST1D_TRAIN_SHARE = 40, 10, 0.8
 """MNIST-1D's format: the ``mnist1d`` package's defaults that
-:func:`flashsgd.train.mnist1d.generate_mnist1d` uses (``final_seq_length``, one template per class,
+:func:`flashsgd.train.data.mnist1d.generate_mnist1d` uses (``final_seq_length``, one template per class,
 ``train_split``), stated here so that checking a run does not import the package (2 s of matplotlib
 and scipy); ``tests/test_preflight.py`` holds them equal to generated data."""
 
@@ -94,7 +94,7 @@ def _check_data_dir(cfg: TrainConfig) -> None:
     """Step 4: the data's folder is usable here."""
     d = cfg.data
     if d.dataset == "mnist1d":
-        from flashsgd.train.mnist1d import cache_file
+        from flashsgd.train.data.mnist1d import cache_file
 
         path = cache_file(d.num_samples, d.data_seed, d.data_dir or None)
         if not path.is_file():  # generated now and written there
@@ -108,10 +108,10 @@ def _check_data_dir(cfg: TrainConfig) -> None:
 
 def _check_resume(cfg: TrainConfig) -> None:
     """Step 4: a checkpoint named by ``run.resume`` is intact (the run directory checks it again
-    under its lock, :func:`flashsgd.train.rundir.decide`, with the same words)."""
+    under its lock, :func:`flashsgd.train.records.rundir.decide`, with the same words)."""
     if os.environ.get("RANK", "0") != "0" or cfg.run.resume in ("auto", "never"):
         return
-    from flashsgd.train import checkpoint as ckpt
+    from flashsgd.train.records import checkpoint as ckpt
 
     try:
         ckpt.verify(cfg.run.resume)

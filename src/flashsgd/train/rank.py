@@ -109,10 +109,10 @@ def evaluate(model: torch.nn.Module, split, rank: int, world: int, device: torch
     """(accuracy %, mean loss) on ``split``, each rank scoring a contiguous shard (image folders
     decoded by ``workers`` DataLoader processes, in chunks of at most 256 images, handed over as
     uint8 or encoded files and normalized on ``device``, in ``channels_last`` when asked:
-    :func:`flashsgd.train.loader.eval_batches`). The forward runs under the training step's
+    :func:`flashsgd.train.data.loader.eval_batches`). The forward runs under the training step's
     autocast (``autocast``: :data:`flashsgd.train.step.PRECISIONS`' dtype, None: fp32), the loss
     in fp32. The sums stay on the device until the one all-reduce (no host sync per chunk)."""
-    from flashsgd.train.loader import eval_batches, streams
+    from flashsgd.train.data.loader import eval_batches, streams
 
     model.eval()
     n = len(split)
@@ -276,7 +276,7 @@ def build_rank(plan: RunPlan, data: Datasets, device: torch.device, *, out: Path
     the schedule and the batch table), the summed loss (Goyal et al.: divided by the global batch
     in the step), ``--comm auto``'s choice, DDP + hook timed by a :class:`CommTimer`, the momentum
     and trust-ratio wiring of the sparse hooks, and the :class:`TrainStep`."""
-    from flashsgd.comm.sparse_checks import check_optimizer_momentum
+    from flashsgd.comm.sparse.checks import check_optimizer_momentum
     from flashsgd.optim.optimizers import OPTIMIZERS
     from flashsgd.optim.plan import apply_model_tweaks, build_optimizer
     from flashsgd.train.models import build_model

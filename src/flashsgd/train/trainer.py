@@ -6,7 +6,7 @@ global batch, linear scaling + warmup), Mikami et al. 2018 (batch-size control, 
 flashsgd.comm.
 
 :func:`train` builds the :class:`~flashsgd.train.plan.RunPlan` once (before any worker starts),
-opens the run directory (:mod:`flashsgd.train.rundir`: lock, resume checks, config and plan
+opens the run directory (:mod:`flashsgd.train.records.rundir`: lock, resume checks, config and plan
 written), then runs :class:`~flashsgd.train.worker.Worker` on every rank through
 :func:`flashsgd.launch.run` (torchrun's group when present, else one local rank per GPU over NCCL,
 each bound to its GPU before the group exists, or W local Gloo processes on the CPU). What one
@@ -29,7 +29,7 @@ from flashsgd.train.models import check_input
 from flashsgd.train.plan import RunPlan, build_plan
 from flashsgd.train.preflight import check_environment
 from flashsgd.train.rank import load_data
-from flashsgd.train.rundir import RunDirError, Start, open_run_dir
+from flashsgd.train.records.rundir import RunDirError, Start, open_run_dir
 from flashsgd.train.worker import Worker
 
 

@@ -31,18 +31,18 @@ import torch
 import torch.distributed as dist
 
 from flashsgd.fmt import plural
-from flashsgd.launch_failures import TIMEOUT_TEXT, comm_failures, one_line
+from flashsgd.launch.failures import TIMEOUT_TEXT, comm_failures, one_line
 from flashsgd.optim.stability import LossRiseGuard
-from flashsgd.train import checkpoint as ckpt
+from flashsgd.train.records import checkpoint as ckpt
 from flashsgd.train.data import Datasets, ShardedSampler
-from flashsgd.train.loader import BatchStream, augmentation_key
+from flashsgd.train.data.loader import BatchStream, augmentation_key
 from flashsgd.train.plan import RunPlan
 from flashsgd.train.progress import progress_bar
 from flashsgd.train.records import Eval, Progress, eval_row, step_row
-from flashsgd.train.report import Metrics, summarize
+from flashsgd.train.records.report import Metrics, summarize
 from flashsgd.train.rank import (average_buffers, build_rank, evaluate, inject_fault,
                                  setup_process)
-from flashsgd.train.rundir import Start, write_plan
+from flashsgd.train.records.rundir import Start, write_plan
 
 
 class CheckpointWriteError(OSError):
@@ -104,7 +104,7 @@ class Worker:
         self.hook_state.load_state_dict(local["hook"])
         if self.step.scaler is not None and "scaler" in shared:  # fp16: the same scale on every rank
             self.step.scaler.load_state_dict(shared["scaler"])
-        if "rng" in local:  # (augmentation has no stream to restore: per sample, flashsgd.train.images)
+        if "rng" in local:  # (augmentation has no stream to restore: per sample, flashsgd.train.data.images)
             ckpt.set_rng_state(local["rng"])
         self.progress = Progress.from_json(shared["progress"])
         if self.progress.step > 0:  # the buckets the uninterrupted run had after its first step
@@ -280,7 +280,7 @@ class Worker:
         """A failed collective in words: a timeout on a rank of another node (or, in a job of
         several nodes, a timeout that names no rank) may be a rank stopping or the link between
         nodes (the launcher, seeing every rank, tells them apart:
-        :func:`flashsgd.launch_failures.lost_connections`); else a worker died or hung."""
+        :func:`flashsgd.launch.failures.lost_connections`); else a worker died or hung."""
         timeout_s = self.cfg.run.timeout_s
         late = next((e for e in failures
                      if isinstance(e, TimeoutError) and isinstance(getattr(e, "peer", None), int)), None)

@@ -2,7 +2,7 @@
 
 A key applies when the run reads it (:func:`applies`):
 
-* ``[data]``: the keys each dataset reads (its entry in :data:`flashsgd.train.datasets.DATASETS`);
+* ``[data]``: the keys each dataset reads (its entry in :data:`flashsgd.train.data.catalog.DATASETS`);
 * ``[model]``: ``channels`` only for a model whose builder takes it (``mnist1d_cnn``);
 * ``[comm]``: ``algorithm``, ``ranks_per_node`` and ``bucket_mb`` always; under ``auto`` every key
   (the planner may choose any exchange); otherwise a key applies when the exchange's options
@@ -14,7 +14,7 @@ A key applies when the run reads it (:func:`applies`):
 :func:`dumps_run_config` leaves out a key that does not apply and holds its default; one that does
 not apply but was set is kept under a comment saying so. So the file still loads back to the same
 config (``resolve(toml_text=dumps_run_config(cfg)) == cfg``), which is what a resume compares
-(:func:`flashsgd.train.rundir.config_changes`, which also ignores keys that apply to neither run).
+(:func:`flashsgd.train.records.rundir.config_changes`, which also ignores keys that apply to neither run).
 
 Example::
 
@@ -33,7 +33,7 @@ import inspect
 
 from flashsgd.exchanges import EXCHANGES
 from flashsgd.train.config import SECTIONS, TrainConfig, to_dict
-from flashsgd.train.datasets import DATASETS, dataset_keys
+from flashsgd.train.data.catalog import DATASETS, dataset_keys
 
 COMM_ALWAYS = ("algorithm", "ranks_per_node", "bucket_mb")
 """``[comm]`` keys every exchange's run reads (the hook, the topology, DDP's bucket cap)."""

@@ -2,13 +2,13 @@
 
 Datasets (:func:`build_datasets`), each a pair of splits:
 
-* ``mnist1d`` - MNIST-1D generated locally (Greydanus 2020; :func:`flashsgd.train.mnist1d.load_mnist1d`).
+* ``mnist1d`` - MNIST-1D generated locally (Greydanus 2020; :func:`flashsgd.train.data.mnist1d.load_mnist1d`).
 * ``synthetic`` - random ImageNet-shaped (3x224x224, 1000 classes) or CIFAR-shaped (3x32x32, 10
   classes) images from a small fixed pool: for throughput, not accuracy.
 * ``imagefolder`` - ``root/train/<class>/<image>`` (and ``root/val/<class>/...``; without ``val/``
   every 10th image is held out): decoding and the Inception-style augmentation of
-  :mod:`flashsgd.train.images`, one sample at a time in DataLoader workers
-  (:mod:`flashsgd.train.loader`).
+  :mod:`flashsgd.train.data.images`, one sample at a time in DataLoader workers
+  (:mod:`flashsgd.train.data.loader`).
 
 Splits have ``len()`` and ``batch(indices, train=True, key=0) -> (x, y)`` (``key``: the epoch's
 augmentation stream; in-memory splits ignore it); in-memory splits also ``to(device)``: on a CUDA
@@ -49,8 +49,8 @@ import torch
 
 from flashsgd.fmt import plural
 from flashsgd.optim.schedules import batch_ends
-from flashsgd.train.datasets import DATASETS
-from flashsgd.train.images import ImageFolderSplit, scan_folder
+from flashsgd.train.data.catalog import DATASETS
+from flashsgd.train.data.images import ImageFolderSplit, scan_folder
 
 
 class ShardedSampler:
@@ -197,7 +197,7 @@ class Datasets:
 def build_datasets(dataset: str, num_samples: int = 40000, data_dir: str = "",
                    image_shape: str = "imagenet", image_size: int = 224, data_seed: int = 42) -> Datasets:
     """The train and test splits of ``dataset`` (see the module docstring): its catalog entry's
-    loader (:data:`flashsgd.train.datasets.DATASETS`)."""
+    loader (:data:`flashsgd.train.data.catalog.DATASETS`)."""
     entry = DATASETS.get(dataset)
     settings = DataSettings(dataset, num_samples, data_dir, image_shape, image_size, data_seed)
     return globals()[entry.loader](settings)
@@ -225,14 +225,14 @@ class DataSettings:
 
 
 def load_mnist1d_splits(d: DataSettings) -> Datasets:
-    from flashsgd.train.mnist1d import load_mnist1d
+    from flashsgd.train.data.mnist1d import load_mnist1d
 
     x, y, xt, yt = load_mnist1d(d.num_samples, seed=d.data_seed, cache_dir_=d.data_dir or None)
     return Datasets(TensorSplit(x, y), TensorSplit(xt, yt), 10, f"mnist1d {len(y)} train / {len(yt)} test")
 
 
 def describe_mnist1d(d: DataSettings) -> str:
-    from flashsgd.train.mnist1d import cache_file
+    from flashsgd.train.data.mnist1d import cache_file
 
     path = cache_file(d.num_samples, d.data_seed, d.data_dir or None)
     if path.exists():

@@ -47,7 +47,7 @@ def k_from_density(numel: int, density: float) -> int:
 
 # --------------------------------------------------------------------------- selection ----------
 
-def _check_selection(x: torch.Tensor, k: int) -> int:
+def check_selection(x: torch.Tensor, k: int) -> int:
     if x.dim() != 1 or not x.is_floating_point():
         raise ValueError(f"x must be a flat floating-point tensor, got shape {tuple(x.shape)} {x.dtype}")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= x.numel():
@@ -61,7 +61,7 @@ def topk_exact(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     ``torch.topk`` on |x|; ties at the k-th magnitude are resolved as torch.topk does
     (deterministic for a given input). Output sorted by index (the canonical form used below).
     """
-    _check_selection(x, k)
+    check_selection(x, k)
     idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values
     return x[idx], idx
 
@@ -145,7 +145,7 @@ def topk_sampled(x: torch.Tensor, k: int, *, tolerance: float = 0.25, sample_hit
         >>> i.numel()
         1000
     """
-    m = _check_selection(x, k)
+    m = check_selection(x, k)
     if not tolerance > 0:
         raise ValueError(f"tolerance must be > 0, got {tolerance!r}")
     if sample_hits < 16 or max_passes < 1:
@@ -335,7 +335,7 @@ def topk_threshold(x: torch.Tensor, k: int, *, reuse: ThresholdReuse | None = No
         key: which threshold of ``reuse`` (e.g. the DDP bucket index).
         block: entries per block maximum, >= 2 (None: :func:`auto_block`).
         bmax: step 1's result (with the same ``block``) if the caller computed it (e.g. fused with the residual update,
-            :func:`flashsgd.comm.sparse_fused.compress_`).
+            :func:`flashsgd.comm.sparse.fused.compress_`).
 
     Returns:
         ``(values, indices)``: the k values of x and their int64 indices, ascending.
@@ -347,7 +347,7 @@ def topk_threshold(x: torch.Tensor, k: int, *, reuse: ThresholdReuse | None = No
         >>> i.numel(), reuse.estimates
         (1000, 1)
     """
-    m = _check_selection(x, k)
+    m = check_selection(x, k)
     if block is None:
         block = auto_block(m, k)
     elif isinstance(block, bool) or not isinstance(block, int) or block < 2:

@@ -28,7 +28,7 @@ CRC-32 torch's zip writer keeps per record: ``zipfile.testzip``).
 
 Belonging: a run's checkpoints carry its identity (``meta["run"]`` in every file: ``id``, written
 at the run's start, ``settings``, the digest of the settings that can change results, and
-``config``, the run's config text; :func:`flashsgd.train.rundir.identity`). Given the run's id, a
+``config``, the run's config text; :func:`flashsgd.train.records.rundir.identity`). Given the run's id, a
 checkpoint of another run (a step directory copied in, a rank file from elsewhere) counts as
 damaged: skipped with a note like a corrupt one. Checkpoints without an identity (a flashsgd
 before it, or ``save`` called without ``run``) belong to any run.

@@ -1,4 +1,4 @@
-"""The state of the sparse hooks (:mod:`flashsgd.comm.sparse_hooks`): options, per-bucket residuals
+"""The state of the sparse hooks (:mod:`flashsgd.comm.sparse.hooks`): options, per-bucket residuals
 and velocities with the parameters they cover, checkpoints, counters.
 
 Paper: Shi et al. 2019, gTop-k S-SGD (arXiv 1901.04359), error feedback; Lin et al. 2018, DGC
@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from flashsgd.comm.hook_common import CommThread, check_owner, mean_tensors, rank_and_world
 from flashsgd.comm.hook_step import HookStep
-from flashsgd.comm.sparse_corrections import layer_norms
-from flashsgd.comm.sparse_select import SelectionWorkspace, ThresholdReuse
+from flashsgd.comm.sparse.corrections import layer_norms
+from flashsgd.comm.sparse.select import SelectionWorkspace, ThresholdReuse
 from flashsgd.comm.topology import default_timeout_s, get_topology
 from flashsgd.exchanges import HierSparseOptions, SparseOptions
 

@@ -12,7 +12,7 @@ Per bucket of m elements, in memory passes (one pass = one ``torch.add`` over th
 2. Block maxima of |acc| (two read-only reductions, ~2/3 pass), fused with step 1 into one pass
    when ``compiled=True`` and ``torch.compile`` works.
 3. Exact top-k from the block maxima and a kept threshold
-   (:func:`~flashsgd.comm.sparse_select.topk_threshold`): O(k * block) entries read.
+   (:func:`~flashsgd.comm.sparse.select.topk_threshold`): O(k * block) entries read.
 4. After the exchange, the caller zeroes the counted entries of the residual in place
    (``residual.index_fill_(0, counted, 0)``, O(k)): the buffer is the new residual.
 5. The caller scatters the result into a zeroed output (the zero fill: 1/3 pass).
@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from flashsgd.comm.sparse_select import (ThresholdReuse, _check_selection, auto_block,
+from flashsgd.comm.sparse.select import (ThresholdReuse, check_selection, auto_block,
                                          block_maxima, topk_threshold)
 
 __all__ = ["add_block_maxima_", "add_block_maxima", "compress_", "ThresholdReuse", "compiled_available"]
@@ -96,7 +96,7 @@ def compress_(residual: torch.Tensor, grad: torch.Tensor, k: int, *,
         ``(values, indices)``: the k selected values of the accumulated gradient, int64 indices
         ascending (ties at the k-th magnitude to the lower index).
     """
-    _check_selection(residual, k)
+    check_selection(residual, k)
     if grad.shape != residual.shape or grad.dtype != residual.dtype:
         raise ValueError(f"grad must match residual: got {tuple(grad.shape)} {grad.dtype}, "
                          f"residual {tuple(residual.shape)} {residual.dtype}")
@@ -111,7 +111,7 @@ def compress_(residual: torch.Tensor, grad: torch.Tensor, k: int, *,
 def add_block_maxima_(residual: torch.Tensor, grad: torch.Tensor, block: int,
                       compiled: bool = False) -> torch.Tensor:
     """Steps 1-2 of the module docstring: ``residual += grad`` in place, then the block maxima of
-    the sum (:func:`~flashsgd.comm.sparse_select.block_maxima`); one fused pass with
+    the sum (:func:`~flashsgd.comm.sparse.select.block_maxima`); one fused pass with
     ``compiled=True`` (falls back to the eager passes, with a warning, if compiling fails)."""
     bmax = None
     fn = _compiled_fn("in_place") if compiled else None

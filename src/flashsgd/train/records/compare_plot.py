@@ -1,7 +1,7 @@
 """The figure of `flashsgd compare`: test accuracy (top) and loss (bottom) of several settings
 against the optimizer step, the samples seen and the wall time; a setting run with several seeds
 is drawn as the mean with a min..max band. A run that is not complete (stopped early, failed or still
-running: :func:`flashsgd.train.compare.run_state`) is never pooled: it is drawn alone, dotted and
+running: :func:`flashsgd.train.records.compare.run_state`) is never pooled: it is drawn alone, dotted and
 fainter, ending in an ``x`` (its label, from compare, says how far it got: ``[incomplete 11/14]``).
 
 Seeds of one setting are aligned by optimizer step (they have the same batch schedule) and cut to
@@ -83,13 +83,13 @@ def plot_comparison(groups: list[list[Any]], labels: list[str], png_path: str | 
                     target: float) -> None:
     """Write the 2x3 figure (accuracy, loss) x (step, samples, wall time) to ``png_path``: a curve
     per part of each setting (``groups``, named by ``labels``;
-    :func:`flashsgd.train.compare.split_settings`), a run that is not complete as :data:`INCOMPLETE`."""
+    :func:`flashsgd.train.records.compare.split_settings`), a run that is not complete as :data:`INCOMPLETE`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from flashsgd.train.compare import split_settings
+    from flashsgd.train.records.compare import split_settings
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True, sharey="row")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -3,7 +3,7 @@
 Paper: Lin, Han, Mao, Wang, Dally 2018, "Deep Gradient Compression" (DGC, arXiv 1712.01887),
 sec. 3.2-3.3 and Algorithm 1 (with momentum correction), and the authors' code
 (github.com/synxlin/deep-gradient-compression, ``dgc/memory.py``). Used by the ``topk`` / ``gtopk``
-hooks of :mod:`flashsgd.comm.sparse_hooks`, per bucket and rank, before the selection:
+hooks of :mod:`flashsgd.comm.sparse.hooks`, per bucket and rank, before the selection:
 
 1. :func:`clip_local_` - local gradient clipping: this rank's bucket gradient is scaled to a norm
    of at most ``max_norm`` before it enters the accumulation (DGC sec. 3.3: clip before

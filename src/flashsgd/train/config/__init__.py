@@ -39,7 +39,7 @@ from typing import Any, Callable, Literal, Optional
 from flashsgd import exchanges as X
 from flashsgd.exchanges import BUCKET_MB, DENSITY_WARMUP_START
 from flashsgd.sim.inputs import check_option
-from flashsgd.train.config_values import choices_of, coerce
+from flashsgd.train.config.values import choices_of, coerce
 
 __all__ = ["TrainConfig", "DataConfig", "ModelConfig", "OptimConfig", "CommConfig", "RunConfig",
            "COMM_OPTION_KEYS", "DERIVED_OPTIONS", "UNSET_BY_PLAN", "choice", "choices_of", "coerce",
@@ -78,7 +78,7 @@ def choice(default: str, names: Callable[[], list[str]]) -> Any:
 
 
 def _dataset_names() -> list[str]:
-    from flashsgd.train.datasets import DATASETS
+    from flashsgd.train.data.catalog import DATASETS
 
     return DATASETS.names()
 
@@ -367,7 +367,7 @@ weights, gradients, momentum, on every rank); wider is no experiment on 40-value
 99,999,999 asked torch for 1.2e17 bytes."""
 MAX_EPOCHS = 2 ** 30
 """The longest ``optim.epochs``: the epoch number enters the seeds of the data order and of each
-sample's augmentation ((seed * 7919 + epoch) * 1_000_003 + index, :mod:`flashsgd.train.images`),
+sample's augmentation ((seed * 7919 + epoch) * 1_000_003 + index, :mod:`flashsgd.train.data.images`),
 which stay below torch's 2**63 for seed and epoch < 2**30 (run.seed's bound) and index < 2**32."""
 
 
@@ -412,11 +412,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for s, k in (("run", "seed"), ("data", "data_seed")):
         v = getattr(getattr(cfg, s), k)
         # the derived streams must fit torch's 64-bit seeds: a sample's augmentation seed is
-        # (seed * 7919 + epoch) * 1_000_003 + index (flashsgd.train.images), < 2**63 for seed < 2**30
+        # (seed * 7919 + epoch) * 1_000_003 + index (flashsgd.train.data.images), < 2**63 for seed < 2**30
         if not 0 <= v < 2 ** 30:
             raise ValueError(f"config key {s}.{k} must be in [0, 2**30 - 1] = [0, 1073741823], got {v}")
     check_accuracy_percent(cfg.run.target_accuracy, "config key run.target_accuracy")
-    from flashsgd.train.datasets import DATASETS
+    from flashsgd.train.data.catalog import DATASETS
 
     DATASETS.get(cfg.data.dataset).check(cfg.data)  # the dataset's own rules (catalog)
     if cfg.run.workers is not None and cfg.run.workers < 1:
@@ -547,12 +547,12 @@ def _check_config_path(path: Path) -> None:
 
 def resolve(toml_path: str | Path | None = None, cli: dict[str, Any] | None = None,
             toml_text: str | None = None, preset: str | None = None) -> TrainConfig:
-    """Steps 1-4: defaults < preset (:mod:`flashsgd.train.presets`) < TOML (file or text) < CLI
+    """Steps 1-4: defaults < preset (:mod:`flashsgd.train.config.presets`) < TOML (file or text) < CLI
     values (flat field names) -> validated config."""
     cfg = TrainConfig()  # Step 1
     index = field_index()
     if preset is not None:
-        from flashsgd.train.presets import PRESETS
+        from flashsgd.train.config.presets import PRESETS
 
         if preset not in PRESETS.names():
             raise ValueError(f"--preset {preset!r} is unknown; valid: {', '.join(PRESETS.names())}")

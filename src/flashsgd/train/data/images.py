@@ -3,7 +3,7 @@ augmentation, the normalization on the device, and generated JPEG folders.
 
 ``root/<class>/<image>`` (ImageNet's ``train/`` and ``val/`` layout, torchvision's ``ImageFolder``):
 
-* Decode, in one of two places (:class:`flashsgd.train.loader.BatchStream` picks per rank):
+* Decode, in one of two places (:class:`flashsgd.train.data.loader.BatchStream` picks per rank):
 
   - host: ``torchvision.io.decode_image`` where torchvision imports (GPU images), Pillow otherwise
     (the CPU builds here: torchvision does not import beside them), in DataLoader workers
@@ -234,7 +234,7 @@ def center_crop(img: torch.Tensor, size: int, resize_to: int | None = None) -> t
 
 class ImageFolderSplit:
     """Files with class labels (module docstring). Host decoding: :meth:`sample` is what a
-    DataLoader worker runs (:mod:`flashsgd.train.loader`), :meth:`normalize` what the rank runs on
+    DataLoader worker runs (:mod:`flashsgd.train.data.loader`), :meth:`normalize` what the rank runs on
     the batch; :meth:`batch` is both, in this process. Device decoding: a worker runs :meth:`read`,
     the rank :meth:`decode_batch` then :meth:`normalize`."""
 

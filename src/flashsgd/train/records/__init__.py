@@ -5,7 +5,7 @@ A step row's keys are :data:`STEP_FIELDS`, in that order; each :class:`Field` sa
 means, where its value comes from (a value the worker passes, or a function of the step's
 :class:`~flashsgd.train.step.StepResult`), its TensorBoard tag, and the key of its median in
 summary.json. The worker (:func:`step_row`), the TensorBoard writer and summary.json
-(:mod:`flashsgd.train.report`) take them from here, so a new metric is its computation (a
+(:mod:`flashsgd.train.records.report`) take them from here, so a new metric is its computation (a
 StepResult property) and one field below, e.g.::
 
     Field("t_unscale_s", "s", "fp16: unscaling the gradients", attrgetter("unscale_s"),

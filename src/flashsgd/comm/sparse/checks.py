@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from flashsgd.comm.sparse_corrections import check_momentum_owner
+from flashsgd.comm.sparse.corrections import check_momentum_owner
 from flashsgd.exchanges import (EXCHANGES, MIN_COVERAGE, DensityWarmup, SparseOptions, coverage,
                                 density_for_coverage, steps_to_coverage)
 from flashsgd.fmt import plural

@@ -31,10 +31,10 @@ What a start does (:func:`open_run_dir`), every check before anything is written
    - same config, finished (``summary.json`` at the planned step count): "already complete",
      nothing is rewritten;
    - same config, a checkpoint: resume from it (``run.resume = auto``: the newest intact one,
-     whatever ``checkpoints/latest`` says, :func:`flashsgd.train.checkpoint.resume_point`; or the
+     whatever ``checkpoints/latest`` says, :func:`flashsgd.train.records.checkpoint.resume_point`; or the
      given directory);
    - same config, no checkpoint (a run that died before its first one): moved aside, fresh start.
-3. Write ``config.toml`` (the keys this run reads, :func:`flashsgd.train.config_file.dumps_run_config`)
+3. Write ``config.toml`` (the keys this run reads, :func:`flashsgd.train.config.file.dumps_run_config`)
    and ``plan.json`` with the run id (fresh and resumed starts only: a fresh start's id is new, a
    resumed one keeps the checkpoint's).
 
@@ -61,9 +61,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from flashsgd.train import checkpoint as ckpt
+from flashsgd.train.records import checkpoint as ckpt
 from flashsgd.train.config import TrainConfig, resolve
-from flashsgd.train.config_file import dumps_run_config, reads
+from flashsgd.train.config.file import dumps_run_config, reads
 
 # Config keys that cannot change what a run computes: a resume may change them freely.
 # (eval_every: BN statistics are averaged before each evaluation, and averaging commutes with the
@@ -71,7 +71,7 @@ from flashsgd.train.config_file import dumps_run_config, reads
 # invocation stops, so that an interrupted run can be continued to the end; workers: an elastic
 # resume on another world size, as under torchrun --nnodes MIN:MAX - the global batch and the LR
 # are the run's, the per-worker state is regrouped, Worker.regroup; data_workers: each sample's
-# augmentation has its own generator, the same in any process, flashsgd.train.images.)
+# augmentation has its own generator, the same in any process, flashsgd.train.data.images.)
 NEUTRAL_KEYS = frozenset({
     "out", "resume", "progress", "eval_every", "target_accuracy", "threads", "timeout_s",
     "checkpoint_every", "keep_checkpoints", "max_steps", "fail_at", "max_skipped", "workers",
@@ -130,7 +130,7 @@ def _flat(cfg: TrainConfig) -> dict[str, Any]:
 
 def config_changes(old: TrainConfig, new: TrainConfig) -> list[str]:
     """``"section.key: old -> new"`` for every key that differs and can change results: not a
-    neutral key, and read by one of the two runs (:func:`flashsgd.train.config_file.applies`: the
+    neutral key, and read by one of the two runs (:func:`flashsgd.train.config.file.applies`: the
     image size of an MNIST-1D run, left out of its config.toml, changes nothing)."""
     a, b = _flat(old), _flat(new)
     return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in sorted(a) if a[k] != b[k]
@@ -148,7 +148,7 @@ def settings_digest(cfg: TrainConfig) -> str:
 def identity(cfg: TrainConfig, run_id: str) -> dict[str, str]:
     """What every checkpoint of a run records about it: ``id`` (written at the run's start, kept by
     every resume), ``settings`` (:func:`settings_digest`) and ``config`` (the text of its
-    ``config.toml``, :func:`flashsgd.train.config_file.dumps_run_config`)."""
+    ``config.toml``, :func:`flashsgd.train.config.file.dumps_run_config`)."""
     return {"id": run_id, "settings": settings_digest(cfg), "config": dumps_run_config(cfg)}
 
 

@@ -2,7 +2,7 @@
 
 An image folder decoded in the training process stops the model for every JPEG (measured 88-236
 images/s per rank for ImageNet-sized files on this VM, a tenth of what one GPU trains). So image
-splits (those with a per-sample ``sample(i, train, key)``, :class:`flashsgd.train.images.
+splits (those with a per-sample ``sample(i, train, key)``, :class:`flashsgd.train.data.images.
 ImageFolderSplit`) go through ``torch.utils.data.DataLoader`` - as PyTorch's ImageNet example does -
 with ``data.data_workers`` worker processes, ``prefetch_factor`` batches each in flight, pinned
 memory when the rank trains on CUDA (what makes the ``non_blocking`` copy asynchronous), and
@@ -12,23 +12,23 @@ tensors) are indexed in the training process: a worker would only add a copy.
 Where the images are decoded (``decode``, chosen per rank; :func:`decode_place`):
 
 * ``"device"`` - on a CUDA rank where torchvision decodes JPEG batches there
-  (:func:`flashsgd.train.images.device_decode_unavailable` is None) and the rank has fewer than
+  (:func:`flashsgd.train.data.images.device_decode_unavailable` is None) and the rank has fewer than
   :data:`HOST_DECODE_FROM_WORKERS` data workers: the workers only read the files' bytes; the rank
   decodes each batch with nvJPEG and crops, flips and resizes on the GPU
-  (:meth:`~flashsgd.train.images.ImageFolderSplit.decode_batch`). A rank with few CPU cores
+  (:meth:`~flashsgd.train.data.images.ImageFolderSplit.decode_batch`). A rank with few CPU cores
   (~250-300 images/s per worker process) is then no longer bound by CPU decoding.
 * ``"host"`` - everywhere else: the workers decode and augment (libjpeg-turbo) and hand over
   uint8 crops, copied to the device pinned and non-blocking. With many workers this is the faster
   path: nvJPEG's batched decode runs its Huffman stage on the rank's one CPU thread.
 
-Either way the uint8 batch is normalized on the rank's device (:meth:`~flashsgd.train.images.
+Either way the uint8 batch is normalized on the rank's device (:meth:`~flashsgd.train.data.images.
 ImageFolderSplit.normalize`: one fused op, constants made once per device), straight into
 ``channels_last`` when the run uses it (``channels_last=True``: the step's conversion is then a
 no-op). Evaluation (:func:`eval_batches`) goes the same way, without augmentation.
 
 Order and resume: the batches are the :class:`~flashsgd.train.data.ShardedSampler`'s, in its order
 (the DataLoader's ``batch_sampler`` is this epoch's remaining shards), and each sample's
-augmentation has its own generator (:func:`flashsgd.train.images.sample_generator`), so the
+augmentation has its own generator (:func:`flashsgd.train.data.images.sample_generator`), so the
 tensors are the same with 0 or N workers and after a resume (with host decoding bit for bit; the
 device path crops the same windows from nvJPEG's pixels). The sampler's position advances when
 the training loop *takes* a batch, not when a worker prefetches it: a checkpoint resumes after the
@@ -100,7 +100,7 @@ def decode_place(split: Any, device: torch.device, decode: Decode | None = None,
             raise ValueError(f"decode='device' needs a split that reads encoded files, not {type(split).__name__}")
         return "host"
     if decode is None:
-        from flashsgd.train.images import device_decode_unavailable
+        from flashsgd.train.data.images import device_decode_unavailable
 
         if workers >= HOST_DECODE_FROM_WORKERS or device_decode_unavailable(device):
             return "host"

@@ -10,7 +10,7 @@ Paper: Shi et al. 2019, gTop-k S-SGD (arXiv 1901.04359); the exchanges are in
 
 Per bucket and step (after ``start_iter`` dense iterations):
     1. acc = bucket gradient + this bucket's residual (local, un-averaged units). With DGC's
-       corrections (Lin et al. 2018, arXiv 1712.01887; :mod:`flashsgd.comm.sparse_corrections`):
+       corrections (Lin et al. 2018, arXiv 1712.01887; :mod:`flashsgd.comm.sparse.corrections`):
        the gradient is first clipped to ``local_clip``; with ``momentum_correction`` = m > 0 the
        velocity u = m*u + g (not g) is added to the residual, and the optimizer must run
        without momentum (``state.owns_momentum``).
@@ -58,7 +58,7 @@ layouts, the sampled selection's RNG state, counters). Pickling drops the proces
 id-based parameter map; an unpickled state must be re-attached with
 ``ddp.register_comm_hook(state.bind(ddp), sparse_hook)`` (it refuses to run unbound).
 
-``hgtopk`` (:mod:`flashsgd.comm.sparse_hier`): the node's ranks reduce acc densely to their
+``hgtopk`` (:mod:`flashsgd.comm.sparse.hier`): the node's ranks reduce acc densely to their
 leader, which selects and runs gTop-k with the other nodes' leaders, then broadcasts the result
 inside the node; every rank keeps its own residual. Options ``ranks_per_node`` and ``node_split``
 ("leader"; "slices": R parallel gTop-k over R slices; "sparse": gTop-k inside the node instead of
@@ -74,7 +74,7 @@ reaches ``backward()`` through the Future.
 Per-exchange behaviour is one row of :data:`EXCHANGE_STEPS` (where the selection runs, the
 exchange call, the bytes it sends); the shared per-bucket step (:func:`prepare_sparse`) never asks
 which exchange it runs. The state (residuals, layouts, checkpoints) is
-:mod:`flashsgd.comm.sparse_state`.
+:mod:`flashsgd.comm.sparse.state`.
 
 Sparse step of one bucket (numbers as in the hooks' module docstring):
 
@@ -82,7 +82,7 @@ Sparse step of one bucket (numbers as in the hooks' module docstring):
    kept: a skipped step puts it back, :mod:`flashsgd.comm.hook_step`). When the selection reads
    block maxima of acc (``threshold`` selection on acc: ``topk``, ``gtopk``, ``hgtopk`` with the
    ``sparse`` node split) and no momentum correction sits between the add and the selection, the
-   add and the block maxima are one call (:func:`~flashsgd.comm.sparse_fused.add_block_maxima`,
+   add and the block maxima are one call (:func:`~flashsgd.comm.sparse.fused.add_block_maxima`,
    one fused pass with ``compiled=True``); the selection then reuses the maxima. Same result bit
    for bit: the add is the same IEEE add, the maxima are exact.
 2. ``topk`` / ``gtopk``: select k of acc, on the backward thread.
@@ -109,11 +109,11 @@ import torch.distributed as dist
 from flashsgd.comm.hook_common import completed_future, ddp_hook
 from flashsgd.comm.sparse import (SELECTIONS, Counted, check_sizes, gtopk_allreduce, gtopk_bytes_sent,
                                   k_from_density, topk_allgather, topk_bytes_sent)
-from flashsgd.comm.sparse_corrections import accumulate_velocity, clip_local_, mask_momentum_
-from flashsgd.comm.sparse_fused import add_block_maxima
-from flashsgd.comm.sparse_hier import check_node_layout, hgtopk_allreduce, hgtopk_bytes_sent
-from flashsgd.comm.sparse_select import auto_block, topk_threshold
-from flashsgd.comm.sparse_state import SparseHookState
+from flashsgd.comm.sparse.corrections import accumulate_velocity, clip_local_, mask_momentum_
+from flashsgd.comm.sparse.fused import add_block_maxima
+from flashsgd.comm.sparse.hier import check_node_layout, hgtopk_allreduce, hgtopk_bytes_sent
+from flashsgd.comm.sparse.select import auto_block, topk_threshold
+from flashsgd.comm.sparse.state import SparseHookState
 from flashsgd.comm.topology import default_timeout_s
 from flashsgd.comm.waits import wait_collective
 from flashsgd.exchanges import SparseOptions, names, resolved_selection
@@ -156,7 +156,7 @@ def _accumulate(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tens
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Step 1: (acc, velocity or None, block maxima of acc or None). acc is the residual plus the
     (clipped) gradient, or plus the velocity with momentum correction, written into the state's
-    spare buffers (:meth:`~flashsgd.comm.sparse_state.SparseHookState.scratch`: the kept residual
+    spare buffers (:meth:`~flashsgd.comm.sparse.state.SparseHookState.scratch`: the kept residual
     and velocity stay as they were until the step is kept, :mod:`flashsgd.comm.hook_step`); the
     maxima come fused with the add when the selection uses them."""
     idx = bucket.index()
@@ -178,7 +178,7 @@ def _accumulate(state: SparseHookState, bucket: dist.GradBucket, buf: torch.Tens
 def select(state: SparseHookState, x: torch.Tensor, k: int, idx: int, rank: int,
            bmax: torch.Tensor | None = None):
     """Step 2: the state's selection of k entries of x (bucket ``idx``; ``bmax``: x's block
-    maxima at :func:`~flashsgd.comm.sparse_select.auto_block`, for the threshold selection)."""
+    maxima at :func:`~flashsgd.comm.sparse.select.auto_block`, for the threshold selection)."""
     selection = resolved_selection(state.options.selection, path_device_type(x))
     if selection == "threshold":
         return topk_threshold(x, k, reuse=state.reuse, key=idx, bmax=bmax)
@@ -368,5 +368,5 @@ def sparse_factory(algorithm: str) -> Callable:
         return SparseHookState(algorithm, options).bind(ddp_model), sparse_hook
 
     make.__name__ = f"make_{algorithm}"
-    make.__doc__ = f"The {algorithm} sparse hook (options: flashsgd.exchanges; see flashsgd.comm.sparse_hooks)."
+    make.__doc__ = f"The {algorithm} sparse hook (options: flashsgd.exchanges; see flashsgd.comm.sparse.hooks)."
     return make

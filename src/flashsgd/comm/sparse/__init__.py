@@ -32,7 +32,7 @@ take 8 bytes (4 + 4). The merges work on int64 indices; only the message is narr
 Deadline: every wait on a peer (the all-gather's messages, the butterfly's swaps, the size check) lasts at most ``timeout_s`` seconds (``None``:
 the default process group's timeout) and then raises :class:`~flashsgd.comm.errors.PeerTimeout`
 naming the peer rank. Selection (exact and sampled-threshold top-k) and
-the density schedule are in :mod:`flashsgd.comm.sparse_select`, re-exported here.
+the density schedule are in :mod:`flashsgd.comm.sparse.select`, re-exported here.
 
 Example::
 
@@ -57,7 +57,7 @@ from flashsgd.exchanges import INT32_NUMEL, wire_index_bytes  # noqa: F401 (INT3
 from flashsgd.host_syncs import device_path
 
 # selection and density live in sparse_select; re-exported here (one import site for callers)
-from flashsgd.comm.sparse_select import (DEFAULT_DENSITY, SELECTIONS,  # noqa: F401
+from flashsgd.comm.sparse.select import (DEFAULT_DENSITY, SELECTIONS,  # noqa: F401
                                          SelectionWorkspace, density_at,
                                          k_from_density, topk_exact, topk_sampled,
                                          validate_density)
@@ -138,10 +138,10 @@ def _counted(mine: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """The entries of sorted ``mine`` that are also in sorted ``kept`` (binary search, O(k log k))."""
     if mine.numel() == 0 or kept.numel() == 0:
         return mine[:0]
-    return mine[_found(mine, kept)]
+    return mine[found_in(mine, kept)]
 
 
-def _found(x: torch.Tensor, sorted_keys: torch.Tensor, alive: torch.Tensor | None = None) -> torch.Tensor:
+def found_in(x: torch.Tensor, sorted_keys: torch.Tensor, alive: torch.Tensor | None = None) -> torch.Tensor:
     """(len(x),) bool: which entries of ``x`` are in the ascending, distinct ``sorted_keys`` (and
     ``alive`` there, when given); binary search, fixed size (``torch.isin`` reads sizes on CUDA)."""
     if x.numel() == 0 or sorted_keys.numel() == 0:
@@ -259,13 +259,13 @@ def _pack(values: torch.Tensor, indices: torch.Tensor, numel: int,
     """One message in words of :func:`wire_index_dtype` (numel): k indices, then the values' bytes
     bit-cast (and optional uint8 bytes), each part padded to whole words."""
     word = wire_index_dtype(numel)
-    parts = [indices.to(word), _bytes_as_words(values.contiguous().view(torch.uint8), word)]
+    parts = [indices.to(word), bytes_as_words(values.contiguous().view(torch.uint8), word)]
     if extra is not None:
-        parts.append(_bytes_as_words(extra, word))
+        parts.append(bytes_as_words(extra, word))
     return torch.cat(parts)
 
 
-def _bytes_as_words(b: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+def bytes_as_words(b: torch.Tensor, word: torch.dtype) -> torch.Tensor:
     """uint8 bytes viewed as words of ``word`` (int32 or int64), zero-padded to a whole word."""
     size = word.itemsize
     pad = (-b.numel()) % size
@@ -497,7 +497,7 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
                                               timeout_s, timings)
     # Step 3: fold out
     if guest is not None:
-        mask = _found(guest_all, indices, guest).to(torch.uint8)  # (k,) 1 = that value counted
+        mask = found_in(guest_all, indices, guest).to(torch.uint8)  # (k,) 1 = that value counted
         _swap(_pack(values, indices, numel, mask), None, rank + p2, group, timeout_s,
               "gtopk all-reduce, fold-out")
     return GTopk(values, indices, Counted(indices, mine))

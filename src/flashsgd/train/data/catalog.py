@@ -5,7 +5,7 @@ An entry says which of the ``[data]`` keys the dataset reads, whether its sample
 process; else read by DataLoader workers, ``data.data_workers``), its config checks, and the names of
 its loader and of its start-up description in :mod:`flashsgd.train.data`. The config's ``dataset``
 choices, :func:`flashsgd.train.config.validate`, config.toml's "keys this run reads"
-(:func:`flashsgd.train.config_file.applies`), the plan's channels_last and data-workers rules and
+(:func:`flashsgd.train.config.file.applies`), the plan's channels_last and data-workers rules and
 :func:`flashsgd.train.data.build_datasets` read it. Adding a dataset is its loader in
 :mod:`flashsgd.train.data` and one entry below. Torch-free (the config imports it).
 

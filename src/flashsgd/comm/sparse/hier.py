@@ -41,9 +41,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.sparse import (Counted, GTopk, _bytes_as_words, _found, gtopk_allreduce,
+from flashsgd.comm.sparse import (Counted, GTopk, bytes_as_words, found_in, gtopk_allreduce,
                                   gtopk_bytes_sent, topk_exact, wire_index_dtype)
-from flashsgd.comm.sparse_slices import hgtopk_slices_allreduce
+from flashsgd.comm.sparse.slices import hgtopk_slices_allreduce
 from flashsgd.comm.topology import Topology, check_timeout_s
 from flashsgd.comm.waits import wait_collective
 from flashsgd.exchanges import NODE_SPLITS
@@ -75,7 +75,7 @@ def _broadcast_msg(res: GTopk, k: int, numel: int) -> torch.Tensor:
     word = wire_index_dtype(numel)
     counted = torch.where(res.mine.survived, res.mine.positions, -1).to(word)  # fixed k: no size read
     return torch.cat([res.indices.to(word), counted,
-                      _bytes_as_words(res.values.contiguous().view(torch.uint8), word)])
+                      bytes_as_words(res.values.contiguous().view(torch.uint8), word)])
 
 
 def _unpack_broadcast(msg: torch.Tensor, k: int, dtype: torch.dtype) -> GTopk:
@@ -105,7 +105,7 @@ def hgtopk_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torc
         timeout_s: deadline of each wait on a peer (``None``: the topology's).
         timings: passed to :func:`~flashsgd.comm.sparse.gtopk_allreduce` (leaders' merge time).
         split: ``"leader"`` (this module's steps), ``"slices"`` (R parallel gTop-k over R
-            slices of the gradient, :mod:`flashsgd.comm.sparse_slices`) or ``"sparse"`` (each
+            slices of the gradient, :mod:`flashsgd.comm.sparse.slices`) or ``"sparse"`` (each
             rank selects, gTop-k inside the node replaces the dense reduce; no dense traffic).
 
     Returns:
@@ -191,7 +191,7 @@ def _sparse_in_node(acc: torch.Tensor, k: int, topology: Topology, out: torch.Te
     out[res.indices] = res.values
     # counted: survived the node merge, and the node's entry survived the cross-node merges
     node_counted = torch.where(res.mine.survived, res.mine.positions, -1).sort().values  # -1s first: never found
-    return GTopk(res.values, res.indices, Counted(mine.positions, mine.survived & _found(mine.positions, node_counted)))
+    return GTopk(res.values, res.indices, Counted(mine.positions, mine.survived & found_in(mine.positions, node_counted)))
 
 
 def hgtopk_bytes_sent(k: int, topology: Topology, numel: int,
@@ -211,7 +211,7 @@ def hgtopk_bytes_sent(k: int, topology: Topology, numel: int,
     * ``"sparse"``: inside the node, gTop-k among the R ranks and, on the leader, the broadcast;
       across nodes, the leader's gTop-k over the N leaders.
     """
-    from flashsgd.comm.sparse_slices import slice_bounds, slice_k
+    from flashsgd.comm.sparse.slices import slice_bounds, slice_k
 
     if split not in NODE_SPLITS:
         raise ValueError(f"hgtopk: split must be one of {', '.join(NODE_SPLITS)}, got {split!r}")

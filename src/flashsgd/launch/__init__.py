@@ -14,7 +14,7 @@ A spawned job never hangs, never leaves orphans and names the rank at fault:
 - When a rank fails, the launcher keeps listening until every rank has reported or exited, or
   nothing new has arrived for ``SETTLE_S``; then the rank that died or stopped
   responding is named first and its peers' errors are summarised as consequences
-  (:mod:`flashsgd.launch_failures`): "rank 1 exited with code -9 (SIGKILL); ranks 0,2,3 then
+  (:mod:`flashsgd.launch.failures`): "rank 1 exited with code -9 (SIGKILL); ranks 0,2,3 then
   failed: Connection closed by peer". Ranks of two nodes (the layout the ranks report) that all
   timed out on each other lead with the lost connection between the nodes, and a full disk leads
   with the path and the space left there.
@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from flashsgd.fmt import plural
-from flashsgd.launch_failures import RankOutcome, WorkerError, attribute, describe_exception
+from flashsgd.launch.failures import RankOutcome, WorkerError, attribute, describe_exception
 
 __all__ = ["Interrupted", "WorkerError", "cuda_index", "default_backend", "init_from_env", "local_ranks", "run",
            "shutdown", "spawn", "under_torchrun"]
@@ -524,7 +524,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence = (), *,
     Raises:
         WorkerError: a rank raised, exited without a result, or stopped responding, or the
             deadline passed, or the ranks stalled; the cause is named first (see
-            :mod:`flashsgd.launch_failures`).
+            :mod:`flashsgd.launch.failures`).
         Interrupted: this process received SIGTERM or SIGINT; the workers were stopped.
     """
     _check_spawn_args(world_size, backend, timeout_s, deadline_s, start_method)

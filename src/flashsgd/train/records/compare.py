@@ -44,7 +44,7 @@ from typing import Any
 from flashsgd.fmt import table
 from flashsgd.outputs import add_output, write_json
 from flashsgd.train.records import read_metrics
-from flashsgd.train.report import WARMUP_STEPS, timed_median
+from flashsgd.train.records.report import WARMUP_STEPS, timed_median
 
 
 @dataclass
@@ -122,7 +122,7 @@ def run_state(path: Path, plan: dict | None, steps: list[dict], evals: list[dict
 def load_run(path: str | Path) -> Run:
     """Read one run directory; ValueError naming it when it is not a run or has no evaluation."""
     from flashsgd.train import config as C
-    from flashsgd.train.rundir import NEUTRAL_KEYS
+    from flashsgd.train.records.rundir import NEUTRAL_KEYS
 
     path = Path(path)
     for name in ("metrics.jsonl", "config.toml"):
@@ -349,7 +349,7 @@ def compare(dirs: list[str], labels: str | None = None, target: float | None = N
 
     Raises ValueError (one line naming the directory or flag) on bad input.
     """
-    from flashsgd.train.compare_plot import plot_comparison
+    from flashsgd.train.records.compare_plot import plot_comparison
     from flashsgd.train.config import check_accuracy_percent
 
     if target is not None:  # run.target_accuracy's rule

@@ -3,7 +3,7 @@
 Paper: Shi et al. 2019, gTop-k S-SGD (arXiv 1901.04359) for the cross-node merges; the slicing is
 the reduce-scatter / all-gather split of the hierarchical all-reduce (Jia et al. 2018,
 arXiv 1807.11205). The variant "R parallel gTop-k over R slices" of
-:mod:`flashsgd.comm.sparse_hier`; same error feedback, same result format.
+:mod:`flashsgd.comm.sparse.hier`; same error feedback, same result format.
 
 On N nodes x R ranks, local rank l owns slice l = [b_l, b_{l+1}) with b_j = j m // R:
 
@@ -34,7 +34,7 @@ import math
 import torch
 
 from flashsgd.comm.p2p import exchange, gather_from_peers
-from flashsgd.comm.sparse import Counted, GTopk, _bytes_as_words, gtopk_allreduce, topk_exact, wire_index_dtype
+from flashsgd.comm.sparse import Counted, GTopk, bytes_as_words, gtopk_allreduce, topk_exact, wire_index_dtype
 from flashsgd.comm.topology import Topology
 
 
@@ -77,7 +77,7 @@ def _pack_slice(res: GTopk, offset: int, kmax: int, numel: int) -> torch.Tensor:
     cnt[:mine.positions.numel()] = torch.where(mine.survived, mine.positions + offset, -1)
     vals = torch.zeros(kmax, dtype=res.values.dtype, device=device)
     vals[:res.values.numel()] = res.values
-    return torch.cat([idx, cnt, _bytes_as_words(vals.view(torch.uint8), word)])
+    return torch.cat([idx, cnt, bytes_as_words(vals.view(torch.uint8), word)])
 
 
 def hgtopk_slices_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, out: torch.Tensor,
@@ -85,7 +85,7 @@ def hgtopk_slices_allreduce(acc: torch.Tensor, k: int, topology: Topology, *, ou
                             timings: dict | None = None) -> GTopk:
     """Hierarchical gTop-k, R parallel slices (Steps 1-4 of the module docstring).
 
-    Arguments and result as :func:`~flashsgd.comm.sparse_hier.hgtopk_allreduce` (which
+    Arguments and result as :func:`~flashsgd.comm.sparse.hier.hgtopk_allreduce` (which
     validates them and calls this with ``split="slices"``); the result holds sum_l k_l pairs.
     """
     n, r, local = acc.numel(), topology.ranks_per_node, topology.local_rank
