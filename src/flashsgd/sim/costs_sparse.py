@@ -266,8 +266,12 @@ def message_pattern(algorithm: str, numel: int, setup: CommSetup) -> MessagePatt
         return MessagePattern(np.full(p, (p - 1) * float(sparse_message_bytes(k, setup))), 1)
     if algorithm == "gtopk":
         return MessagePattern(gtopk_bytes_per_rank(k, setup), _rounds_gtopk(p))
+    if algorithm == "oktopk":
+        from flashsgd.sim.costs_oktopk import message_pattern_oktopk  # it builds on this module
+
+        return message_pattern_oktopk(numel, setup)
     if algorithm != "hgtopk":
-        raise ValueError(f"no message pattern for {algorithm!r}: ring, topk, gtopk or hgtopk")
+        raise ValueError(f"no message pattern for {algorithm!r}: ring, topk, gtopk, hgtopk or oktopk")
     nodes, split = p // lr, setup.node_split
     w = setup.index_bytes
     steps = math.ceil(math.log2(lr)) if lr > 1 else 0

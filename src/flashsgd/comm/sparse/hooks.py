@@ -1,4 +1,4 @@
-"""DDP communication hooks ``topk``, ``gtopk`` and ``hgtopk``: sparsified gradient exchange with error feedback.
+"""DDP communication hooks ``topk``, ``gtopk``, ``hgtopk`` and ``oktopk``: sparsified gradient exchange with error feedback.
 
 Paper: Shi et al. 2019, gTop-k S-SGD (arXiv 1901.04359); the exchanges are in
 :mod:`flashsgd.comm.sparse`. Use::
@@ -20,7 +20,9 @@ Per bucket and step (after ``start_iter`` dense iterations):
        block maxima and a kept threshold; without momentum correction its block maxima come
        fused with step 1's add, :func:`_accumulate`).
     3. Exchange: ``topk`` all-gathers every rank's pairs and sums them; ``gtopk`` runs the
-       butterfly merge tree and keeps the global k.
+       butterfly merge tree and keeps the global k; ``oktopk`` sends each region's pairs to its
+       owner, which sums them and keeps the region's top k/P, then gathers the regions
+       (:mod:`flashsgd.comm.sparse.oktopk`).
     4. residual = acc with the counted local entries zeroed (error feedback invariant:
        sum_r acc_r == world * update + sum_r residual_r); with ``momentum_masking`` the
        velocity is zeroed there too (DGC's momentum-factor masking).
@@ -112,6 +114,7 @@ from flashsgd.comm.sparse import (SELECTIONS, Counted, check_sizes, gtopk_allred
 from flashsgd.comm.sparse.corrections import accumulate_velocity, clip_local_, mask_momentum_
 from flashsgd.comm.sparse.fused import add_block_maxima
 from flashsgd.comm.sparse.hier import check_node_layout, hgtopk_allreduce, hgtopk_bytes_sent
+from flashsgd.comm.sparse.oktopk import oktopk_allreduce
 from flashsgd.comm.sparse.select import auto_block, topk_threshold
 from flashsgd.comm.sparse.state import SparseHookState
 from flashsgd.comm.topology import default_timeout_s
@@ -277,6 +280,23 @@ def _hgtopk(state: SparseHookState, buf: torch.Tensor, acc: torch.Tensor, k: int
     return res.mine
 
 
+def _oktopk(state: SparseHookState, buf: torch.Tensor, acc: torch.Tensor, k: int, picked,
+            where: tuple[int, int, int], bmax: torch.Tensor | None) -> torch.Tensor:
+    """``oktopk``: split and reduce by regions, gather each region's top k/P (counted: the local
+    picks sent and in the result); the bucket's regions re-balanced from the result."""
+    (idx, _, world), n = where, buf.numel()
+    values, indices = picked
+    bounds, starts = state.regions.of(idx, n, world, buf.device)
+    traffic = {"bytes": 0}
+    res = oktopk_allreduce(values, indices, k, n, bounds, state.process_group, out=buf, starts=starts,
+                           timeout_s=state.options.timeout_s, traffic=traffic)
+    _lap(state, "exchange")
+    buf.div_(world)
+    state.regions.after(idx, res.indices, n, world)
+    state.bytes_sent += traffic["bytes"]
+    return res.mine
+
+
 def _lap(state: SparseHookState, phase: str) -> None:
     """Phase timing (module docstring): the time since the clock's last lap goes to ``phase``;
     nothing without a clock."""
@@ -304,6 +324,7 @@ EXCHANGE_STEPS: dict[str, ExchangeStep] = {
     "topk": ExchangeStep(True, lambda options: True, _topk),
     "gtopk": ExchangeStep(True, lambda options: True, _gtopk),
     "hgtopk": ExchangeStep(False, lambda options: options.node_split == "sparse", _hgtopk),
+    "oktopk": ExchangeStep(True, lambda options: True, _oktopk),
 }
 ALGORITHMS = tuple(names("sparse"))
 assert set(EXCHANGE_STEPS) == set(ALGORITHMS), "every sparse exchange of the catalog needs a step"

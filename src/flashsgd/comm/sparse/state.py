@@ -36,6 +36,7 @@ from flashsgd.comm.hook_common import CommThread, check_owner, mean_tensors, ran
 from flashsgd.comm.hook_step import HookStep
 from flashsgd.comm.sparse.corrections import layer_norms
 from flashsgd.comm.sparse.select import SelectionWorkspace, ThresholdReuse
+from flashsgd.comm.sparse.oktopk import Regions
 from flashsgd.comm.topology import default_timeout_s, get_topology
 from flashsgd.exchanges import HierSparseOptions, SparseOptions
 
@@ -59,7 +60,7 @@ class SparseHookState:
         "algorithm", "options", "process_group",
         # internal state
         "iter", "residuals", "velocities", "layer_norms", "layouts", "pending", "pending_velocities",
-        "param_positions", "generator", "saved_generator", "workspace", "checked", "reuse", "topology", "comm",
+        "param_positions", "generator", "saved_generator", "workspace", "checked", "reuse", "regions", "topology", "comm",
         "pending_job", "step", "saved", "spare",
         # stats
         "bytes_sent", "sparse_buckets", "dense_buckets", "last_density", "residual_remaps", "clock",
@@ -73,6 +74,7 @@ class SparseHookState:
         self.comm = CommThread() if options.threaded else None  # the thread starts at its first bucket
         self.pending_job: torch.futures.Future | None = None  # the last bucket handed to it
         self.reuse = ThresholdReuse(options.threshold_tolerance, options.threshold_every)
+        self.regions = Regions(getattr(options, "region_every", 1))  # oktopk's region bounds
         self.topology = None  # hgtopk: set by bind()
         self.layer_norms: dict[int, torch.Tensor] = {}  # parameter position -> dense gradient norm
         self.param_positions = param_positions
@@ -178,7 +180,8 @@ class SparseHookState:
         self.saved = (self.iter, dict(self.residuals), dict(self.velocities), dict(self.layouts),
                       None if self.pending is None else dict(self.pending),
                       None if self.pending_velocities is None else dict(self.pending_velocities),
-                      dict(self.layer_norms), self.reuse.state_dict(), self._generator_state())
+                      dict(self.layer_norms), self.reuse.state_dict(), self._generator_state(),
+                      self.regions.state_dict())
 
     def nonfinite_inputs(self) -> torch.Tensor | None:
         """Step 3: buckets that arrived non-finite on this rank in the open step (0-dim tensor; None
@@ -201,8 +204,9 @@ class SparseHookState:
         self._recycle(self.residuals, saved[1], "residual")  # the skipped step's new memories
         self._recycle(self.velocities, saved[2], "velocity")
         (self.iter, self.residuals, self.velocities, self.layouts, self.pending, self.pending_velocities,
-         self.layer_norms, thresholds, generator) = saved
+         self.layer_norms, thresholds, generator, regions) = saved
         self.reuse.load_state_dict(thresholds)
+        self.regions.load_state_dict(regions)
         # the sampled selection's stream: re-made from the saved state at its next use
         self.generator = None
         self.saved_generator = None if generator["generator"] is None else (generator["generator"],
@@ -225,6 +229,7 @@ class SparseHookState:
             "pending_velocities": {k: v.clone() for k, v in (self.pending_velocities or {}).items()},
             **self._generator_state(),
             "thresholds": self.reuse.state_dict(),
+            "regions": self.regions.state_dict(),
             "stats": {"bytes_sent": self.bytes_sent, "sparse_buckets": self.sparse_buckets,
                       "dense_buckets": self.dense_buckets, "residual_remaps": self.residual_remaps,
                       "last_density": self.last_density},
@@ -256,6 +261,7 @@ class SparseHookState:
             self.saved_generator = (state["generator"].clone(), state.get("generator_device"))
         if state.get("thresholds") is not None:
             self.reuse.load_state_dict(state["thresholds"])
+        self.regions.load_state_dict(state.get("regions"))  # absent in checkpoints before oktopk
         for key, value in state.get("stats", {}).items():
             setattr(self, key, value)
         self.checked = set()
@@ -281,6 +287,7 @@ class SparseHookState:
             "generator": own.get("generator") if own else None,
             "generator_device": own.get("generator_device") if own else None,
             "thresholds": None, "stats": own.get("stats", {}) if own else {},
+            "regions": first.get("regions"),  # the same on every rank; re-made for another world
         }
 
     def __getstate__(self) -> dict:
