@@ -61,6 +61,7 @@ from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, gtopk_bytes_se
                                   wire_index_dtype)
 from flashsgd.comm.sparse.fused import compiled_available, compress_
 from flashsgd.comm.sparse.hier import broadcast_len, check_node_layout
+from flashsgd.comm.sparse.oktopk import oktopk_bytes_sent
 from flashsgd.comm.sparse.select import ThresholdReuse, topk_threshold
 from flashsgd.emulate.netns import parse_rate
 from flashsgd.exchanges import BUCKET_MB, DEFAULT_DENSITY, NODE_SPLITS
@@ -96,7 +97,7 @@ class SparseBenchConfig:
     """Gradient elements per rank (fp32)."""
     densities: list[float] = field(default_factory=lambda: [DEFAULT_DENSITY])
     algorithms: list[str] = field(default_factory=lambda: ["topk", "gtopk"])
-    """Sparse algorithms timed against dense (topk, gtopk, hgtopk)."""
+    """Sparse algorithms timed against dense (topk, gtopk, hgtopk, oktopk)."""
     node_splits: list[str] = field(default_factory=lambda: [DEFAULT_NODE_SPLIT])
     """hgtopk: one row per node split (:data:`flashsgd.exchanges.NODE_SPLITS`)."""
     selection: str = "threshold"
@@ -132,6 +133,8 @@ def _bytes_per_rank(algo: str, node_split: str | None, k: int, world: int, rpn: 
         return topk_bytes_sent(k, world, f32, numel)
     if algo == "gtopk":
         return max(gtopk_bytes_sent(k, world, r, f32, numel) for r in range(world))
+    if algo == "oktopk":
+        return oktopk_bytes_sent(k, world, f32, numel)
     nodes = world // rpn
     if node_split == "slices":  # (R-1) slices of m/R sent in the node, a gTop-k of k/R, an all-gather
         k_slice, m_slice = -(-k // rpn), -(-numel // rpn)

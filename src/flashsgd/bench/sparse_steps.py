@@ -43,6 +43,7 @@ import torch
 
 from flashsgd.comm.hooks import HOOKS
 from flashsgd.comm.sparse import gtopk_bytes_sent, message_bytes
+from flashsgd.comm.sparse.oktopk import capacities
 from flashsgd.exchanges import EXCHANGES, names, option_default
 
 PHASES = ("accum", "select", "exchange", "merge", "scatter")
@@ -66,6 +67,9 @@ FLOOR_PASSES = {
     # as gtopk, plus the division of the dense sum by P (read 4m, write 4m) = 2/3
     ("topk", False): 8 / 3,
     ("topk", True): 2.0,
+    # as topk: the bucket is zeroed, the result written, then divided by P
+    ("oktopk", False): 8 / 3,
+    ("oktopk", True): 2.0,
     # per rank: add (1) + copy of acc into the bucket (2/3) + zero fill (1/3); the leader adds the
     # reduce's sum (1 per other rank of the node, counted once) and the block maxima (2/3)
     ("hgtopk node_split=leader", False): 11 / 3,
@@ -205,6 +209,10 @@ def wire_bytes_per_node(algorithm: str, k: int, numel: int, world: int, ranks_pe
         return ranks_per_node * (world - ranks_per_node) * message_bytes(k, torch.float32, numel)
     if algorithm == "gtopk":
         return float(max(_gtopk_cross_bytes(k, world, ranks_per_node, numel)))
+    if algorithm == "oktopk":  # (P-1) messages of c_send and of c_keep pairs; P-R of each leave the node
+        c_send, c_keep = capacities(k, world)
+        msgs = message_bytes(c_send, torch.float32, numel) + message_bytes(c_keep, torch.float32, numel)
+        return float(ranks_per_node * (world - ranks_per_node) * msgs)
     if algorithm == "hgtopk" and node_split in ("leader", "sparse"):
         return float(max(gtopk_bytes_sent(k, nodes, n, torch.float32, numel) for n in range(nodes)))
     if algorithm == "hgtopk" and node_split == "slices":  # R gTop-k of ~k/R pairs leave each node at once
