@@ -404,6 +404,20 @@ for _e in (
 del _e
 
 
+BUILT_IN = "native"
+"""The exchange that is the backend's own all-reduce (DDP's built-in): the baseline the benches
+compare every other exchange with."""
+COMPUTE_ONLY = "noop"
+"""The exchange that sends nothing: the benchmarks' ceiling (compute alone; never for training)."""
+assert EXCHANGES[BUILT_IN].family == "dense" and EXCHANGES[COMPUTE_ONLY].family == "none"
+
+
+def reads(name: str, option: str) -> bool:
+    """Whether exchange ``name`` reads ``option`` (:meth:`Exchange.reads`); False for a name outside
+    the catalog (the simulator's reference algorithms)."""
+    return name in EXCHANGES and EXCHANGES[name].reads(option)
+
+
 def names(family: str | None = None) -> list[str]:
     """Exchange names (of one family), in catalog order."""
     if family is not None and family not in FAMILIES:

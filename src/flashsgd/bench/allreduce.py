@@ -33,6 +33,7 @@ from flashsgd.bench.common import (ALLREDUCE_COLUMNS, DTYPES, add_run_arguments,
 from flashsgd.cli_flags import add_comm_flag, comm_list
 from flashsgd.comm.dense import ALLREDUCE
 from flashsgd.comm.topology import divisors, get_topology, parse_grid
+from flashsgd.exchanges import BUILT_IN
 from flashsgd.launch import default_backend, run as launch_run, under_torchrun
 from flashsgd.timing import time_ops
 
@@ -97,7 +98,7 @@ def measure(cfg: AllreduceBenchConfig) -> list[dict]:
     backend = dist.get_backend()
     device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
               else torch.device("cpu"))
-    order = sorted(cfg.algorithms, key=lambda a: a != "native")  # native first: the baseline
+    order = sorted(cfg.algorithms, key=lambda a: a != BUILT_IN)  # the built-in first: the baseline
     elem = torch.empty((), dtype=dtype).element_size()
     talk = cfg.verbose and topo.rank == 0
     if talk:
@@ -113,7 +114,7 @@ def measure(cfg: AllreduceBenchConfig) -> list[dict]:
         # Step 2: interleaved timing of the hot path (check=False, as in the DDP hooks)
         timings = time_ops([lambda fn=fn, t=t: fn(t, topo, op="sum", check=False) for fn in fns],
                            cfg.iters, cfg.warmup, device=device)
-        native_s = timings[0].median_s if order[0] == "native" else None
+        native_s = timings[0].median_s if order[0] == BUILT_IN else None
         # Step 3: one row per algorithm
         for name, timing in zip(order, timings):
             algbw, busbw = bandwidths(count * elem, timing.median_s, bus_factor("allreduce", world))
@@ -149,7 +150,7 @@ def bench_worker(cfg: AllreduceBenchConfig) -> dict | None:
         ranks_per_node=topo.ranks_per_node, backend=dist.get_backend(),
         launcher="torchrun/env" if under_torchrun() else "flashsgd.launch.spawn",
         iters=cfg.iters, warmup=cfg.warmup, dtype=cfg.dtype,
-        algorithms=sorted(cfg.algorithms, key=lambda a: a != "native"),
+        algorithms=sorted(cfg.algorithms, key=lambda a: a != BUILT_IN),
         sizes=cfg.sizes, torch_threads_per_rank=torch.get_num_threads(),
         loadavg_1m_start=load_start,  # run_metadata's loadavg_1m is taken at the end
         timing="median over iters of the max over ranks of one barrier-synchronized call")

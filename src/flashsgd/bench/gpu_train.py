@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from flashsgd.bench.gpu_common import (COLLECTIVE_TIMEOUT_S, MODEL_INPUTS, RATIO_TARGET, GpuSettings,
                                        first_line, rank_device, record, verdict)
 from flashsgd.bench.plain_loop import tutorial_update
+from flashsgd.exchanges import BUILT_IN
 from flashsgd.timing import Timing, time_ops
 
 TRAIN_HEADER = (f"{'prec':<5} {'ch_last':>7} {'compile':>7} | {'flashsgd ms (min..max)':>26} {'img/s':>8} "
@@ -108,7 +109,7 @@ def _plan(settings: GpuSettings, precision: str, channels_last: bool, compiled: 
 
     cfg = resolve(cli={"dataset": "synthetic", "image_shape": MODEL_INPUTS[settings.model][2],
                        "model": settings.model, "num_samples": epoch_samples, "recipe": settings.recipe,
-                       "proxy_tuning": False, "global_batch": settings.batch, "algorithm": "native",
+                       "proxy_tuning": False, "global_batch": settings.batch, "algorithm": BUILT_IN,
                        "workers": 1, "timeout_s": COLLECTIVE_TIMEOUT_S, "progress": False, "seed": 0,
                        "precision": precision, "channels_last": channels_last, "compile": compiled})
     return build_plan(cfg, world=dist.get_world_size(), num_train=epoch_samples, local_spawn=False)

@@ -64,7 +64,7 @@ from flashsgd.emulate.netns import (ClusterSpec, EmulationUnavailable, check_ava
                                     emulated_cluster, parse_flow_rate, parse_rate)
 from flashsgd.emulate.ranks import MASTER_PORT, RankError, run_ranks
 from flashsgd.emulate.report import wire_s
-from flashsgd.exchanges import BUCKET_MB
+from flashsgd.exchanges import BUCKET_MB, COMPUTE_ONLY
 from flashsgd.fmt import size
 from flashsgd.outputs import add_output
 
@@ -129,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def default_comms() -> list[str]:
     """Every registered hook, ``noop`` first (the ceiling); one that cannot run at a node count
     is reported there as skipped, with the reason."""
-    return ["noop"] + [n for n in HOOKS.names() if n != "noop"] + [AUTO]
+    return [COMPUTE_ONLY] + [n for n in HOOKS.names() if n != COMPUTE_ONLY] + [AUTO]
 
 
 def settings(args: argparse.Namespace) -> dict:
@@ -140,8 +140,8 @@ def settings(args: argparse.Namespace) -> dict:
     for c in comms:
         if c != AUTO:
             HOOKS.get(c)  # ValueError listing the known names
-    if "noop" not in comms:
-        comms = ["noop"] + comms  # each node count's ceiling (efficiency = noop step / step)
+    if COMPUTE_ONLY not in comms:
+        comms = [COMPUTE_ONLY] + comms  # each node count's ceiling (efficiency = noop step / step)
     spec = {"nodes": args.nodes or _ints(base["nodes"]),
             "ranks_per_node": args.ranks_per_node, "comms": list(dict.fromkeys(comms)),
             "warmup": pick("warmup"), "iters": pick("iters"), "batch": pick("batch"),
@@ -230,14 +230,14 @@ def run_node_count(spec: dict, nodes: int, rate_bps: int, comms: list[str], work
     est = (wire_s("ring", grad_bytes, world, nodes, rate_bps, flow_bps) or 0.0) if grad_bytes else 0.0
     rows = []
     if est > spec["timeout_s"]:
-        slow = [c for c in comms if c != "noop"]
+        slow = [c for c in comms if c != COMPUTE_ONLY]
         flow = f" (one flow at most {flow_bps / 1e6:g} Mbit/s)" if flow_bps else ""
         for c in slow:
             rows.append({"comm": c, "skipped": f"a dense all-reduce of {size(grad_bytes)} at "
                          f"{rate_bps / 1e6:g} Mbit/s{flow} takes ~{est:.0f} s, over the collective timeout "
                          f"--timeout-s {spec['timeout_s']:g} s: raise --timeout-s or the link rate"})
             progress.skip(spec["warmup"] + spec["iters"])
-        comms = [c for c in comms if c == "noop"]
+        comms = [c for c in comms if c == COMPUTE_ONLY]
     shape = ClusterSpec(nodes, rpn, rate_bps, subnet=spec["subnet"], flow_rate_bps=flow_bps)
     with emulated_cluster(shape) as cluster:
         attempt = 0
@@ -318,7 +318,7 @@ def noop_probe(spec: dict, nodes: int, work: Path, log_dir: Path, progress: Prog
     It only chooses the rate: the main job measures noop again beside the other hooks (the
     compute of the efficiency), so load drift between jobs biases no row.
     """
-    first = run_node_count(spec, nodes, FAST_LINK_BPS, ["noop"], work, log_dir / f"probe{nodes}", progress, None)
+    first = run_node_count(spec, nodes, FAST_LINK_BPS, [COMPUTE_ONLY], work, log_dir / f"probe{nodes}", progress, None)
     if "step_s" not in first[0]:
         raise RankError(f"the noop measurement at {nodes} nodes (choosing the link rate) failed: "
                         f"{first[0].get('error') or first[0].get('skipped')}")

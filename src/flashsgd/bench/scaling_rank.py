@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from flashsgd import launch
 from flashsgd.comm.sparse.hooks import ALGORITHMS as SPARSE_HOOKS
+from flashsgd.exchanges import COMPUTE_ONLY
 from flashsgd.train.data.loader import augmentation_key
 
 
@@ -117,7 +118,7 @@ def model_info(spec: dict) -> dict:
     from flashsgd.train.models import build_model
     from flashsgd.train.rank import load_data
 
-    data = load_data(resolve(cli=run_config(spec, "noop", 1)))
+    data = load_data(resolve(cli=run_config(spec, COMPUTE_ONLY, 1)))
     model = build_model(spec["model"], data.num_classes, spec["channels"])
     params = [p for p in model.parameters() if p.requires_grad][::-1]  # backward order
     numels = [p.numel() for p in params]
@@ -218,7 +219,7 @@ def rank_main(spec: dict, out: str) -> None:
     from flashsgd.train.rank import load_data
 
     rank = dist.get_rank()
-    data = load_data(resolve(cli=run_config(spec, "noop", dist.get_world_size())))
+    data = load_data(resolve(cli=run_config(spec, COMPUTE_ONLY, dist.get_world_size())))
     progress = Path(out + ".progress") if rank == 0 else None
     built = {comm: build(spec, comm, data) for comm in spec["comms"]}
     trainers = {c: t for c, t in built.items() if isinstance(t, Trainer)}

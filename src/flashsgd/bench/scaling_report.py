@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from flashsgd.exchanges import COMPUTE_ONLY
 from flashsgd.fmt import number, percent, plural, size
 from flashsgd.sim.scaling import baseline_contradiction
 
@@ -40,7 +41,7 @@ def summarize(rows: list[dict], batch: int) -> list[dict]:
     Every row with a noop row at its shape gets ``contradicts_baseline`` (bool) and, when true,
     ``contradiction``: :func:`~flashsgd.sim.scaling.baseline_contradiction`'s evidence."""
     noop_steps = {(r["nodes"], r["ranks_per_node"]): r["step_s"]
-                  for r in rows if r["comm"] == "noop" and "step_s" in r}
+                  for r in rows if r["comm"] == COMPUTE_ONLY and "step_s" in r}
     noop = {shape: statistics.median(steps) for shape, steps in noop_steps.items()}
     one = min(noop, key=lambda s: (s[0], s[1])) if noop else None
     for r in rows:
@@ -55,7 +56,7 @@ def summarize(rows: list[dict], batch: int) -> list[dict]:
                  compression_ms=r["compression_s"] * 1e3 if "compression_s" in r else None,
                  efficiency=compute / step if compute else None)
         if shape in noop_steps:
-            evidence = None if r["comm"] == "noop" else baseline_contradiction(r["step_s"], noop_steps[shape])
+            evidence = None if r["comm"] == COMPUTE_ONLY else baseline_contradiction(r["step_s"], noop_steps[shape])
             r["contradicts_baseline"] = evidence is not None
             if evidence is not None:
                 r["contradiction"] = evidence
@@ -74,7 +75,7 @@ def auto_verdicts(rows: list[dict]) -> list[dict]:
             continue
         shape = (a["nodes"], a["ranks_per_node"])
         others = [r for r in rows if (r["nodes"], r["ranks_per_node"]) == shape and "step_s" in r
-                  and r["comm"] not in ("noop", "auto")]
+                  and r["comm"] not in (COMPUTE_ONLY, "auto")]
         if not others:
             continue
         best = min(others, key=lambda r: statistics.median(r["step_s"]))
@@ -157,7 +158,7 @@ def baseline_notes(rows: list[dict]) -> list[str]:
                      f"{plural(len(marked), 'row')}): eff and exposed are the load's, not the hook's; kept out "
                      "of the simulator's fit and errors")
         lines += [f"#   {r['nodes']}x{r['ranks_per_node']} {r['comm']}: {r['contradiction']['why']}" for r in marked]
-    if any(r["comm"] != "noop" and not r.get("contradicts_baseline") and (r.get("exposed_comm_ms") or 0) < 0
+    if any(r["comm"] != COMPUTE_ONLY and not r.get("contradicts_baseline") and (r.get("exposed_comm_ms") or 0) < 0
            for r in rows if "step_s" in r):
         lines.append("# exposed < 0 (eff > 100%) without !: within the min..max of the row and its noop row "
                      "(noise), kept as measured")
@@ -213,7 +214,7 @@ def plot(doc: dict, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in doc["rows"] if r.get("efficiency") is not None and r["comm"] != "noop"]
+    rows = [r for r in doc["rows"] if r.get("efficiency") is not None and r["comm"] != COMPUTE_ONLY]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     for i, comm in enumerate(dict.fromkeys(r["comm"] for r in rows)):
         rs = sorted((r for r in rows if r["comm"] == comm), key=lambda r: r["nodes"])

@@ -64,7 +64,7 @@ from flashsgd.comm.sparse.hier import broadcast_len, check_node_layout
 from flashsgd.comm.sparse.oktopk import oktopk_bytes_sent
 from flashsgd.comm.sparse.select import ThresholdReuse, topk_threshold
 from flashsgd.emulate.netns import parse_rate
-from flashsgd.exchanges import BUCKET_MB, DEFAULT_DENSITY, NODE_SPLITS
+from flashsgd.exchanges import BUCKET_MB, DEFAULT_DENSITY, NODE_SPLITS, reads
 from flashsgd.launch import run as launch_run, under_torchrun
 from flashsgd.timing import time_ops
 
@@ -163,7 +163,7 @@ def measure(cfg: SparseBenchConfig) -> list[dict]:
     for density in cfg.densities:
         k = k_from_density(m, density)
         variants = [(a, s, f) for a in cfg.algorithms
-                    for s in (cfg.node_splits if a == "hgtopk" else [None]) for f in cfg.fuse]
+                    for s in (cfg.node_splits if reads(a, "node_split") else [None]) for f in cfg.fuse]
         steps = [SparseStep(a, bucket, density, selection=cfg.selection, compiled=f, ranks_per_node=rpn,
                            node_split=s or DEFAULT_NODE_SPLIT) for a, s, f in variants]
         fns = [lambda: torch.add(grad, dense_buf, out=add_out), lambda: dist.all_reduce(dense_buf)]

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd.bench.common import format_header, format_row
 from flashsgd.comm.hooks import register_hook
+from flashsgd.exchanges import BUILT_IN, COMPUTE_ONLY
 from flashsgd.timing import time_ops
 from flashsgd.train.rank import CommTimer
 from flashsgd.train.step import TrainStep
@@ -77,7 +78,7 @@ def measure_hook(densities: list[float], algorithms: list[str], selector: str, l
                  width: int, bucket_mb: float, batch: int, iters: int, warmup: int,
                  verbose: bool = True) -> list[dict]:
     """Per-rank body (collective): time noop, native and each sparse hook sync / threaded."""
-    configs = [("noop", {}, None), ("native", {}, None)]
+    configs = [(COMPUTE_ONLY, {}, None), (BUILT_IN, {}, None)]
     for density in densities:
         for algo in algorithms:
             for threaded in (False, True):

@@ -44,7 +44,7 @@ import torch
 from flashsgd.comm.hooks import HOOKS
 from flashsgd.comm.sparse import gtopk_bytes_sent, message_bytes
 from flashsgd.comm.sparse.oktopk import capacities
-from flashsgd.exchanges import EXCHANGES, names, option_default
+from flashsgd.exchanges import EXCHANGES, names, option_default, reads
 
 PHASES = ("accum", "select", "exchange", "merge", "scatter")
 STEP_ALGORITHMS = tuple(names("sparse"))
@@ -54,7 +54,7 @@ DEFAULT_NODE_SPLIT = option_default("node_split")
 
 def step_name(algorithm: str, node_split: str | None = None) -> str:
     """Row name of a step: the algorithm, and for hgtopk its node split (``hgtopk node_split=slices``)."""
-    if algorithm != "hgtopk":
+    if not reads(algorithm, "node_split"):
         return algorithm
     return f"hgtopk node_split={node_split or DEFAULT_NODE_SPLIT}"
 

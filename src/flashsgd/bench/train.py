@@ -40,7 +40,7 @@ import torch.distributed as dist
 from flashsgd import launch
 from flashsgd.bench.common import run_metadata, write_json
 from flashsgd.cli_flags import add_comm_flag, add_option_flag, comm_list
-from flashsgd.exchanges import BUCKET_MB, names as exchange_names
+from flashsgd.exchanges import BUCKET_MB, BUILT_IN, COMPUTE_ONLY, names as exchange_names
 from flashsgd.outputs import add_output
 from flashsgd.timing import time_ops
 
@@ -100,7 +100,7 @@ def _bench(opts: dict, emulate: bool) -> dict:
     world = dist.get_world_size()
     names = opts["comm"]
     spec = spec_of(opts, world, emulate, tempfile.gettempdir())
-    data = load_data(resolve(cli=run_config(spec, "noop", world)))
+    data = load_data(resolve(cli=run_config(spec, COMPUTE_ONLY, world)))
     built = {n: build(spec, n, data) for n in names}
     trainers = {n: t for n, t in built.items() if isinstance(t, Trainer)}
     first = next(iter(trainers.values()), None)
@@ -123,8 +123,8 @@ def _bench(opts: dict, emulate: bool) -> dict:
         "max_ms": plain.max_s * 1e3, "images_per_s": gb / plain.median_s}
     for r in rows:
         if "images_per_s" in r:
-            r["ratio_to_native"] = r["images_per_s"] / by["native"] if "native" in by else None
-            r["ratio_to_noop"] = r["images_per_s"] / by["noop"] if "noop" in by else None
+            r["ratio_to_native"] = r["images_per_s"] / by[BUILT_IN] if BUILT_IN in by else None
+            r["ratio_to_noop"] = r["images_per_s"] / by[COMPUTE_ONLY] if COMPUTE_ONLY in by else None
             r["ratio_to_plain"] = r["images_per_s"] / plain_row["images_per_s"] if plain_row else None
     params = sum(p.numel() for p in first.model.parameters()) if first else 0
     topo = get_topology(ranks_per_node=first.plan.ranks_per_node if first else spec["ranks_per_node"],
@@ -144,7 +144,7 @@ def _check(opts: dict, world: int) -> None:
     from flashsgd.train.config import resolve
 
     resolve(cli=run_config(spec_of(opts, world, not launch.under_torchrun(), tempfile.gettempdir()),
-                           "noop", world))
+                           COMPUTE_ONLY, world))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from flashsgd.exchanges import reads
 from flashsgd.fmt import mib, number
 
 def bound_s(size_bytes: float, nodes: int, rate_bps: float) -> float:
@@ -67,9 +68,9 @@ def wire_s(algorithm: str, size_bytes: float, world: int, nodes: int, rate_bps: 
     free = Link(0.0, 1e9)  # loopback: taken as free (1e18 B/s)
     inter = Link(0.0, rate_bps / 8e9, None if flow_bps is None else flow_bps / 8e9)
     cluster = ClusterModel("emulated", world // nodes, free, inter, fabric=fabric or Fabric())
-    if grid and algorithm == "torus2d":  # meta.grid: "XxY" (bench allreduce) or [X, Y] (the probe)
+    if grid and reads(algorithm, "grid"):  # meta.grid: "XxY" (bench allreduce) or [X, Y] (the probe)
         grid = parse_grid(grid if isinstance(grid, str) else tuple(grid), world)
-    setup = CommSetup(world, cluster, grid=grid if algorithm == "torus2d" else None)
+    setup = CommSetup(world, cluster, grid=grid if reads(algorithm, "grid") else None)
     return float(exchange_cost(algorithm, size_bytes, setup).total)
 
 
