@@ -88,11 +88,12 @@ COMPRESSING = {
     "gtopk": [{"density": 0.1, "selection": "exact"}],
     "hgtopk": [{"density": 0.1, "selection": "exact", "node_split": s, "ranks_per_node": 1}
                for s in ("leader", "slices", "sparse")],
+    "oktopk": [{"density": 0.1, "selection": "exact"}],
     "powersgd": [{}],
 }
 # stateful hooks -> options of the resume check (sampled selection: its generator is state too)
 STATEFUL = {"topk": {"density": 0.1}, "gtopk": {"density": 0.1}, "hgtopk": {"density": 0.1, "ranks_per_node": 1},
-            "powersgd": {}}
+            "oktopk": {"density": 0.1}, "powersgd": {}}
 
 def test_the_tables_cover_the_catalog():
     """Every hook of the catalog is checked on CUDA: a new exchange must be added here."""
