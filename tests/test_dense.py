@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.dense import (ALLREDUCE, allreduce, chunk_bounds, duplex_groups, native, ring,
-                                  torus2d)
+from flashsgd.comm.dense import (DENSE, allreduce, chunk_bounds, duplex_groups, native, nccl_algorithms,
+                                  ring, torus2d)
 from flashsgd.comm.topology import divisors, get_topology, valid_grids
+from flashsgd.exchanges import EXCHANGES
 
 EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 
@@ -36,12 +37,25 @@ def _data(rank, n, dtype, integer):
     return torch.randn(n, generator=g).to(dtype)
 
 
+def layouts(name, world):
+    """(ranks_per_node, grid) choices that exercise dense algorithm ``name`` on ``world`` ranks,
+    read from its record: every node layout when its NCCL chain runs over nodes, every grid when
+    over rows and columns, the defaults otherwise; a Gloo-only record: what its exchange reads."""
+    chain = DENSE[name].native
+    if chain is not None:
+        kinds = {chain.inner, chain.outer}
+        by_grid, by_node = bool(kinds & {"row", "col"}), bool(kinds & {"node", "cross"})
+    else:
+        by_grid = EXCHANGES[name].reads("grid")
+        by_node = not by_grid and EXCHANGES[name].reads("ranks_per_node")
+    if by_grid:
+        return [(None, g) for g in valid_grids(world)]
+    return [(L, None) for L in divisors(world)] if by_node else [(None, None)]
+
+
 def _configs(world):
-    """(algorithm, ranks_per_node, grid) covering every node layout and every grid of this world."""
-    out = [("native", None, None), ("ring", None, None)]
-    out += [("hierarchical", L, None) for L in divisors(world)]
-    out += [("torus2d", None, g) for g in valid_grids(world)]
-    return out
+    """(algorithm, ranks_per_node, grid): every registered algorithm on each layout it reads."""
+    return [(name, L, grid) for name in DENSE for L, grid in layouts(name, world)]
 
 
 def _compare_all(world):
@@ -49,7 +63,7 @@ def _compare_all(world):
     checked = 0
     for name, L, grid in _configs(world):
         topo = get_topology(ranks_per_node=L, grid=grid)
-        fn = ALLREDUCE.get(name)
+        fn = DENSE[name].fn
         for n in _lengths(world):
             # fp32, integer-valued: bit-exact against torch's all_reduce, for sum and avg.
             for op in ("sum", "avg") if n in AVG_LENGTHS else ("sum",):
@@ -113,14 +127,13 @@ def test_chunk_bounds_cover_every_element_once():
     ([1.0, 2.0], "sum", "tensor must be a torch.Tensor"),
 ])
 def test_bad_input_raises_value_error(tensor, op, message):
-    for name in ALLREDUCE:
+    for name in DENSE:
         with pytest.raises(ValueError, match=message):
-            ALLREDUCE.get(name)(tensor, None, op=op)
+            DENSE[name].fn(tensor, None, op=op)
 
 
 def test_unknown_algorithm_lists_known_ones():
-    with pytest.raises(ValueError, match="unknown all-reduce algorithm 'rign'; known: native, ring, "
-                                         "hierarchical, torus2d"):
+    with pytest.raises(ValueError, match=f"unknown all-reduce algorithm 'rign'; known: {', '.join(DENSE)}$"):
         allreduce(torch.zeros(2), "rign")
 
 
@@ -139,7 +152,7 @@ def _mismatches():
         ("empty vs not", lambda: torus2d(torch.ones(0 if rank == 2 else 5), topo)),
         ("dtype", lambda: native(torch.ones(4, dtype=torch.float16 if rank else torch.float32), topo)),
         ("op", lambda: ring(torch.ones(4), topo, op="avg" if rank else "sum")),
-        ("algorithm", lambda: ALLREDUCE.get("ring" if rank else "torus2d")(torch.ones(4), topo)),
+        ("algorithm", lambda: DENSE["ring" if rank else "torus2d"].fn(torch.ones(4), topo)),
     ]
     for what, call in cases:
         try:
@@ -181,8 +194,7 @@ def _padded_subcollective_branch(world):
 
     dense.native_stages = lambda flat, group=None: True  # this forked rank only
     rank = dist.get_rank()
-    configs = [("ring", None, None), ("hierarchical", 2 if world % 2 == 0 else 1, None),
-               ("torus2d", None, valid_grids(world)[1])]
+    configs = [(name, L, grid) for name in nccl_algorithms() for L, grid in layouts(name, world)]
     for name, L, grid in configs:
         topo = get_topology(ranks_per_node=L, grid=grid)
         for n in _lengths(world):
@@ -190,7 +202,7 @@ def _padded_subcollective_branch(world):
             ref = t.clone()
             if n:
                 dist.all_reduce(ref)
-            ALLREDUCE.get(name)(t, topo, check=False)
+            DENSE[name].fn(t, topo, check=False)
             assert torch.equal(t, ref), (name, L, grid, n)
     return True
 

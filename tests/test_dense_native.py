@@ -1,6 +1,6 @@
-"""The native chain (what ring / hierarchical / torus2d run on NCCL, :func:`flashsgd.comm.dense_native.native_chain`)
+"""The native chain (what a dense algorithm's record runs on NCCL, :func:`flashsgd.comm.dense_native.native_chain`)
 equals ``dist.all_reduce``, checked on real Gloo ranks, where the same chain runs with each collective
-waited for (a completed Future per stage).
+waited for (a completed Future per stage); a Gloo-only record is refused on NCCL at registration.
 
 Data: fp32 values are integers distinct per rank and per element (element i of rank r is
 16 i + r + 1), so every summation order gives the same bits, and a copy back from the wrong place,
@@ -14,6 +14,8 @@ one rounding per averaging stage for ``avg``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  DDP imports it: once here, not in every forked rank
@@ -22,14 +24,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_helpers import flat_params, tiny_net, train_steps
 from flashsgd.comm import dense, dense_hooks, dense_native
-from flashsgd.comm.dense import ALLREDUCE, allreduce_future
+from flashsgd.comm.dense import DENSE, allreduce_future, nccl_algorithms
+from flashsgd.comm.dense_hooks import DENSE_HOOKS
+from flashsgd.comm.dense_native import NativeChain
 from flashsgd.comm.hooks import register_hook
 from flashsgd.comm.topology import get_topology
+from test_dense import layouts
 
 WORLD = 4
-# (algorithm, ranks_per_node, grid): inner group sizes 4, 2, 2, 1 (no inner stage), 4
-CONFIGS = [("ring", None, None), ("hierarchical", 2, None), ("torus2d", None, "2x2"),
-           ("torus2d", None, "1x4"), ("torus2d", None, "4x1")]
+# (algorithm, ranks_per_node, grid): every algorithm with an NCCL chain on every layout it reads
+# (inner group sizes 4, 2, 1 (no inner stage) on the node and grid layouts of 4 ranks)
+CONFIGS = [(name, L, grid) for name in nccl_algorithms() for L, grid in layouts(name, WORLD)]
 LENGTHS = (0, 1, 3, 4, 8, 5, 13, 97, 1000)  # empty; < P; multiples of P (and of 2); not multiples
 EPS = {torch.bfloat16: 2.0 ** -7}
 
@@ -134,17 +139,20 @@ def _dispatch_and_hooks() -> dict:
     dense.native_stages = dense_hooks.native_stages = lambda flat, group=None: True  # forked rank only
     for name, L, grid in CONFIGS:
         topo = get_topology(ranks_per_node=L, grid=grid)
+        chain = DENSE[name].native
         for n in (1, 5, 8, 97):
             for op in ("sum", "avg"):
                 t = _values(rank, n, torch.float32)
-                assert ALLREDUCE.get(name)(t, topo, op=op, check=False) is t
+                assert DENSE[name].fn(t, topo, op=op, check=False) is t
                 out[f"{name} {L} {grid} {n} {op}"] = _wrong(t, n, torch.float32, op)
-            if name != "ring":  # the per-stage functions (benchmarks/allreduce_stages.py)
+            if chain.inner and chain.outer:  # two levels: the per-stage functions (benchmarks/allreduce_stages.py)
                 t = _values(rank, n, torch.float32)
                 dense._two_level(t.view(-1), topo, name)
                 out[f"{name} {L} {grid} {n} stages"] = _wrong(t, n, torch.float32, "sum")
-    for name, options in (("ring", {}), ("hierarchical", {"ranks_per_node": 2}), ("torus2d", {"grid": "2x2"}),
-                          ("torus2d", {"grid": "1x4"})):
+    for name, L, grid in CONFIGS:
+        if name not in DENSE_HOOKS:  # native: DDP's own all-reduce, the reference itself
+            continue
+        options = {k: v for k, v in (("ranks_per_node", L), ("grid", grid)) if v is not None}
         got = _trained(name, options)
         ok = torch.allclose(got, reference, rtol=1e-5, atol=1e-6)
         out[f"hook {name} {options}"] = None if ok else f"max |diff| {(got - reference).abs().max().item()}"
@@ -178,3 +186,66 @@ def _avg_premise(op: str) -> list[float]:
     one = torch.ones(1)
     dist.all_reduce(one, op=reduce)
     return [work[dist.get_rank()].item(), one.item()]
+
+
+# ------------------------------------------------------------------ Gloo-only records on NCCL ----
+
+GLOO_ONLY = DENSE_HOOKS[0]
+"""The algorithm a forked rank re-registers as Gloo-only (``native=None``) to check the refusal."""
+ON_NCCL = ", ".join(n for n in nccl_algorithms() if n != GLOO_ONLY)
+
+
+def _gloo_only() -> dict:
+    """``GLOO_ONLY``'s record without its NCCL chain (this forked rank only): on Gloo it registers
+    and trains as before; with the NCCL branch forced (what CUDA buckets on an NCCL group take)
+    ``register_hook`` refuses it before any backward, and so does the chain itself."""
+    dense.DENSE._items[GLOO_ONLY] = dataclasses.replace(DENSE[GLOO_ONLY], native=None)  # forked rank only
+    out = {"gloo": torch.allclose(_trained(GLOO_ONLY, {}), _trained("native", {}), rtol=1e-5, atol=1e-6)}
+    dense.native_stages = dense_hooks.native_stages = lambda flat, group=None: True
+    wrapped = DDP(tiny_net(), bucket_cap_mb=0.01)
+    for what, call in (("register_hook", lambda: register_hook(wrapped, GLOO_ONLY)),
+                       ("chain", lambda: allreduce_future(torch.ones(8), GLOO_ONLY, get_topology(), "avg"))):
+        try:
+            call()
+            out[what] = "no error"
+        except ValueError as exc:
+            out[what] = str(exc)
+    other = next(n for n in DENSE_HOOKS if n != GLOO_ONLY)  # DDP takes one hook: none was registered
+    out["then"] = type(register_hook(wrapped, other)).__name__
+    return out
+
+
+def test_a_gloo_only_algorithm_is_refused_on_nccl_at_registration(run_ranks):
+    why = (f"dense all-reduce {GLOO_ONLY!r} is Gloo-only (its record in flashsgd.comm.dense.DENSE has "
+           f"native=None: no NCCL chain), so it cannot reduce CUDA buckets on an NCCL group; algorithms "
+           f"that run on NCCL: {ON_NCCL}; or run {GLOO_ONLY!r} on Gloo (CPU ranks, --backend gloo)")
+    for result in run_ranks(_gloo_only, 2):
+        assert result["gloo"], "a Gloo-only algorithm still trains on Gloo"
+        assert result["register_hook"] == f"hook {GLOO_ONLY!r}: {why}"
+        assert result["chain"] == f"{GLOO_ONLY} all-reduce of a CUDA tensor on NCCL: {why}"
+        assert result["then"] == "DenseHookState"
+
+
+def test_the_train_plan_refuses_a_gloo_only_algorithm_on_nccl(monkeypatch):
+    from flashsgd.train.config import resolve
+    from flashsgd.train.plan import build_plan
+
+    monkeypatch.setitem(DENSE._items, GLOO_ONLY, dataclasses.replace(DENSE[GLOO_ONLY], native=None))
+    cfg = resolve(cli={"workers": 2, "algorithm": GLOO_ONLY})
+    assert build_plan(cfg, world=2, num_train=32000, local_spawn=True, backend="gloo").backend == "gloo"
+    with pytest.raises(ValueError, match=f"^config key comm.algorithm={GLOO_ONLY!r} on backend nccl: dense "
+                                         f"all-reduce {GLOO_ONLY!r} is Gloo-only .* that run on NCCL: {ON_NCCL};"):
+        build_plan(cfg, world=2, num_train=32000, local_spawn=True, backend="nccl")
+
+
+def test_a_record_states_its_nccl_path():
+    with pytest.raises(TypeError, match="native"):
+        dense.dense_algorithm("toy")  # Gloo-only must be said: native=None
+    with pytest.raises(TypeError, match="dense algorithm 'toy': native must be a NativeChain or None"):
+        dense.dense_algorithm("toy", native=("world", None))(lambda tensor: tensor)
+    with pytest.raises(ValueError, match="NativeChain inner='rows' is not a group kind; valid: world, row, "
+                                         "col, node, cross or None"):
+        NativeChain("rows", None)
+    with pytest.raises(ValueError, match="NativeChain needs an inner or an outer group kind"):
+        NativeChain(None, None)
+    assert "toy" not in DENSE

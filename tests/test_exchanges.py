@@ -27,17 +27,24 @@ def test_catalog_is_torch_free_and_at_the_bottom():
 def test_every_catalog_entry_has_its_implementation_and_its_cost():
     """The catalog walked, not pinned (issue 34): a new entry is checked by its family, so one that
     registers without an implementation fails here, not at its first backward."""
-    from flashsgd.comm.dense import ALLREDUCE
+    from flashsgd.comm.dense import ALLREDUCE, DENSE
+    from flashsgd.comm.dense_native import NativeChain
     from flashsgd.comm.hooks import HOOKS
     from flashsgd.comm.sparse.hooks import ALGORITHMS, EXCHANGE_STEPS
     from flashsgd.sim.algorithms import ALGORITHMS as SIMULATED
 
     assert HOOKS.names() == X.names()
     assert list(ALGORITHMS) == X.names("sparse") and set(EXCHANGE_STEPS) == set(ALGORITHMS)
+    # one registration per dense algorithm: its record (function + NCCL path) is all there is
+    assert DENSE.names() == X.names("dense") and {n: r.fn for n, r in DENSE.items()} == dict(ALLREDUCE)
     for name, exchange in X.EXCHANGES.items():
         assert exchange.family in ("dense", "sparse", "lowrank", "none"), name
-        if exchange.family == "dense":
-            assert name in ALLREDUCE, f"dense exchange {name!r} has no all-reduce in ALLREDUCE"
+        if exchange.family == "dense":  # runs on NCCL, or says it is Gloo-only (refused there)
+            assert name in DENSE, f"dense exchange {name!r} has no record in flashsgd.comm.dense.DENSE"
+            record = DENSE[name]
+            assert record.name == name and callable(record.fn), name
+            assert record.native is None or isinstance(record.native, NativeChain), \
+                f"dense exchange {name!r}: native must be a NativeChain, or None for Gloo-only"
         if exchange.family == "sparse":
             assert name in EXCHANGE_STEPS, f"sparse exchange {name!r} has no exchange step"
         if exchange.cost is None:

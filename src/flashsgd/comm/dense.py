@@ -1,8 +1,13 @@
 """Dense all-reduce over explicit groups: ``native``, ``ring``, ``hierarchical`` and ``torus2d``.
 
 Every algorithm is a plain function ``fn(tensor, topology, op="sum", check=True) -> tensor`` that
-reduces a contiguous floating tensor in place (any shape; it is treated as flat) and is registered
-by name in :data:`ALLREDUCE`, the names shared with the DDP hooks, the CLI and the simulator.
+reduces a contiguous floating tensor in place (any shape; it is treated as flat), registered ONCE
+with its NCCL path (:func:`dense_algorithm`): one :class:`DenseAlgorithm` record per name in
+:data:`DENSE` (its function, and its :class:`~flashsgd.comm.dense_native.NativeChain` or ``None``
+for a Gloo-only algorithm), under the name of its :data:`flashsgd.exchanges.EXCHANGES` entry, which
+the DDP hooks, the CLI and the simulator share. :data:`ALLREDUCE` is the same registration's
+name -> function view. The hooks and ``flashsgd train`` refuse a Gloo-only algorithm for CUDA
+buckets on NCCL (:func:`native_path`), before any backward.
 
 All three flashsgd algorithms are built from two ring stages over an explicit list of ranks and its
 process group (:func:`reduce_scatter` and :func:`all_gather`), so the hierarchical and 2D-Torus
@@ -24,7 +29,7 @@ step time of a ring is its largest chunk). Lengths < P leave some chunks empty: 
 neither sent nor received, and an empty tensor communicates nothing.
 
 Backends: on NCCL (CUDA tensors on an NCCL group, :func:`native_stages`) ``ring``,
-``hierarchical`` and ``torus2d`` are one chain of NCCL's own collectives (reduce-scatter,
+``hierarchical`` and ``torus2d`` are one chain of NCCL's own collectives (their records' chains) (reduce-scatter,
 all-reduce of the shard, all-gather), issued asynchronously, in place, with the averaging folded
 in (:func:`flashsgd.comm.dense_native.native_chain`, which states the copies and the overlap). The DDP hooks return its
 Future (:func:`allreduce_future`); the direct calls (``torus2d(t, topo)``) wait for it, which on
@@ -66,13 +71,14 @@ Example::
 
     >>> topo = get_topology(ranks_per_node=4, grid="2x4")          # on 8 ranks
     >>> t = torch.full((1000,), float(dist.get_rank() + 1))
-    >>> ALLREDUCE.get("torus2d")(t, topo)[0].item()                  # 1 + 2 + ... + 8
+    >>> DENSE["torus2d"].fn(t, topo)[0].item()                       # 1 + 2 + ... + 8
     36.0
 """
 
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -81,13 +87,77 @@ from torch.distributed import ProcessGroup
 
 from flashsgd.comm import topology as topology_module
 from flashsgd.comm.topology import Topology, default_timeout_s, get_topology
-from flashsgd.comm.dense_native import (STAGE_GROUPS, all_gather_single, issue_collective, padded,
-                                        native_chain, stage_group)
+from flashsgd.comm.dense_native import (NativeChain, all_gather_single, issue_collective, padded,
+                                        stage_group)
 from flashsgd.comm.p2p import exchange, gather_from_peers, grouped
 from flashsgd.registry import Registry
 
 AllReduceFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DenseAlgorithm:
+    """One dense all-reduce algorithm: its function and its NCCL path, registered together
+    (:func:`dense_algorithm`)."""
+
+    name: str
+    """Its :data:`flashsgd.exchanges.EXCHANGES` name (``--comm``, ``register_hook``)."""
+    fn: AllReduceFn
+    """``fn(tensor, topology, op="sum", check=True) -> tensor``, in place: what runs on Gloo (its
+    own send/recv rings) and what a direct call runs on any backend."""
+    native: NativeChain | None
+    """What the DDP hook returns for CUDA buckets on NCCL (:func:`allreduce_future`); ``None``:
+    Gloo-only, refused there at ``register_hook`` (:func:`native_path`)."""
+
+
+DENSE: Registry[DenseAlgorithm] = Registry("all-reduce algorithm")
+"""Every dense algorithm, one record each: everything that runs a dense algorithm by name reads it."""
 ALLREDUCE: Registry[AllReduceFn] = Registry("all-reduce algorithm")
+"""name -> ``DENSE[name].fn``, filled by the same registration (the benches' and probes' view)."""
+
+
+def dense_algorithm(name: str, *, native: NativeChain | None) -> Callable[[AllReduceFn], AllReduceFn]:
+    """Register the decorated function as dense algorithm ``name`` with its NCCL path, in
+    :data:`DENSE` (and :data:`ALLREDUCE`). ``native`` must be stated: the chain its CUDA buckets
+    run on NCCL, or ``None`` for a Gloo-only algorithm (refused on NCCL by :func:`native_path`).
+    The name also needs its :data:`flashsgd.exchanges.EXCHANGES` entry (family ``dense``).
+
+    Example::
+
+        >>> @dense_algorithm("ring", native=NativeChain("world", None))
+        ... def ring(tensor, topology=None, op="sum", check=True): ...
+    """
+    def register(fn: AllReduceFn) -> AllReduceFn:
+        if native is not None and not isinstance(native, NativeChain):
+            raise TypeError(f"dense algorithm {name!r}: native must be a NativeChain or None "
+                            f"(Gloo-only), got {type(native).__name__}")
+        DENSE.add(name, DenseAlgorithm(name, fn, native))
+        ALLREDUCE.add(name, fn)
+        return fn
+
+    return register
+
+
+def nccl_algorithms() -> list[str]:
+    """The dense algorithms that run on NCCL (a native path in their record), in registration order."""
+    return [name for name, algorithm in DENSE.items() if algorithm.native is not None]
+
+
+def native_path(name: str, where: str) -> NativeChain:
+    """The NCCL chain of dense algorithm ``name``, for a caller whose buckets are CUDA tensors on
+    an NCCL group (``register_hook``, the plan of ``flashsgd train``, :func:`allreduce_future`).
+
+    Raises:
+        ValueError: ``name`` is Gloo-only (its record has ``native=None``); the message, prefixed
+            with ``where``, names it and the algorithms that do run on NCCL.
+    """
+    native = DENSE.get(name).native
+    if native is not None:
+        return native
+    raise ValueError(f"{where}: dense all-reduce {name!r} is Gloo-only (its record in "
+                     f"flashsgd.comm.dense.DENSE has native=None: no NCCL chain), so it cannot reduce "
+                     f"CUDA buckets on an NCCL group; algorithms that run on NCCL: "
+                     f"{', '.join(nccl_algorithms())}; or run {name!r} on Gloo (CPU ranks, --backend gloo)")
 
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -123,7 +193,7 @@ def check_consistent(flat: torch.Tensor, op: str, algorithm: str,
     world = dist.get_world_size()
     if world == 1:
         return
-    names = ALLREDUCE.names()
+    names = DENSE.names()
     mine = torch.tensor([flat.numel(), list(DTYPES).index(flat.dtype), OPS.index(op),
                          names.index(algorithm) if algorithm in names else -1],
                         dtype=torch.int64, device=flat.device)
@@ -374,8 +444,9 @@ def ring_allreduce(flat: torch.Tensor, ranks: Sequence[int], group: ProcessGroup
 
 def allreduce_future(tensor: torch.Tensor, algorithm: str, topology: Topology,
                      op: str = "sum") -> torch.futures.Future:
-    """``algorithm`` ("ring", "hierarchical" or "torus2d") as :func:`native_chain` over
-    ``topology``'s groups (:data:`STAGE_GROUPS`): a Future of ``tensor`` reduced in place.
+    """``algorithm``'s NCCL chain (``DENSE[algorithm].native``,
+    :func:`~flashsgd.comm.dense_native.native_chain`) over ``topology``'s groups: a Future of
+    ``tensor`` reduced in place. ValueError for a Gloo-only algorithm (:func:`native_path`).
 
     What the DDP hooks return on NCCL, and what the algorithms wait for there. No input check
     (``check=False``: the caller guarantees identical inputs on every rank).
@@ -385,14 +456,13 @@ def allreduce_future(tensor: torch.Tensor, algorithm: str, topology: Topology,
         >>> fut = allreduce_future(bucket, "torus2d", get_topology(grid="2x4"), op="avg")
     """
     validate(tensor, op)
-    inner, outer = STAGE_GROUPS[algorithm]
-    return native_chain(tensor, stage_group(topology, inner), stage_group(topology, outer), op,
-                        timeout_s=topology.timeout_s, where=f"{algorithm} all-reduce")
+    chain = native_path(algorithm, f"{algorithm} all-reduce of a CUDA tensor on NCCL")
+    return chain.future(tensor, topology, op, where=f"{algorithm} all-reduce")
 
 
 # ------------------------------------------------------------------------------ algorithms ------
 
-@ALLREDUCE.register("native")
+@dense_algorithm("native", native=NativeChain(None, "world"))
 def native(tensor: torch.Tensor, topology: Topology | None = None, op: str = "sum",
            check: bool = True) -> torch.Tensor:
     """``torch.distributed.all_reduce`` on the world group: the baseline (NCCL's or Gloo's own choice).
@@ -413,7 +483,7 @@ def native(tensor: torch.Tensor, topology: Topology | None = None, op: str = "su
     return _finish(tensor, op, dist.get_world_size())
 
 
-@ALLREDUCE.register("ring")
+@dense_algorithm("ring", native=NativeChain("world", None))
 def ring(tensor: torch.Tensor, topology: Topology | None = None, op: str = "sum",
          check: bool = True) -> torch.Tensor:
     """Flat ring all-reduce over all P ranks (Patarasuk & Yuan 2009).
@@ -447,7 +517,7 @@ def ring(tensor: torch.Tensor, topology: Topology | None = None, op: str = "sum"
     return _finish(tensor, op, topo.world_size)
 
 
-@ALLREDUCE.register("hierarchical")
+@dense_algorithm("hierarchical", native=NativeChain("node", "cross"))
 def hierarchical(tensor: torch.Tensor, topology: Topology | None = None, op: str = "sum",
                  check: bool = True) -> torch.Tensor:
     """Three-phase all-reduce: inside the node, across nodes on a 1/L shard, inside the node.
@@ -479,7 +549,7 @@ def hierarchical(tensor: torch.Tensor, topology: Topology | None = None, op: str
     return _finish(tensor, op, topo.world_size)
 
 
-@ALLREDUCE.register("torus2d")
+@dense_algorithm("torus2d", native=NativeChain("row", "col"))
 def torus2d(tensor: torch.Tensor, topology: Topology | None = None, op: str = "sum",
             check: bool = True) -> torch.Tensor:
     """Sony's 2D-Torus all-reduce on an X x Y grid (Mikami et al. 2018, arXiv 1811.05233).
@@ -512,14 +582,15 @@ def torus2d(tensor: torch.Tensor, topology: Topology | None = None, op: str = "s
 
 def _two_level(flat: torch.Tensor, topo: Topology, algorithm: str) -> None:
     """The three stages shared by hierarchical (node/cross) and torus2d (row/col), in place
-    (the group kinds: :data:`STAGE_GROUPS`).
+    (the group kinds: the algorithm's NCCL chain in :data:`DENSE`, the same stages natively).
 
     Step 1: ring reduce-scatter over the ``inner`` group: this rank owns its group's sum of one
     1/|inner| shard. Step 2: ring all-reduce of that shard over the ``outer`` group (the |inner|
     outer groups run concurrently). Step 3: ring all-gather over the ``inner`` group.
     """
     duplex, timeout_s = duplex_groups(topo), topo.timeout_s
-    inner, outer = STAGE_GROUPS[algorithm]
+    chain = DENSE.get(algorithm).native
+    inner, outer = chain.inner, chain.outer
     inner_ranks, inner_group = getattr(topo, f"{inner}_ranks"), getattr(topo, f"{inner}_group")
     outer_ranks, outer_group = getattr(topo, f"{outer}_ranks"), getattr(topo, f"{outer}_group")
     # Step 1
@@ -535,5 +606,5 @@ def _two_level(flat: torch.Tensor, topo: Topology, algorithm: str) -> None:
 
 def allreduce(tensor: torch.Tensor, algorithm: str = "ring", topology: Topology | None = None,
               op: str = "sum", check: bool = True) -> torch.Tensor:
-    """Reduce ``tensor`` in place with the algorithm registered as ``algorithm`` (see ALLREDUCE)."""
-    return ALLREDUCE.get(algorithm)(tensor, topology, op=op, check=check)
+    """Reduce ``tensor`` in place with the algorithm registered as ``algorithm`` (see DENSE)."""
+    return DENSE.get(algorithm).fn(tensor, topology, op=op, check=check)

@@ -79,13 +79,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from flashsgd.comm.dense import ALLREDUCE, DTYPES, allreduce_future, duplex_groups, native_stages
+from flashsgd.comm.dense import DENSE, DTYPES, allreduce_future, duplex_groups, native_path, native_stages
 from flashsgd.comm.hook_common import (CommThread, HookFactory, StatelessHookState,
                                        completed_future, ddp_hook)
 from flashsgd.comm.topology import Topology, get_topology
 from flashsgd.exchanges import CommonOptions, DenseOptions, names
 
 DENSE_HOOKS = tuple(n for n in names("dense") if n != "native")
+"""The catalog's dense exchanges with a hook of their own (``native`` is DDP's); each runs its
+record in :data:`flashsgd.comm.dense.DENSE` (function and NCCL chain)."""
 
 
 class DenseHookState(StatelessHookState):
@@ -109,6 +111,7 @@ class DenseHookState(StatelessHookState):
     def __init__(self, name: str, options: DenseOptions = DenseOptions()) -> None:
         if name not in DENSE_HOOKS:
             raise ValueError(f"dense hook algorithm must be one of {', '.join(DENSE_HOOKS)}, got {name!r}")
+        DENSE.get(name)  # a catalog name without its record fails here, listing the registered ones
         super().__init__(name)
         self.options = options
         self.topology: Topology | None = self._topology()
@@ -147,7 +150,7 @@ def dense_hook(state: DenseHookState, bucket: dist.GradBucket) -> torch.futures.
     buf = bucket.buffer()
     if state.topology is None:  # unpickled state: rebuild (every rank does it at the same bucket)
         state.topology = state._topology()
-    fn, topo = ALLREDUCE.get(state.name), state.topology
+    fn, topo = DENSE.get(state.name).fn, state.topology
     state.buckets += 1
     state.elements += buf.numel()
     # Step 2
@@ -189,15 +192,20 @@ def dense_factory(name: str) -> HookFactory:
 
 
 def _check_model(ddp_model: Any, name: str) -> None:
-    """The dense hooks reduce over the default group, in fp32/fp16/bf16: refuse anything else early."""
+    """The dense hooks reduce over the default group, in fp32/fp16/bf16, and on NCCL only with a
+    native path in their record (:func:`~flashsgd.comm.dense.native_path`): refuse anything else
+    at registration, not at the first backward."""
     pg = getattr(ddp_model, "process_group", None)
     if pg is not None and dist.get_world_size(pg) != dist.get_world_size():
         raise ValueError(f"hook {name!r} all-reduces over the default process group, but this DDP "
                          f"model uses a group of {dist.get_world_size(pg)} of "
                          f"{dist.get_world_size()} ranks; use hook 'native' for subgroup DDP")
-    for pname, p in ddp_model.module.named_parameters():
-        if p.requires_grad and p.dtype not in DTYPES:
+    trained = [(pname, p) for pname, p in ddp_model.module.named_parameters() if p.requires_grad]
+    for pname, p in trained:
+        if p.dtype not in DTYPES:
             raise ValueError(f"hook {name!r}: parameter {pname!r} is {p.dtype}; supported dtypes: "
                              f"{', '.join(DTYPES.values())}")
+    if any(native_stages(p, pg) for _, p in trained):  # CUDA buckets on NCCL: the record's chain runs
+        native_path(name, f"hook {name!r}")
 
 

@@ -1,5 +1,6 @@
-"""Dense all-reduce as a chain of NCCL's own collectives, asynchronous and in place: what ``ring``,
-``hierarchical`` and ``torus2d`` run on CUDA tensors over NCCL (:mod:`flashsgd.comm.dense` picks it,
+"""Dense all-reduce as a chain of NCCL's own collectives, asynchronous and in place: what a dense
+algorithm with a :class:`NativeChain` in its record (:data:`flashsgd.comm.dense.DENSE`: ``ring``,
+``hierarchical``, ``torus2d``) runs on CUDA tensors over NCCL (:mod:`flashsgd.comm.dense` picks it,
 the DDP hooks return its Future).
 
 A DDP hook runs on the backward stream; a synchronous NCCL collective makes that stream wait, so
@@ -15,11 +16,13 @@ Example::
 
     >>> topo = get_topology(grid="2x4")                      # 8 ranks, NCCL
     >>> fut = native_chain(bucket, topo.row_group, topo.col_group, "avg")
+    >>> fut = NativeChain("row", "col").future(bucket, topo, "avg")   # the same, as torus2d's record says
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -34,10 +37,43 @@ from flashsgd.comm.waits import grouped, wait_collective
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-STAGE_GROUPS: dict[str, tuple[str, str | None]] = {
-    "ring": ("world", None), "hierarchical": ("node", "cross"), "torus2d": ("row", "col")}
-"""algorithm -> (inner, outer) group kinds of its native chain (:func:`native_chain`): reduce-scatter
-and all-gather over the inner group, all-reduce of the shard over the outer one (``None``: none)."""
+GROUP_KINDS = ("world", "row", "col", "node", "cross")
+"""The topology's group kinds a chain can run over (:func:`stage_group`)."""
+
+
+@dataclass(frozen=True)
+class NativeChain:
+    """The NCCL path of a dense algorithm: :func:`native_chain` over two of the topology's group kinds.
+
+    Reduce-scatter and all-gather over the ``inner`` group, all-reduce of the shard over the
+    ``outer`` one (``None``: no such stage). Cost: :func:`native_chain`'s with X = |inner|,
+    Y = |outer|: ``NativeChain("world", None)`` is the ring's 2(P-1) a + 2(P-1)/P n b,
+    ``NativeChain(None, "world")`` one NCCL all-reduce (NCCL picks ring or tree itself).
+
+    Example::
+
+        >>> NativeChain("node", "cross").future(bucket, topo, "avg")   # hierarchical on NCCL
+    """
+
+    inner: str | None
+    """Group kind of the reduce-scatter and the all-gather (one of :data:`GROUP_KINDS`, or None)."""
+    outer: str | None
+    """Group kind of the shard's all-reduce (one of :data:`GROUP_KINDS`, or None)."""
+
+    def __post_init__(self) -> None:
+        for field, kind in (("inner", self.inner), ("outer", self.outer)):
+            if kind is not None and kind not in GROUP_KINDS:
+                raise ValueError(f"NativeChain {field}={kind!r} is not a group kind; valid: "
+                                 f"{', '.join(GROUP_KINDS)} or None")
+        if self.inner is None and self.outer is None:
+            raise ValueError("NativeChain needs an inner or an outer group kind (both None: no "
+                             "stage); a Gloo-only algorithm registers native=None instead")
+
+    def future(self, tensor: torch.Tensor, topology: Topology, op: str = "sum",
+               where: str = "native chain") -> torch.futures.Future:
+        """:func:`native_chain` of ``tensor`` over this rank's groups of ``topology``."""
+        return native_chain(tensor, stage_group(topology, self.inner), stage_group(topology, self.outer),
+                            op, timeout_s=topology.timeout_s, where=where)
 
 
 def stage_group(topo: Topology, kind: str | None) -> ProcessGroup | None:

@@ -38,6 +38,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashsgd.comm.dense import DENSE, native_path
 from flashsgd.comm.sparse.checks import check_sparse_run
 from flashsgd.comm.topology import parse_grid
 from flashsgd.exchanges import (EXCHANGES, MIN_COVERAGE, SELECTION_BY_DEVICE, DensityWarmup, coverage,
@@ -334,6 +335,8 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool,
     recipe, source = resolve_recipe(cfg)                                   # Step 1
     if local_spawn and backend is None:                                    # Step 2
         backend = local_backend(cfg, world)
+    if backend == "nccl" and cfg.comm.algorithm in DENSE:  # CUDA buckets on NCCL: its NCCL chain runs
+        native_path(cfg.comm.algorithm, f"config key comm.algorithm={cfg.comm.algorithm!r} on backend nccl")
     rpn = cfg.comm.ranks_per_node
     if rpn is None:
         env = os.environ.get("FLASHSGD_RANKS_PER_NODE") or (None if local_spawn else
