@@ -170,7 +170,7 @@ def test_simulate_prints_each_number_with_its_range_and_what_it_assumed(tmp_path
     import pytest
 
     from flashsgd.sim.engine import SimConfig, simulate
-    from flashsgd.sim.network import CLUSTERS, Link
+    from flashsgd.sim.network import CLUSTERS, Link, device_ranges
     from flashsgd.sim.uncertainty import assumed_lines, assumptions
     from flashsgd.sim.workload import resnet50
 
@@ -179,9 +179,12 @@ def test_simulate_prints_each_number_with_its_range_and_what_it_assumed(tmp_path
                    "--json", str(js)) == 0
     out = capsys.readouterr().out
     one = CLUSTERS.get("1gbe")
+    dev = device_ranges(one.device)  # the sparse and PowerSGD costs' ranges: the preset's device class
     ends = {fast: simulate(resnet50(), replace(
-        one, exchange_fixed_s=0.1e-3 if fast else 9.1e-3, round_fixed_s=0.0 if fast else 0.13e-3,
-        select_s_per_elem=0.2e-9 if fast else 6.03e-9, step_overhead_s=0.0 if fast else 2e-3,
+        one, exchange_fixed_s=dev["exchange_fixed_s"][0 if fast else 1], round_fixed_s=0.0 if fast else 0.13e-3,
+        select_s_per_elem=dev["select_s_per_elem"][0 if fast else 1],
+        flop_s=dev["flop_s"][0 if fast else 1], lowrank_s_per_elem=dev["lowrank_s_per_elem"][0 if fast else 1],
+        step_overhead_s=0.0 if fast else 2e-3,
         jitter_cv=0.0 if fast else 0.037, bucket_overhead_s=0.0 if fast else 5e-3,
         overlap_slowdown=0.0 if fast else 0.79,
         inter=Link(0.2e-3, 0.1177) if fast else Link(1e-3, 0.090, incast=9 / 31)),

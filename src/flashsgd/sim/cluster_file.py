@@ -26,6 +26,8 @@ per-call and compression costs of the devices. Units are in the key names::
     exchange_fixed_us = 500.0   # one sparse exchange, whatever its size (launches, host syncs, Python)
     round_fixed_us = 0.0        # each message round of a sparse exchange, beyond latency_us
     select_ns_per_elem = 0.5    # top-k selection per gradient element
+    lowrank_ns_per_elem = 0.0   # PowerSGD's hook per compressed element beyond its flops (0: not charged;
+                                # measured on an H200: 0.84, flashsgd.sim.device_costs)
     tflops = 15.0               # matrix products of PowerSGD
     step_overhead_us = 0.0      # fixed cost per multi-GPU step beyond the exchange (DDP, Python, syncs)
     jitter_percent = 1.5        # one rank's compute variation over steps and GPUs (std / mean, %): stragglers
@@ -112,6 +114,7 @@ RENAMED_COSTS = {"sparse_overhead_us": "exchange_fixed_us"}
 COST_FIELDS = {"reduce_ns_per_byte": ("gamma_s_per_byte", 1e-9), "call_overhead_us": ("call_overhead_s", 1e-6),
                "exchange_fixed_us": ("exchange_fixed_s", 1e-6), "round_fixed_us": ("round_fixed_s", 1e-6),
                "select_ns_per_elem": ("select_s_per_elem", 1e-9),
+               "lowrank_ns_per_elem": ("lowrank_s_per_elem", 1e-9),
                "step_overhead_us": ("step_overhead_s", 1e-6), "jitter_percent": ("jitter_cv", 1e-2),
                "bucket_overhead_us": ("bucket_overhead_s", 1e-6),
                "overlap_slowdown_percent": ("overlap_slowdown", 1e-2),
@@ -119,7 +122,7 @@ COST_FIELDS = {"reduce_ns_per_byte": ("gamma_s_per_byte", 1e-9), "call_overhead_
 """[costs] key -> (ClusterModel field, factor to its SI unit); ``tflops`` is ``flop_s = 1 / (tflops x 1e12)``."""
 DEFAULT_COSTS = {"reduce_ns_per_byte": 3.0 / 900.0, "call_overhead_us": 10.0,
                  "exchange_fixed_us": 500.0, "round_fixed_us": 0.0, "select_ns_per_elem": 0.5,
-                 "tflops": 15.0,
+                 "lowrank_ns_per_elem": 0.0, "tflops": 15.0,
                  **{key: round(STEP_STATED[field] / factor, 12) for key, (field, factor) in COST_FIELDS.items()
                     if field in STEP_STATED},
                  "input_us_per_image": 0.0}
@@ -313,7 +316,7 @@ def load_cluster_text(text: str, where: str, default_name: str = "file") -> Clus
         intra=intra, inter=inter,
         gamma_s_per_byte=c["reduce_ns_per_byte"] * 1e-9, call_overhead_s=c["call_overhead_us"] * 1e-6,
         exchange_fixed_s=c["exchange_fixed_us"] * 1e-6, round_fixed_s=c["round_fixed_us"] * 1e-6,
-        select_s_per_elem=c["select_ns_per_elem"] * 1e-9,
+        select_s_per_elem=c["select_ns_per_elem"] * 1e-9, lowrank_s_per_elem=c["lowrank_ns_per_elem"] * 1e-9,
         step_overhead_s=c["step_overhead_us"] * 1e-6, jitter_cv=c["jitter_percent"] * 1e-2,
         bucket_overhead_s=c["bucket_overhead_us"] * 1e-6, overlap_slowdown=c["overlap_slowdown_percent"] * 1e-2,
         input_s_per_image=c["input_us_per_image"] * 1e-6,

@@ -14,7 +14,9 @@ Distributed Optimization" (arXiv 1905.13727); the exchange of
 4. M = P Q^T (2 n m r').
 
 Cost: three ring all-reduces (:func:`flashsgd.sim.costs.ring`, each with its per-call overhead) +
-flops x ``flop_s`` + the error-feedback add (n m elements, gamma per byte). Registered in
+flops x ``flop_s`` + the error-feedback add (n m elements, gamma per byte) + the hook's own work per
+compressed element, n m x ``lowrank_s_per_elem`` (measured on an H200: launch-bound,
+:mod:`flashsgd.sim.device_costs`). Registered in
 :data:`flashsgd.sim.algorithms.ALGORITHMS` as ``powersgd``; the signature is
 ``cost(n_bytes, setup) -> Cost`` of :mod:`flashsgd.sim.costs`. Without ``setup.matrices`` each
 message is taken as one square matrix.
@@ -70,6 +72,7 @@ def powersgd(n_bytes, setup: CommSetup) -> Cost:
                  np.where(worth, side * side, 0.0)]
     u, ps, qs, flops, nm = parts
     cost = ring(u * vb, setup) + ring(ps * vb, setup) + ring(qs * vb, setup)        # Steps 1-3
-    compute = flops * setup.cluster.flop_s + nm * vb * setup.cluster.gamma_s_per_byte  # Steps 2-4
+    c = setup.cluster
+    compute = flops * c.flop_s + nm * (vb * c.gamma_s_per_byte + c.lowrank_s_per_elem)  # Steps 2-4
     z = np.zeros_like(n)
     return cost + Cost(z, z, compute, z)

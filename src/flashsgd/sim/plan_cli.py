@@ -29,7 +29,9 @@ from pathlib import Path
 from flashsgd.fmt import plural, span
 from flashsgd.outputs import add_output
 from flashsgd.sim.cluster_file import load_cluster
-from flashsgd.sim.network import CLUSTERS
+from flashsgd.exchanges import SELECTIONS
+from flashsgd.sim.device_costs import DEVICES
+from flashsgd.sim.network import CLUSTERS, ClusterModel, on_device
 from flashsgd.sim.uncertainty import RangedPlan, plan_over_ranges, preset_compute_range
 from flashsgd.sim.workload import MODEL_HELP, SCHEDULES, Workload, get_workload
 
@@ -59,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", choices=("trainer", *SCHEDULES), default="trainer",
                    help="when the exchanges run: trainer (default: as flashsgd train runs each one, "
                         "the sparse hooks after backward), overlap or after_backward for all")
+    p.add_argument("--device", choices=tuple(DEVICES), default=None, metavar="CLASS",
+                   help=f"the device class whose compression costs to charge ({', '.join(DEVICES)}; default: "
+                        "the preset's own; flashsgd.sim.device_costs)")
+    p.add_argument("--selection", choices=SELECTIONS, default=None,
+                   help="the top-k selection the sparse hooks run (default auto: by the device, exact on "
+                        "GPUs, sampled on CPUs, as the hooks resolve it)")
     p.add_argument("--top", type=int, default=6, help="algorithms shown (best setting of each; default 6)")
     add_output(p, "--json", metavar="PATH", help="write the plan (every candidate, ranked) as JSON")
 
@@ -142,13 +150,26 @@ def run_steps(given: int | None, workload: Workload, global_batch: int) -> tuple
                    f"samples ({source}) at global batch {global_batch:,}; give --steps for your run")
 
 
+def device_cluster(cluster: ClusterModel, device: str | None, selection: str | None) -> ClusterModel:
+    """``cluster`` on ``--device`` running ``--selection`` (:func:`flashsgd.sim.network.on_device`);
+    unchanged when neither is given. ``--selection`` alone keeps the cluster's device class."""
+    if device is None and selection is None:
+        return cluster
+    name = device or cluster.device
+    if not name:
+        raise ValueError(f"--selection needs a device class: cluster {cluster.name!r} names none; give "
+                         f"--device ({', '.join(DEVICES)})")
+    return on_device(cluster, name, selection or "auto")
+
+
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     for flag, value in (("--top", args.top), ("--gpus", args.gpus), ("--batch-per-gpu", args.batch_per_gpu),
                         ("--steps", 1 if args.steps is None else args.steps)):
         if value < 1:
             raise ValueError(f"{flag} must be an integer >= 1, got {value}")
-    cluster = load_cluster(args.cluster)
+    cluster = device_cluster(load_cluster(args.cluster), getattr(args, "device", None),
+                             getattr(args, "selection", None))
     cluster.check_gpus(args.gpus)
     workload = get_workload(args.model)
     steps, steps_note = run_steps(args.steps, workload, args.gpus * args.batch_per_gpu)

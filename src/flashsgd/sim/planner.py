@@ -47,7 +47,7 @@ Example::
     >>> from flashsgd.sim.workload import resnet50
     >>> p = make_plan(resnet50(), CLUSTERS.get("1gbe"), gpus=32, batch_per_gpu=32,
     ...               images_per_s=200.0, steps=50_000)
-    >>> p.choice.candidate.algorithm in ("gtopk", "topk", "powersgd")
+    >>> p.choice.candidate.compresses   # 1 GbE: a compressing exchange, its compute charged on the GPU class
     True
 """
 
@@ -233,6 +233,10 @@ class CommPlan:
                      "; compressed exchanges ruled out for accuracy" if self.ruled_out else "")
             if nxt is not None and nxt.step_s < best.step_s:
                 other += f", less than {COMPRESSION_MARGIN - 1:.0%} faster: not worth its accuracy risk"
+            elif nxt is not None and dense is not None and nxt.compression_s > compression_saving(nxt, dense):
+                other += (f": its compression ({nxt.compression_s * 1e3:.1f} ms per step on "
+                          f"{self.cluster.device or 'this cluster'}) costs more than the exchange time it "
+                          f"saves ({max(compression_saving(nxt, dense), 0.0) * 1e3:.1f} ms)")
             return (f"{c.label()}: {best.step_s * 1e3:.1f} ms predicted step at "
                     f"{best.result.efficiency:.0%} scaling efficiency, exposed communication "
                     f"{best.result.exposed_comm_s * 1e3:.1f} ms{other}")
@@ -258,6 +262,15 @@ class CommPlan:
                 "steps": self.steps, "accuracy_risk": self.accuracy_risk,
                 "choice": choice, "explain": self.explain(),
                 "ruled_out": self.ruled_out, "ranked": [p.to_dict() for p in self.ranked[:top]]}
+
+
+def compression_saving(p: Prediction, dense: Prediction) -> float:
+    """What compressing saves of a step beside ``dense``, before paying for it: the dense step less
+    ``p``'s step without its compression (``p.compression_s``: selection, merges, matrix products on
+    the cluster's device, :mod:`flashsgd.sim.device_costs`). ``p`` beats ``dense`` only where its
+    compression costs less than this, so the planner never picks a compressing exchange whose compute
+    exceeds the exchange time it saves (it must moreover win by :data:`COMPRESSION_MARGIN`)."""
+    return dense.step_s - (p.step_s - p.compression_s)
 
 
 def grids(gpus: int, ranks_per_node: int) -> list[tuple[int, int]]:
