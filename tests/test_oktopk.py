@@ -165,3 +165,17 @@ def test_the_hooks_wire_stays_within_6k_and_equals_the_simulators_pattern(run_ra
         assert rep["worst"] < 1e-5, rep["worst"]
         assert set(rep["regions"]) == {0} and len(rep["regions"][0]["bounds"]) == world + 1
     assert all(rep["regions"] == reports[0]["regions"] for rep in reports)  # the same bounds everywhere
+
+
+@pytest.mark.parametrize("gpus, chosen", [(4, "gtopk"), (32, "oktopk")])
+def test_the_planner_picks_oktopk_only_where_it_wins_and_says_where(capsys, gpus, chosen):
+    """On 1 Gbit/s Ethernet (ResNet-50): at 4 GPUs Ok-Topk's 3k(P-1)/P = 2.25k pairs and its second
+    latency lose to gTop-k's 2 rounds of k, so the plan keeps gTop-k; at 32 GPUs (2.9k pairs against
+    5k) it picks Ok-Topk. Both times it prints the two steps and the crossover for the cluster."""
+    from flashsgd.cli import main
+
+    assert main(["plan", "--cluster", "1gbe", "--gpus", str(gpus), "--model", "resnet50"]) == 0
+    out = capsys.readouterr().out
+    assert f"choice: {chosen} density" in out
+    line = next(x for x in out.splitlines() if x.startswith("oktopk vs gtopk:"))
+    assert f"at {gpus} GPUs" in line and "costs less from 8 GPUs on this cluster" in line

@@ -26,12 +26,13 @@ import math
 import time
 from pathlib import Path
 
+from flashsgd.exchanges import SELECTIONS
 from flashsgd.fmt import plural, span
 from flashsgd.outputs import add_output
 from flashsgd.sim.cluster_file import load_cluster
-from flashsgd.exchanges import SELECTIONS
 from flashsgd.sim.device_costs import DEVICES
 from flashsgd.sim.network import CLUSTERS, ClusterModel, on_device
+from flashsgd.sim.planner import sparse_crossover
 from flashsgd.sim.uncertainty import RangedPlan, plan_over_ranges, preset_compute_range
 from flashsgd.sim.workload import MODEL_HELP, SCHEDULES, Workload, get_workload
 
@@ -100,6 +101,9 @@ def print_plan(ranged: RangedPlan, top: int) -> None:
     over = (f" (over the assumptions: step {span(lo * 1e3, hi * 1e3, '.1f')} ms, efficiency "
             f"{span(elo * 100, ehi * 100, '.0f')}%{faster})" if ranged.inputs else "")
     print(f"choice: {plan.explain()}{over}")
+    crossover = sparse_crossover(plan)
+    if crossover:
+        print(crossover)
     for line in ranged.summary():
         print(line)
     for line in plan.ruled_out:

@@ -391,3 +391,41 @@ def make_plan(workload: Workload, cluster: ClusterModel, gpus: int, batch_per_gp
                          + "; ".join(_ruled_out_lines(rejected)) + ")")
     ranked = sorted(kept, key=lambda p: p.step_s)  # stable: ties keep the simplest first
     return CommPlan(cluster, workload, gpus, steps, accuracy_risk, ranked, _ruled_out_lines(rejected))
+
+
+SPARSE_PAIR = ("oktopk", "gtopk")
+"""The O(k) and the O(k lg P) sparse all-reduces (Li & Hoefler 2022; Shi et al. 2019), whose order
+depends on P, k and the link: :func:`sparse_crossover` says where."""
+CROSSOVER_GPUS = tuple(2 ** i for i in range(1, 13))
+"""GPU counts :func:`sparse_crossover` tries (2 to 4096)."""
+
+
+def sparse_crossover(plan: CommPlan) -> str | None:
+    """When the choice compresses and both exchanges of :data:`SPARSE_PAIR` were ranked: their steps
+    here and the smallest GPU count of :data:`CROSSOVER_GPUS` (whole nodes) from which the first's
+    exchange of one bucket (the first's best setting: its bucket cap and density) costs less than
+    the second's on this cluster (``flashsgd.sim.costs_oktopk``: 2a + 3k (P-1)/P pairs per rank
+    against lg P (a + k pairs)); None otherwise."""
+    from flashsgd.sim.algorithms import exchange_cost
+    from flashsgd.sim.costs import CommSetup
+
+    best: dict[str, Prediction] = {}
+    for p in plan.ranked:
+        best.setdefault(p.candidate.algorithm, p)
+    first, second = SPARSE_PAIR
+    if not plan.choice.candidate.compresses or first not in best or second not in best:
+        return None
+    a, b = best[first], best[second]
+    density, n_bytes = a.candidate.density, a.candidate.bucket_mb * 2 ** 20
+    rpn = plan.cluster.ranks_per_node
+
+    def cheaper(gpus: int) -> bool:
+        setup = CommSetup(gpus, plan.cluster, density=density)
+        return float(exchange_cost(first, n_bytes, setup).total) < float(exchange_cost(second, n_bytes, setup).total)
+
+    cross = next((g for g in CROSSOVER_GPUS if g >= rpn and g % rpn == 0 and cheaper(g)), None)
+    where = (f"costs less from {cross} GPUs" if cross is not None
+             else f"costs more at every count up to {CROSSOVER_GPUS[-1]}")
+    return (f"{first} vs {second}: {a.step_s * 1e3:.1f} vs {b.step_s * 1e3:.1f} ms at {plan.gpus} GPUs; "
+            f"{first}'s exchange of a {a.candidate.bucket_mb:g} MiB bucket at density {density:g} {where} "
+            f"on this cluster (2 latencies and 3k(P-1)/P pairs per rank against lg P of each)")
