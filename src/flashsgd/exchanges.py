@@ -339,6 +339,9 @@ class Exchange:
     """Name of its cost function in :mod:`flashsgd.sim.algorithms` (None: sends nothing)."""
     ignores: tuple[str, ...] = ()
     """Options of its (shared) options class that this algorithm never reads (ring: the grid)."""
+    one_level: str | None = None
+    """The exchange it is on one level (one node, or one rank per node): a two-level exchange's flat
+    form (hierarchical: ring); None for a flat exchange."""
 
     @property
     def compresses(self) -> bool:
@@ -381,7 +384,7 @@ for _e in (
              "Patarasuk & Yuan 2009", "2(P-1)/P of the bucket", "ring", ignores=("grid",)),
     Exchange("hierarchical", "dense", DenseOptions, "node reduce-scatter, cross-node rings, node "
              "all-gather", "Goyal et al. 2017; Jia et al. 2018", "2(P-1)/P of the bucket", "hierarchical",
-             ignores=("grid",)),
+             ignores=("grid",), one_level="ring"),
     Exchange("torus2d", "dense", DenseOptions, "2D-Torus: reduce-scatter along rows, all-reduce "
              "along columns, all-gather along rows", "Mikami et al. 2018", "2(P-1)/P of the bucket",
              "torus2d"),
@@ -392,7 +395,7 @@ for _e in (
              "merges keeping k", "Shi et al. 2019", "lgP messages of k (index, value) pairs", "gtopk"),
     Exchange("hgtopk", "sparse", HierSparseOptions, "hierarchical gTop-k: a node step (node_split), "
              "gTop-k among nodes, the result shared in the node", "Shi et al. 2019 (hierarchy: "
-             "flashsgd)", "node step + lgN messages of k pairs", "hgtopk"),
+             "flashsgd)", "node step + lgN messages of k pairs", "hgtopk", one_level="gtopk"),
     Exchange("oktopk", "sparse", OkTopkOptions, "Ok-Topk: each rank's pairs to the region owners "
              "(split and reduce), each region's top k/P gathered by all", "Li & Hoefler 2022",
              "(P-1) messages of 2k/P pairs + (P-1) of k/P pairs (<= 6k(P-1)/P words)", "oktopk"),

@@ -83,9 +83,9 @@ from flashsgd.comm.dense import DENSE, DTYPES, allreduce_future, duplex_groups, 
 from flashsgd.comm.hook_common import (CommThread, HookFactory, StatelessHookState,
                                        completed_future, ddp_hook)
 from flashsgd.comm.topology import Topology, get_topology
-from flashsgd.exchanges import CommonOptions, DenseOptions, names
+from flashsgd.exchanges import BUILT_IN, CommonOptions, DenseOptions, names
 
-DENSE_HOOKS = tuple(n for n in names("dense") if n != "native")
+DENSE_HOOKS = tuple(n for n in names("dense") if n != BUILT_IN)
 """The catalog's dense exchanges with a hook of their own (``native`` is DDP's); each runs its
 record in :data:`flashsgd.comm.dense.DENSE` (function and NCCL chain)."""
 

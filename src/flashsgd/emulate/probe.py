@@ -38,6 +38,7 @@ from flashsgd.comm.dense import ALLREDUCE
 from flashsgd.comm.topology import get_topology
 from flashsgd.emulate import flows
 from flashsgd.emulate.ranks import FLOW_ENV
+from flashsgd.exchanges import BUILT_IN
 from flashsgd.launch import init_from_env, shutdown
 from flashsgd.timing import time_ops
 
@@ -54,7 +55,7 @@ def read_counters(ifname: str) -> tuple[int, int]:
 
 
 def _allreduce_fn(name: str):
-    if name == "native":
+    if name == BUILT_IN:
         return lambda t, topo: dist.all_reduce(t)
     fn = ALLREDUCE.get(name)  # ValueError listing the known names
     return lambda t, topo: fn(t, topo, op="sum")
@@ -88,7 +89,7 @@ def probe(algorithms: list[str], sizes_bytes: list[int], ifname: str, warmup: in
     world, rank = dist.get_world_size(), dist.get_rank()
     rpn = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     topo = None
-    if any(a != "native" for a in algorithms):
+    if any(a != BUILT_IN for a in algorithms):
         topo = get_topology(ranks_per_node=rpn)
     counting = rank % rpn == 0  # one reader per node: the counters are per node
     paced = FLOW_ENV in os.environ  # per-flow classes exist on this node's link
@@ -136,7 +137,7 @@ def probe(algorithms: list[str], sizes_bytes: list[int], ifname: str, warmup: in
 def build_parser() -> argparse.ArgumentParser:
     """The probe's options (``--comm`` as in every ``flashsgd bench``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_comm_flag(p, "native", "all-reduce algorithms to probe", known=ALLREDUCE.names())
+    add_comm_flag(p, BUILT_IN, "all-reduce algorithms to probe", known=ALLREDUCE.names())
     p.add_argument("--sizes-mb", default="8",
                    help="comma-separated message sizes in MiB (2**20 bytes, DDP's bucket_cap_mb unit)")
     p.add_argument("--ifname", default=os.environ.get("GLOO_SOCKET_IFNAME", "veth0"))

@@ -39,6 +39,7 @@ from typing import Literal
 import numpy as np
 
 from flashsgd.comm.topology import parse_grid
+from flashsgd.exchanges import reads
 from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.costs import CommSetup
 from flashsgd.sim.network import ClusterModel, Link
@@ -138,7 +139,7 @@ def design_row(algorithm: str, size_bytes: float, bench: BenchFile) -> np.ndarra
     out = []
     for alpha, bw, gamma in ((1.0, _TINY_BETA_GBPS, 0.0), (0.0, 1e-9, 0.0), (0.0, _TINY_BETA_GBPS, 1.0)):
         setup = CommSetup(gpus=bench.world, cluster=_unit_cluster(bench.ranks_per_node, alpha, bw, gamma),
-                          grid=bench.grid if algorithm == "torus2d" else None)
+                          grid=bench.grid if reads(algorithm, "grid") else None)
         out.append(float(ALGORITHMS.get(algorithm)(size_bytes, setup).total))
     return np.array(out)
 

@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from flashsgd.comm.topology import parse_grid
-from flashsgd.exchanges import DEFAULT_DENSITY, INT32_NUMEL, NODE_SPLITS, WIRE_INDEX_BYTES, option_default
+from flashsgd.exchanges import BUILT_IN, DEFAULT_DENSITY, INT32_NUMEL, NODE_SPLITS, WIRE_INDEX_BYTES, option_default
 from flashsgd.fmt import percent, plural, size, span
 from flashsgd.outputs import add_output
 from flashsgd.sim.algorithms import ALGORITHMS
@@ -340,8 +340,8 @@ def plot_efficiency(results: list[SimResult], path: str | Path, title: str) -> N
     for i, a in enumerate(algos):
         rs = [r for r in results if r.algorithm == a]
         ax.plot([r.gpus for r in rs], [100 * r.efficiency for r in rs], styles[i % len(styles)],
-                label="native (ring model)" if a == "native" else a, markersize=5, linewidth=1.5,
-                alpha=0.6 if a == "native" else 1.0)
+                label=f"{a} (ring model)" if a == BUILT_IN else a, markersize=5, linewidth=1.5,
+                alpha=0.6 if a == BUILT_IN else 1.0)
     gpus = sorted({r.gpus for r in results})
     ax.set_xscale("log", base=2)
     ax.set_xticks(gpus, [str(g) for g in gpus])

@@ -62,7 +62,7 @@ from typing import Literal
 
 import numpy as np
 
-from flashsgd.exchanges import DEFAULT_DENSITY, WIRE_INDEX_BYTES, option_default
+from flashsgd.exchanges import DEFAULT_DENSITY, WIRE_INDEX_BYTES, option_default, reads
 from flashsgd.sim.algorithms import exchange_cost
 from flashsgd.sim.costs import CommSetup, Cost
 from flashsgd.sim.inputs import check_option
@@ -277,7 +277,7 @@ def bucket_bounds(numels: np.ndarray, elem_bytes: int, bucket_mb: float,
 def _bucket_costs(algorithm: str, nbytes: np.ndarray, setup: CommSetup, workload: Workload,
                   ends: np.ndarray) -> Cost:
     """Every bucket's exchange cost; PowerSGD's depends on the bucket's matrices, not only its size."""
-    if algorithm != "powersgd" or workload.matrices is None:
+    if not reads(algorithm, "matrix_approximation_rank") or workload.matrices is None:
         return exchange_cost(algorithm, nbytes, setup)
     starts = np.concatenate(([0], ends[:-1]))
     parts = [exchange_cost(algorithm, n, replace(setup, matrices=tuple(map(tuple, workload.matrices[a:b].tolist()))))
@@ -334,7 +334,7 @@ def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimRe
         latency_s=float(cost.latency_s.sum()), bandwidth_s=float(cost.bandwidth_s.sum()),
         comm_compute_s=float(cost.compute_s.sum()),
         overhead_s=float(cost.overhead_s.sum()) + per_bucket * int(ends.size),
-        grid=setup.torus_grid if cfg.algorithm == "torus2d" else None, schedule=cfg.schedule,
+        grid=setup.torus_grid if reads(cfg.algorithm, "grid") else None, schedule=cfg.schedule,
         grad_accum=cfg.grad_accum, straggler_s=t1 - t_one, step_overhead_s=overhead, slowdown_s=slowdown,
         input_wait_s=iteration - busy,
     )
@@ -360,7 +360,7 @@ def straddling_alternative(workload: Workload, cluster: ClusterModel, cfg: SimCo
     inside the node (32 nodes x 6 GPUs: automatic 12x16, node-aligned 6x32).
     """
     aligned = node_aligned_grid(cluster, cfg.gpus)
-    if cfg.algorithm != "torus2d" or cfg.grid is not None or aligned is None or result.grid is None \
+    if not reads(cfg.algorithm, "grid") or cfg.grid is not None or aligned is None or result.grid is None \
             or result.grid[0] <= aligned[0]:
         return None
     other = simulate(workload, cluster, replace(cfg, grid=aligned))

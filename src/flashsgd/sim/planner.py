@@ -58,7 +58,7 @@ from functools import lru_cache
 from typing import Literal
 
 from flashsgd.exchanges import (BUCKET_MB, DEFAULT_DENSITY, DENSE_ITERATIONS, EXCHANGES, MIN_COVERAGE, NODE_SPLITS,
-                                WIRE_INDEX_BYTES, DensityWarmup, SparseOptions, coverage, names)
+                                WIRE_INDEX_BYTES, DensityWarmup, SparseOptions, coverage, names, reads)
 from flashsgd.fmt import plural
 from flashsgd.sim.engine import SimConfig, SimResult, simulate
 from flashsgd.sim.network import ClusterModel
@@ -329,15 +329,15 @@ def candidates(gpus: int, cluster: ClusterModel, buckets_mb=BUCKETS_MB,
     two_level = local > 1 and gpus > local
     out = []
     for algo in algorithms:
-        if algo in ("hierarchical", "hgtopk") and not two_level:
-            continue  # one level: the same as ring / gtopk
-        if algo == "torus2d":
+        if EXCHANGES[algo].one_level and not two_level:
+            continue  # one level: the same as its flat form (ring, gtopk)
+        if reads(algo, "grid"):
             settings = [{"grid": g} for g in grids(gpus, cluster.ranks_per_node)]
-        elif algo == "hgtopk":
+        elif reads(algo, "node_split"):
             settings = [{"density": d, "node_split": s} for d in DENSITIES for s in NODE_SPLITS]
-        elif algo in SPARSE:
+        elif reads(algo, "density"):
             settings = [{"density": d} for d in DENSITIES]
-        elif algo in LOWRANK:
+        elif reads(algo, "matrix_approximation_rank"):
             settings = [{"matrix_approximation_rank": r} for r in LOWRANKS]
         else:
             settings = [{}]

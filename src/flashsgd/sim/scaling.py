@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flashsgd.exchanges import WIRE_INDEX_BYTES
+from flashsgd.exchanges import COMPUTE_ONLY, WIRE_INDEX_BYTES, reads
 from flashsgd.fmt import plural
 from flashsgd.sim.algorithms import ALGORITHMS
 from flashsgd.sim.calibrate import load_json
@@ -135,10 +135,10 @@ def design(row: dict, density: float) -> np.ndarray:
     clusters = (_unit(row, alpha=1.0), _unit(row, inter_gbps=_UNIT_GBPS, flow_cap=True),
                 _unit(row, inter_gbps=_UNIT_GBPS, intra_gbps=_UNIT_GBPS), _unit(row, select=1.0),
                 _unit(row, call=1.0), _unit(row, sparse=1.0), _unit(row, flop=1.0))
-    grid = tuple(row["grid"]) if row.get("grid") and row["comm"] == "torus2d" else None
+    grid = tuple(row["grid"]) if row.get("grid") and reads(row["comm"], "grid") else None
     n = np.asarray(row["bucket_bytes"], dtype=float)
     matrices = tuple(tuple(m) for m in row["matrices"]) if row.get("matrices") else None
-    if row["comm"] == "powersgd" and matrices:
+    if reads(row["comm"], "matrix_approximation_rank") and matrices:
         n = np.asarray([n.sum()])  # the model's matrices, as one message
     fn = ALGORITHMS.get(row["comm"])
     out = []
@@ -175,7 +175,7 @@ def setting_label(key: Setting) -> str:
 
 def compute_by_setting(rows: list[dict]) -> dict[Setting, float]:
     """:func:`setting` -> the noop row's median step (the compute of that shape and setting)."""
-    return {setting(r): median_step_s(r) for r in rows if r["comm"] == "noop"}
+    return {setting(r): median_step_s(r) for r in rows if r["comm"] == COMPUTE_ONLY}
 
 
 def baseline_contradiction(steps_s: list[float], noop_steps_s: list[float]) -> dict | None:
@@ -228,8 +228,8 @@ def baseline_contradiction(steps_s: list[float], noop_steps_s: list[float]) -> d
 def contradicting(rows: list[dict]) -> list[dict]:
     """The rows (noop rows excluded) that contradict the noop row of their own :func:`setting`
     (:func:`baseline_contradiction`); rows whose setting has no noop row are not judged."""
-    noop = {setting(r): r["step_s"] for r in rows if r["comm"] == "noop"}
-    return [r for r in rows if r["comm"] != "noop" and setting(r) in noop
+    noop = {setting(r): r["step_s"] for r in rows if r["comm"] == COMPUTE_ONLY}
+    return [r for r in rows if r["comm"] != COMPUTE_ONLY and setting(r) in noop
             and baseline_contradiction(r["step_s"], noop[setting(r)]) is not None]
 
 
@@ -309,7 +309,7 @@ def fit(rows: list[dict], calibration_shapes: list[tuple[int, int]], density: fl
     bad = [r for r in contradicting(rows) if modelled(r) and r["world"] > 1]
     bad_ids = {id(r) for r in bad}
     cal = [r for r in rows if (r["nodes"], r["ranks_per_node"]) in calibration_shapes
-           and r["comm"] != "noop" and modelled(r) and r["world"] > 1 and setting(r) in compute
+           and r["comm"] != COMPUTE_ONLY and modelled(r) and r["world"] > 1 and setting(r) in compute
            and id(r) not in bad_ids]
     shapes = {k[:2] for k in compute}
     missing = [s for s in calibration_shapes if s not in shapes]
@@ -359,7 +359,7 @@ def predict(f: ScalingFit, rows: list[dict]) -> list[dict]:
         base = {"comm": r["comm"], "nodes": r["nodes"], "ranks_per_node": r["ranks_per_node"],
                 "world": r["world"], "grad_accum": key[2], "flow_bps": key[3], "measured_s": measured,
                 "source": r.get("source")}
-        if r["comm"] == "noop":
+        if r["comm"] == COMPUTE_ONLY:
             out.append({**base, "role": "input (compute)", "predicted_s": measured, "error": 0.0})
             continue
         if r["world"] == 1:  # nothing is exchanged: predicted = compute, not a test of the model
