@@ -30,11 +30,11 @@ def test_every_catalog_entry_has_its_implementation_and_its_cost():
     from flashsgd.comm.dense import ALLREDUCE, DENSE
     from flashsgd.comm.dense_native import NativeChain
     from flashsgd.comm.hooks import HOOKS
-    from flashsgd.comm.sparse.hooks import ALGORITHMS, EXCHANGE_STEPS
-    from flashsgd.sim.algorithms import ALGORITHMS as SIMULATED
+    from flashsgd.comm.sparse.hooks import EXCHANGE_STEPS, SPARSE_EXCHANGES
+    from flashsgd.sim.algorithms import SIMULATED as SIMULATED
 
     assert HOOKS.names() == X.names()
-    assert list(ALGORITHMS) == X.names("sparse") and set(EXCHANGE_STEPS) == set(ALGORITHMS)
+    assert list(SPARSE_EXCHANGES) == X.names("sparse") and set(EXCHANGE_STEPS) == set(SPARSE_EXCHANGES)
     # one registration per dense algorithm: its record (function + NCCL path) is all there is
     assert DENSE.names() == X.names("dense") and {n: r.fn for n, r in DENSE.items()} == dict(ALLREDUCE)
     for name, exchange in X.EXCHANGES.items():
@@ -143,10 +143,10 @@ def test_no_copy_of_a_catalog_default(value, names):
 def test_simulator_and_planner_read_the_catalog():
     from flashsgd.comm.hooks import HOOKS
     from flashsgd.sim import planner
-    from flashsgd.sim.algorithms import ALGORITHMS, REFERENCES
+    from flashsgd.sim.algorithms import SIMULATED, REFERENCES
 
     costed = [n for n, e in X.EXCHANGES.items() if e.cost is not None]
-    assert ALGORITHMS.names() == costed + list(REFERENCES)  # every hook's exchange, then references
+    assert SIMULATED.names() == costed + list(REFERENCES)  # every hook's exchange, then references
     assert set(costed) == set(HOOKS) - {"noop"}
     from flashsgd.sim.network import CLUSTERS
 

@@ -144,7 +144,7 @@ def test_cli_predicts_a_second_run_from_the_first(tmp_path, capsys):
 
 
 def test_cli_bad_inputs(tmp_path):
-    with pytest.raises(ValueError, match="unknown simulated algorithm 'rign'"):
+    with pytest.raises(ValueError, match="unknown simulated exchange 'rign'"):
         run_cli("--comm", "rign")
     with pytest.raises(ValueError, match="unknown cluster preset"):
         run_cli("--cluster", "nope")

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from flashsgd.sim.algorithms import ALGORITHMS, exchange_cost
+from flashsgd.sim.algorithms import SIMULATED, exchange_cost
 from flashsgd.sim.costs import CommSetup, auto_grid
 from flashsgd.sim.network import CLUSTERS, ClusterModel, Link, get_cluster
 
@@ -215,7 +215,7 @@ def test_torus2d_cuts_latency_steps_at_scale():
 
 
 def test_one_gpu_costs_nothing_and_costs_grow_with_size():
-    for algo in ALGORITHMS.names():
+    for algo in SIMULATED.names():
         assert total(algo, 1e8, CommSetup(gpus=1, cluster=flat())) == 0.0
         t = exchange_cost(algo, np.array([1e5, 1e6, 1e7, 1e8]), CommSetup(gpus=16, cluster=two_level())).total
         assert np.all(np.diff(t) > 0), algo
@@ -256,7 +256,7 @@ def test_bad_inputs_raise_clear_errors():
         get_cluster("abcd")
     with pytest.raises(ValueError, match="--calibration"):
         get_cluster("local")
-    with pytest.raises(ValueError, match="unknown simulated algorithm 'rign'"):
+    with pytest.raises(ValueError, match="unknown simulated exchange 'rign'"):
         exchange_cost("rign", 1e6, CommSetup(gpus=8, cluster=c))
     with pytest.raises(ValueError, match="n_bytes"):
         exchange_cost("ring", -1.0, CommSetup(gpus=8, cluster=c))

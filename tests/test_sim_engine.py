@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashsgd.sim.algorithms import ALGORITHMS, exchange_cost
+from flashsgd.sim.algorithms import SIMULATED, exchange_cost
 from flashsgd.sim.costs import CommSetup
 from flashsgd.sim.engine import SimConfig, bucket_bounds, simulate, sweep
 from flashsgd.sim.network import CLUSTERS
@@ -102,7 +102,7 @@ def test_bucket_bounds_ddp_style_and_fixed_groups():
     assert simulate(resnet50(), ABCI, SimConfig("ring", 64, 1200.0, groups=(3, 21, 57, 80))).buckets == 4
 
 
-@pytest.mark.parametrize("algo", ALGORITHMS.names())
+@pytest.mark.parametrize("algo", SIMULATED.names())
 def test_engine_invariants(algo):
     w = resnet50()
     for gpus in (1, 4, 64, 1024):

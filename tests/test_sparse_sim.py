@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from flashsgd.sim.algorithms import ALGORITHMS, exchange_cost
+from flashsgd.sim.algorithms import SIMULATED, exchange_cost
 from flashsgd.sim.costs import CommSetup
 from flashsgd.sim.network import CLUSTERS
 
@@ -18,11 +18,11 @@ def test_node_splits_are_an_option_of_hgtopk_not_names():
     from flashsgd.sim.algorithms import COSTS, REFERENCES
     from flashsgd.sim.costs_hier import NODE_SPLIT_COSTS
 
-    assert not any(n.startswith("hgtopk_") for n in ALGORITHMS)
+    assert not any(n.startswith("hgtopk_") for n in SIMULATED)
     assert tuple(NODE_SPLIT_COSTS) == NODE_SPLITS
     # the registry is the catalog's exchanges (with a cost) and the listed references
-    assert ALGORITHMS.names() == [n for n, e in EXCHANGES.items() if e.cost] + list(REFERENCES)
-    assert all(ALGORITHMS.get(n) is COSTS[e.cost] for n, e in EXCHANGES.items() if e.cost)
+    assert SIMULATED.names() == [n for n, e in EXCHANGES.items() if e.cost] + list(REFERENCES)
+    assert all(SIMULATED.get(n) is COSTS[e.cost] for n, e in EXCHANGES.items() if e.cost)
     four = CommSetup(gpus=8, cluster=CLUSTERS.get("abci"))
     assert CommSetup(gpus=8, cluster=CLUSTERS.get("abci")).node_split == "leader"
     for split in NODE_SPLITS:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from flashsgd import launch
-from flashsgd.comm.sparse.hooks import ALGORITHMS as SPARSE_HOOKS
+from flashsgd.comm.sparse.hooks import SPARSE_EXCHANGES
 from flashsgd.exchanges import COMPUTE_ONLY
 from flashsgd.train.data.loader import augmentation_key
 
@@ -200,7 +200,7 @@ def row_of(spec: dict, comm: str, trainer: Trainer, steps: list) -> dict:
     if trainer.auto is not None:
         row["chosen"] = {**trainer.auto["choice"], "explain": trainer.auto["explain"],
                          "measured": trainer.auto["measured"]}
-    if plan.config.comm.algorithm in SPARSE_HOOKS:
+    if plan.config.comm.algorithm in SPARSE_EXCHANGES:
         row["compression_s"] = compression_seconds({**spec, "density": plan.config.comm.density}, buckets)
     return row
 

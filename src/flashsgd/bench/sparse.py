@@ -53,7 +53,7 @@ import torch.distributed as dist
 from flashsgd.bench.common import (add_run_arguments, check_run_arguments, format_header, format_row,
                                    ranks_on_this_host, run_metadata, write_json)
 from flashsgd.bench.sparse_hook import measure_hook
-from flashsgd.bench.sparse_steps import (DEFAULT_NODE_SPLIT, FLOOR_PASSES, STEP_ALGORITHMS, SparseStep,
+from flashsgd.bench.sparse_steps import (DEFAULT_NODE_SPLIT, FLOOR_PASSES, SparseStep,
                                          step_name, wire_bytes_per_node)
 from flashsgd.cli_flags import add_comm_flag, add_option_flag, comm_list
 from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, gtopk_bytes_sent,
@@ -61,6 +61,7 @@ from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, gtopk_bytes_se
                                   wire_index_dtype)
 from flashsgd.comm.sparse.fused import compiled_available, compress_
 from flashsgd.comm.sparse.hier import broadcast_len, check_node_layout
+from flashsgd.comm.sparse.hooks import SPARSE_EXCHANGES
 from flashsgd.comm.sparse.oktopk import oktopk_bytes_sent
 from flashsgd.comm.sparse.select import ThresholdReuse, topk_threshold
 from flashsgd.emulate.netns import parse_rate
@@ -70,7 +71,6 @@ from flashsgd.timing import time_ops
 
 HELP = "time Top-k / gTop-k / hierarchical gTop-k against dense all-reduce, and top-k selection"
 RESNET50_NUMEL = 25_557_032
-ALGORITHMS = STEP_ALGORITHMS
 
 EXCHANGE_COLUMNS = [
     ("algorithm", "algorithm", 16, "s"), ("density", "density", 8, "g"), ("k", "k", 9, "d"),
@@ -334,7 +334,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--densities", default=str(DEFAULT_DENSITY),
                         help=f"comma-separated, each in (0, 1], one row each (default {DEFAULT_DENSITY}, "
                              "the paper's)")
-    add_comm_flag(parser, "topk,gtopk", "sparse exchanges timed against dense", known=ALGORITHMS)
+    add_comm_flag(parser, "topk,gtopk", "sparse exchanges timed against dense", known=SPARSE_EXCHANGES)
     parser.add_argument("--node-splits", default=DEFAULT_NODE_SPLIT,
                         help=f"hgtopk: comma-separated node splits, one row each, from "
                              f"{', '.join(NODE_SPLITS)} (default {DEFAULT_NODE_SPLIT})")
@@ -378,7 +378,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SparseBenchConfig, int]:
         raise ValueError("--densities is empty; e.g. 0.001,0.01")
     for d in densities:
         validate_density(d, "--densities")
-    algorithms = comm_list(args.comm, list(ALGORITHMS))  # unknown, empty or repeated: ValueError
+    algorithms = comm_list(args.comm, list(SPARSE_EXCHANGES))  # unknown, empty or repeated: ValueError
     node_splits = [s.strip() for s in args.node_splits.split(",") if s.strip()]
     bad = [s for s in node_splits if s not in NODE_SPLITS]
     if bad or not node_splits:

@@ -44,11 +44,9 @@ import torch
 from flashsgd.comm.hooks import HOOKS
 from flashsgd.comm.sparse import gtopk_bytes_sent, message_bytes
 from flashsgd.comm.sparse.oktopk import capacities
-from flashsgd.exchanges import EXCHANGES, names, option_default, reads
+from flashsgd.exchanges import EXCHANGES, option_default, reads
 
 PHASES = ("accum", "select", "exchange", "merge", "scatter")
-STEP_ALGORITHMS = tuple(names("sparse"))
-"""The catalog's sparse exchanges; hgtopk's node split is an option (:class:`SparseStep`)."""
 DEFAULT_NODE_SPLIT = option_default("node_split")
 
 
@@ -136,7 +134,7 @@ class _Bucket:
 
 
 class SparseStep:
-    """The hook ``algorithm`` (in :data:`STEP_ALGORITHMS`) on the bucket ``buf`` with the given
+    """The hook ``algorithm`` (in :data:`~flashsgd.comm.sparse.hooks.SPARSE_EXCHANGES`) on the bucket ``buf`` with the given
     options (:class:`flashsgd.exchanges.SparseOptions`; hgtopk: ``ranks_per_node``, ``node_split``),
     a callable: each call overwrites ``buf`` with the average. ``state`` is the hook's, ``clock``
     its phases per call. Collective to build (hgtopk builds its node groups)."""

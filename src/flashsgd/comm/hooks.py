@@ -48,7 +48,7 @@ from flashsgd.registry import Registry
 
 _FACTORIES = {"native": dense_hooks.make_native, "noop": dense_hooks.make_noop,
               **{name: dense_hooks.dense_factory(name) for name in dense_hooks.DENSE_HOOKS},
-              **{name: sparse_hooks.sparse_factory(name) for name in sparse_hooks.ALGORITHMS},
+              **{name: sparse_hooks.sparse_factory(name) for name in sparse_hooks.SPARSE_EXCHANGES},
               "powersgd": powersgd_hooks.make_powersgd}
 
 HOOKS: Registry[HookFactory] = Registry("DDP communication hook")

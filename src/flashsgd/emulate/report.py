@@ -58,12 +58,12 @@ def wire_s(algorithm: str, size_bytes: float, world: int, nodes: int, rate_bps: 
     message of ``size_bytes``)."""
     from flashsgd.comm.dense import ALLREDUCE
     from flashsgd.comm.topology import parse_grid
-    from flashsgd.sim.algorithms import ALGORITHMS, exchange_cost
+    from flashsgd.sim.algorithms import SIMULATED, exchange_cost
     from flashsgd.sim.costs import CommSetup
     from flashsgd.sim.fabric import Fabric
     from flashsgd.sim.network import ClusterModel, Link
 
-    if algorithm not in ALLREDUCE or algorithm not in ALGORITHMS:
+    if algorithm not in ALLREDUCE or algorithm not in SIMULATED:
         return None
     free = Link(0.0, 1e9)  # loopback: taken as free (1e18 B/s)
     inter = Link(0.0, rate_bps / 8e9, None if flow_bps is None else flow_bps / 8e9)

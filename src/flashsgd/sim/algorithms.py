@@ -7,7 +7,7 @@ name gets the function of that name in :data:`COSTS` (``native`` is costed as th
 sends nothing and has none); a catalog entry whose cost is missing here fails at import. The
 simulator-only references (:data:`REFERENCES`: ``recursive_doubling``, ``rabenseifner``,
 ``binomial``, ``gtopk_tree``) are registered as references where they are defined. The CLI (``--comm``), the calibration and the
-tests read the names from :data:`ALGORITHMS`.
+tests read the names from :data:`SIMULATED`.
 
 Example::
 
@@ -36,21 +36,21 @@ pick a ring for large messages (a stated assumption)."""
 REFERENCES = {name: COSTS[name] for name in costs.REFERENCES}
 """Simulator-only algorithms (no hook runs them): references for the papers' figures."""
 
-ALGORITHMS: Registry[CostFn] = Registry("simulated algorithm")
+SIMULATED: Registry[CostFn] = Registry("simulated exchange")
 for _name, _exchange in EXCHANGES.items():
     if _exchange.cost is not None:
         if _exchange.cost not in COSTS:
             raise KeyError(f"exchange {_name!r}: cost function {_exchange.cost!r} is not in "
                            "flashsgd.sim.algorithms.COSTS")
-        ALGORITHMS.add(_name, COSTS[_exchange.cost])
+        SIMULATED.add(_name, COSTS[_exchange.cost])
 for _name, _fn in REFERENCES.items():
-    ALGORITHMS.add(_name, _fn)
+    SIMULATED.add(_name, _fn)
 del _name, _exchange, _fn
 
 
 def exchange_cost(algorithm: str, n_bytes, setup: CommSetup) -> Cost:
     """Cost of ``algorithm`` (a registered name) moving ``n_bytes`` per rank; zero for one GPU."""
-    fn = ALGORITHMS.get(algorithm)
+    fn = SIMULATED.get(algorithm)
     n = np.asarray(n_bytes, dtype=float)
     if np.any(n < 0):
         raise ValueError(f"n_bytes must be >= 0, got {float(n.min())}")

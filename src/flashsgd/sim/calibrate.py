@@ -40,7 +40,7 @@ import numpy as np
 
 from flashsgd.comm.topology import parse_grid
 from flashsgd.exchanges import reads
-from flashsgd.sim.algorithms import ALGORITHMS
+from flashsgd.sim.algorithms import SIMULATED
 from flashsgd.sim.costs import CommSetup
 from flashsgd.sim.network import ClusterModel, Link
 
@@ -116,7 +116,7 @@ def load_bench(path: str | Path, statistic: Literal["time_us", "time_us_min"] = 
                 f"calibration file {str(path)!r}: results[{i}] needs 'algorithm', 'size_bytes', "
                 f"{statistic!r}"
             ) from None
-        if algo not in ALGORITHMS:
+        if algo not in SIMULATED:
             skipped.add(algo)
             continue
         if not (size > 0 and t_us > 0 and math.isfinite(t_us)):
@@ -124,7 +124,7 @@ def load_bench(path: str | Path, statistic: Literal["time_us", "time_us_min"] = 
         rows.append(Measurement(algo, size, t_us * 1e-6))
     if not rows:
         raise ValueError(f"calibration file {str(path)!r}: no results for modelled algorithms "
-                         f"{ALGORITHMS.names()}")
+                         f"{SIMULATED.names()}")
     return BenchFile(world, ranks_per_node, grid, meta, rows, sorted(skipped))
 
 
@@ -140,7 +140,7 @@ def design_row(algorithm: str, size_bytes: float, bench: BenchFile) -> np.ndarra
     for alpha, bw, gamma in ((1.0, _TINY_BETA_GBPS, 0.0), (0.0, 1e-9, 0.0), (0.0, _TINY_BETA_GBPS, 1.0)):
         setup = CommSetup(gpus=bench.world, cluster=_unit_cluster(bench.ranks_per_node, alpha, bw, gamma),
                           grid=bench.grid if reads(algorithm, "grid") else None)
-        out.append(float(ALGORITHMS.get(algorithm)(size_bytes, setup).total))
+        out.append(float(SIMULATED.get(algorithm)(size_bytes, setup).total))
     return np.array(out)
 
 

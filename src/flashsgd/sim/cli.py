@@ -31,7 +31,7 @@ from flashsgd.comm.topology import parse_grid
 from flashsgd.exchanges import BUILT_IN, DEFAULT_DENSITY, INT32_NUMEL, NODE_SPLITS, WIRE_INDEX_BYTES, option_default
 from flashsgd.fmt import percent, plural, size, span
 from flashsgd.outputs import add_output
-from flashsgd.sim.algorithms import ALGORITHMS
+from flashsgd.sim.algorithms import SIMULATED
 from flashsgd.sim.engine import (BYTES, SimConfig, SimResult, bucket_bounds, simulate,
                                   straddling_alternative, sweep)
 from flashsgd.sim.cluster_file import load_cluster
@@ -88,7 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "preset's range for its own ResNet-50 figure; none for a given --images-per-s)")
     p.add_argument("--comm", metavar="NAME[,NAME...]",
                    help=f"exchanges to simulate, comma-separated, or 'all' (default native): "
-                        f"{', '.join(ALGORITHMS.names())}")
+                        f"{', '.join(SIMULATED.names())}")
     p.add_argument("--grid", help="torus2d grid XxY, X*Y = --gpus or one of --sweep-gpus "
                                   "(default: near-square, X per node)")
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
@@ -127,9 +127,9 @@ def _algorithms(value: str | None) -> list[str]:
     """``--comm``: comma-separated names (default native) or 'all'; ValueError on an unknown one."""
     names = [n.strip() for n in (value or "native").split(",") if n.strip()]
     if "all" in names:
-        return ALGORITHMS.names()
+        return SIMULATED.names()
     for n in names:
-        ALGORITHMS.get(n)  # ValueError listing the known names
+        SIMULATED.get(n)  # ValueError listing the known names
     return list(dict.fromkeys(names))
 
 

@@ -60,7 +60,7 @@ with one step before and one after (MPICH), and so does the gtopk butterfly (``c
 binomial trees and gtopk_tree use ceil(lgP) steps. The sparse exchanges (topk, gtopk, hgtopk,
 gtopk_tree) live in :mod:`flashsgd.sim.costs_sparse`, built from the link helpers here; gtopk's
 messages are sized as ``comm/sparse/__init__.py`` packs them (k s bytes padded to index-sized words). Both
-modules' functions are registered by name in one place, :data:`flashsgd.sim.algorithms.ALGORITHMS`,
+modules' functions are registered by name in one place, :data:`flashsgd.sim.algorithms.SIMULATED`,
 from the catalog :data:`flashsgd.exchanges.EXCHANGES` (each exchange's ``cost``).
 
 Example::
@@ -190,7 +190,7 @@ def zero_cost(n: np.ndarray) -> Cost:
 
 CostFn = Callable[[object, CommSetup], Cost]
 """``cost(n_bytes, setup) -> Cost``: the signature of every function registered in
-:data:`flashsgd.sim.algorithms.ALGORITHMS`."""
+:data:`flashsgd.sim.algorithms.SIMULATED`."""
 
 COSTS: Registry[CostFn] = Registry("cost function")
 """Every cost function by its name, registered where it is defined (:func:`cost`): the catalog's

@@ -17,7 +17,7 @@ Cost: three ring all-reduces (:func:`flashsgd.sim.costs.ring`, each with its per
 flops x ``flop_s`` + the error-feedback add (n m elements, gamma per byte) + the hook's own work per
 compressed element, n m x ``lowrank_s_per_elem`` (measured on an H200: launch-bound,
 :mod:`flashsgd.sim.device_costs`). Registered in
-:data:`flashsgd.sim.algorithms.ALGORITHMS` as ``powersgd``; the signature is
+:data:`flashsgd.sim.algorithms.SIMULATED` as ``powersgd``; the signature is
 ``cost(n_bytes, setup) -> Cost`` of :mod:`flashsgd.sim.costs`. Without ``setup.matrices`` each
 message is taken as one square matrix.
 

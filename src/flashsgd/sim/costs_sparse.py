@@ -2,7 +2,7 @@
 
 Paper: Shi et al. 2019, "A Distributed Synchronous SGD Algorithm with Global Top-k Sparsification for
 Low Bandwidth Networks" (arXiv 1901.04359). Registered by name in
-:data:`flashsgd.sim.algorithms.ALGORITHMS` (formulas in the docstring table of
+:data:`flashsgd.sim.algorithms.SIMULATED` (formulas in the docstring table of
 :mod:`flashsgd.sim.costs`, whose link helpers they use):
 
 - ``topk``: ``flashsgd.comm.sparse.topk_allgather``: local top-k, one round in which every rank

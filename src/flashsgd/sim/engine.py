@@ -81,7 +81,7 @@ class SimConfig:
     """What to simulate: algorithm, scale, per-GPU work and fusion policy."""
 
     algorithm: str
-    """A name from flashsgd.sim.algorithms.ALGORITHMS (native, ring, hierarchical, torus2d, topk, ...)."""
+    """A name from flashsgd.sim.algorithms.SIMULATED (native, ring, hierarchical, torus2d, topk, ...)."""
     gpus: int
     """Number of GPUs (ranks)."""
     images_per_s: float

@@ -17,7 +17,7 @@ The measured step of hook ``a`` at N nodes of L ranks (world W = N L) is modelle
   micro-batches has K times the compute but one exchange); N0 the smallest measured world (the
   first such noop row);
 * A, B, Bcpu, E, C, S, F: the coefficients of the algorithm's own closed-form cost
-  (:data:`flashsgd.sim.algorithms.ALGORITHMS`, formulas in :mod:`flashsgd.sim.costs`) evaluated on unit
+  (:data:`flashsgd.sim.algorithms.SIMULATED`, formulas in :mod:`flashsgd.sim.costs`) evaluated on unit
   clusters: A = message steps on the critical path, B = bytes on the critical path over the
   inter-node link (its flows sharing the node's link; B 8 / rate is their time at the nominal tbf
   rate). With a per-flow cap (``bench scaling --flow-rate``: the row's ``flow_bps``) B is the
@@ -67,7 +67,7 @@ import numpy as np
 
 from flashsgd.exchanges import COMPUTE_ONLY, WIRE_INDEX_BYTES, reads
 from flashsgd.fmt import plural
-from flashsgd.sim.algorithms import ALGORITHMS
+from flashsgd.sim.algorithms import SIMULATED
 from flashsgd.sim.calibrate import load_json
 from flashsgd.sim.costs import CommSetup
 from flashsgd.sim.network import ClusterModel, Link
@@ -140,7 +140,7 @@ def design(row: dict, density: float) -> np.ndarray:
     matrices = tuple(tuple(m) for m in row["matrices"]) if row.get("matrices") else None
     if reads(row["comm"], "matrix_approximation_rank") and matrices:
         n = np.asarray([n.sum()])  # the model's matrices, as one message
-    fn = ALGORITHMS.get(row["comm"])
+    fn = SIMULATED.get(row["comm"])
     out = []
     for cluster in clusters:
         setup = CommSetup(gpus=row["world"], cluster=cluster, grid=grid, density=density,
@@ -246,7 +246,7 @@ def cpu_share(rows: list[dict]) -> dict[Setting, float]:
 
 
 def modelled(row: dict) -> bool:
-    return row["comm"] in ALGORITHMS
+    return row["comm"] in SIMULATED
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ from flashsgd.comm.waits import wait_collective
 from flashsgd.exchanges import SparseOptions, names, resolved_selection
 from flashsgd.host_syncs import path_device_type
 
-__all__ = ["ALGORITHMS", "EXCHANGE_STEPS", "SparseHookState", "sparse_hook", "sparse_factory",
+__all__ = ["SPARSE_EXCHANGES", "EXCHANGE_STEPS", "SparseHookState", "sparse_hook", "sparse_factory",
            "prepare_sparse", "dense_iteration", "select"]
 
 
@@ -326,8 +326,9 @@ EXCHANGE_STEPS: dict[str, ExchangeStep] = {
     "hgtopk": ExchangeStep(False, lambda options: options.node_split == "sparse", _hgtopk),
     "oktopk": ExchangeStep(True, lambda options: True, _oktopk),
 }
-ALGORITHMS = tuple(names("sparse"))
-assert set(EXCHANGE_STEPS) == set(ALGORITHMS), "every sparse exchange of the catalog needs a step"
+SPARSE_EXCHANGES = tuple(names("sparse"))
+"""The catalog's sparse exchanges (each one's hook is :func:`sparse_factory`)."""
+assert set(EXCHANGE_STEPS) == set(SPARSE_EXCHANGES), "every sparse exchange of the catalog needs a step"
 
 
 @ddp_hook
@@ -376,7 +377,7 @@ def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.future
 
 
 def sparse_factory(algorithm: str) -> Callable:
-    """The factory of the sparse hook ``algorithm`` (one of :data:`ALGORITHMS`)."""
+    """The factory of the sparse hook ``algorithm`` (one of :data:`SPARSE_EXCHANGES`)."""
     def make(ddp_model: Any, options: SparseOptions) -> tuple[SparseHookState, Callable]:
         ranks_per_node = getattr(options, "ranks_per_node", None)
         if ranks_per_node is not None:  # checked before any process group is built
