@@ -56,13 +56,10 @@ from flashsgd.bench.sparse_hook import measure_hook
 from flashsgd.bench.sparse_steps import (DEFAULT_NODE_SPLIT, FLOOR_PASSES, SparseStep,
                                          step_name, wire_bytes_per_node)
 from flashsgd.cli_flags import add_comm_flag, add_option_flag, comm_list
-from flashsgd.comm.sparse import (SELECTIONS, SelectionWorkspace, gtopk_bytes_sent,
-                                  k_from_density, topk_bytes_sent, validate_density,
-                                  wire_index_dtype)
+from flashsgd.comm.sparse import SELECTIONS, SelectionWorkspace, k_from_density, validate_density
 from flashsgd.comm.sparse.fused import compiled_available, compress_
-from flashsgd.comm.sparse.hier import broadcast_len, check_node_layout
+from flashsgd.comm.sparse.hier import check_node_layout
 from flashsgd.comm.sparse.hooks import SPARSE_EXCHANGES
-from flashsgd.comm.sparse.oktopk import oktopk_bytes_sent
 from flashsgd.comm.sparse.select import ThresholdReuse, topk_threshold
 from flashsgd.emulate.netns import parse_rate
 from flashsgd.exchanges import BUCKET_MB, DEFAULT_DENSITY, NODE_SPLITS, reads
@@ -127,27 +124,13 @@ def _rpn(cfg: SparseBenchConfig, world: int) -> int:
     return check_node_layout(rpn, world)
 
 
-def _bytes_per_rank(algo: str, node_split: str | None, k: int, world: int, rpn: int, numel: int) -> int:
-    f32 = torch.float32
-    if algo == "topk":
-        return topk_bytes_sent(k, world, f32, numel)
-    if algo == "gtopk":
-        return max(gtopk_bytes_sent(k, world, r, f32, numel) for r in range(world))
-    if algo == "oktopk":
-        return oktopk_bytes_sent(k, world, f32, numel)
-    nodes = world // rpn
-    if node_split == "slices":  # (R-1) slices of m/R sent in the node, a gTop-k of k/R, an all-gather
-        k_slice, m_slice = -(-k // rpn), -(-numel // rpn)
-        cross = (max(gtopk_bytes_sent(k_slice, nodes, n, f32, m_slice) for n in range(nodes))
-                 if nodes > 1 else 0)
-        word = wire_index_dtype(numel).itemsize
-        return 4 * numel * (rpn - 1) // rpn + cross + (rpn - 1) * word * broadcast_len(k_slice, f32, numel)
-    leader = max(gtopk_bytes_sent(k, nodes, n, f32, numel) for n in range(nodes)) if nodes > 1 else 0
-    bcast = (rpn - 1) * wire_index_dtype(numel).itemsize * broadcast_len(k, f32, numel)
-    if node_split == "sparse":  # the node's gTop-k, then the leader's
-        node = max(gtopk_bytes_sent(k, rpn, r, f32, numel) for r in range(rpn)) if rpn > 1 else 0
-        return node + leader + bcast
-    return max(leader + bcast, 4 * numel if rpn > 1 else 0)
+def _bytes_per_call(steps: list[SparseStep], calls: int) -> list[int]:
+    """Bytes the busiest rank handed to the backend per call of each step: the hooks' own traffic
+    counters (``SparseHookState.bytes_sent``) over the ``calls`` made, the max over ranks (one
+    all-reduce); not a formula, so a new exchange needs none here."""
+    sent = torch.tensor([s.state.bytes_sent for s in steps], dtype=torch.float64)
+    dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+    return [round(b / calls) for b in sent.tolist()]
 
 
 def measure(cfg: SparseBenchConfig) -> list[dict]:
@@ -182,7 +165,8 @@ def measure(cfg: SparseBenchConfig) -> list[dict]:
                   "floor_ms": dense_wire, "e2e_over_floor": dense_s * 1e3 / dense_wire if dense_wire else None,
                   "bytes_per_rank": 2 * (world - 1) * m * 4 // world, "ratio_to_dense": 1.0,
                   "for_density": density}]
-        for (algo, split, fused), step, t in zip(variants, steps, timings[2:]):
+        sent = _bytes_per_call(steps, cfg.warmup + cfg.iters)
+        for (algo, split, fused), step, t, bytes_sent in zip(variants, steps, timings[2:], sent):
             phases = {f"{p}_ms": s * 1e3 for p, s in step.phases(cfg.warmup).items()}
             wire = (wire_bytes_per_node(algo, k, m, world, rpn, split or DEFAULT_NODE_SPLIT) / rate * 1e3
                     if rate else 0.0)
@@ -196,7 +180,7 @@ def measure(cfg: SparseBenchConfig) -> list[dict]:
                 "passes": (phases["accum_ms"] + phases["select_ms"] + phases["scatter_ms"]) / (add_s * 1e3),
                 "wire_ms": wire, "floor_ms": floor, "floor_passes": FLOOR_PASSES[(name, fused)],
                 "e2e_over_floor": t.median_s * 1e3 / floor,
-                "bytes_per_rank": _bytes_per_rank(algo, split, k, world, rpn, m),
+                "bytes_per_rank": bytes_sent,
                 "ratio_to_dense": dense_s / t.median_s,
                 "ratio_to_topk": None,
             })
