@@ -139,3 +139,36 @@ def test_the_sparse_hooks_host_syncs_are_counted(run_ranks):
         counts, calls, _ = run_ranks(_count_default_step, 2, extra, 2, True)[0]
         print(f"{algorithm}: {counts} host syncs per step at 2 ranks: {calls}")
         assert 1 <= min(counts) and max(counts) <= 40, (algorithm, calls)
+
+
+def _count_powersgd_cuda_path():
+    """:func:`_count_default_step` with powersgd (rank 2) on the code path of CUDA buckets, with
+    ``torch.cuda.synchronize`` counted too: this rank's process claims CUDA (as a GPU machine's
+    ranks see it), so a hook that waits for the device after each bucket (torch's PowerSGD hook
+    did: ``if torch.cuda.is_available(): torch.cuda.synchronize(device)``) shows here."""
+    from flashsgd import host_syncs
+
+    def synchronize(device=None):
+        if host_syncs._ACTIVE:
+            host_syncs._ACTIVE[-1].calls.append("synchronize")
+            host_syncs._ACTIVE[-1].sites.append(host_syncs._caller())
+
+    torch.cuda.is_available = lambda: True  # this rank's process only
+    torch.cuda.synchronize = synchronize
+    with host_syncs.as_if_cuda():
+        return _count_default_step({"algorithm": "powersgd", "matrix_approximation_rank": 2}, 3, True)
+
+
+def test_powersgds_cuda_path_waits_for_nothing(run_ranks):
+    """PowerSGD (flashsgd.comm.lowrank, batched per bucket): its steps, the first compressed one
+    (Q drawn on the host and copied without a wait) and the warm-started ones after it, count
+    exactly the step's own read (``tolist`` of the agreed [loss, samples, flag]), at 2 and 3 ranks,
+    no device-wide synchronization either. The hook runs on the calling thread here (the thread
+    the counter watches). Torch's hook, inside the module before, also counted 1 here: its
+    per-bucket ``synchronize`` was skipped for CPU buckets, and torch's sync debug mode does not
+    flag it on a GPU either (0 in docs/gpu.md's H200 table); what it cost was the CPU waiting for
+    the GPU at every bucket."""
+    for world in (2, 3):
+        for counts, calls, algorithm in run_ranks(_count_powersgd_cuda_path, world):
+            assert algorithm == "powersgd" and counts == [1, 1, 1], (world, calls)
+            assert all(c[0].startswith("tolist step.py:") for c in calls), (world, calls)

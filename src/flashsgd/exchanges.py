@@ -300,7 +300,8 @@ class HierSparseOptions(SparseOptions):
 
 @dataclass(frozen=True)
 class LowRankOptions(CommonOptions):
-    """``powersgd``: torch's PowerSGD hook (:mod:`flashsgd.comm.powersgd_hooks`)."""
+    """``powersgd``: PowerSGD with torch's hook's arithmetic and memories, batched per matrix shape
+    (:mod:`flashsgd.comm.powersgd_hooks`, :mod:`flashsgd.comm.lowrank`)."""
 
     matrix_approximation_rank: int = 1
     """Rank r of the low-rank approximation, >= 1 (torch's default 1; Vogels et al. use 1-4; rank 2

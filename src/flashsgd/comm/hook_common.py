@@ -116,9 +116,9 @@ class HostBucket:
 def ddp_hook(fn: Callable | None = None, *, host_staged: bool = True) -> Callable:
     """Give a hook the real annotations DDP's ``register_comm_hook`` checks, and run it on a host
     copy of a CUDA bucket when the group is Gloo (:func:`stages_on_host`); ``host_staged=False``
-    for a hook whose collectives Gloo runs on CUDA tensors itself (all-reduce only: PowerSGD) and
-    that needs the bucket's own device (torch's PowerSGD hook calls ``torch.cuda.synchronize``
-    on the bucket's device whenever CUDA is available, which a host copy makes fail).
+    for a hook whose collectives Gloo runs on CUDA tensors itself (all-reduce only: PowerSGD),
+    which then compresses on the bucket's own device (a host copy would move the matrix products
+    to the CPU).
 
     With ``from __future__ import annotations`` annotations are strings, and DDP refuses a hook
     whose ``bucket`` annotation is not ``dist.GradBucket`` (or whose return is not

@@ -20,8 +20,9 @@ registry from the hook modules (one-way imports: they never import this one):
   discussed there);
 - :mod:`flashsgd.comm.sparse.hooks`: ``topk``, ``gtopk`` (sparsified exchange with error
   feedback, Shi et al. 2019, arXiv 1901.04359);
-- :mod:`flashsgd.comm.powersgd_hooks`: ``powersgd`` (torch's PowerSGD hook, Vogels et al. 2019,
-  arXiv 1905.13727, with a checkpointable state).
+- :mod:`flashsgd.comm.powersgd_hooks`: ``powersgd`` (PowerSGD, Vogels et al. 2019, arXiv
+  1905.13727: torch's hook's arithmetic, batched per matrix shape, :mod:`flashsgd.comm.lowrank`;
+  with a checkpointable state).
 
 Example::
 
