@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import pytest
@@ -151,6 +152,9 @@ def test_the_dataset_catalog_is_what_the_config_and_the_plan_read():
         cfg = resolve(cli={"dataset": name, **({"data_dir": "/tmp/x"} if name == "imagefolder" else {})})
         assert {k for k in dataset_keys() if applies(cfg, "data", k)} == set(entry.reads), name
         assert applies(cfg, "run", "channels_last") == entry.images
+        # the loader and its description are functions of the [data] config whole (no name lookup)
+        params = [list(inspect.signature(fn).parameters) for fn in (entry.load, entry.describe)]
+        assert params == [["d"], ["d"]], name
     plan = build_plan(resolve(cli={"dataset": "synthetic", "image_shape": "cifar", "num_samples": 4096,
                                    "data_workers": 2, "channels_last": True, "model": "resnet20"}),
                       4, 4096, local_spawn=True, backend="gloo")

@@ -55,10 +55,11 @@ def test_tqdm_on_a_terminal_lines_elsewhere():
 
 
 def test_describe_loading_says_generating_then_loading(tmp_path):
-    assert describe_loading("mnist1d", 2000, str(tmp_path)).startswith("generating MNIST-1D (2,000 samples")
+    mnist1d = dict(num_samples=2000, data_dir=str(tmp_path))
+    assert describe_loading("mnist1d", **mnist1d).startswith("generating MNIST-1D (2,000 samples")
     (tmp_path / "mnist1d_2000_42.npz").write_bytes(b"")
-    assert describe_loading("mnist1d", 2000, str(tmp_path)).startswith("loading MNIST-1D (2,000 samples) from ")
-    assert describe_loading("synthetic", 512, image_shape="cifar") == "synthetic cifar-shaped images (512 samples)"
+    assert describe_loading("mnist1d", **mnist1d).startswith("loading MNIST-1D (2,000 samples) from ")
+    assert describe_loading("synthetic", num_samples=512, image_shape="cifar") == "synthetic cifar-shaped images (512 samples)"
 
 
 def test_train_says_what_it_starts_first_and_writes_progress_lines_to_a_pipe(tmp_path):

@@ -285,6 +285,21 @@ def test_a_custom_recipe_rescaled_by_epochs_says_so():
                                     power=1.0, name="s"), _model(), 512, 1000, epochs=20)
 
 
+def test_a_recipe_field_its_optimizer_does_not_read_is_named():
+    with pytest.warns(RecipeWarning, match=r"recipe 'mine-sgd': optimizer 'sgd' does not read "
+                                           r"trust_coefficient=0.01 \(read by lars, lamb\): ignored"):
+        prepare(Recipe(name="mine-sgd", optimizer="sgd", trust_coefficient=0.01, decay="poly"), _model(), 512,
+                1000, epochs=20)
+    with pytest.warns(RecipeWarning, match=r"optimizer 'lamb' does not read lars_clip=True \(read by lars\)"):
+        prepare(Recipe(name="mine-lamb", optimizer="lamb", lars_clip=True, decay="poly"), _model(), 512, 1000,
+                epochs=20)
+    # a preset's own values under another optimizer, and the fields the optimizer reads: silent
+    _silent(prepare, dataclasses.replace(RECIPES["fujitsu-mnist1d"], optimizer="sgd", name="f-sgd"), _model(),
+            512, 1000, epochs=15)
+    _silent(prepare, Recipe(name="mine-lars", optimizer="lars", trust_coefficient=0.01, decay="poly"), _model(),
+            512, 1000, epochs=20)
+
+
 @pytest.mark.parametrize("name", ["goyal", "sony", "fujitsu", "fujitsu-mnist1d"])
 def test_forgetting_set_lr_warns_at_the_second_step(name):
     model = _model()

@@ -247,6 +247,102 @@ def test_momentum_correction_moves_the_momentum_into_the_hook():
                    world=8, num_train=32000, local_spawn=True, backend="gloo")
 
 
+def test_momentum_correction_is_one_factor_in_the_config_the_plan_and_the_hook(tmp_path):
+    """comm.momentum_correction is the hook's momentum factor (a float, 0: off) in the config, the
+    flag, config.toml, plan.json and the hook; ``true`` (a bare flag, an older config.toml) is the
+    recipe's momentum, as when the key was a switch."""
+    from flashsgd.train.config.file import dumps_run_config
+    from flashsgd.train.plan import build_plan
+
+    base = {"algorithm": "gtopk", "recipe": "goyal", "global_batch": 256, "epochs": 10.0}
+    old = C.resolve(toml_text='[optim]\nrecipe = "goyal"\n[comm]\nalgorithm = "gtopk"\nmomentum_correction = true\n')
+    assert old.comm.momentum_correction == 0.9 and isinstance(old.comm.momentum_correction, float)
+    assert C.resolve(toml_text="[comm]\nmomentum_correction = false\n").comm.momentum_correction == 0.0
+    assert C.resolve(cli={**base, "momentum": 0.95, "momentum_correction": "true"}).comm.momentum_correction == 0.95
+    bare = parse_config(build_parser().parse_args(["train", "--comm", "gtopk", "--momentum-correction"]))
+    valued = parse_config(build_parser().parse_args(["train", "--comm", "gtopk", "--momentum-correction", "0.8"]))
+    assert bare.comm.momentum_correction == 0.9 and valued.comm.momentum_correction == 0.8  # fujitsu-mnist1d: 0.9
+    assert C.resolve(toml_text=dumps_run_config(valued)) == valued  # written as the factor, loads back
+    plan = build_plan(C.resolve(cli={**base, "momentum_correction": 0.8}), world=8, num_train=32000,
+                      local_spawn=True, backend="gloo")
+    assert plan.hook_options["momentum_correction"] == 0.8 == plan.exchange_options.momentum_correction
+    assert plan.recipe.momentum == 0.0 and plan.to_dict()["config"]["comm"]["momentum_correction"] == 0.8
+    for bad in ("1.0", "-0.1"):
+        with pytest.raises(ValueError, match="comm.momentum_correction must be a momentum factor in \\[0, 1\\)"):
+            C.resolve(cli={**base, "momentum_correction": bad})
+
+
+def test_the_plan_keeps_the_checked_options_object_the_hook_is_registered_with():
+    from flashsgd.exchanges import EXCHANGES
+    from flashsgd.train.plan import build_plan
+
+    for name in ("torus2d", "ring", "gtopk", "hgtopk", "powersgd", "native"):
+        plan = build_plan(C.resolve(cli={"algorithm": name}), 4, 32000, local_spawn=True, backend="gloo")
+        options = plan.exchange_options
+        assert isinstance(options, EXCHANGES[name].options), name
+        # the shown dict and the object agree (the dict is plan.json's, the object register_hook's)
+        assert options == EXCHANGES[name].options_from(**plan.hook_options), name
+    auto = build_plan(C.resolve(cli={"algorithm": "auto"}), 4, 32000, local_spawn=True, backend="gloo")
+    assert auto.exchange_options is None
+    chosen = auto.with_comm(algorithm="gtopk", density=0.01)
+    assert chosen.exchange_options == EXCHANGES["gtopk"].options_from(**chosen.hook_options)
+    assert chosen.exchange_options.density == 0.01
+
+
+def test_layer_trust_without_an_optimizer_that_takes_layer_norms_is_warned_and_off():
+    """comm.layer_trust costs one all-reduce per bucket and feeds only an optimizer with layer norms:
+    with another optimizer the plan warns (naming the optimizers that take them) and the hook
+    computes none; as every key a run does not read (config.toml keeps it under a comment)."""
+    from flashsgd.train.config.file import dumps_run_config
+    from flashsgd.train.plan import build_plan
+
+    def plan_of(**cli):
+        return build_plan(C.resolve(cli={"algorithm": "gtopk", "layer_trust": True, **cli}), 4, 32000,
+                          local_spawn=True, backend="gloo")
+
+    lars = plan_of()  # fujitsu-mnist1d: LARS
+    assert lars.exchange_options.layer_trust and not any("layer_trust" in w for w in lars.warnings)
+    for optimizer in ("sgd", "lamb"):
+        plan = plan_of(optimizer=optimizer)
+        assert not plan.exchange_options.layer_trust and "layer_trust" not in plan.hook_options
+        assert (f"config key comm.layer_trust is set but not read by optimizer {optimizer}, which takes no "
+                f"layer norms (those that do: lars; no norms are exchanged): ignored") in plan.warnings
+    goyal = plan_of(recipe="goyal")  # the recipe's optimizer decides when optim.optimizer is unset
+    assert not goyal.exchange_options.layer_trust
+    cfg = C.resolve(cli={"algorithm": "gtopk", "layer_trust": True, "optimizer": "sgd"})
+    text = dumps_run_config(cfg)
+    assert "# set, but not read by optimizer sgd, which takes no layer norms" in text
+    assert C.resolve(toml_text=text) == cfg
+
+
+def test_an_optimizer_override_the_run_optimizer_does_not_read_is_warned():
+    from flashsgd.train.config.file import applies
+    from flashsgd.train.plan import build_plan
+
+    def warnings_of(**cli):
+        return build_plan(C.resolve(cli=cli), 4, 32000, local_spawn=True, backend="gloo").warnings
+
+    assert ("config key optim.trust_coefficient is set but not read by optimizer sgd (read by lars, lamb): "
+            "ignored") in warnings_of(optimizer="sgd", trust_coefficient=0.01)
+    assert "config key optim.nesterov is set but not read by optimizer lamb (read by sgd, lars): ignored" \
+        in warnings_of(optimizer="lamb", nesterov=True)
+    assert not any("optim." in w for w in warnings_of(trust_coefficient=0.01, nesterov=True))  # LARS reads them
+    assert not any("optim." in w for w in warnings_of(recipe="goyal", optimizer="lamb"))  # the recipe's: not set
+    # with momentum correction the hook reads the momentum and its Nesterov form, whatever the optimizer
+    mc = C.resolve(cli={"algorithm": "gtopk", "optimizer": "lamb", "nesterov": True, "momentum_correction": 0.9})
+    assert applies(mc, "optim", "nesterov") and applies(mc, "optim", "momentum")
+
+
+def test_optimizer_and_dataset_help_are_the_catalog_entries(capsys):
+    from flashsgd.optim.optimizers import OPTIMIZERS
+    from flashsgd.train.data.catalog import DATASETS
+
+    docs = {**C.field_docs(C.OptimConfig), **C.field_docs(C.DataConfig)}
+    for entry in [*OPTIMIZERS.values(), *DATASETS.values()]:
+        key = "optimizer" if entry.name in OPTIMIZERS else "dataset"
+        assert f"{entry.name}: {entry.summary}" in docs[key], entry.name
+
+
 def test_sparse_runs_below_the_step_count_bound_are_warned():
     from flashsgd.train.plan import build_plan
 

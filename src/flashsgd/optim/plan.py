@@ -20,7 +20,8 @@ A plan is stepped by global step; it warns (:class:`RecipeWarning`) when stepped
 :meth:`RecipeSetup.total_steps` and :meth:`RecipeSetup.check_loader` compares a loader's length with the plan's
 steps per epoch, so that a ``drop_last`` mismatch cannot silently stop the LR short of its end. The
 traps of a user's own loop (a custom recipe rescaled, ``set_lr`` forgotten, the script's own
-optimizer left behind) are caught by :mod:`flashsgd.optim.plan_checks`.
+optimizer left behind, a recipe field its optimizer does not read) are caught by
+:mod:`flashsgd.optim.plan_checks`.
 
 ``global_batch`` is the **final** global batch: under batch-size control (``sony``) the run starts
 below it (``plan.describe()`` says at which batch, for how many epochs). ``num_samples`` may come
@@ -56,7 +57,8 @@ from torch import nn
 from flashsgd.fmt import plural
 from flashsgd.optim.lars import param_groups
 from flashsgd.optim.optimizers import OPTIMIZERS
-from flashsgd.optim.plan_checks import LRWatch, RecipeWarning, forbid_steps, replaced_settings, rescale_note
+from flashsgd.optim.plan_checks import (LRWatch, RecipeWarning, forbid_steps, replaced_settings, rescale_note,
+                                       unread_fields_note)
 from flashsgd.optim.recipes import PRESET_EPOCHS, Recipe
 from flashsgd.optim.schedules import (BatchTable, Schedule, as_int, batch_at, epoch_at_step, lr_at,
                                       steps_per_epoch)
@@ -376,6 +378,9 @@ def prepare(recipe: Recipe, model: nn.Module, global_batch: int, num_samples: in
     if num_samples is not None:
         num_samples = as_int("num_samples", num_samples)
     recipe = _for_run_length(recipe, epochs)  # Step 0
+    note = unread_fields_note(recipe)
+    if note:
+        warnings.warn(note, RecipeWarning, stacklevel=2)
     tweaks = apply_model_tweaks(recipe, model) if model_tweaks else []  # Step 1
     plan = RecipeSetup(recipe=recipe, optimizer=build_optimizer(recipe, model, global_batch),
                        schedule=build_schedule(recipe), table=build_batch_table(recipe, global_batch),

@@ -12,6 +12,9 @@ example among them); each check names what happened and what to write instead:
 3. :func:`replaced_settings` and :func:`forbid_steps` - ``prepare(..., replaces=optimizer)``: the
    settings of the script's own optimizer (its ``--lr``, ``--momentum``, ``--wd``) that stop
    mattering are listed, and stepping that optimizer afterwards is an error.
+4. :func:`unread_fields_note` - a recipe whose optimizer does not read a field set in it
+   (``Recipe(optimizer="sgd", trust_coefficient=0.01)``: SGD has no trust ratio; the fields each
+   optimizer reads are its catalog entry's ``reads``, :data:`~flashsgd.optim.optimizers.OPTIMIZERS`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from flashsgd.optim.optimizers import OPTIMIZERS
 from flashsgd.optim.recipes import RECIPES, Recipe
 
 
@@ -158,3 +162,21 @@ def forbid_steps(optimizer: torch.optim.Optimizer, recipe_name: str) -> None:
             f"recipe {recipe_name!r}): step plan.optimizer instead")
 
     optimizer.register_step_pre_hook(refuse)
+
+
+def unread_fields_note(recipe: Recipe) -> Optional[str]:
+    """Check 4: the warning for the fields of ``recipe`` that its optimizer does not read, or None.
+
+    A field counts when the user set it: its value is neither :class:`Recipe`'s default nor a
+    registered recipe's (as in check 1: a preset switched to another optimizer, e.g.
+    ``dataclasses.replace(RECIPES["fujitsu"], optimizer="sgd")``, keeps its LARS values unread
+    without a warning)."""
+    entry = OPTIMIZERS.get(recipe.optimizer)
+    known = [Recipe(name="default"), *RECIPES.values()]
+    unread = [f for f in entry.unread() if all(getattr(recipe, f) != getattr(r, f) for r in known)]
+    if not unread:
+        return None
+    readers = {f: [n for n, o in OPTIMIZERS.items() if f in o.reads] for f in unread}
+    return (f"recipe {recipe.name!r}: optimizer {recipe.optimizer!r} does not read "
+            + "; ".join(f"{f}={getattr(recipe, f)!r} (read by {', '.join(readers[f])})" for f in unread)
+            + f": ignored. Choose an optimizer that reads it (Recipe(optimizer=...)) or leave it at its default")

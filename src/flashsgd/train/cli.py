@@ -76,8 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=text,
                                action=argparse.BooleanOptionalAction)
             continue
-        # values stay strings here and are checked by config.coerce (errors name the key)
-        group.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=_metavar(f, hint), help=text)
+        # values stay strings here and are checked by config.coerce (errors name the key); a key
+        # whose ``true`` means a value (metadata true_means) also takes the bare flag
+        bare = {"nargs": "?", "const": "true"} if "true_means" in f.metadata else {}
+        group.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=_metavar(f, hint), help=text,
+                           **bare)
 
 
 def parse_config(args: argparse.Namespace) -> C.TrainConfig:

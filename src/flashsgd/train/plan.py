@@ -45,11 +45,11 @@ from flashsgd.exchanges import (EXCHANGES, MIN_COVERAGE, SELECTION_BY_DEVICE, De
                                 resolved_selection)
 from flashsgd.fmt import number, plural
 from flashsgd.optim.plan import build_batch_table
-from flashsgd.optim.recipes import RECIPES, Recipe, tuned_variant
+from flashsgd.optim.recipes import RECIPES, Recipe
 from flashsgd.optim.schedules import BatchTable, Schedule, batch_at, lr_at, steps_in_epochs, steps_per_epoch
 from flashsgd.optim.stability import few_steps_warning
-from flashsgd.train.config import COMM_OPTION_KEYS, TrainConfig, parse_fail_at, to_dict
-from flashsgd.train.config.file import set_but_unread
+from flashsgd.train.config import COMM_OPTION_KEYS, TrainConfig, parse_fail_at, recipe_name, to_dict
+from flashsgd.train.config.file import applies, set_but_unread
 from flashsgd.train.data.catalog import DATASETS
 
 # Recipe fields a config key may override (config key -> Recipe field; the same names).
@@ -96,7 +96,7 @@ def local_backend(cfg: TrainConfig, world: int, gpus: int | None = None) -> str:
 def resolve_recipe(cfg: TrainConfig) -> tuple[Recipe, str]:
     """Step 1: the recipe this run trains with, and a one-line account of where it came from."""
     o = cfg.optim
-    name = tuned_variant(o.recipe, cfg.data.dataset) if o.proxy_tuning else o.recipe
+    name = recipe_name(cfg)
     recipe = RECIPES[name].for_epochs(o.epochs)
     over = {k: getattr(o, k) for k in RECIPE_OVERRIDES if getattr(o, k) is not None}
     if cfg.model.zero_init_last_bn is not None:
@@ -133,7 +133,12 @@ class RunPlan:
     first_epoch_steps: int
     """Optimizer steps of the first epoch (its batch): the unit of ``comm.density_warmup_epochs``."""
     hook_options: dict[str, Any] = field(default_factory=dict)
-    """Options of the communication hook ``config.comm.algorithm``."""
+    """Options of the communication hook ``config.comm.algorithm`` as shown (banner, plan.json):
+    :data:`SHOWN` always, the other switches where not at their default."""
+    exchange_options: Any = None
+    """The hook's checked options object (the exchange's options class, :mod:`flashsgd.exchanges`),
+    what :func:`flashsgd.train.rank.build_ddp` hands ``register_hook``; None under ``--comm auto``
+    until the choice (:meth:`with_comm`)."""
     warnings: tuple[str, ...] = ()
     """Settings that will cost accuracy (the sparse step-count bound), printed at start-up."""
     density_warmup: dict[str, Any] = field(default_factory=dict)
@@ -208,11 +213,11 @@ class RunPlan:
         layout, the batch table and the run length stay this plan's."""
         cfg = dataclasses.replace(self.config, comm=dataclasses.replace(self.config.comm, **changes))
         rpn = self.ranks_per_node if cfg.comm.ranks_per_node is None else cfg.comm.ranks_per_node
-        grid, options, recipe, warnings, warm = _derive_comm(cfg, self.recipe, self.world, rpn,
-                                                             self.first_epoch_steps, self.total_steps)
+        grid, options, checked, recipe, warnings, warm = _derive_comm(
+            cfg, self.recipe, self.world, rpn, self.first_epoch_steps, self.total_steps)
         return dataclasses.replace(self, config=cfg, ranks_per_node=rpn, grid=grid, recipe=recipe,
-                                   schedule=recipe.schedule(), hook_options=options, warnings=tuple(warnings),
-                                   density_warmup=warm)
+                                   schedule=recipe.schedule(), hook_options=options, exchange_options=checked,
+                                   warnings=tuple(warnings), density_warmup=warm)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (``<out>/plan.json``)."""
@@ -269,7 +274,9 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
 
     Offered to the exchange: the layout (``ranks_per_node`` as resolved, ``grid``); every
     ``[comm]`` key generated from the catalog (:data:`~flashsgd.train.config.COMM_OPTION_KEYS`)
-    that is set (None, unset, leaves the exchange its own default); the options the plan derives
+    that is set and read by the run (None, unset, leaves the exchange its own default; ``layer_trust``
+    only for an optimizer that takes layer norms, :func:`~flashsgd.train.config.file.applies`);
+    the options the plan derives
     (:data:`~flashsgd.train.config.DERIVED_OPTIONS`: ``seed``, ``timeout_s``; ``nesterov`` with the
     momentum correction); a sparse exchange's density warm-up in steps (:func:`density_warmup_of`:
     the user's steps or epochs, else the default rule scaled to ``total_steps``)."""
@@ -280,7 +287,8 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
                              "itself; name a sparse algorithm (topk, gtopk, hgtopk) to use it")
         return {}, None, recipe
     exchange = EXCHANGES[c.algorithm]
-    keys = [k for k in COMM_OPTION_KEYS if getattr(c, k) is not None]  # set: None keeps the exchange's
+    # set (None keeps the exchange's own) and read by the run (the plan warns about the others)
+    keys = [k for k in COMM_OPTION_KEYS if getattr(c, k) is not None and applies(cfg, "comm", k)]
     offered: dict[str, Any] = {"ranks_per_node": ranks_per_node, "grid": c.grid}
     offered.update({k: getattr(c, k) for k in keys if k in SHOWN})  # the banner's order: shown first
     offered.update(seed=cfg.run.seed, timeout_s=cfg.run.timeout_s)
@@ -290,9 +298,10 @@ def _hook_options(cfg: TrainConfig, recipe: Recipe, ranks_per_node: int | None,
         offered.update(density_warmup_of(cfg).options(c.density, total_steps, steps_per_epoch))
     if c.momentum_correction:
         if "momentum_correction" not in exchange.option_names():
+            takers = ", ".join(n for n, e in EXCHANGES.items() if e.reads("momentum_correction"))
             raise ValueError(f"config key comm.momentum_correction: hook {c.algorithm!r} has no momentum "
-                             "correction; it applies to the sparse hooks (topk, gtopk, hgtopk)")
-        offered.update(momentum_correction=recipe.momentum, nesterov=recipe.nesterov)
+                             f"correction; it applies to the sparse hooks ({takers})")
+        offered.update(momentum_correction=c.momentum_correction, nesterov=recipe.nesterov)
         recipe = dataclasses.replace(recipe, momentum=0.0, nesterov=False)
     try:
         options = exchange.options_from(**offered)  # every value checked by the options class
@@ -363,14 +372,15 @@ def build_plan(cfg: TrainConfig, world: int, num_train: int, local_spawn: bool,
     total = steps_in_epochs(num_train, table, epochs, min_last=world)
     _check_fail_at(cfg, world, total)
     first_epoch_steps = steps_per_epoch(num_train, table.rows[0][1], min_last=world)
-    grid, options, recipe, warnings, warm = _derive_comm(cfg, recipe, world, rpn, first_epoch_steps,
-                                                         total)  # Step 4
+    grid, options, checked, recipe, warnings, warm = _derive_comm(cfg, recipe, world, rpn, first_epoch_steps,
+                                                                  total)  # Step 4
     few = few_steps_warning(first_epoch_steps, table.rows[0][1])  # the first epoch: its own batch
     warnings += [few] if few else []
     return RunPlan(config=cfg, world=world, ranks_per_node=rpn, grid=grid, recipe=recipe,
                    recipe_source=source, num_train=num_train, table=table,
                    schedule=recipe.schedule(), epochs=epochs, total_steps=total,
-                   first_epoch_steps=first_epoch_steps, hook_options=options, warnings=tuple(warnings),
+                   first_epoch_steps=first_epoch_steps, hook_options=options, exchange_options=checked,
+                   warnings=tuple(warnings),
                    density_warmup=warm, backend=backend if local_spawn else None,
                    execution=execution(cfg, table, world,
                                        world if local_spawn else int(os.environ.get("LOCAL_WORLD_SIZE", world))))
@@ -460,10 +470,11 @@ def _check_fail_at(cfg: TrainConfig, world: int, total_steps: int) -> None:
 
 
 def _derive_comm(cfg: TrainConfig, recipe: Recipe, world: int, rpn: int | None, first_epoch_steps: int,
-                 total_steps: int) -> tuple[tuple[int, int] | None, dict[str, Any], Recipe, list[str],
+                 total_steps: int) -> tuple[tuple[int, int] | None, dict[str, Any], Any, Recipe, list[str],
                                             dict[str, Any]]:
-    """Step 4: the torus grid, the hook's options, the recipe the optimizer runs, the warnings and
-    the density warm-up's record (sparse exchanges; :func:`density_warmup_record`)."""
+    """Step 4: the torus grid, the hook's options (as shown, and the checked options object), the
+    recipe the optimizer runs, the warnings and the density warm-up's record (sparse exchanges;
+    :func:`density_warmup_record`)."""
     grid = None
     if rpn is not None or cfg.comm.grid is not None:
         try:
@@ -482,4 +493,4 @@ def _derive_comm(cfg: TrainConfig, recipe: Recipe, world: int, rpn: int | None, 
     warm = density_warmup_record(cfg, checked, total_steps) if sparse else {}
     warnings += [f"config key {key} is set but not read by {reader}: ignored"
                  for key, reader in set_but_unread(cfg).items()]
-    return grid, options, recipe, warnings, warm
+    return grid, options, checked, recipe, warnings, warm

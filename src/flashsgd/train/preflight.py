@@ -149,7 +149,7 @@ def expected_data(cfg: TrainConfig):
         # the generator's own expression: int(n * train_split)
         return Datasets(split, split, MNIST1D_CLASSES, "stand-in"), int(d.num_samples * MNIST1D_TRAIN_SHARE)
     if d.dataset == "synthetic":  # random images from a pool of 64: made in milliseconds
-        data = build_datasets(d.dataset, d.num_samples, d.data_dir, d.image_shape, d.image_size, d.data_seed)
+        data = build_datasets(d)
         return data, len(data.train)
     return None
 

@@ -171,7 +171,9 @@ def build_ddp(plan: RunPlan, model: torch.nn.Module, device: torch.device, timer
     c = plan.config.comm
     topo = get_topology(ranks_per_node=plan.ranks_per_node, grid=c.grid, timeout_s=plan.config.run.timeout_s)
     ddp = wrap_ddp(model, device, c.bucket_mb)
-    state = register_hook(ddp, c.algorithm, wrap=timer.wrap, **plan.hook_options)
+    if plan.exchange_options is None:  # --comm auto resolves the exchange (and its options) first
+        raise ValueError(f"the plan of exchange {c.algorithm!r} has no options object: resolve --comm auto first")
+    state = register_hook(ddp, c.algorithm, plan.exchange_options, wrap=timer.wrap)  # checked by the plan
     return ddp, state, topo
 
 
@@ -311,5 +313,4 @@ def build_rank(plan: RunPlan, data: Datasets, device: torch.device, *, out: Path
 
 def load_data(cfg: TrainConfig) -> Datasets:
     """The run's datasets (MNIST-1D is generated once and cached; see flashsgd.train.data)."""
-    d = cfg.data
-    return build_datasets(d.dataset, d.num_samples, d.data_dir, d.image_shape, d.image_size, d.data_seed)
+    return build_datasets(cfg.data)

@@ -38,8 +38,7 @@ def say_starting(cfg: TrainConfig, workers: int, backend: str) -> None:
     time takes seconds): ``flashsgd train: generating MNIST-1D (...) for 4 workers (gloo) ...``.
     It says what happens now, not that workers started: the checks that need the data (model vs
     inputs, the plan, the run directory) can still refuse the run after it."""
-    d = cfg.data
-    loading = describe_loading(d.dataset, d.num_samples, d.data_dir, d.image_shape, d.data_seed)
+    loading = describe_loading(cfg.data)
     print(f"flashsgd train: {loading} for {plural(workers, 'worker')} ({backend}) ...", flush=True)
 
 

@@ -43,6 +43,7 @@ from flashsgd.train.config.values import choices_of, coerce
 
 __all__ = ["TrainConfig", "DataConfig", "ModelConfig", "OptimConfig", "CommConfig", "RunConfig",
            "COMM_OPTION_KEYS", "DERIVED_OPTIONS", "UNSET_BY_PLAN", "choice", "choices_of", "coerce",
+           "recipe_name", "recipe_value",
            "resolve", "validate", "to_dict", "dumps", "field_index", "field_docs", "section_types",
            "parse_fail_at", "SECTIONS"]
 
@@ -71,10 +72,17 @@ def _optimizer_names() -> list[str]:
     return OPTIMIZERS.names()
 
 
-def choice(default: str, names: Callable[[], list[str]]) -> Any:
+def _optimizer_help() -> str:
+    from flashsgd.optim.optimizers import describe_all
+
+    return f"A name in flashsgd.optim.optimizers.OPTIMIZERS (unset: the recipe's): {describe_all()}."
+
+
+def choice(default: str, names: Callable[[], list[str]], doc: Callable[[], str] | None = None) -> Any:
     """A ``str`` field whose valid values are a registry's names (read when a value is checked,
-    so registering a new algorithm or recipe is the only change needed)."""
-    return field(default=default, metadata={"choices": names})
+    so registering a new algorithm or recipe is the only change needed); ``doc``: its help, made
+    from the registry's entries when asked for (:func:`field_docs`)."""
+    return field(default=default, metadata={"choices": names, **({"doc": doc} if doc else {})})
 
 
 def _dataset_names() -> list[str]:
@@ -83,12 +91,18 @@ def _dataset_names() -> list[str]:
     return DATASETS.names()
 
 
+def _dataset_help() -> str:
+    from flashsgd.train.data.catalog import describe_all
+
+    return f"A name in flashsgd.train.data.catalog.DATASETS: {describe_all()}."
+
+
 @dataclass
 class DataConfig:
     """``[data]``: what to train on."""
 
-    dataset: str = choice("mnist1d", _dataset_names)
-    """mnist1d: generated locally; synthetic: random images (throughput); imagefolder: a directory."""
+    dataset: str = choice("mnist1d", _dataset_names, _dataset_help)
+    """The dataset (help: its catalog entries' summaries)."""
     num_samples: int = 40000
     """mnist1d: total samples (80% train / 20% test, a multiple of 10); synthetic: train samples."""
     data_dir: str = ""
@@ -124,8 +138,8 @@ class OptimConfig:
     recipe: str = choice("fujitsu", _recipe_names)
     """A name in flashsgd.optim.recipes.RECIPES: optimizer, LR rule, warmup, decay, batch-size
     control, label smoothing."""
-    optimizer: Optional[str] = field(default=None, metadata={"choices": _optimizer_names})
-    """A name in flashsgd.optim.optimizers.OPTIMIZERS (sgd, lars, lamb); unset: the recipe's."""
+    optimizer: Optional[str] = field(default=None, metadata={"choices": _optimizer_names, "doc": _optimizer_help})
+    """The optimizer; unset: the recipe's (help: its catalog entries' summaries)."""
     global_batch: int = 4096
     """Final global batch (all workers together; batch-size control starts below it)."""
     epochs: float = 15.0
@@ -148,7 +162,7 @@ class OptimConfig:
     label_smoothing: Optional[float] = None
     """CrossEntropyLoss label smoothing in [0, 1)."""
     trust_coefficient: Optional[float] = None
-    """LARS eta (fujitsu recipe)."""
+    """Trust ratio coefficient eta of the layer-wise optimizers (lars, lamb)."""
     proxy_tuning: bool = True
     """Use the recipe's dataset-tuned variant when one is registered (fujitsu on mnist1d:
     fujitsu-mnist1d); false: the recipe's published numbers."""
@@ -162,8 +176,8 @@ DERIVED_OPTIONS: dict[str, str] = {"seed": "run.seed", "timeout_s": "run.timeout
                                    "nesterov": "optim.nesterov"}
 """Exchange options with no ``[comm]`` key, and the key the plan sets each from: the run's seed, its
 collective deadline, and the optimizer's Nesterov (the recipe's unless ``optim.nesterov`` is set),
-which a sparse hook applies only with ``comm.momentum_correction`` (the recipe's momentum moves into
-the hook, and its Nesterov form with it)."""
+which a sparse hook applies only with ``comm.momentum_correction`` (the momentum moves into the
+hook, and the recipe's Nesterov form with it)."""
 
 UNSET_BY_PLAN: dict[str, str] = {
     "density_warmup_steps": "unset: the plan derives it from comm.density_warmup_epochs (or that key's "
@@ -216,7 +230,7 @@ class CommConfig:
     """``[comm]``: how gradients cross the network (a DDP communication hook).
 
     The fields written here are the train's own (the exchange, ``--comm auto``'s inputs, the bucket
-    size, the density warm-up's run-relative start and length, the momentum correction switch) and
+    size, the density warm-up's run-relative start and length, the momentum correction) and
     the layout (resolved with the world by the plan). Every other option of the exchange catalog
     (:mod:`flashsgd.exchanges`: density, selection, node_split, threaded, start_iter, ...) is a field
     generated from its options class (:func:`_with_exchange_options`): its default, choices and help
@@ -249,11 +263,13 @@ class CommConfig:
     unset: min(4 epochs, half the run's steps), DGC's 4 epochs scaled to the run
     (flashsgd.exchanges.DensityWarmup, shown in the plan); 0: no warm-up. Or set
     comm.density_warmup_steps instead (not both)."""
-    momentum_correction: bool = False
-    """topk/gtopk/hgtopk: DGC momentum correction (Lin et al. 2018): the recipe's momentum (and its
-    Nesterov form, optim.nesterov) is applied in the hook and the velocity accumulated in the
-    residual; the optimizer runs with momentum 0. Helps SGD at low coverage, hurts LARS
-    (docs/sparse_accuracy.md)."""
+    momentum_correction: float = field(default=0.0, metadata={"true_means": "the recipe's momentum"})
+    """topk/gtopk/hgtopk/oktopk: DGC momentum correction (Lin et al. 2018), the momentum factor in
+    [0, 1) the hook applies (0: off), as the hook's option of that name: the velocity is
+    accumulated in the residual (with the recipe's Nesterov form, optim.nesterov) and the optimizer
+    runs with momentum 0. true (a bare --momentum-correction, and config.toml files written when
+    this key was a switch): the recipe's momentum (optim.momentum when set), resolved when the config
+    is read. Helps SGD at low coverage, hurts LARS (docs/sparse_accuracy.md)."""
 
 
 COMM_OPTION_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CommConfig)
@@ -356,8 +372,9 @@ def field_docs(cls: type) -> dict[str, str]:
     for a, b in zip(body, body[1:]):
         if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
             docs[a.target.id] = str(b.value.value)  # type: ignore[union-attr]
-    if dataclasses.is_dataclass(cls):
-        docs.update({f.name: f.metadata["doc"] for f in dataclasses.fields(cls) if "doc" in f.metadata})
+    if dataclasses.is_dataclass(cls):  # a callable doc is made from a catalog when asked for
+        docs.update({f.name: f.metadata["doc"]() if callable(f.metadata["doc"]) else f.metadata["doc"]
+                     for f in dataclasses.fields(cls) if "doc" in f.metadata})
     return docs
 
 
@@ -426,6 +443,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"config key data.data_workers must be >= 0 (0: decode in the training "
                          f"process) or unset (automatic), got {cfg.data.data_workers}")
     _check_exchange_options(cfg.comm)
+    _resolve_momentum_correction(cfg)
     if cfg.comm.density_warmup is None:  # `none` was given (unset is DENSITY_WARMUP_START): off,
         cfg.comm.density_warmup = 0.0    # written as 0 so that config.toml repeats it (no null)
     warm = cfg.comm.density_warmup
@@ -460,6 +478,37 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.run.fail_at:
         parse_fail_at(cfg.run.fail_at)
     return cfg
+
+
+def recipe_name(cfg: TrainConfig) -> str:
+    """The registered recipe the run trains with: ``optim.recipe``, or its dataset-tuned variant
+    (``optim.proxy_tuning``, :func:`flashsgd.optim.recipes.tuned_variant`)."""
+    from flashsgd.optim.recipes import tuned_variant
+
+    o = cfg.optim
+    return tuned_variant(o.recipe, cfg.data.dataset) if o.proxy_tuning else o.recipe
+
+
+def recipe_value(cfg: TrainConfig, key: str) -> Any:
+    """The value of recipe field ``key`` the run trains with: the ``[optim]`` override when set,
+    else the recipe's (:func:`recipe_name`)."""
+    value = getattr(cfg.optim, key, None)
+    if value is not None:
+        return value
+    from flashsgd.optim.recipes import RECIPES
+
+    return getattr(RECIPES[recipe_name(cfg)], key)
+
+
+def _resolve_momentum_correction(cfg: TrainConfig) -> None:
+    """``comm.momentum_correction``: ``true`` (a bare flag, an older config.toml) becomes the
+    recipe's momentum factor, ``false`` 0; the factor must be in [0, 1)."""
+    c = cfg.comm
+    if c.momentum_correction is True or c.momentum_correction is False:
+        c.momentum_correction = float(recipe_value(cfg, "momentum")) if c.momentum_correction else 0.0
+    if not 0.0 <= c.momentum_correction < 1.0:
+        raise ValueError(f"config key comm.momentum_correction must be a momentum factor in [0, 1) (0: off; "
+                         f"true: the recipe's momentum), got {c.momentum_correction:g}")
 
 
 def _check_exchange_options(c: CommConfig) -> None:
@@ -528,7 +577,11 @@ def apply(cfg: TrainConfig, section: str, values: dict[str, Any], source: str) -
             raise ValueError(f"{source}: unknown config key {section}.{key}; valid keys in "
                              f"[{section}]: {', '.join(valid)}")
         _, f, hint = index[key]
-        setattr(obj, key, coerce(f"{section}.{key}", value, hint, f.metadata.get("choices")))
+        if "true_means" in f.metadata and (isinstance(value, bool) or str(value).lower() in ("true", "false")):
+            value = coerce(f"{section}.{key}", value, bool)  # resolved by validate (its metadata says how)
+        else:
+            value = coerce(f"{section}.{key}", value, hint, f.metadata.get("choices"))
+        setattr(obj, key, value)
 
 
 def _check_config_path(path: Path) -> None:

@@ -1,6 +1,7 @@
 """Datasets of `flashsgd train` and the sharded sampler that splits each global batch over workers.
 
-Datasets (:func:`build_datasets`), each a pair of splits:
+Datasets (:func:`build_datasets`: the catalog entry's loader, :mod:`flashsgd.train.data.sources`,
+given the ``[data]`` config whole), each a pair of splits:
 
 * ``mnist1d`` - MNIST-1D generated locally (Greydanus 2020; :func:`flashsgd.train.data.mnist1d.load_mnist1d`).
 * ``synthetic`` - random ImageNet-shaped (3x224x224, 1000 classes) or CIFAR-shaped (3x32x32, 10
@@ -41,8 +42,6 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,7 +49,10 @@ import torch
 from flashsgd.fmt import plural
 from flashsgd.optim.schedules import batch_ends
 from flashsgd.train.data.catalog import DATASETS
-from flashsgd.train.data.images import ImageFolderSplit, scan_folder
+from flashsgd.train.data.sources import Datasets, SyntheticSplit, TensorSplit
+
+__all__ = ["ShardedSampler", "Datasets", "TensorSplit", "SyntheticSplit", "build_datasets", "describe_loading",
+           "data_config"]
 
 
 class ShardedSampler:
@@ -142,135 +144,28 @@ class ShardedSampler:
 
 # ------------------------------------------------------------------------------- datasets -------
 
-class TensorSplit:
-    """An in-memory split: ``x[indices], y[indices]``."""
+def data_config(data: Any = None, **values: Any) -> Any:
+    """``data`` (a :class:`flashsgd.train.config.DataConfig`) itself, or a DataConfig of dataset
+    ``data`` (a name) with ``values`` for its other keys (the config's defaults for the rest)."""
+    if not isinstance(data, str):
+        if values:
+            raise TypeError(f"pass a DataConfig or a dataset name with keys, got both ({', '.join(values)})")
+        return data
+    from flashsgd.train.config import DataConfig
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def batch(self, idx: torch.Tensor, train: bool = True, key: int = 0):
-        idx = idx.to(self.y.device)
-        return self.x[idx], self.y[idx]
-
-    def to(self, device: torch.device) -> "TensorSplit":
-        return TensorSplit(self.x.to(device), self.y.to(device))
+    return DataConfig(dataset=data, **values)
 
 
-class SyntheticSplit:
-    """``n`` samples drawn from a fixed pool of random images (sample i is pool[i % pool])."""
-
-    def __init__(self, n: int, shape: tuple[int, ...], num_classes: int, seed: int, pool: int = 64) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.n = n
-        self.pool = torch.randn((pool,) + shape, generator=g)  # (pool, C, H, W)
-        self.labels = torch.randint(0, num_classes, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def batch(self, idx: torch.Tensor, train: bool = True, key: int = 0):
-        idx = idx.to(self.labels.device)
-        return self.pool[idx % len(self.pool)], self.labels[idx]
-
-    def to(self, device: torch.device) -> "SyntheticSplit":
-        moved = object.__new__(SyntheticSplit)
-        moved.n, moved.pool, moved.labels = self.n, self.pool.to(device), self.labels.to(device)
-        return moved
+def build_datasets(data: Any, **values: Any) -> Datasets:
+    """The train and test splits of the ``[data]`` config ``data`` (or of dataset ``data`` with
+    ``values``: ``build_datasets("synthetic", num_samples=20)``): its catalog entry's loader
+    (:data:`flashsgd.train.data.catalog.DATASETS`)."""
+    d = data_config(data, **values)
+    return DATASETS.get(d.dataset).load(d)
 
 
-@dataclass
-class Datasets:
-    train: Any
-    test: Any
-    num_classes: int
-    description: str
-
-    def to(self, device: torch.device) -> "Datasets":
-        """The in-memory splits resident on ``device`` (image folders stay on disk)."""
-        move = lambda split: split.to(device) if callable(getattr(split, "to", None)) else split  # noqa: E731
-        return replace(self, train=move(self.train), test=move(self.test))
-
-
-def build_datasets(dataset: str, num_samples: int = 40000, data_dir: str = "",
-                   image_shape: str = "imagenet", image_size: int = 224, data_seed: int = 42) -> Datasets:
-    """The train and test splits of ``dataset`` (see the module docstring): its catalog entry's
-    loader (:data:`flashsgd.train.data.catalog.DATASETS`)."""
-    entry = DATASETS.get(dataset)
-    settings = DataSettings(dataset, num_samples, data_dir, image_shape, image_size, data_seed)
-    return globals()[entry.loader](settings)
-
-
-def describe_loading(dataset: str, num_samples: int = 40000, data_dir: str = "",
-                     image_shape: str = "imagenet", data_seed: int = 42) -> str:
+def describe_loading(data: Any, **values: Any) -> str:
     """What :func:`build_datasets` (same arguments) is about to do, in words: `flashsgd train`
     says it before the seconds that generating MNIST-1D the first time takes."""
-    entry = DATASETS.get(dataset)
-    settings = DataSettings(dataset, num_samples, data_dir, image_shape, data_seed=data_seed)
-    return globals()[entry.describe](settings)
-
-
-@dataclass(frozen=True)
-class DataSettings:
-    """The ``[data]`` values a loader reads (the fields of :class:`flashsgd.train.config.DataConfig`)."""
-
-    dataset: str
-    num_samples: int = 40000
-    data_dir: str = ""
-    image_shape: str = "imagenet"
-    image_size: int = 224
-    data_seed: int = 42
-
-
-def load_mnist1d_splits(d: DataSettings) -> Datasets:
-    from flashsgd.train.data.mnist1d import load_mnist1d
-
-    x, y, xt, yt = load_mnist1d(d.num_samples, seed=d.data_seed, cache_dir_=d.data_dir or None)
-    return Datasets(TensorSplit(x, y), TensorSplit(xt, yt), 10, f"mnist1d {len(y)} train / {len(yt)} test")
-
-
-def describe_mnist1d(d: DataSettings) -> str:
-    from flashsgd.train.data.mnist1d import cache_file
-
-    path = cache_file(d.num_samples, d.data_seed, d.data_dir or None)
-    if path.exists():
-        return f"loading MNIST-1D ({d.num_samples:,} samples) from {path}"
-    return f"generating MNIST-1D ({d.num_samples:,} samples; cached in {path.parent} for the next run)"
-
-
-def synthetic_splits(d: DataSettings) -> Datasets:
-    shape, classes = ((3, 224, 224), 1000) if d.image_shape == "imagenet" else ((3, 32, 32), 10)
-    test_n = max(1, d.num_samples // 10)
-    return Datasets(SyntheticSplit(d.num_samples, shape, classes, d.data_seed),
-                    SyntheticSplit(test_n, shape, classes, d.data_seed + 1), classes,
-                    f"synthetic {d.image_shape} {d.num_samples} x {'x'.join(map(str, shape))}")
-
-
-def describe_synthetic(d: DataSettings) -> str:
-    return f"synthetic {d.image_shape}-shaped images ({d.num_samples:,} samples)"
-
-
-def image_folder_splits(d: DataSettings) -> Datasets:
-    root = Path(d.data_dir)
-    if not root.is_dir():
-        raise ValueError(f"data_dir {d.data_dir!r} is not a directory")
-    train_root = root / "train" if (root / "train").is_dir() else root
-    files, labels, classes = scan_folder(train_root)
-    if (root / "val").is_dir():
-        vfiles, vlabels, _ = scan_folder(root / "val", classes)
-    else:  # hold out every 10th image of each class (deterministic)
-        keep = [i % 10 != 9 for i in range(len(files))]
-        vfiles = [f for f, k in zip(files, keep) if not k]
-        vlabels = [c for c, k in zip(labels, keep) if not k]
-        files = [f for f, k in zip(files, keep) if k]
-        labels = [c for c, k in zip(labels, keep) if k]
-    return Datasets(ImageFolderSplit(files, labels, d.image_size),
-                    ImageFolderSplit(vfiles, vlabels, d.image_size), len(classes),
-                    f"imagefolder {len(files)} train / {len(vfiles)} val, "
-                    f"{plural(len(classes), 'class', 'classes')}")
-
-
-def describe_image_folder(d: DataSettings) -> str:
-    return f"scanning the image folder {d.data_dir}"
+    d = data_config(data, **values)
+    return DATASETS.get(d.dataset).describe(d)
