@@ -24,11 +24,11 @@ import numpy as np
 
 from flashsgd.exchanges import EXCHANGES
 from flashsgd.registry import Registry
-from flashsgd.sim import costs, costs_hier, costs_lowrank, costs_oktopk, costs_sparse
+from flashsgd.sim import costs, costs_hier, costs_lowrank, costs_sparse
 from flashsgd.sim.costs import CommSetup, Cost, CostFn, zero_cost
 
 # the modules that define cost functions, for their registrations (@cost, :data:`COSTS`)
-_REGISTERING = (costs, costs_hier, costs_lowrank, costs_oktopk, costs_sparse)
+_REGISTERING = (costs, costs_hier, costs_lowrank, costs_sparse)
 COSTS = costs.COSTS
 """Cost function of each ``cost`` name of the catalog (:attr:`flashsgd.exchanges.Exchange.cost`),
 registered where each is defined (``@cost("ring")``). ``native`` is costed as the ring: NCCL/Gloo

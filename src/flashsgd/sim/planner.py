@@ -404,7 +404,7 @@ def sparse_crossover(plan: CommPlan) -> str | None:
     """When the choice compresses and both exchanges of :data:`SPARSE_PAIR` were ranked: their steps
     here and the smallest GPU count of :data:`CROSSOVER_GPUS` (whole nodes) from which the first's
     exchange of one bucket (the first's best setting: its bucket cap and density) costs less than
-    the second's on this cluster (``flashsgd.sim.costs_oktopk``: 2a + 3k (P-1)/P pairs per rank
+    the second's on this cluster (``flashsgd.sim.costs_sparse.oktopk``: 2a + 3k (P-1)/P pairs per rank
     against lg P (a + k pairs)); None otherwise."""
     from flashsgd.sim.algorithms import exchange_cost
     from flashsgd.sim.costs import CommSetup

@@ -375,7 +375,7 @@ def compare(dirs: list[str], labels: str | None = None, target: float | None = N
         raise ValueError(f"--target {target}: must be a finite accuracy in percent")
     rows = table_rows(groups, names, target)
     png = Path(out) if out else default_plot_path(dirs, json_path)
-    plot_comparison(groups, names, png, target)
+    plot_comparison(split_settings(groups, names), png, target)
     print(format_table(rows, target))
     if json_path:
         write_json(json_path, {"target_accuracy": target, "settings": rows})

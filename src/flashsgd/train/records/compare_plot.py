@@ -12,7 +12,7 @@ interpolated linearly between evaluations (evaluation time included, as in ``ela
 
 Example::
 
-    >>> plot_comparison([[load_run("runs/a")], [load_run("runs/b")]], ["a", "b"], "c.png", 97)  # doctest: +SKIP
+    >>> plot_comparison(split_settings([[load_run("runs/a")], [load_run("runs/b")]], ["a", "b"]), "c.png", 97)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -79,22 +79,19 @@ def _line(ax: Any, x: np.ndarray, ys: np.ndarray, color: str, **style: Any) -> N
         ax.fill_between(x, ys.min(axis=0), ys.max(axis=0), color=color, alpha=0.2, lw=0)
 
 
-def plot_comparison(groups: list[list[Any]], labels: list[str], png_path: str | Path,
-                    target: float) -> None:
+def plot_comparison(parts: list[Any], png_path: str | Path, target: float) -> None:
     """Write the 2x3 figure (accuracy, loss) x (step, samples, wall time) to ``png_path``: a curve
-    per part of each setting (``groups``, named by ``labels``;
-    :func:`flashsgd.train.records.compare.split_settings`), a run that is not complete as :data:`INCOMPLETE`."""
+    per part of each setting (``parts``: :func:`flashsgd.train.records.compare.split_settings` of
+    the settings and their labels), a run that is not complete as :data:`INCOMPLETE`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from flashsgd.train.records.compare import split_settings
-
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True, sharey="row")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     lowest = 100.0
-    for i, part in enumerate(split_settings(groups, labels)):
+    for i, part in enumerate(parts):
         group, label, done = part.runs, part.legend, part.complete
         c, color = group_curves(group), colors[i % len(colors)]
         seeds = f" ({len(group)} seeds: mean, min..max)" if len(group) > 1 else ""
