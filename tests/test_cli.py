@@ -70,6 +70,7 @@ OVERRIDES = {  # (command, flag): why its default is not the catalog's
     ("bench scaling", "--timeout-s"): "the collective timeout of one scaling row (120 s)",
     ("bench scaling", "--ranks-per-node"): "the emulated cluster's shape N x R (1), not 'detected'",
     ("bench sparse", "--selection"): "threshold: the selection the bench measures (and --fuse compiles)",
+    ("plan", "--selection"): "unset: the cluster keeps its device class's own (auto there); a value re-prices it",
     ("bench sparse", "--bucket-mb"): "8 MiB: 4-5 buckets of the --hook MLP",
 }
 
