@@ -294,7 +294,8 @@ def message_pattern(algorithm: str, numel: int, setup: CommSetup) -> MessagePatt
 def oktopk_capacities(k, p: int) -> tuple[np.ndarray, np.ndarray]:
     """(c_send, c_keep) of k picks on p ranks, as the hook sizes its messages (at least 1 pair)."""
     k = np.asarray(k, dtype=float)
-    return np.maximum(1.0, np.floor(2 * k / p)), np.maximum(1.0, np.floor(k / p))
+    c_keep = np.ceil(k / p)
+    return np.maximum(1.0, np.floor(3 * k / p) - c_keep), c_keep
 
 
 @cost("oktopk")
@@ -302,17 +303,18 @@ def oktopk(n_bytes, setup: CommSetup) -> Cost:
     """Cost of ``oktopk`` as :mod:`flashsgd.comm.sparse.oktopk` runs it (Li & Hoefler 2022, Ok-Topk).
 
     On P ranks, a message of n bytes = m gradient elements, k = ceil(density m) picks per rank, the
-    region capacities of the hook (c_send = 2k / P pairs to each region owner, c_keep = k / P pairs kept
+    region capacities of the hook (c_send ~ 2k / P pairs to each region owner, c_keep = ceil(k / P) kept
     per region; :func:`flashsgd.comm.sparse.oktopk.capacities`):
 
     1. Local selection of k of m (+ the residual add, a pass over m) and a sort of the k picks.
     2. Split and reduce: one round of direct exchange, every rank's c_send-pair message to each of
        the P-1 others at once (:func:`~flashsgd.sim.costs_sparse.direct_levels`), and P c_send adds.
-    3. Keep: the top c_keep of the rank's region, m / P elements.
+    3. Keep: the region's sum zeroed and filled (m / P elements), then the top c_keep among the
+       P c_send received positions (the only non-zero entries).
     4. Gather: one round of direct exchange of c_keep-pair messages (NCCL: its all-gather), then the
        k result values written into the bucket.
 
-    Cost: select(m) + 2a + (P-1)(c_send + c_keep) s b + select(m / P) with one level; across nodes each
+    Cost: select(m) + 2a + (P-1)(c_send + c_keep) s b + select(P c_send) with one level; across nodes each
     round the slower of its levels, as Top-k's one round (:func:`~flashsgd.sim.costs_sparse.topk`).
     With c_send + c_keep = 3k / P: 2a + 3k (P-1)/P s b, against gTop-k's lgP a + lgP k s b and Top-k's
     a + (P-1) k s b. So Ok-Topk moves less than gTop-k where 3 (P-1)/P < lg P (P >= 8 with one level;
@@ -333,8 +335,9 @@ def oktopk(n_bytes, setup: CommSetup) -> Cost:
     # Step 2: one round of c_send-pair messages to every other rank; P c_send adds.
     lat, bw = step_cost(sparse_message_bytes(c_send, setup), 1, levels)
     total = total + Cost(lat, bw, p * c_send * setup.value_bytes * c.gamma_s_per_byte, z)
-    # Step 3: the top c_keep of this rank's region (m / P elements).
-    total = total + Cost(z, z, m / p * c.select_s_per_elem, z)
+    # Step 3: the region zeroed (m / P elements) and the top c_keep of P c_send + c_keep candidates.
+    total = total + Cost(z, z, m / p * setup.value_bytes * c.gamma_s_per_byte
+                         + (p * c_send + c_keep) * c.select_s_per_elem, z)
     # Step 4: one round of c_keep-pair messages; the k result values written.
     lat, bw = step_cost(sparse_message_bytes(c_keep, setup), 1, levels)
     total = total + Cost(lat, bw, p * c_keep * setup.value_bytes * c.gamma_s_per_byte, z)

@@ -7,12 +7,13 @@ O(P) messages. On P ranks, with each rank's k local picks (values, indices) of o
 entries and region bounds 0 = b_0 <= ... <= b_P = n (region j = [b_j, b_{j+1}), owned by rank j,
 the same on every rank):
 
-1. Split: each rank sorts its picks by index and puts up to ``c_send`` = 2k / P of the picks that
-   fall in region j into the fixed-size message to rank j (slots beyond ``c_send`` stay in the
+1. Split: each rank sorts its picks by index and puts up to ``c_send`` (about 2k / P) of the picks
+   that fall in region j into the fixed-size message to rank j (slots beyond ``c_send`` stay in the
    residual: error feedback keeps them for a later step).
 2. Reduce: one round of point-to-point messages (every rank to every other at once); rank j sums
    what every rank sent for its region, in rank order (the same sum on every rank that holds it).
-3. Keep: rank j keeps the ``c_keep`` = k / P entries of its region's sum largest in magnitude
+3. Keep: rank j keeps the ``c_keep`` = ceil(k / P) entries of its region's sum largest in magnitude
+   (found among the received indices: :func:`_region_top`)
    (the paper keeps those above a global threshold and balances the counts before its
    all-gatherv; keeping a fixed count per region fixes every message's size, so nothing waits for
    a count on the host and the volume bound below holds at every step, not on average; the
@@ -26,9 +27,10 @@ the same on every rank):
 
 Cost per rank (alpha-beta, s bytes per (value, index) pair): a + (P-1) c_send s b (the reduce, one
 round) + a + (P-1) c_keep s b (the gather, one round by direct exchange; NCCL's all-gather: a
-ring, (P-1) a) = 2a + 3k (P-1)/P s b for k >= P: 6k (P-1)/P words of values and indices, the
-paper's bound, against the 2k (P-1)/P lower bound. Compute: a sort of k picks, P index-adds of
-c_send pairs, a top-c_keep of one region (n / P entries).
+ring, (P-1) a) <= 2a + 3k (P-1)/P s b for k >= P (c_send + c_keep <= 3k / P: :func:`capacities`):
+6k (P-1)/P words of values and indices, the paper's bound, against the 2k (P-1)/P lower bound.
+Compute: a sort of k picks, P index-adds of c_send pairs into the region (zeroed: a pass over
+n / P), a sort and a top-c_keep of P c_send + c_keep candidates.
 
 Example::
 
@@ -47,11 +49,14 @@ from flashsgd.comm.topology import default_timeout_s
 
 
 def capacities(k: int, world: int) -> tuple[int, int]:
-    """(c_send, c_keep): pairs per destination in Step 1 (2k / P) and per region in Step 3 (k / P),
-    at least 1 each; at one rank every pick is the result (k, k)."""
+    """(c_send, c_keep): pairs per region in Step 3, c_keep = ceil(k / P) (so the result holds at
+    least k pairs), and per destination in Step 1, c_send = floor(3k / P) - c_keep (about 2k / P),
+    at least 1 each: c_send + c_keep <= 3k / P keeps the volume within 6k (P-1)/P words for k >= P.
+    At one rank every pick is the result (k, k)."""
     if world == 1:
         return k, k
-    return max(1, 2 * k // world), max(1, k // world)
+    c_keep = -(-k // world)
+    return max(1, 3 * k // world - c_keep), c_keep
 
 
 def even_bounds(numel: int, world: int) -> list[int]:
@@ -178,7 +183,7 @@ def oktopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel:
     # Step 3 (sizes known on every rank: the bounds are)
     keeps = [min(c_keep, bounds[j + 1] - bounds[j]) for j in range(world)]
     widest = max(keeps)
-    kept_at = torch.topk(region[:-1].abs(), keeps[rank], sorted=False).indices.sort().values
+    kept_at = _region_top(region, got_idx, lo, keeps[rank])
     row_idx = torch.full((1, widest), -1, dtype=torch.int64, device=values.device)
     row_val = torch.zeros(1, widest, dtype=values.dtype, device=values.device)
     row_idx[0, :keeps[rank]] = kept_at + lo
@@ -195,6 +200,22 @@ def oktopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel:
     out[res_idx] = res_val
     # Step 5
     return GTopk(res_val, res_idx, Counted(indices, sent & found_in(indices, res_idx)))
+
+
+def _region_top(region: torch.Tensor, got_idx: torch.Tensor, lo: int, keep: int) -> torch.Tensor:
+    """Step 3: the ``keep`` positions (ascending) of the region's sum largest in magnitude, found
+    among the received indices, the only non-zero entries, and the region's first ``keep``
+    positions (so that ``keep`` distinct positions always exist; zeros unless received): a sort
+    and a top-k over P c_send + keep candidates instead of a top-k over the whole region (m / P).
+    ``region`` ends with a spare slot (where empty slots were added)."""
+    spare = region.numel() - 1
+    got = got_idx.flatten()
+    candidates = torch.cat([torch.where(got >= 0, got - lo, spare),
+                            torch.arange(keep, dtype=got.dtype, device=got.device)]).sort().values
+    repeated = torch.zeros_like(candidates, dtype=torch.bool)
+    repeated[1:] = candidates[1:] == candidates[:-1]
+    magnitude = torch.where(repeated | (candidates == spare), -1.0, region[candidates].abs())
+    return candidates[torch.topk(magnitude, keep, sorted=False).indices].sort().values
 
 
 def _rank_world(group: ProcessGroup | None) -> tuple[int, int]:
