@@ -82,13 +82,17 @@ def _model_spec(spec: str) -> str:
     return str(ROOT / spec) if spec.endswith(".json") else spec
 
 
-def _runs(row: dict) -> list[tuple[str, int]]:
-    """The (algorithm, GPUs) the row's number needs: first its own, then its reference, if any."""
-    own = (row["algorithm"], row["gpus"])
+def _runs(row: dict) -> list[tuple[str, int, int, int]]:
+    """The (algorithm, GPUs, batch per GPU, micro-batches per exchange) the row's number needs: first
+    its own, then its reference, if any (``base_batch_per_gpu`` / ``base_grad_accum``: the reference's
+    own, as in a strong-scaling table where the accumulation shrinks as the GPUs grow)."""
+    batch, accum = row["batch_per_gpu"], row.get("grad_accum", 1)
+    own = (row["algorithm"], row["gpus"], batch, accum)
     if row["kind"] in ("efficiency_relative", "efficiency_drop"):
-        return [own, (row["algorithm"], row["base_gpus"])]
+        return [own, (row["algorithm"], row["base_gpus"], row.get("base_batch_per_gpu", batch),
+                      row.get("base_grad_accum", accum))]
     if row["kind"] == "efficiency_ratio":
-        return [own, (row["baseline_algorithm"], row["gpus"])]
+        return [own, (row["baseline_algorithm"], row["gpus"], batch, accum)]
     return [own]
 
 
@@ -122,17 +126,18 @@ def predict(row: dict) -> dict:
                      batch_per_gpu=row["batch_per_gpu"], precision=row["precision"],
                      bucket_mb=float(row.get("bucket_mb", 25.0)),
                      groups=tuple(row["groups"]) if row.get("groups") else None,
-                     schedule=row.get("schedule", "overlap"),
+                     schedule=row.get("schedule", "overlap"), grad_accum=row.get("grad_accum", 1),
                      grid=tuple(row["grid"]) if row.get("grid") else None,
                      **({"index_bytes": row["index_bytes"]} if "index_bytes" in row else {}))
     plan = _runs(row)
-    for _, gpus in plan:
+    for _, gpus, _, _ in plan:
         cluster.check_gpus(gpus)
 
     def run(c, rate):
-        return [simulate(workload, c, replace(base, algorithm=a, gpus=g, images_per_s=rate)) for a, g in plan]
+        return [simulate(workload, c, replace(base, algorithm=a, gpus=g, batch_per_gpu=b, grad_accum=n,
+                                              images_per_s=rate)) for a, g, b, n in plan]
 
-    ranged = runs_over_ranges(run, cluster, ips, ips_range, row["precision"])
+    ranged = runs_over_ranges(run, cluster, ips, ips_range, row["precision"], workload.unit)
     value = _value(row, ranged.runs)
     if len(plan) == 1:  # one run's number moves one way with each input: the corners hold it
         at = [_value(row, runs) for _, runs in ranged.at]
@@ -205,9 +210,11 @@ def _fmt_published(row: dict) -> str:
 
 
 def setup_text(row: dict) -> str:
+    accum = f" in {row['grad_accum']} micro-batches" if row.get("grad_accum", 1) > 1 else ""
+    sched = "" if row.get("schedule", "overlap") == "overlap" else f", {row['schedule']}"
     return (f"{row['hardware']}; {row['model'].rsplit('/', 1)[-1].removesuffix('.json')}, "
-            f"{row['gpus']} GPUs, batch {row['batch_per_gpu']}/GPU, {row['precision']} on the wire, "
-            f"`{row['algorithm']}`")
+            f"{row['gpus']} GPUs, batch {row['batch_per_gpu']}/GPU{accum}, {row['precision']} on the wire, "
+            f"`{row['algorithm']}`{sched}")
 
 
 def evaluate(rows: list[dict]) -> list[dict]:

@@ -247,12 +247,12 @@ def test_plan_cli_prints_ranges_what_it_assumed_and_the_flip(tmp_path):
     # a range that misses the rate it ranges is refused, as a cluster file's KEY_range is (not widened)
     for cmd, rate in (("simulate", ["--comm", "gtopk", "--images-per-s", "900"]), ("plan", [])):
         bad = flashsgd(cmd, "--cluster", "1gbe", "--gpus", "32", *rate, "--images-per-s-range", "100", "150")
-        assert bad.returncode == 2 and "--images-per-s-range 100 150 must hold the compute rate used" in bad.stderr
+        assert bad.returncode == 2 and "--samples-per-s-range 100 150 must hold the compute rate used" in bad.stderr
 
 
 def test_plan_cli_bad_compute_range_is_one_line_exit_2():
     r = flashsgd("plan", "--cluster", "abci", "--gpus", "8", "--images-per-s-range", "400", "300")
-    assert r.returncode == 2 and "--images-per-s-range must be 0 < LOW <= HIGH, got 400 300" in r.stderr
+    assert r.returncode == 2 and "--samples-per-s-range must be 0 < LOW <= HIGH (images/s), got 400 300" in r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
 
 

@@ -232,12 +232,12 @@ def test_plan_cli_reads_a_cluster_file_and_a_profile(tmp_path):
     (["--cluster", "nope", "--gpus", "8"], "unknown cluster preset 'nope'"),
     (["--cluster", "missing.toml", "--gpus", "8"], "cluster file 'missing.toml' does not exist"),
     (["--cluster", "abci", "--gpus", "6"], "6 GPUs do not fill whole nodes"),
-    (["--cluster", "abci", "--gpus", "8", "--model", "vgg16"], "--images-per-s is required"),
+    (["--cluster", "abci", "--gpus", "8", "--model", "vgg16"], "--samples-per-s is required"),
     (["--cluster", "abci", "--gpus", "8", "--model", "nope"], "--model 'nope': not a built-in workload"),
     (["--cluster", "abci", "--gpus", "8", "--steps", "0"], "--steps must be an integer >= 1"),
     (["--cluster", "abci", "--gpus", "0"], "--gpus must be an integer >= 1"),
     (["--cluster", "abci", "--gpus", "8", "--model", "vgg16", "--images-per-s", "inf"],
-     "--images-per-s must be a finite number > 0"),
+     "--samples-per-s must be a finite number > 0"),
 ])
 def test_plan_cli_bad_input_is_one_line_exit_2(args, message):
     r = flashsgd("plan", *args)

@@ -154,7 +154,7 @@ def test_cli_bad_inputs(tmp_path):
         run_cli("--gpus", "8", "--grid", "banana")
     with pytest.raises(ValueError, match="--grid '4x4' fits none of --sweep-gpus 8,64"):
         run_cli("--sweep-gpus", "8,64", "--grid", "4x4")
-    with pytest.raises(ValueError, match="--images-per-s is required"):
+    with pytest.raises(ValueError, match="--samples-per-s is required"):
         run_cli("--model", "vgg16")
 
 

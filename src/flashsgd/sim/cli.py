@@ -1,11 +1,12 @@
 """`flashsgd simulate`: predict iteration time, exposed communication and scaling efficiency.
 
 Inputs that are assumptions (a preset's links, compute rate and sparse costs, a cluster file's
-``*_range`` keys, ``--images-per-s-range``) are varied over their ranges
+``*_range`` keys, ``--samples-per-s-range``, a rate from :mod:`flashsgd.sim.compute_rates`) are varied over their ranges
 (:func:`flashsgd.sim.uncertainty.runs_over_ranges`): every number of the table and the breakdown is
 printed with its ``[low-high]`` range and the ``assumed:`` line says what was assumed (the same line
 as ``flashsgd plan``'s); measured inputs (``--calibration``, a cluster file's values without a
-range, a given ``--images-per-s``) have none, and the output says so.
+range, a given ``--samples-per-s``) have none, and the output says so. Rates are printed in the
+workload's unit (images/s, sequences/s).
 
 Examples:
   flashsgd simulate --cluster abci --gpus 1024 --model resnet50 --batch-per-gpu 32 \\
@@ -13,6 +14,10 @@ Examples:
   flashsgd simulate --cluster abci --sweep-gpus 8,64,512,4096 --comm all --json runs/eff.json
       # table, runs/eff.json, and the efficiency plot next to it: runs/eff.png
   flashsgd simulate --cluster 1gbe --gpus 16 --comm gtopk,hgtopk --node-split slices --images-per-s 200
+  flashsgd simulate --cluster dgx-h100 --gpus 64 --model bert-large --batch-per-gpu 8 --precision fp16
+      # no rate given: the one used, its range and source are printed; sequences/s
+  flashsgd simulate --cluster abci --gpus 128 --schedule horovod --fusion-mb 64 --cycle-ms 1 --precision fp16
+  flashsgd simulate --to-efficiency weak-scaling 7.91 --gpus 8   # a published figure as efficiency
   flashsgd simulate --cluster local --calibration ar.json --gpus 8 --comm ring
   flashsgd simulate --calibration ar.json --validate        # fit on half the sizes, predict the rest
   flashsgd simulate --calibrate scaling.json --calibrate-on 2x1,8x1
@@ -36,7 +41,8 @@ from flashsgd.sim.engine import (BYTES, SimConfig, SimResult, bucket_bounds, sim
                                   straddling_alternative, sweep)
 from flashsgd.sim.cluster_file import load_cluster
 from flashsgd.sim.network import CLUSTERS, get_cluster
-from flashsgd.sim.plan_cli import compute_range, images_per_s
+from flashsgd.sim.published import KINDS, to_efficiency
+from flashsgd.sim.plan_cli import add_fusion_arguments, add_rate_arguments, rate_choice
 from flashsgd.sim.uncertainty import RangedRuns, assumed_lines, runs_over_ranges
 from flashsgd.sim.workload import MODEL_HELP, SCHEDULES, get_workload, trainer_schedule
 
@@ -76,16 +82,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --calibrate: shapes whose rows calibrate (default: the smallest and "
                         "largest multi-rank shape of the first file); the others validate")
     p.add_argument("--show", action="store_true", help="print the cluster parameters")
+    p.add_argument("--to-efficiency", nargs=2, metavar=("KIND", "VALUE"),
+                   help=f"print the scaling efficiency a published figure means at --gpus and exit; KIND: "
+                        f"{'; '.join(f'{k}: {v}' for k, v in KINDS.items())} (flashsgd.sim.published)")
+    p.add_argument("--base-gpus", type=int, default=1, help="--to-efficiency speedup: the GPUs it is over (default 1)")
     p.add_argument("--gpus", type=int, default=256, help="number of GPUs (default 256)")
     p.add_argument("--sweep-gpus", type=_ints, metavar="N,N,...", help="simulate each GPU count")
     p.add_argument("--model", default="resnet50", metavar="NAME_OR_PROFILE", help=MODEL_HELP)
     p.add_argument("--batch-per-gpu", type=int, default=32)
-    p.add_argument("--images-per-s", type=float,
-                   help="single-GPU training throughput at --batch-per-gpu (default: the cluster's "
-                        "ResNet-50 figure for --precision)")
-    p.add_argument("--images-per-s-range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
-                   help="the plausible range of that throughput when it is an assumption (default: the "
-                        "preset's range for its own ResNet-50 figure; none for a given --images-per-s)")
+    add_rate_arguments(p)
     p.add_argument("--comm", metavar="NAME[,NAME...]",
                    help=f"exchanges to simulate, comma-separated, or 'all' (default native): "
                         f"{', '.join(SIMULATED.names())}")
@@ -99,11 +104,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fixed fusion groups (tensor counts in backward order, e.g. 3,21,57,80)")
     p.add_argument("--schedule", choices=(*SCHEDULES, "trainer"), default="overlap",
                    help="when the exchanges run: overlap (default: each bucket during backward as soon "
-                        "as it is ready), after_backward (all after it), or trainer (each exchange as "
-                        "flashsgd train runs it on Gloo: the sparse hooks after backward)")
+                        "as it is ready, DDP), after_backward (all after it), horovod (fused once per "
+                        "--cycle-ms into buffers of at most --fusion-mb), or trainer (each exchange as "
+                        "flashsgd train runs it on Gloo: the sparse hooks after backward); with "
+                        "--grad-accum N one exchange per N micro-batches")
+    add_fusion_arguments(p)
     p.add_argument("--grad-accum", type=int, default=1, metavar="N",
                    help="micro-batches per exchange, as flashsgd train --grad-accum: --batch-per-gpu "
-                        "split in N, the first N-1 without an exchange; --images-per-s is the "
+                        "split in N, the first N-1 without an exchange; --samples-per-s is the "
                         "throughput at the micro-batch (default 1)")
     p.add_argument("--density", type=float, default=DEFAULT_DENSITY,
                    help=f"topk/gtopk/hgtopk density (default {DEFAULT_DENSITY:g})")
@@ -121,6 +129,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_output(p, "--plot", metavar="PATH",
                    help="with --sweep-gpus: the plot's path (default: next to --json, same name .png, "
                         "or in --out; none without either)")
+
+
+def _schedule_text(args) -> str:
+    """When the exchanges run, in words (``--schedule``, ``--grad-accum``)."""
+    text = {"overlap": "overlapped with backward, bucket by bucket (DDP)",
+            "after_backward": "after backward, one bucket after another",
+            "trainer": "as flashsgd train runs each exchange (the sparse hooks after backward)"}.get(
+        args.schedule, args.schedule)
+    if args.schedule == "horovod":
+        text = (f"Horovod: every {args.cycle_ms:g} ms the gradients ready are fused into buffers of at most "
+                f"{args.fusion_mb:g} MiB")
+    if args.grad_accum > 1:
+        text += f"; one exchange per {args.grad_accum} micro-batches (after accumulation)"
+    return text
 
 
 def _algorithms(value: str | None) -> list[str]:
@@ -254,7 +276,7 @@ def _grid_lines(results: list[SimResult], workload, cluster, base: SimConfig, sc
     return lines
 
 
-def _print_breakdown(r: SimResult, ranged: RangedRuns, i: int) -> None:
+def _print_breakdown(r: SimResult, ranged: RangedRuns, i: int, unit: str = "images") -> None:
     """One run's breakdown; each line's ``[low-high]`` over the assumed inputs (none when measured)."""
     ms = 1e3
 
@@ -264,7 +286,8 @@ def _print_breakdown(r: SimResult, ranged: RangedRuns, i: int) -> None:
         lo, hi = ranged.range(i, field)
         return f" [{span(lo * scale, hi * scale, fmt)}]"
 
-    when = "overlapping backward" if r.schedule == "overlap" else "after backward"
+    when = {"overlap": "overlapping backward", "horovod": "as Horovod fuses them per cycle"}.get(
+        r.schedule, "after backward")
     accum = f", {plural(r.grad_accum, 'micro-batch', 'micro-batches')} per exchange" if r.grad_accum > 1 else ""
     print(f"algorithm {r.algorithm}, {plural(r.gpus, 'GPU')}, {plural(r.buckets, 'bucket')} "
           f"(largest {size(r.bucket_bytes_max)}) exchanged {when}{accum}")
@@ -282,7 +305,7 @@ def _print_breakdown(r: SimResult, ranged: RangedRuns, i: int) -> None:
     print(f"  step overhead    {r.step_overhead_s * ms:9.2f} ms{rng('step_overhead_s', ms, '.2f')}")
     print(f"  input wait       {r.input_wait_s * ms:9.2f} ms{rng('input_wait_s', ms, '.2f')}  (the node's host "
           "preparing its GPUs' images)")
-    print(f"  throughput       {r.images_per_s:9.0f} images/s{rng('images_per_s', 1.0, '.0f')}")
+    print(f"  throughput       {r.images_per_s:9.0f} {unit}/s{rng('images_per_s', 1.0, '.0f')}")
     print(f"  efficiency       {r.efficiency:9.1%}{rng('efficiency', 100.0, '.1f')}  "
           "(throughput / (GPUs x single-GPU throughput))")
 
@@ -359,6 +382,17 @@ def plot_efficiency(results: list[SimResult], path: str | Path, title: str) -> N
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.to_efficiency:
+        kind, text = args.to_efficiency
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"--to-efficiency {kind} {text!r}: VALUE must be a number") from None
+        eff = to_efficiency(kind, value, args.gpus, args.base_gpus, args.images_per_s)
+        print(f"{kind} {value:g} at {plural(args.gpus, 'GPU')}"
+              f"{f' over {args.base_gpus}' if args.base_gpus > 1 and kind == 'speedup' else ''}: "
+              f"scaling efficiency {eff:.2%} (as flashsgd simulate prints it)")
+        return 0
     if args.calibrate:
         from flashsgd.sim.scaling_cli import run_calibration
 
@@ -388,10 +422,18 @@ def run(args: argparse.Namespace) -> int:
     grad_bytes = workload.num_params * (2 if args.precision == "fp16" else 4)
     print(f"{cluster.describe()}\nworkload {workload.name}: {workload.num_tensors} tensors, "
           f"{workload.num_params:,} params, {size(grad_bytes)} of {args.precision} gradients; "
-          f"{ips:g} images/s/GPU at batch {args.batch_per_gpu}")
+          f"{ips:g} {workload.unit}/s/GPU at batch {args.batch_per_gpu}"
+          + (f" ({workload.sample} each)" if workload.sample else ""))
+    for w in cluster.warnings:
+        print(f"warning: {w}")
+    print(args._rate.describe(args.batch_per_gpu))
+    print(f"schedule: {_schedule_text(args)}")
     report["inputs"] = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     report["workload"] = {"name": workload.name, "tensors": workload.num_tensors,
-                          "params": workload.num_params, "note": workload.note}
+                          "params": workload.num_params, "note": workload.note, "unit": workload.unit,
+                          "sample": workload.sample}
+    report["compute_rate"] = {"rate": args._rate.rate, "range": args._rate.range, "source": args._rate.source,
+                              "unit": workload.unit, "batch": args._rate.batch}
     run_ranged = _sweep if args.sweep_gpus else _breakdowns
     ranged = run_ranged(args, workload, cluster, base, algos, ips, ips_range, report)
     results = ranged.runs
@@ -411,7 +453,7 @@ def _sweep(args, workload, cluster, base: SimConfig, algos: list[str], ips: floa
                                                  args.sweep_gpus)]
 
     t0 = time.perf_counter()
-    ranged = runs_over_ranges(run_all, cluster, ips, ips_range, args.precision)
+    ranged = runs_over_ranges(run_all, cluster, ips, ips_range, args.precision, workload.unit)
     results = ranged.runs
     elapsed = time.perf_counter() - t0
     _print_table(ranged, algos, args.sweep_gpus)
@@ -424,7 +466,7 @@ def _sweep(args, workload, cluster, base: SimConfig, algos: list[str], ips: floa
     png = plot_path(args.plot, args.out, args.json)
     if png is not None:
         plot_efficiency(results, png, f"{workload.name}, {args.precision}, batch "
-                        f"{args.batch_per_gpu}/GPU, {ips:g} img/s/GPU, cluster {cluster.name}")
+                        f"{args.batch_per_gpu}/GPU, {ips:g} {workload.unit}/s/GPU, cluster {cluster.name}")
         print(f"wrote {png.resolve()}")
     else:
         print("no plot written: add --plot PATH, --out DIR or --json PATH")
@@ -437,10 +479,10 @@ def _breakdowns(args, workload, cluster, base: SimConfig, algos: list[str], ips:
     """One GPU count: each algorithm's breakdown over the assumptions' ranges, with its grid."""
     ranged = runs_over_ranges(
         lambda c, rate: [simulate(workload, c, _scheduled(replace(base, images_per_s=rate), a, args.schedule))
-                         for a in algos], cluster, ips, ips_range, args.precision)
+                         for a in algos], cluster, ips, ips_range, args.precision, workload.unit)
     report["grids"] = []
     for i, r in enumerate(ranged.runs):
-        _print_breakdown(r, ranged, i)
+        _print_breakdown(r, ranged, i, workload.unit)
         for line in _grid_lines([r], workload, cluster, base, args.schedule):
             print(f"  {line}")
             report["grids"].append(line)
@@ -456,13 +498,14 @@ def _checked_inputs(args, cluster):
     for gpus in args.sweep_gpus or [args.gpus]:
         cluster.check_gpus(gpus)  # whole nodes, at most the cluster file's nodes, MAX_GPUS
     workload = get_workload(args.model)
-    ips = images_per_s(args, cluster, workload)  # plan's rules: the same defaults and ranges
-    ips_range = compute_range(args, cluster, workload)
+    choice = rate_choice(args, cluster, workload)  # plan's rules: the same defaults, ranges and sources
+    ips, ips_range = choice.rate, choice.range
+    args._rate = choice
     algos = _algorithms(args.comm)
     base = SimConfig(algorithm=algos[0], gpus=args.gpus, images_per_s=ips,
                      batch_per_gpu=args.batch_per_gpu, precision=args.precision,
                      bucket_mb=args.bucket_mb, groups=tuple(args.groups) if args.groups else None,
-                     grad_accum=args.grad_accum,
+                     grad_accum=args.grad_accum, fusion_mb=args.fusion_mb, cycle_ms=args.cycle_ms,
                      grid=_grid(args.grid, args.sweep_gpus or [args.gpus]), density=args.density,
                      index_bytes=args.index_bytes, node_split=args.node_split,
                      matrix_approximation_rank=args.matrix_approximation_rank)

@@ -16,6 +16,8 @@ per-call and compression costs of the devices. Units are in the key names::
     [inter]                     # node <-> node: the node's NICs together, per direction
     bandwidth_gbit = 1.0
     latency_us = 50.0
+    kind = "ethernet-1g"        # optional (both levels): the link, to check the value's units
+    nics = 1                    # optional ([inter]): the node's NICs of that kind
     flow_bandwidth_gbit = 0.25  # optional (both levels): the most one flow (connection) carries
     incast = 0.0                # optional: goodput lost per extra node sending to one node at once
                                 # (TCP incast; 0: none, lossless fabrics)
@@ -41,6 +43,16 @@ per-call and compression costs of the devices. Units are in the key names::
     oversubscription = 3.0      # what a switch's nodes send over what its uplink carries (3:1)
     oversubscription_range = [1.0, 4.0]
     placement = "ordered"       # ranks numbered switch by switch; "random": in no relation to them
+
+Every bandwidth is in Gbit/s *per direction*: NVIDIA quotes NVLink as the "total" GB/s of both
+directions (A100: 600 GB/s = 300 GB/s per direction = 2400 Gbit/s here; V100: 300 GB/s = 1200
+Gbit/s), NICs by their line rate per port (InfiniBand HDR 200 Gbit/s; a node of 8 is 1600).
+``kind`` names the link (:data:`flashsgd.sim.link_kinds.LINK_KINDS`: ``nvlink1``-``nvlink5``,
+``pcie3``-``pcie6``, ``ib-fdr``/``edr``/``hdr``/``ndr``/``xdr``, ``ethernet-1g`` ... ``-400g``,
+``roce-25g`` ... ``-400g``; ``nics``: how many per node): a value outside what it carries per
+direction is warned about, with the likely unit mistake (``intra.bandwidth_gbit = 300`` with
+``kind = "nvlink3"``: GB/s written where Gbit/s is asked, 2400), and so is a TCP link (``ethernet-*``)
+of 25 Gbit/s or more without a per-flow limit.
 
 ``flow_bandwidth_gbit`` (Gbit/s, > 0; absent: one flow can fill the link) caps every flow
 (:attr:`Link.flow_gbps`): a flat ring sends one flow through each node's link, hierarchical and
@@ -103,6 +115,7 @@ import tomllib
 from pathlib import Path
 
 from flashsgd.sim.fabric import PLACEMENTS, Fabric
+from flashsgd.sim.link_kinds import LINK_KINDS, check_link
 from flashsgd.sim.network import (CLUSTERS, SPARSE_RANGES, STEP_RANGES, STEP_STATED, ClusterModel, Link,
                                    highest_bandwidth)
 
@@ -136,12 +149,12 @@ RANGE = "_range"
 _TOP = {"name", "nodes", "ranks_per_node", "intra", "inter", "costs", "fabric"}
 _FABRIC = {"nodes_per_switch", "oversubscription", "oversubscription" + RANGE, "placement"}
 _LINK = {"bandwidth_gbit", "latency_us"}
-_LINK_OPTIONAL = {"flow_bandwidth_gbit", "incast"}
+_LINK_OPTIONAL = {"flow_bandwidth_gbit", "incast", "kind", "nics"}
 LINK_DEFAULTS = {"incast": 0.0}
 """Optional link keys with a stated value when absent (``flow_bandwidth_gbit`` absent: no limit)."""
 
 
-LIMITS = {"bandwidth_gbit": 1e5, "flow_bandwidth_gbit": 1e5, "latency_us": 1e7, "ranks_per_node": 4096,
+LIMITS = {"nics": 64, "bandwidth_gbit": 1e5, "flow_bandwidth_gbit": 1e5, "latency_us": 1e7, "ranks_per_node": 4096,
           "nodes": 10 ** 6, "incast": 100.0, "overlap_slowdown_percent": 99.0,
           "jitter_percent": 99.0, "input_us_per_image": 1e6, "nodes_per_switch": 10 ** 6,
           "oversubscription": 1e4}
@@ -152,15 +165,30 @@ of host time per image), so that a typo (1e308, 1e30) is refused instead of plan
 or absurd costs; an uplink 10,000 times oversubscribed)."""
 
 
+UNITS = {"bandwidth_gbit": "Gbit/s per direction (1e9 bits/s; NVLink 3's '600 GB/s total' is 2400)",
+         "flow_bandwidth_gbit": "Gbit/s one flow carries per direction", "latency_us": "microseconds per message step",
+         "incast": "goodput lost per extra sender", "reduce_ns_per_byte": "ns per byte summed",
+         "call_overhead_us": "microseconds per collective call", "exchange_fixed_us": "microseconds per sparse exchange",
+         "round_fixed_us": "microseconds per message round", "select_ns_per_elem": "ns per gradient element",
+         "lowrank_ns_per_elem": "ns per compressed element", "tflops": "TFLOPS (1e12 FLOP/s)",
+         "step_overhead_us": "microseconds per step", "jitter_percent": "% (std / mean)",
+         "bucket_overhead_us": "microseconds per bucket", "overlap_slowdown_percent": "% of compute speed",
+         "input_us_per_image": "microseconds of host time per image", "oversubscription": "to 1 (3 for 3:1)"}
+"""The unit of every number a cluster file gives (by the key's last part), named in its errors."""
+
+
 def _number(where: str, key: str, value, *, positive: bool, limit: str | None = None) -> float:
-    """``value`` as a float, or ValueError naming ``key`` and the valid values (``limit``: the
-    :data:`LIMITS` entry, default the key's last part)."""
-    high = LIMITS.get(limit or key.rsplit(".", 1)[-1])
+    """``value`` as a float, or ValueError naming ``key``, its unit and the valid values (``limit``:
+    the :data:`LIMITS` entry, default the key's last part)."""
+    base = limit or key.rsplit(".", 1)[-1]
+    high = LIMITS.get(base)
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
         and (value > 0 if positive else value >= 0) and (high is None or value <= high)
     if not ok:
         bound = f"{'> 0' if positive else '>= 0'}" + (f" and <= {high:g}" if high is not None else "")
-        raise ValueError(f"{where}: {key} must be a finite number {bound}, got {value!r}")
+        unit = UNITS.get(base.removesuffix(RANGE))
+        raise ValueError(f"{where}: {key} must be a finite number {bound}, got {value!r}"
+                         + (f" (unit: {unit})" if unit else ""))
     return float(value)
 
 
@@ -244,7 +272,24 @@ def _link(where: str, doc: dict, key: str) -> Link:
     if flow is not None:
         flow = _number(where, f"{key}.flow_bandwidth_gbit", flow, positive=True) * GBIT
     incast = _number(where, f"{key}.incast", t.get("incast", LINK_DEFAULTS["incast"]), positive=False)
+    if "nics" in t:
+        _count(where, t, "nics", required=True, table=key)
+    if "kind" in t and (not isinstance(t["kind"], str) or t["kind"] not in LINK_KINDS):
+        raise ValueError(f"{where}: {key}.kind must be one of {', '.join(n for n, k in LINK_KINDS.items() if k.level == key)}, "
+                         f"got {t['kind']!r}")
     return Link(alpha_s=lat * 1e-6, bandwidth_gbps=bw * GBIT, flow_gbps=flow, incast=incast)
+
+
+def link_warnings(where: str, doc: dict) -> tuple[str, ...]:
+    """The warnings of :func:`flashsgd.sim.link_kinds.check_link` for each link table that names its
+    ``kind`` (checked by :func:`_link`)."""
+    out = []
+    for key in ("intra", "inter"):
+        t = doc.get(key) or {}
+        if "kind" in t:
+            flow = "flow_bandwidth_gbit" in t or "flow_bandwidth_gbit" + RANGE in t
+            out += [f"{where}: {w}" for w in check_link(key, t["kind"], float(t["bandwidth_gbit"]), t.get("nics"), flow)]
+    return tuple(out)
 
 
 def _count(where: str, doc: dict, key: str, required: bool, table: str = "") -> int | None:
@@ -320,7 +365,8 @@ def load_cluster_text(text: str, where: str, default_name: str = "file") -> Clus
         step_overhead_s=c["step_overhead_us"] * 1e-6, jitter_cv=c["jitter_percent"] * 1e-2,
         bucket_overhead_s=c["bucket_overhead_us"] * 1e-6, overlap_slowdown=c["overlap_slowdown_percent"] * 1e-2,
         input_s_per_image=c["input_us_per_image"] * 1e-6,
-        flop_s=1.0 / (c["tflops"] * 1e12), fabric=fabric, source=where, assumed=assumed)
+        flop_s=1.0 / (c["tflops"] * 1e12), fabric=fabric, source=where, assumed=assumed,
+        warnings=link_warnings(where, doc))
 
 
 def load_cluster(spec: str) -> ClusterModel:

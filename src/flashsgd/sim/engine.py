@@ -11,7 +11,9 @@ Algorithm (per iteration, one GPU's view; all GPUs are identical in data paralle
    holds >= ``bucket_mb`` MiB, DDP's ``bucket_cap_mb`` unit) or by fixed tensor counts (Fujitsu-style ``groups``, e.g. 3, 21, 57, 80).
 3. A bucket's exchange starts when its last gradient is ready and the previous bucket's exchange
    has finished (one communication stream; ``schedule="overlap"``); with
-   ``schedule="after_backward"`` all start when backward ends (:data:`flashsgd.sim.workload.SCHEDULES`).
+   ``schedule="after_backward"`` all start when backward ends; with ``schedule="horovod"`` the
+   buckets are Horovod's fusion buffers, formed once per cycle from the gradients ready by then and
+   capped by the fusion threshold (:func:`fusion_cycles`) (:data:`flashsgd.sim.workload.SCHEDULES`).
    With more than one GPU each bucket's time on the stream is its exchange plus the cluster's
    ``bucket_overhead_s`` (the framework's hook and bookkeeping per bucket): ``d_i = exchange_i + b``.
    While the stream is busy, compute runs at ``1 - s`` of its speed (``overlap_slowdown`` s: the
@@ -114,6 +116,12 @@ class SimConfig:
     """hgtopk: how a node combines its ranks (:data:`flashsgd.exchanges.NODE_SPLITS`)."""
     matrix_approximation_rank: int = 1
     """powersgd: rank of the approximation (torch's ``matrix_approximation_rank``)."""
+    fusion_mb: float = 64.0
+    """``schedule="horovod"``: the fusion buffer's ceiling in MiB (Horovod's default
+    HOROVOD_FUSION_THRESHOLD = 67108864 bytes = 64 MiB, docs/tensor-fusion.rst)."""
+    cycle_ms: float = 1.0
+    """``schedule="horovod"``: the background cycle in ms (HOROVOD_CYCLE_TIME: default 1 ms since
+    v0.21.0, 5 ms before it)."""
     forward_fraction: float = 1 / 3
     """Share of T1 spent in forward (backward ~ 2x forward)."""
     update_fraction: float = 0.0
@@ -133,6 +141,9 @@ class SimConfig:
             raise ValueError(
                 f"forward_fraction and update_fraction must be >= 0 with sum < 1, got {fractions}"
             )
+        if not (self.fusion_mb > 0 and self.cycle_ms > 0):
+            raise ValueError(f"fusion_mb (MiB) and cycle_ms (ms) must be > 0, got {self.fusion_mb!r}, "
+                             f"{self.cycle_ms!r}")
         if self.groups is not None and (not self.groups or min(self.groups) < 1):
             raise ValueError(f"groups must be positive tensor counts, got {self.groups!r}")
         if self.schedule not in SCHEDULES:
@@ -274,6 +285,36 @@ def bucket_bounds(numels: np.ndarray, elem_bytes: int, bucket_mb: float,
     return np.asarray(ends)
 
 
+def fusion_cycles(ready: np.ndarray, numels: np.ndarray, elem_bytes: int, fusion_mb: float,
+                  cycle_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """Horovod's buckets: (index one past each buffer's last tensor, when each buffer is handed to
+    the stream), for gradients ready at ``ready`` (seconds from the step's start, backward order).
+
+    Step 1: the background thread wakes every ``cycle_s`` (ticks at k x cycle from the step's start
+    [assumption: the phase of the cycle; it is arbitrary]) and takes every gradient that became ready
+    since the last tick: a gradient ready at r goes at tick ceil(r / cycle). Step 2: a tick's
+    gradients, in order, fill buffers of at most ``fusion_mb`` MiB (a gradient larger than that goes
+    alone): the threshold caps a buffer, nothing waits to fill it (unlike DDP's ``bucket_cap_mb``).
+    Ready times are compute time; the stream's slowdown of backward (Step 3 of the module) is not
+    fed back into the ticks. Example: 4 tensors of 1 MiB ready at 0.2, 0.4, 1.1, 1.2 ms, cycle 1 ms,
+    threshold 64 MiB: buffers [0, 2) at 1 ms and [2, 4) at 2 ms."""
+    cap = fusion_mb * 2 ** 20
+    ticks = np.ceil(ready / cycle_s - 1e-9)  # the tick each gradient is taken at
+    ends, when = [], []
+    size = 0.0
+    for i, n in enumerate(numels):
+        b = float(n) * elem_bytes
+        new_tick = i > 0 and ticks[i] != ticks[i - 1]
+        if i > 0 and (new_tick or size + b > cap):  # close the buffer: next tick, or it would pass the cap
+            ends.append(i)
+            when.append(ticks[i - 1] * cycle_s)
+            size = 0.0
+        size += b
+    ends.append(numels.size)
+    when.append(ticks[-1] * cycle_s)
+    return np.asarray(ends), np.asarray(when)
+
+
 def _bucket_costs(algorithm: str, nbytes: np.ndarray, setup: CommSetup, workload: Workload,
                   ends: np.ndarray) -> Cost:
     """Every bucket's exchange cost; PowerSGD's depends on the bucket's matrices, not only its size."""
@@ -304,10 +345,13 @@ def simulate(workload: Workload, cluster: ClusterModel, cfg: SimConfig) -> SimRe
     start = done - fwd - bwd  # = (N-1) (fwd + bwd)
     ready = np.minimum(start + fwd + np.cumsum(workload.backward_share) * bwd, done)  # no round-off past the end
     # Step 2: fuse into buckets.
-    ends = bucket_bounds(workload.numels, elem, cfg.bucket_mb, cfg.groups)
+    if cfg.schedule == "horovod":  # Horovod: fused per cycle, up to the threshold
+        ends, bucket_ready = fusion_cycles(ready, workload.numels, elem, cfg.fusion_mb, cfg.cycle_ms * 1e-3)
+    else:
+        ends = bucket_bounds(workload.numels, elem, cfg.bucket_mb, cfg.groups)
+        bucket_ready = ready[ends - 1] if cfg.schedule == "overlap" else np.full(ends.size, done)
     csum = np.concatenate(([0], np.cumsum(workload.numels)))
     nbytes = (csum[ends] - csum[np.concatenate(([0], ends[:-1]))]).astype(float) * elem
-    bucket_ready = ready[ends - 1] if cfg.schedule == "overlap" else np.full(ends.size, done)
     cost = _bucket_costs(cfg.algorithm, nbytes, setup, workload, ends)
     multi = cfg.gpus > 1  # one GPU exchanges nothing: no bucket overhead, no slowdown, no step overhead
     per_bucket = cluster.bucket_overhead_s if multi else 0.0

@@ -110,7 +110,7 @@ class ClusterModel:
     """A homogeneous GPU cluster: nodes of ``ranks_per_node`` GPUs, two link levels."""
 
     name: str
-    """Preset name (``abci``, ``1gbe``, ...) or ``local``."""
+    """Preset name (``abci``, ``1gbe``, ``dgx-a100``, ...) or ``local``."""
     ranks_per_node: int
     """GPUs (ranks) per node; ranks 0..L-1 live on node 0, L..2L-1 on node 1, ..."""
     intra: Link
@@ -181,6 +181,10 @@ class ClusterModel:
     """Where every number above comes from (shown by ``flashsgd simulate --cluster X --show``)."""
     nodes: int | None = None
     """Nodes the cluster has (None: as many as a run needs; the presets)."""
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+    """What looked wrong in the description (a cluster file's bandwidth outside what its link
+    ``kind`` carries, a TCP link without a per-flow limit: :func:`flashsgd.sim.link_kinds.check_link`);
+    ``flashsgd simulate`` and ``flashsgd plan`` print each one."""
     assumed: dict[str, tuple[float, float]] = field(default_factory=dict)
     """The inputs that are assumptions, each with its plausible (low, high) in the input's own units
     (key: one of :data:`INPUTS`, e.g. ``exchange_fixed_s``, ``inter.bandwidth_gbps``,
@@ -657,6 +661,52 @@ CLUSTERS.add("dgx-h100", ClusterModel(
              "fabric.oversubscription": (1.0, 2.0)},
     source="DGX H100: 8x H100 SXM5 + NVLink 4 (NVSwitch, 450 GB/s per direction), 8x IB NDR 400 Gbit/s; "
            "rail-optimized non-blocking fat tree in units of 32 nodes (assumed); NCCL tuning-model latencies",
+))
+
+
+# DGX A100's NVLink 3: NVIDIA's figure is 600 GB/s per GPU "total" (both directions), 12 links x
+# 25 GB/s = 300 GB/s per direction through six second-generation NVSwitches: stated 300, ranged as
+# every NVLink preset (_NVLINK_ACHIEVED: 240-300). (A cluster file writes it as 2400 Gbit/s.)
+_NVLINK3_GBPS = 300.0
+# 8x ConnectX-6 InfiniBand HDR for the compute fabric, one per GPU: 8 x 200 Gbit/s = 8 x 25 GB/s =
+# 200 GB/s per node per direction line rate (DGX A100 datasheet: "8x single-port Mellanox ConnectX-6
+# VPI 200Gb/s HDR InfiniBand"); 96% of it for large RDMA messages, as abci's EDR (192 GB/s).
+_HDR_NODE_GBPS = 8 * 25.0
+# ResNet-50 v1.5 on one A100 80GB: NVIDIA DeepLearningExamples' PyTorch README, "Training
+# performance: NVIDIA DGX A100 (8x A100 80GB)", 1 GPU at batch 256: 2,470 images/s mixed precision,
+# 938 TF32 (the rows of docs/data/published_scaling.toml; flashsgd.sim.compute_rates).
+_A100_RESNET50 = {"fp16": 2470.0, "fp32": 938.0}
+
+CLUSTERS.add("dgx-a100", ClusterModel(
+    name="dgx-a100",
+    ranks_per_node=8,
+    # 8x A100 SXM4 80GB on six NVSwitches (NVLink 3): every GPU reaches every other at 300 GB/s
+    # per direction.
+    intra=Link(alpha_s=_NCCL_NVLINK_STEP_S, bandwidth_gbps=_NVLINK3_GBPS),
+    inter=Link(alpha_s=_NCCL_NET_STEP_S, bandwidth_gbps=0.96 * _HDR_NODE_GBPS),
+    call_overhead_s=_NCCL_CALL_S,
+    # A100 SXM4 80GB (2,039 GB/s HBM2e): gamma and the compression costs, derived from the H100's by
+    # memory bandwidth (flashsgd.sim.device_costs).
+    **device_fields("a100"),
+    resnet50_images_per_s=dict(_A100_RESNET50),
+    # ASSUMPTION: NVIDIA's DGX SuperPOD reference layout for DGX A100, a non-blocking rail-optimized
+    # fat tree in scalable units of 20 nodes (as dgx-h100's, per node: 20 nodes per edge switch, 1:1
+    # to the spine), ranks numbered node by node.
+    fabric=Fabric(nodes_per_switch=20, oversubscription=1.0, placement="ordered"),
+    **STEP_STATED,
+    # +-20% around the published rates [judgement, as dgx-h100: another framework, input pipeline, batch].
+    assumed={**device_ranges("a100"), **STEP_RANGES, **_rate_range(_A100_RESNET50, 0.2),
+             # NVLink 3: 80-100% of 300 GB/s (_NVLINK_ACHIEVED); NCCL's NVLink step (_NVLINK_STEP_RANGE).
+             "intra.bandwidth_gbps": (_NVLINK3_GBPS * _NVLINK_ACHIEVED[0], _NVLINK3_GBPS * _NVLINK_ACHIEVED[1]),
+             "intra.alpha_s": _NVLINK_STEP_RANGE,
+             # 8x HDR: low 150 GB/s, 75% of the 200 GB/s line rate [judgement, as abci and dgx-h100];
+             # high 200 GB/s, the line rate. Alpha: NCCL's network step (_NET_STEP_RANGE). RDMA: no
+             # per-flow limit; lossless.
+             "inter.bandwidth_gbps": (0.75 * _HDR_NODE_GBPS, _HDR_NODE_GBPS), "inter.alpha_s": _NET_STEP_RANGE,
+             # The fat tree: non-blocking stated; high 2:1 [judgement, as dgx-h100].
+             "fabric.oversubscription": (1.0, 2.0)},
+    source="DGX A100: 8x A100 SXM4 80GB + NVLink 3 (NVSwitch, 300 GB/s per direction), 8x IB HDR 200 Gbit/s; "
+           "rail-optimized non-blocking fat tree in units of 20 nodes (assumed); NCCL tuning-model latencies",
 ))
 
 

@@ -30,6 +30,7 @@ from flashsgd.exchanges import SELECTIONS
 from flashsgd.fmt import plural, span
 from flashsgd.outputs import add_output
 from flashsgd.sim.cluster_file import load_cluster
+from flashsgd.sim.compute_rates import RateChoice, lookup
 from flashsgd.sim.device_costs import DEVICES
 from flashsgd.sim.network import CLUSTERS, ClusterModel, on_device
 from flashsgd.sim.planner import sparse_crossover
@@ -43,12 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs (ranks)")
     p.add_argument("--model", default="resnet50", metavar="NAME_OR_PROFILE", help=MODEL_HELP)
     p.add_argument("--batch-per-gpu", type=int, default=32, help="samples per GPU per step (default 32)")
-    p.add_argument("--images-per-s", type=float, default=None,
-                   help="one GPU's training throughput at --batch-per-gpu (default: the cluster's "
-                        "ResNet-50 figure, for --model resnet50 on a preset)")
-    p.add_argument("--images-per-s-range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
-                   help="the plausible range of that throughput when it is an assumption (default: the "
-                        "preset's range for its own ResNet-50 figure; none for a given --images-per-s)")
+    add_rate_arguments(p)
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps of the run (decides whether sparse / low-rank keep accuracy; "
                         "default: a built-in model's reference run at this batch, e.g. resnet50's 90 "
@@ -62,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", choices=("trainer", *SCHEDULES), default="trainer",
                    help="when the exchanges run: trainer (default: as flashsgd train runs each one, "
                         "the sparse hooks after backward), overlap or after_backward for all")
+    add_fusion_arguments(p)
     p.add_argument("--device", choices=tuple(DEVICES), default=None, metavar="CLASS",
                    help=f"the device class whose compression costs to charge ({', '.join(DEVICES)}; default: "
                         "the preset's own; flashsgd.sim.device_costs)")
@@ -70,6 +67,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "GPUs, sampled on CPUs, as the hooks resolve it)")
     p.add_argument("--top", type=int, default=6, help="algorithms shown (best setting of each; default 6)")
     add_output(p, "--json", metavar="PATH", help="write the plan (every candidate, ranked) as JSON")
+
+
+def add_rate_arguments(p: argparse.ArgumentParser) -> None:
+    """``--samples-per-s`` (alias ``--images-per-s``) and its range, for plan and simulate."""
+    p.add_argument("--samples-per-s", "--images-per-s", dest="images_per_s", type=float, default=None,
+                   metavar="RATE",
+                   help="one GPU's training throughput at --batch-per-gpu, in the model's unit (images/s, "
+                        "sequences/s; --images-per-s is the same flag). Default: the preset's ResNet-50 "
+                        "figure, else a published rate for the cluster's GPU and the model, else one derived "
+                        "from the GPU's peak and the model's FLOPs (flashsgd.sim.compute_rates), ranged")
+    p.add_argument("--samples-per-s-range", "--images-per-s-range", dest="images_per_s_range", type=float,
+                   nargs=2, default=None, metavar=("LOW", "HIGH"),
+                   help="the plausible range of that throughput (default: the range of the rate used; none "
+                        "for a given --samples-per-s)")
+
+
+def add_fusion_arguments(p: argparse.ArgumentParser) -> None:
+    """``--fusion-mb`` and ``--cycle-ms``: Horovod's schedule (``--schedule horovod``)."""
+    p.add_argument("--fusion-mb", type=float, default=64.0, metavar="MiB",
+                   help="--schedule horovod: the fusion buffer's ceiling in MiB (HOROVOD_FUSION_THRESHOLD; "
+                        "default 64, Horovod's)")
+    p.add_argument("--cycle-ms", type=float, default=1.0, metavar="MS",
+                   help="--schedule horovod: the cycle in ms (HOROVOD_CYCLE_TIME; default 1, Horovod's since "
+                        "v0.21; 5 before)")
 
 
 def print_plan(ranged: RangedPlan, top: int) -> None:
@@ -110,34 +131,53 @@ def print_plan(ranged: RangedPlan, top: int) -> None:
         print(f"ruled out: {line}")
 
 
-def images_per_s(args: argparse.Namespace, cluster, workload: Workload) -> float:
+def rate_choice(args: argparse.Namespace, cluster, workload: Workload) -> RateChoice:
+    """One GPU's compute rate, its range and its source (:mod:`flashsgd.sim.compute_rates`):
+    ``--samples-per-s`` (measured: no range unless ``--samples-per-s-range``); else the preset's own
+    ResNet-50 figure; else a published rate for the cluster's device class; else one derived from the
+    device's peak and the workload's FLOPs. ``--samples-per-s-range`` replaces the range."""
+    unit = workload.unit
     if args.images_per_s is not None:
         if not (math.isfinite(args.images_per_s) and args.images_per_s > 0):
-            raise ValueError(f"--images-per-s must be a finite number > 0, got {args.images_per_s}")
-        return args.images_per_s
-    ips = cluster.resnet50_images_per_s.get(args.precision) if workload.name == "resnet50" else None
-    if ips is None:
-        raise ValueError(f"--images-per-s is required for model {workload.name!r} on cluster "
-                         f"{cluster.name!r} at {args.precision} (one GPU's training throughput)")
-    return ips
-
-
-def compute_range(args: argparse.Namespace, cluster, workload: Workload) -> tuple[float, float] | None:
-    """--images-per-s-range; else the preset's range of its own ResNet-50 figure when that is used."""
+            raise ValueError(f"--samples-per-s must be a finite number > 0 ({unit}/s of one GPU), "
+                             f"got {args.images_per_s}")
+        choice = RateChoice(args.images_per_s, None, "given by --samples-per-s", unit)
+    elif workload.name == "resnet50" and args.precision in cluster.resnet50_images_per_s:
+        choice = RateChoice(cluster.resnet50_images_per_s[args.precision],
+                            preset_compute_range(cluster, args.precision),
+                            f"the {cluster.name} preset's ResNet-50 {args.precision} figure", unit)
+    else:
+        choice = lookup(cluster.device, workload.name, args.precision, workload.forward_flops, unit) \
+            if cluster.device else None
+        if choice is None:
+            why = (f"cluster {cluster.name!r} names no device class (a preset does; plan --device)"
+                   if not cluster.device else
+                   f"no published rate for {cluster.device}/{workload.name}/{args.precision} and "
+                   f"{'no FLOP count for the model' if not workload.forward_flops else 'no peak for the device'}")
+            raise ValueError(f"--samples-per-s is required for model {workload.name!r} on cluster {cluster.name!r} "
+                             f"at {args.precision} (one GPU's training throughput, {unit}/s): {why}")
     if args.images_per_s_range is not None:
         lo, hi = args.images_per_s_range
         if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
-            raise ValueError(f"--images-per-s-range must be 0 < LOW <= HIGH, got {lo:g} {hi:g}")
-        ips = images_per_s(args, cluster, workload)
-        if not lo <= ips <= hi:  # a cluster file's KEY_range must hold KEY: the same rule
-            given = "--images-per-s" if args.images_per_s is not None else f"the {cluster.name} preset's rate"
-            raise ValueError(f"--images-per-s-range {lo:g} {hi:g} must hold the compute rate used, {given} "
-                             f"{ips:g} (LOW <= value <= HIGH"
-                             f"{'; or give --images-per-s inside it' if args.images_per_s is None else ''})")
-        return lo, hi
-    if args.images_per_s is None and workload.name == "resnet50":
-        return preset_compute_range(cluster, args.precision)
-    return None
+            raise ValueError(f"--samples-per-s-range must be 0 < LOW <= HIGH ({unit}/s), got {lo:g} {hi:g}")
+        if not lo <= choice.rate <= hi:  # a cluster file's KEY_range must hold KEY: the same rule
+            given = "--samples-per-s" if args.images_per_s is not None else f"the rate used ({choice.source})"
+            raise ValueError(f"--samples-per-s-range {lo:g} {hi:g} must hold the compute rate used, {given} "
+                             f"{choice.rate:g} (LOW <= value <= HIGH"
+                             f"{'; or give --samples-per-s inside it' if args.images_per_s is None else ''})")
+        choice = RateChoice(choice.rate, (lo, hi), choice.source + "; range from --samples-per-s-range", unit,
+                            choice.batch)
+    return choice
+
+
+def images_per_s(args: argparse.Namespace, cluster, workload: Workload) -> float:
+    """One GPU's samples/s (:func:`rate_choice`)."""
+    return rate_choice(args, cluster, workload).rate
+
+
+def compute_range(args: argparse.Namespace, cluster, workload: Workload) -> tuple[float, float] | None:
+    """Its range (:func:`rate_choice`); None when measured (given without a range)."""
+    return rate_choice(args, cluster, workload).range
 
 
 def run_steps(given: int | None, workload: Workload, global_batch: int) -> tuple[int | None, str]:
@@ -177,18 +217,24 @@ def run(args: argparse.Namespace) -> int:
     cluster.check_gpus(args.gpus)
     workload = get_workload(args.model)
     steps, steps_note = run_steps(args.steps, workload, args.gpus * args.batch_per_gpu)
-    ranged = plan_over_ranges(workload, cluster, args.gpus, args.batch_per_gpu,
-                              images_per_s(args, cluster, workload), compute_range(args, cluster, workload),
+    rate = rate_choice(args, cluster, workload)
+    ranged = plan_over_ranges(workload, cluster, args.gpus, args.batch_per_gpu, rate.rate, rate.range,
                               steps=steps, accuracy_risk=args.accuracy_risk, precision=args.precision,
-                              grad_accum=args.grad_accum, schedule=args.schedule)
+                              grad_accum=args.grad_accum, schedule=args.schedule,
+                              **({"fusion_mb": args.fusion_mb, "cycle_ms": args.cycle_ms}
+                                 if args.schedule == "horovod" else {}))
     plan = ranged.plan
     elapsed = time.perf_counter() - t0
     print(f"{cluster.describe()}\nworkload {workload.name}: {workload.num_params:,} parameters in "
           f"{workload.num_tensors} tensors; {plural(args.gpus, 'GPU')} x {plural(args.batch_per_gpu, 'sample')}"
           f"{f' in {args.grad_accum} micro-batches' if args.grad_accum > 1 else ''}; exchanges: "
-          f"{'as flashsgd train runs them (sparse after backward)' if args.schedule == 'trainer' else args.schedule}; "
+          f"{'as flashsgd train runs them (sparse after backward)' if args.schedule == 'trainer' else args.schedule}"
+          f"{f' (fusion {args.fusion_mb:g} MiB, cycle {args.cycle_ms:g} ms)' if args.schedule == 'horovod' else ''}; "
           f"{len(plan.ranked)} candidates ranked at {plural(1 + len(ranged.at), 'setting')} of the "
           f"assumptions in {elapsed:.2f} s")
+    for w in cluster.warnings:
+        print(f"warning: {w}")
+    print(rate.describe(args.batch_per_gpu))
     if steps_note:
         print(steps_note)
     print_plan(ranged, args.top)
@@ -196,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         doc = {**plan.to_dict(), **ranged.to_dict(), "seconds": elapsed, "steps": steps,
                "steps_assumed": bool(steps_note),
+               "compute_rate": {"rate": rate.rate, "range": rate.range, "source": rate.source,
+                                "unit": workload.unit, "batch": rate.batch},
                "choice": {**plan.to_dict()["choice"], **ranged.prediction_dict(plan.choice)},
                "ranked": [ranged.prediction_dict(p) for p in plan.ranked]}
         Path(args.json).write_text(json.dumps(doc, indent=1))

@@ -356,14 +356,15 @@ def make_plan(workload: Workload, cluster: ClusterModel, gpus: int, batch_per_gp
               images_per_s: float, steps: int | None = None, accuracy_risk: Risk = "low",
               precision: str = "fp32", index_bytes: int = WIRE_INDEX_BYTES, buckets_mb=BUCKETS_MB,
               algorithms: tuple[str, ...] = DENSE + SPARSE + LOWRANK, grad_accum: int = 1,
-              schedule: str = "trainer") -> CommPlan:
+              schedule: str = "trainer", fusion_mb: float = 64.0, cycle_ms: float = 1.0) -> CommPlan:
     """Steps 1-3 for ``gpus`` ranks of ``cluster`` training ``workload`` (see the module docstring).
 
     ``index_bytes``: bytes per sparse index on the wire (default: what ``comm/sparse/__init__.py`` sends).
     ``grad_accum``: micro-batches per exchange (``flashsgd train --grad-accum``). ``schedule``:
     ``trainer`` (default) simulates every candidate as ``flashsgd train`` runs it
     (:func:`flashsgd.sim.workload.trainer_schedule`: the sparse hooks exchange after backward),
-    or one of :data:`flashsgd.sim.workload.SCHEDULES` for all.
+    or one of :data:`flashsgd.sim.workload.SCHEDULES` for all (``horovod``: with ``fusion_mb`` and
+    ``cycle_ms``, :func:`flashsgd.sim.engine.fusion_cycles`; the candidates' bucket caps then do not apply).
     """
     if schedule != "trainer" and schedule not in SCHEDULES:
         raise ValueError(f"schedule must be 'trainer' or one of {', '.join(SCHEDULES)}, got {schedule!r}")
@@ -374,7 +375,7 @@ def make_plan(workload: Workload, cluster: ClusterModel, gpus: int, batch_per_gp
     cluster.check_gpus(gpus)
     base = SimConfig(algorithm="native", gpus=gpus, images_per_s=images_per_s,
                      batch_per_gpu=batch_per_gpu, precision=precision, index_bytes=index_bytes,
-                     grad_accum=grad_accum)
+                     grad_accum=grad_accum, fusion_mb=fusion_mb, cycle_ms=cycle_ms)
     kept, rejected = [], {}
     for c in candidates(gpus, cluster, buckets_mb, algorithms):              # Step 1
         why = accuracy_rule(c, steps, accuracy_risk)                          # Step 2

@@ -89,25 +89,25 @@ class Assumption:
 
 
 def assumptions(cluster: ClusterModel, images_per_s: float, compute_range: tuple[float, float] | None,
-                precision: str) -> list[Assumption]:
+                precision: str, unit: str = "images") -> list[Assumption]:
     """The assumed inputs of a plan: the cluster's (its ResNet-50 rates replaced by the compute
     rate in use, ranged by ``compute_range``); a range that leaves out the value is widened to it."""
     out = []
     for key, (lo, hi) in cluster.assumed.items():
         if key.startswith("resnet50_images_per_s."):
             continue  # the compute rate is the plan's images_per_s, ranged by compute_range
-        what, unit, scale, fast_high = INPUTS[key]
+        what, shown, scale, fast_high = INPUTS[key]
         v = input_value(cluster, key)
         if v is not None:
             lo, hi = min(lo, v), max(hi, v)
-        out.append(Assumption(key, v, lo, hi, what, unit, scale, fast_high))
+        out.append(Assumption(key, v, lo, hi, what, shown, scale, fast_high))
     if compute_range is not None:
         lo, hi = compute_range
         if not (0 < lo <= images_per_s <= hi):
-            raise ValueError(f"compute range must be 0 < low <= the rate ({images_per_s:g}) <= high images/s, "
+            raise ValueError(f"compute range must be 0 < low <= the rate ({images_per_s:g}) <= high {unit}/s, "
                              f"got {compute_range!r}")
         out.append(Assumption(COMPUTE, images_per_s, lo, hi,
-                              f"compute ({precision})", "images/s", 1.0, True))
+                              f"compute ({precision})", f"{unit}/s", 1.0, True))
     return out
 
 
@@ -276,7 +276,7 @@ def plan_over_ranges(workload: Workload, cluster: ClusterModel, gpus: int, batch
                      **plan_kw) -> RangedPlan:
     """:func:`flashsgd.sim.planner.make_plan` at the stated values and at every corner of the
     assumed inputs (module docstring); ``plan_kw`` goes to every plan."""
-    inputs = assumptions(cluster, images_per_s, compute_range, precision)
+    inputs = assumptions(cluster, images_per_s, compute_range, precision, workload.unit)
     nominal = make(workload, cluster, gpus, batch_per_gpu, images_per_s, precision=precision, **plan_kw)
     at = []
     for corner in corners(inputs):
@@ -305,9 +305,10 @@ class RangedRuns(Generic[T]):
 
 def runs_over_ranges(run: Callable[[ClusterModel, float], list[T]], cluster: ClusterModel,
                      images_per_s: float, compute_range: tuple[float, float] | None = None,
-                     precision: str = "fp32") -> RangedRuns[T]:
+                     precision: str = "fp32", unit: str = "images") -> RangedRuns[T]:
     """``run(cluster, images_per_s)`` at the stated values and at every :func:`field_corners`
-    setting of the assumed inputs (:func:`assumptions`): the ranges of what it returns."""
-    inputs = assumptions(cluster, images_per_s, compute_range, precision)
+    setting of the assumed inputs (:func:`assumptions`; ``unit``: the workload's, for the compute
+    rate's line): the ranges of what it returns."""
+    inputs = assumptions(cluster, images_per_s, compute_range, precision, unit)
     at = [(corner, run(*at_corner(cluster, images_per_s, inputs, corner))) for corner in field_corners(inputs)]
     return RangedRuns(run(cluster, images_per_s), inputs, at)

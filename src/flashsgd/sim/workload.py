@@ -14,7 +14,14 @@ need neither torchvision nor flashsgd's own model zoo:
   layer), 54 tensors, 14,728,266 parameters, shares at 32x32;
 * ``resnet20``: the CIFAR-10 ResNet-20 of He et al. 2016 (stem 3x3/16, 3 stages of 3 basic blocks
   at 16/32/64 channels, parameter-free option-A shortcuts, 64 -> 10 linear), the gTop-k paper's
-  and ``flashsgd.train.models.resnet20``: 59 tensors, 269,722 parameters, shares at 32x32.
+  and ``flashsgd.train.models.resnet20``: 59 tensors, 269,722 parameters, shares at 32x32;
+* transformers (:func:`transformer`, read from :data:`PROFILES`, which ``benchmarks/make_workloads.py``
+  writes from transformers' module definitions on the meta device): ``bert-base`` (110,106,428
+  parameters) and ``bert-large`` (336,226,108; ``BertForPreTraining``, sequences of 128 tokens;
+  ``bert-large-seq512``: 512), ``gpt2`` (124,439,808) and ``gpt2-medium`` (354,823,168;
+  ``GPT2LMHeadModel``, 1,024 tokens), ``vit-b16`` (86,567,656; ``ViTForImageClassification``, 224x224,
+  1,000 classes); shares from backward FLOPs, so an embedding's scatter-add is nearly free. Their
+  unit (:attr:`Workload.unit`) is ``sequences`` (``images`` for ViT): rates print as sequences/s.
 
 Any ``torch.nn.Module`` works through :func:`from_module` (shares proportional to parameter count,
 a fallback stated in the output), named as ``package.module:factory`` (flashsgd's training models:
@@ -44,6 +51,7 @@ import importlib
 import json
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +83,17 @@ class Workload:
     """The model's published training run, when there is one: (training samples, epochs, source);
     ``flashsgd plan`` takes its optimizer steps at the planned batch when ``--steps`` is not given
     (:meth:`reference_steps`)."""
+    unit: str = "images"
+    """What one sample is, plural, as rates are printed (``images``, ``sequences``): ``sequences/s``."""
+    sample: str = ""
+    """One sample in words, e.g. ``a sequence of 128 tokens``; "" for a plain image."""
+    forward_flops: float | None = None
+    """Forward FLOPs of one sample (matrix products 2mnk), the basis of a compute rate derived from a
+    GPU's peak (:mod:`flashsgd.sim.compute_rates`); None: unknown or not a fair basis (the CNNs:
+    cuDNN's Winograd and FFT convolutions do fewer FLOPs than 2mnk, so a rate from the peak would
+    be too low)."""
+    tokens_per_sample: int | None = None
+    """Tokens (sequence positions) in one sample; None for images."""
 
     def reference_steps(self, global_batch: int) -> int | None:
         """Optimizer steps of :attr:`reference_run` at ``global_batch``: ceil(samples x epochs / batch)."""
@@ -119,6 +138,10 @@ SCHEDULES = {
     "after_backward": "the exchanges run after backward, one after another (a hook that runs "
                       "synchronously inside backward, threaded=False, stalls backward for each bucket: "
                       "the same step time on one stream)",
+    "horovod": "Horovod's tensor fusion: every cycle (HOROVOD_CYCLE_TIME, SimConfig.cycle_ms) the "
+               "gradients ready since the last one are fused into buffers of at most the fusion threshold "
+               "(HOROVOD_FUSION_THRESHOLD, SimConfig.fusion_mb: a ceiling, not a size to wait for) and "
+               "exchanged in order on one stream",
 }
 """When a step's exchanges run (``SimConfig.schedule``, ``flashsgd simulate --schedule``)."""
 
@@ -236,7 +259,7 @@ def _from_rows(name: str, rows: list, note: str) -> Workload:
         tensor_names=tuple(r[0] for r in rows),
         note=note,
         matrices=np.array([(r[3], r[1] // r[3]) for r in rows]),
-    )
+    )  # no forward_flops: cuDNN's Winograd / FFT convolutions do fewer than 2mnk, so no rate from a peak
 
 
 IMAGENET_TRAIN = 1_281_167
@@ -275,6 +298,62 @@ def resnet20() -> Workload:
                       "backward share per tensor = forward FLOPs of its layer at 32x32 (BN: 8/elem)")
 
 
+PROFILES = Path(__file__).with_name("workload_profiles.json")
+"""The transformer workloads, written by ``benchmarks/make_workloads.py`` from transformers' module
+definitions on the meta device (per-tensor sizes in DDP's gradient order, backward FLOPs per
+tensor, the unit of a sample and the source configuration); tests/test_sim_workloads.py
+regenerates it and fails when it has drifted."""
+
+
+@lru_cache(maxsize=1)
+def _profiles() -> dict:
+    return json.loads(PROFILES.read_text())
+
+
+def transformer(name: str, positions: int | None = None, sample: str = "") -> Workload:
+    """The built-in transformer workload ``name`` of :data:`PROFILES` at ``positions`` tokens per
+    sample (None: the file's reference length).
+
+    A tensor's backward share is its backward FLOPs (``benchmarks/make_workloads.py``: matrix
+    products 4mnk, the attention core 8 s^2 d per sequence, an embedding's scatter-add 1 per
+    element, LayerNorm 8 per element) at that length: the part linear in the length scaled by
+    ``positions / reference``, the attention core's by its square. Example::
+
+        >>> w = transformer("bert-large")
+        >>> w.num_params, w.unit, w.tokens_per_sample
+        (336226108, 'sequences', 128)
+    """
+    doc = _profiles()["models"][name]
+    ref = doc["positions"]
+    k = (positions or ref) / ref  # the length's ratio to the reference
+    t = doc["tensors"]
+    lin = np.array([r["bwd_flops"] for r in t])
+    att = np.array([r["bwd_flops_attention"] for r in t])
+    fwd_att = att.sum() / 2  # backward = 2x forward for the attention core's products
+    forward = (doc["forward_flops"] - fwd_att) * k + fwd_att * k * k
+    return Workload(
+        name=name, numels=np.array([r["numel"] for r in t]), backward_share=lin * k + att * k * k,
+        tensor_names=tuple(r["name"] for r in t),
+        note=f"backward share per tensor = its backward FLOPs at {positions or ref} positions "
+             f"(benchmarks/make_workloads.py: {doc['source']})",
+        matrices=np.array([r["matrix"] for r in t]), unit=doc["unit"], sample=sample or doc["sample"],
+        forward_flops=float(forward), tokens_per_sample=(positions or ref) if doc["unit"] == "sequences" else None)
+
+
+def _register_transformers() -> None:
+    """Every model and variant of :data:`PROFILES` in :data:`WORKLOADS` (bert-base, bert-large,
+    bert-large-seq512, gpt2, gpt2-medium, vit-b16)."""
+    doc = _profiles()
+    for name in doc["models"]:
+        WORKLOADS.add(name, lambda name=name: transformer(name))
+    for name, v in doc["variants"].items():
+        WORKLOADS.add(name, lambda v=v, name=name: replace(transformer(v["model"], v["positions"], v["sample"]),
+                                                           name=name))
+
+
+_register_transformers()
+
+
 def from_module(module, name: str | None = None) -> Workload:
     """Workload of any ``torch.nn.Module``: trainable parameters in reverse registration order.
 
@@ -290,7 +369,9 @@ def from_module(module, name: str | None = None) -> Workload:
                     tuple(n for n, _ in params), "backward share per tensor = parameter count", matrices)
 
 
-MODEL_HELP = ("built-in workload (resnet50, vgg16: ImageNet; vgg16-cifar10, resnet20: CIFAR-10), a profile .json ({\"numels\": [...], optional "
+MODEL_HELP = ("built-in workload (resnet50, vgg16: ImageNet; vgg16-cifar10, resnet20: CIFAR-10; transformers: "
+              "bert-base, bert-large (128 tokens), bert-large-seq512, gpt2, gpt2-medium (1,024 tokens), vit-b16), "
+              "a profile .json ({\"numels\": [...], optional "
               "\"backward_share\", \"matrices\"}), or package.module:factory returning a torch model "
               "(flashsgd's own: flashsgd.train.models:resnet20, :resnet18, :mnist1d_cnn)")
 """``--model`` of ``flashsgd simulate`` and ``flashsgd plan`` (:func:`get_workload`)."""
@@ -326,7 +407,7 @@ def load_profile(path: str) -> Workload:
 
 def get_workload(spec: str) -> Workload:
     """``--model``: a profile ``.json`` (:func:`load_profile`), a built-in name (:data:`WORKLOADS`:
-    ``resnet50``, ``vgg16``, ``vgg16-cifar10``, ``resnet20``) or ``package.module:factory`` returning an nn.Module (:func:`from_module`)."""
+    ``resnet50``, ``vgg16``, ``vgg16-cifar10``, ``resnet20``, the transformers) or ``package.module:factory`` returning an nn.Module (:func:`from_module`)."""
     if spec.endswith(".json"):
         return load_profile(spec)
     if ":" in spec:

@@ -1,0 +1,168 @@
+"""One GPU's training throughput for known GPU x model x precision pairs, each with its source.
+
+``flashsgd simulate`` and ``flashsgd plan`` need one GPU's training rate (samples/s at the batch
+per GPU). When ``--samples-per-s`` (``--images-per-s``) is not given they take, in this order:
+
+1. the preset's own ResNet-50 figure (``ClusterModel.resnet50_images_per_s``), for ``resnet50``;
+2. a published rate from :data:`RATES` for the cluster's device class (``ClusterModel.device``,
+   :data:`flashsgd.sim.device_costs.DEVICES`), the workload and the precision;
+3. a rate derived from the GPU's peak and the workload's FLOPs (:func:`derived`): ``MFU x peak /
+   (3 x forward FLOPs per sample)`` (backward ~2x forward), an ASSUMPTION ranged by :data:`MFU`.
+
+Every rate is ranged like every other assumption (:mod:`flashsgd.sim.uncertainty`), and ``plan``
+and ``simulate`` print which one they used and its source (:meth:`RateChoice.describe`).
+``precision`` is the run's arithmetic as the sources name it: ``fp16`` mixed precision (AMP),
+``fp32`` FP32 or, on A100/H100, TF32 (the vendors' default for FP32 training); the same flag says
+what the gradients are on the wire (``--precision``).
+
+Example::
+
+    >>> r = RATES["a100/bert-large/fp16"]
+    >>> r.rate, r.batch
+    (580.0, 256)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from flashsgd.registry import Registry
+
+# NVIDIA DeepLearningExamples, PyTorch/LanguageModeling/BERT/README.md, "Training performance
+# results" (pytorch:21.11-py3 container): "Pre-training NVIDIA DGX A100 (8x A100 80GB)" and
+# "Pre-training NVIDIA DGX-1 With 32G", the 1-GPU rows (sequences/s). The batch is the micro-batch:
+# the accumulated batch per GPU over the accumulation steps (A100: 8192 / 64 TF32 = 128, 8192 / 32
+# AMP = 256 at length 128; 4096 / 256 = 16 and 4096 / 128 = 32 at 512. V100 32G: 4096 / 128 = 32
+# and 4096 / 64 = 64; 2048 / 512 = 4 and 2048 / 256 = 8).
+_DLE_BERT = ("NVIDIA DeepLearningExamples PyTorch BERT README, 'Pre-training NVIDIA DGX A100 (8x A100 80GB)' "
+             "table, 1 GPU, pytorch:21.11")
+_DLE_BERT_V100 = ("NVIDIA DeepLearningExamples PyTorch BERT README, 'Pre-training NVIDIA DGX-1 With 32G' table, "
+                  "1 GPU, pytorch:21.11")
+# ResNet-50 v1.5: NVIDIA DeepLearningExamples PyTorch/Classification/ConvNets/resnet50v1.5/README.md,
+# "Training performance" tables, 1 GPU (the rows of docs/data/published_scaling.toml).
+_DLE_RN50_A100 = "NVIDIA DeepLearningExamples PyTorch ResNet-50 v1.5 README, 'Training performance: NVIDIA DGX A100 (8x A100 80GB)', 1 GPU"
+_DLE_RN50_V100 = "NVIDIA DeepLearningExamples PyTorch ResNet-50 v1.5 README, 'Training performance: NVIDIA DGX-1 16GB (8x V100 16GB)', 1 GPU"
+
+# A published rate's range [judgement]: high 1.05x (the vendor's tuned code, fused attention and
+# optimizer kernels, is already near the fast end); low 0.6x (an unfused model, e.g. transformers'
+# modules on plain PyTorch, another container, a smaller batch).
+PUBLISHED_SPREAD = (0.6, 1.05)
+
+MFU = (0.40, 0.25, 0.55)
+"""ASSUMPTION [unverified] (stated, low, high): the share of the GPU's dense peak a training step
+reaches when no rate is published. Check against the cited rows with this project's FLOP counts
+(benchmarks/make_workloads.py, 3 x forward per sample): BERT-large at 128 tokens on an A100, AMP
+580 seq/s x 261.6 GFLOP = 152 TFLOPS of 312 = 49%, TF32 317 x 261.6 = 83 of 156 = 53%; on a V100,
+AMP 224 -> 47% of 125 (the V100's FP32 50 seq/s would be 83% of its 15.7 TFLOPS: the FLOP count
+includes the vocabulary projection over every token, which NVIDIA's code runs on the masked ones
+only, ~9% of the forward). Large-model training reports 30-55% (e.g. Megatron-LM; PaLM's 46%)."""
+
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    # Dense (no structured sparsity) tensor-core peaks from the vendor datasheets; fp32: TF32 where
+    # the GPU has it (A100, H100: the FP32 training default), else the FP32 peak.
+    "h100": {"fp16": 989.0, "fp32": 494.0},   # H100 SXM5 datasheet: FP16 1,979 / TF32 989 with sparsity
+    "a100": {"fp16": 312.0, "fp32": 156.0},   # A100 datasheet: FP16 312, TF32 156
+    "v100": {"fp16": 125.0, "fp32": 15.7},    # V100 SXM2 datasheet: tensor 125, FP32 15.7
+    "p100": {"fp16": 21.2, "fp32": 10.6},     # P100 SXM2 datasheet: FP16 21.2, FP32 10.6
+    "gtx1080ti": {"fp16": 11.3, "fp32": 11.3},  # GP102: FP16 at 1/64 rate; mixed precision runs at FP32's
+}
+"""Dense peak TFLOPS by device class (:data:`flashsgd.sim.device_costs.DEVICES`) and precision."""
+
+
+@dataclass(frozen=True)
+class ComputeRate:
+    """One GPU's published training throughput for a model at a precision."""
+
+    device: str
+    """Device class (:data:`flashsgd.sim.device_costs.DEVICES`)."""
+    model: str
+    """Workload name (:data:`flashsgd.sim.workload.WORKLOADS`)."""
+    precision: Literal["fp16", "fp32"]
+    rate: float
+    """Samples per second (the workload's unit: images, sequences)."""
+    batch: int
+    """The batch per GPU (micro-batch) it was measured at."""
+    source: str
+    low: float = 0.0
+    high: float = 0.0
+    """Its plausible range (default :data:`PUBLISHED_SPREAD` around ``rate``)."""
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0 or self.batch < 1 or self.precision not in ("fp16", "fp32"):
+            raise ValueError(f"ComputeRate {self.device}/{self.model}: rate > 0, batch >= 1, precision "
+                             f"fp16 or fp32 needed, got {self.rate!r}, {self.batch!r}, {self.precision!r}")
+        if self.low == 0.0 and self.high == 0.0:
+            object.__setattr__(self, "low", self.rate * PUBLISHED_SPREAD[0])
+            object.__setattr__(self, "high", self.rate * PUBLISHED_SPREAD[1])
+        if not 0 < self.low <= self.rate <= self.high:
+            raise ValueError(f"ComputeRate {self.device}/{self.model}: need 0 < low <= rate <= high")
+
+
+RATES: Registry[ComputeRate] = Registry("compute rate")
+
+
+def _add(r: ComputeRate) -> None:
+    RATES.add(f"{r.device}/{r.model}/{r.precision}", r)
+
+
+for _r in (
+    ComputeRate("a100", "bert-large", "fp16", 580.0, 256, _DLE_BERT + ", mixed precision, length 128"),
+    ComputeRate("a100", "bert-large", "fp32", 317.0, 128, _DLE_BERT + ", TF32, length 128"),
+    ComputeRate("a100", "bert-large-seq512", "fp16", 210.0, 32, _DLE_BERT + ", mixed precision, length 512"),
+    ComputeRate("a100", "bert-large-seq512", "fp32", 110.0, 16, _DLE_BERT + ", TF32, length 512"),
+    ComputeRate("v100", "bert-large", "fp16", 224.0, 64, _DLE_BERT_V100 + ", mixed precision, length 128"),
+    ComputeRate("v100", "bert-large", "fp32", 50.0, 32, _DLE_BERT_V100 + ", FP32, length 128"),
+    ComputeRate("v100", "bert-large-seq512", "fp16", 75.0, 8, _DLE_BERT_V100 + ", mixed precision, length 512"),
+    ComputeRate("v100", "bert-large-seq512", "fp32", 19.0, 4, _DLE_BERT_V100 + ", FP32, length 512"),
+    ComputeRate("a100", "resnet50", "fp16", 2470.0, 256, _DLE_RN50_A100 + ", mixed precision"),
+    ComputeRate("a100", "resnet50", "fp32", 938.0, 256, _DLE_RN50_A100 + ", TF32"),
+    ComputeRate("v100", "resnet50", "fp16", 1200.0, 256, _DLE_RN50_V100 + ", mixed precision"),
+    ComputeRate("v100", "resnet50", "fp32", 367.0, 112, _DLE_RN50_V100 + ", FP32"),
+):
+    _add(_r)
+
+
+@dataclass(frozen=True)
+class RateChoice:
+    """The compute rate a prediction uses, its range (None: measured, given) and where it came from."""
+
+    rate: float
+    range: tuple[float, float] | None
+    source: str
+    unit: str = "images"
+    batch: int | None = None
+    """The batch the source measured at, when it is a published rate."""
+
+    def describe(self, batch_per_gpu: int | None = None) -> str:
+        """``compute rate: 580 sequences/s/GPU [348-609] (NVIDIA ...; measured at batch 256)``."""
+        rng = f" [{self.range[0]:.4g}-{self.range[1]:.4g}]" if self.range else ""
+        text = f"compute rate: {self.rate:.4g} {self.unit}/s/GPU{rng} ({self.source}"
+        if self.batch is not None:
+            text += f"; measured at batch {self.batch}"
+            if batch_per_gpu is not None and batch_per_gpu * 2 <= self.batch:
+                text += (f": at batch {batch_per_gpu} a GPU usually runs fewer samples/s (launch-bound); "
+                         "give --samples-per-s if you know yours")
+        return text + ")"
+
+
+def derived(device: str, precision: str, forward_flops: float) -> tuple[float, float, float]:
+    """(stated, low, high) samples/s from the peak: ``MFU x peak / (3 x forward FLOPs)``."""
+    peak = PEAK_TFLOPS[device][precision] * 1e12
+    per_sample = 3.0 * forward_flops  # forward + backward (~2x forward)
+    return tuple(m * peak / per_sample for m in MFU)  # type: ignore[return-value]
+
+
+def lookup(device: str, model: str, precision: str, forward_flops: float | None, unit: str) -> RateChoice | None:
+    """A published rate (:data:`RATES`), else one derived from the peak (:func:`derived`), else None."""
+    key = f"{device}/{model}/{precision}"
+    if key in RATES:
+        r = RATES[key]
+        return RateChoice(r.rate, (r.low, r.high), r.source, unit, r.batch)
+    if device in PEAK_TFLOPS and forward_flops:
+        rate, lo, hi = derived(device, precision, forward_flops)
+        return RateChoice(rate, (lo, hi), f"ASSUMPTION [unverified]: derived, {MFU[0]:.0%} (range "
+                          f"{MFU[1]:.0%}-{MFU[2]:.0%}) of the {device.upper()}'s {PEAK_TFLOPS[device][precision]:g} "
+                          f"{precision} TFLOPS over 3 x {forward_flops / 1e9:.3g} GFLOP per sample; no published "
+                          f"rate in flashsgd.sim.compute_rates", unit)
+    return None
