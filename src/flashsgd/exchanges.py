@@ -399,7 +399,7 @@ for _e in (
              "flashsgd)", "node step + lgN messages of k pairs", "hgtopk", one_level="gtopk"),
     Exchange("oktopk", "sparse", OkTopkOptions, "Ok-Topk: each rank's pairs to the region owners "
              "(split and reduce), each region's top k/P gathered by all", "Li & Hoefler 2022",
-             "(P-1) messages of ~2k/P pairs + (P-1) of k/P pairs (<= 6k(P-1)/P words)", "oktopk"),
+             "(P-1) messages of 2k/P pairs + (P-1) of k/P pairs (<= 6k(P-1)/P words)", "oktopk"),
     Exchange("powersgd", "lowrank", LowRankOptions, "PowerSGD: rank-r P and Q all-reduced per "
              "matrix, error feedback", "Vogels et al. 2019", "(n + m) r values per n x m matrix",
              "powersgd"),

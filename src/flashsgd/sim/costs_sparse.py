@@ -294,8 +294,7 @@ def message_pattern(algorithm: str, numel: int, setup: CommSetup) -> MessagePatt
 def oktopk_capacities(k, p: int) -> tuple[np.ndarray, np.ndarray]:
     """(c_send, c_keep) of k picks on p ranks, as the hook sizes its messages (at least 1 pair)."""
     k = np.asarray(k, dtype=float)
-    c_keep = np.ceil(k / p)
-    return np.maximum(1.0, np.floor(3 * k / p) - c_keep), c_keep
+    return np.maximum(1.0, np.floor(2 * k / p)), np.maximum(1.0, np.floor(k / p))
 
 
 @cost("oktopk")
@@ -303,7 +302,7 @@ def oktopk(n_bytes, setup: CommSetup) -> Cost:
     """Cost of ``oktopk`` as :mod:`flashsgd.comm.sparse.oktopk` runs it (Li & Hoefler 2022, Ok-Topk).
 
     On P ranks, a message of n bytes = m gradient elements, k = ceil(density m) picks per rank, the
-    region capacities of the hook (c_send ~ 2k / P pairs to each region owner, c_keep = ceil(k / P) kept
+    region capacities of the hook (c_send = 2k / P pairs to each region owner, c_keep = k / P kept
     per region; :func:`flashsgd.comm.sparse.oktopk.capacities`):
 
     1. Local selection of k of m (+ the residual add, a pass over m) and a sort of the k picks.
