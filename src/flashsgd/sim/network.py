@@ -613,6 +613,39 @@ CLUSTERS.add("1gbe", ClusterModel(
 ))
 
 
+def _dgx(name: str, device: str, nvlink_gbps: float, nic_node_gbps: float, rates: dict[str, float],
+         nodes_per_switch: int, source: str) -> ClusterModel:
+    """A DGX-class node: 8 GPUs on NVSwitches (``nvlink_gbps`` per direction, every GPU to every
+    other), one InfiniBand NIC per GPU (``nic_node_gbps`` per node per direction, line rate), the
+    ``device`` class's gamma and compression costs (:mod:`flashsgd.sim.device_costs`).
+    Stated: the NVLink rate; 96% of the NICs' line rate for large RDMA messages, as abci's EDR; the
+    rates; NVIDIA's DGX SuperPOD reference layout, a rail-optimized non-blocking fat tree in scalable
+    units of ``nodes_per_switch`` nodes (per node in the simulator's fabric: that many nodes per edge
+    switch, 1:1 to the spine), ranks numbered node by node [assumption]. Ranged: NVLink 80-100%
+    (_NVLINK_ACHIEVED) and NCCL's NVLink step; the NICs 75% of the line rate [judgement, as abci:
+    HCAs not all at full rate, PCIe contention] to the line rate, NCCL's network step; RDMA: one
+    queue pair fills the link, no per-flow limit, lossless; the fat tree 1:1 to 2:1 [judgement: a
+    tapered spine, cheaper than the reference design]; the rates +-20% [judgement: another
+    framework, a real input pipeline, another batch]."""
+    return ClusterModel(
+        name=name,
+        ranks_per_node=8,
+        intra=Link(alpha_s=_NCCL_NVLINK_STEP_S, bandwidth_gbps=nvlink_gbps),
+        inter=Link(alpha_s=_NCCL_NET_STEP_S, bandwidth_gbps=0.96 * nic_node_gbps),
+        call_overhead_s=_NCCL_CALL_S,
+        **device_fields(device),
+        resnet50_images_per_s=dict(rates),
+        fabric=Fabric(nodes_per_switch=nodes_per_switch, oversubscription=1.0, placement="ordered"),
+        **STEP_STATED,
+        assumed={**device_ranges(device), **STEP_RANGES, **_rate_range(rates, 0.2),
+                 "intra.bandwidth_gbps": (nvlink_gbps * _NVLINK_ACHIEVED[0], nvlink_gbps * _NVLINK_ACHIEVED[1]),
+                 "intra.alpha_s": _NVLINK_STEP_RANGE,
+                 "inter.bandwidth_gbps": (0.75 * nic_node_gbps, nic_node_gbps), "inter.alpha_s": _NET_STEP_RANGE,
+                 "fabric.oversubscription": (1.0, 2.0)},
+        source=source,
+    )
+
+
 # DGX H100's NVLink 4 ring: NVIDIA's figure is 900 GB/s per GPU "total" (both directions), 18 links
 # x 25 GB/s = 450 GB/s per direction; nccl-tests on 8x H100 SXM5 report an all-reduce bus bandwidth
 # of 460-480 GB/s (docs.alayanew.com, "NCCL-tests in practice", 2026: reference numbers; NCCL's
@@ -630,38 +663,11 @@ _NDR_NODE_GBPS = 8 * 50.0
 # 773-830 images/s (bf16, flashsgd train; give --images-per-s for small batches).
 _H100_RESNET50 = {"fp16": 4471.0, "fp32": 2439.0}
 
-CLUSTERS.add("dgx-h100", ClusterModel(
-    name="dgx-h100",
-    ranks_per_node=8,
-    # 8x H100 SXM5 on four third-generation NVSwitches (NVLink 4): every GPU's 18 links reach every
-    # other GPU at 450 GB/s per direction.
-    intra=Link(alpha_s=_NCCL_NVLINK_STEP_S, bandwidth_gbps=_NVLINK4_GBPS),
-    inter=Link(alpha_s=_NCCL_NET_STEP_S, bandwidth_gbps=0.96 * _NDR_NODE_GBPS),
-    call_overhead_s=_NCCL_CALL_S,
-    # H100 SXM5 (3.35 TB/s HBM3): gamma and the compression costs, measured (flashsgd.sim.device_costs).
-    **device_fields("h100"),
-    resnet50_images_per_s=dict(_H100_RESNET50),
-    # ASSUMPTION: NVIDIA's DGX SuperPOD reference layout, a rail-optimized fat tree, non-blocking, in
-    # scalable units of 32 nodes (each GPU's NIC on its rail's leaf switch; the simulator's fabric is
-    # per node: 32 nodes per edge switch, 1:1 to the spine), ranks numbered node by node.
-    fabric=Fabric(nodes_per_switch=32, oversubscription=1.0, placement="ordered"),
-    **STEP_STATED,
-    # +-20% around the measured rates [judgement: another framework, a real input pipeline, another
-    # batch; tuned MLPerf-class code above the plain loop].
-    assumed={**device_ranges("h100"), **STEP_RANGES, **_rate_range(_H100_RESNET50, 0.2),
-             # NVLink 4: 80-100% of 450 GB/s (_NVLINK_ACHIEVED); NCCL's NVLink step (_NVLINK_STEP_RANGE).
-             "intra.bandwidth_gbps": (_NVLINK4_GBPS * _NVLINK_ACHIEVED[0], _NVLINK4_GBPS * _NVLINK_ACHIEVED[1]),
-             "intra.alpha_s": _NVLINK_STEP_RANGE,
-             # 8x NDR: low 300 GB/s, 75% of the 400 GB/s line rate [judgement, as abci: HCAs not all at
-             # full rate, PCIe contention]; high 400 GB/s, the line rate. Alpha: NCCL's network step
-             # (_NET_STEP_RANGE). RDMA: one queue pair fills the link, no per-flow limit; lossless.
-             "inter.bandwidth_gbps": (0.75 * _NDR_NODE_GBPS, _NDR_NODE_GBPS), "inter.alpha_s": _NET_STEP_RANGE,
-             # The fat tree: non-blocking stated; high 2:1 [judgement: a cluster built with a tapered
-             # spine, cheaper than the reference design].
-             "fabric.oversubscription": (1.0, 2.0)},
+# H100 SXM5 (3.35 TB/s HBM3) on four third-generation NVSwitches; SuperPOD units of 32 nodes.
+CLUSTERS.add("dgx-h100", _dgx(
+    "dgx-h100", "h100", _NVLINK4_GBPS, _NDR_NODE_GBPS, _H100_RESNET50, nodes_per_switch=32,
     source="DGX H100: 8x H100 SXM5 + NVLink 4 (NVSwitch, 450 GB/s per direction), 8x IB NDR 400 Gbit/s; "
-           "rail-optimized non-blocking fat tree in units of 32 nodes (assumed); NCCL tuning-model latencies",
-))
+           "rail-optimized non-blocking fat tree in units of 32 nodes (assumed); NCCL tuning-model latencies"))
 
 
 # DGX A100's NVLink 3: NVIDIA's figure is 600 GB/s per GPU "total" (both directions), 12 links x
@@ -677,37 +683,12 @@ _HDR_NODE_GBPS = 8 * 25.0
 # 938 TF32 (the rows of docs/data/published_scaling.toml; flashsgd.sim.compute_rates).
 _A100_RESNET50 = {"fp16": 2470.0, "fp32": 938.0}
 
-CLUSTERS.add("dgx-a100", ClusterModel(
-    name="dgx-a100",
-    ranks_per_node=8,
-    # 8x A100 SXM4 80GB on six NVSwitches (NVLink 3): every GPU reaches every other at 300 GB/s
-    # per direction.
-    intra=Link(alpha_s=_NCCL_NVLINK_STEP_S, bandwidth_gbps=_NVLINK3_GBPS),
-    inter=Link(alpha_s=_NCCL_NET_STEP_S, bandwidth_gbps=0.96 * _HDR_NODE_GBPS),
-    call_overhead_s=_NCCL_CALL_S,
-    # A100 SXM4 80GB (2,039 GB/s HBM2e): gamma and the compression costs, derived from the H100's by
-    # memory bandwidth (flashsgd.sim.device_costs).
-    **device_fields("a100"),
-    resnet50_images_per_s=dict(_A100_RESNET50),
-    # ASSUMPTION: NVIDIA's DGX SuperPOD reference layout for DGX A100, a non-blocking rail-optimized
-    # fat tree in scalable units of 20 nodes (as dgx-h100's, per node: 20 nodes per edge switch, 1:1
-    # to the spine), ranks numbered node by node.
-    fabric=Fabric(nodes_per_switch=20, oversubscription=1.0, placement="ordered"),
-    **STEP_STATED,
-    # +-20% around the published rates [judgement, as dgx-h100: another framework, input pipeline, batch].
-    assumed={**device_ranges("a100"), **STEP_RANGES, **_rate_range(_A100_RESNET50, 0.2),
-             # NVLink 3: 80-100% of 300 GB/s (_NVLINK_ACHIEVED); NCCL's NVLink step (_NVLINK_STEP_RANGE).
-             "intra.bandwidth_gbps": (_NVLINK3_GBPS * _NVLINK_ACHIEVED[0], _NVLINK3_GBPS * _NVLINK_ACHIEVED[1]),
-             "intra.alpha_s": _NVLINK_STEP_RANGE,
-             # 8x HDR: low 150 GB/s, 75% of the 200 GB/s line rate [judgement, as abci and dgx-h100];
-             # high 200 GB/s, the line rate. Alpha: NCCL's network step (_NET_STEP_RANGE). RDMA: no
-             # per-flow limit; lossless.
-             "inter.bandwidth_gbps": (0.75 * _HDR_NODE_GBPS, _HDR_NODE_GBPS), "inter.alpha_s": _NET_STEP_RANGE,
-             # The fat tree: non-blocking stated; high 2:1 [judgement, as dgx-h100].
-             "fabric.oversubscription": (1.0, 2.0)},
+# A100 SXM4 80GB (2,039 GB/s HBM2e: its compression costs derived from the H100's by memory
+# bandwidth) on six NVSwitches; SuperPOD units of 20 nodes.
+CLUSTERS.add("dgx-a100", _dgx(
+    "dgx-a100", "a100", _NVLINK3_GBPS, _HDR_NODE_GBPS, _A100_RESNET50, nodes_per_switch=20,
     source="DGX A100: 8x A100 SXM4 80GB + NVLink 3 (NVSwitch, 300 GB/s per direction), 8x IB HDR 200 Gbit/s; "
-           "rail-optimized non-blocking fat tree in units of 20 nodes (assumed); NCCL tuning-model latencies",
-))
+           "rail-optimized non-blocking fat tree in units of 20 nodes (assumed); NCCL tuning-model latencies"))
 
 
 def get_cluster(name: str) -> ClusterModel:
