@@ -21,7 +21,8 @@ the same on every rank):
 4. Gather: an all-gather of the P kept sets; every rank writes the same sparse sum into the bucket.
 5. Counted (error feedback): a rank's pick is counted when it was sent and its index is in the
    result; the caller zeroes those entries of its accumulator.
-6. Regions: after the first sparse step and every ``region_every`` steps the bounds become the P-quantiles of the result's indices
+6. Regions: after the first sparse step and every ``region_every`` steps the bounds become the
+   P-quantiles of the result's indices
    (:func:`balanced_bounds`: each region then held an equal share of the global top entries), the
    paper's periodic space repartition; one host read of P - 1 integers per bucket then.
 
