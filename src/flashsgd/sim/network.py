@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from flashsgd.fmt import plural
 from flashsgd.registry import Registry
+from flashsgd.sim.compute_rates import RATES
 from flashsgd.sim.device_costs import DEVICES
 from flashsgd.sim.fabric import Fabric
 
@@ -678,10 +679,9 @@ _NVLINK3_GBPS = 300.0
 # 200 GB/s per node per direction line rate (DGX A100 datasheet: "8x single-port Mellanox ConnectX-6
 # VPI 200Gb/s HDR InfiniBand"); 96% of it for large RDMA messages, as abci's EDR (192 GB/s).
 _HDR_NODE_GBPS = 8 * 25.0
-# ResNet-50 v1.5 on one A100 80GB: NVIDIA DeepLearningExamples' PyTorch README, "Training
-# performance: NVIDIA DGX A100 (8x A100 80GB)", 1 GPU at batch 256: 2,470 images/s mixed precision,
-# 938 TF32 (the rows of docs/data/published_scaling.toml; flashsgd.sim.compute_rates).
-_A100_RESNET50 = {"fp16": 2470.0, "fp32": 938.0}
+# ResNet-50 v1.5 on one A100 80GB: NVIDIA DeepLearningExamples' PyTorch README, 1 GPU at batch 256
+# (mixed precision, TF32), as flashsgd.sim.compute_rates.RATES holds it with its source.
+_A100_RESNET50 = {p: RATES.get(f"a100/resnet50/{p}").rate for p in ("fp16", "fp32")}
 
 # A100 SXM4 80GB (2,039 GB/s HBM2e: its compression costs derived from the H100's by memory
 # bandwidth) on six NVSwitches; SuperPOD units of 20 nodes.
