@@ -12,8 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flashsgd.comm.hooks import register_hook
 from flashsgd.comm.sparse import topk_exact, wire_index_dtype
-from flashsgd.comm.sparse.oktopk import (balanced_bounds, capacities, even_bounds, oktopk_allreduce,
-                                         oktopk_bytes_sent)
+from flashsgd.comm.sparse.oktopk import balanced_bounds, capacities, even_bounds, oktopk_allreduce
 from flashsgd.sim.costs import CommSetup
 from flashsgd.sim.costs_sparse import message_pattern
 from flashsgd.sim.network import CLUSTERS
@@ -46,6 +45,12 @@ def reference(picks: list[tuple[torch.Tensor, torch.Tensor]], k: int, numel: int
     return out, sorted(kept), sent
 
 
+def _pattern_bytes(k: int, numel: int, world: int) -> float:
+    """The simulator's bytes per rank for k picks of ``numel`` (its message pattern at density k / numel)."""
+    setup = CommSetup(gpus=world, cluster=CLUSTERS.get("1gbe"), density=k / numel)
+    return float(message_pattern("oktopk", numel, setup).bytes_per_rank[0])
+
+
 def _exchange_body(world: int):
     rank = dist.get_rank()
     report = []
@@ -73,7 +78,7 @@ def _exchange_body(world: int):
                        "indices": res.indices.numel() == len(kept) and res.indices.tolist() == sorted(res.indices.tolist())
                        and nonzero == [i for i in kept if ref[i] != 0],
                        "counted": counted == sorted(set(indices.tolist()) & sent[rank] & set(kept)),
-                       "bytes": traffic["bytes"], "formula": oktopk_bytes_sent(k, world, torch.float32, numel),
+                       "bytes": traffic["bytes"], "formula": _pattern_bytes(k, numel, world),
                        "k": k, "numel": numel})
     return report
 
@@ -82,7 +87,7 @@ def _exchange_body(world: int):
 def test_the_exchange_is_the_papers_steps(run_ranks, world):
     """Against :func:`reference`, uneven regions and overflowing slots included; every rank holds
     the same sum, counts exactly its sent picks that made the result, and sends at most the bytes
-    of the formula (equal when every region is at least c_keep wide)."""
+    of the simulator's message pattern (equal when every region is at least c_keep wide)."""
     for rank_report in run_ranks(_exchange_body, world, world):
         for case in rank_report:
             assert case["close"] and case["indices"] and case["counted"], case

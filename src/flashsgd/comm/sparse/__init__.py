@@ -304,7 +304,7 @@ def message_bytes(k: int, dtype: torch.dtype = torch.float32, numel: int = 1) ->
 
 # --------------------------------------------------------------------------- exchanges ----------
 
-def _group_info(group: ProcessGroup | None) -> tuple[int, int]:
+def group_info(group: ProcessGroup | None) -> tuple[int, int]:
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
@@ -323,7 +323,7 @@ def check_sizes(k: int, numel: int, n_pairs: int, group: ProcessGroup | None, wh
     opaque transport error. Each wait lasts at most ``timeout_s`` (``None``: the group's default);
     the header is made on ``device`` (the data's: NCCL needs it on the GPU).
     """
-    rank, world = _group_info(group)
+    rank, world = group_info(group)
     if world == 1:
         return
     header = torch.tensor([k, numel, n_pairs], dtype=torch.int64, device=device)
@@ -373,7 +373,7 @@ def topk_allgather(values: torch.Tensor, indices: torch.Tensor, numel: int,
     """
     k = values.numel()
     values, indices = _canonical(values, indices, k, numel, check)
-    rank, world = _group_info(group)
+    rank, world = group_info(group)
     timeout_s = _timeout(timeout_s) if world > 1 else 0.0
     if check:
         check_sizes(k, numel, k, group, "topk_allgather", timeout_s, values.device)
@@ -478,7 +478,7 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel: 
         >>> residual = acc.index_fill_(0, res.counted, 0)
     """
     values, indices = _canonical(values, indices, k, numel, check)
-    rank, world = _group_info(group)
+    rank, world = group_info(group)
     timeout_s = _timeout(timeout_s) if world > 1 else 0.0
     if check:
         check_sizes(k, numel, values.numel(), group, "gtopk_allreduce", timeout_s, values.device)

@@ -45,7 +45,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from flashsgd.comm.p2p import exchange, gather_from_peers
-from flashsgd.comm.sparse import Counted, GTopk, found_in, wire_index_dtype
+from flashsgd.comm.sparse import Counted, GTopk, found_in, group_info, wire_index_dtype
 from flashsgd.comm.topology import default_timeout_s
 
 
@@ -82,26 +82,9 @@ def even_starts(numel: int, world: int, device: torch.device) -> torch.Tensor:
     return torch.arange(world, dtype=torch.int64, device=device) * numel // world
 
 
-def oktopk_bytes_sent(k: int, world: int, dtype: torch.dtype = torch.float32, numel: int = 1) -> int:
-    """Bytes one rank sends in :func:`oktopk_allreduce` at most: (P-1) messages of c_send pairs and
-    (P-1) of c_keep pairs (fewer when every region is narrower than c_keep); the gather by direct
-    exchange, or a ring all-gather, sends the same bytes. The hook counts the real messages."""
-    if world == 1:
-        return 0
-    c_send, c_keep = capacities(k, world)
-    return (world - 1) * (_row_words(c_send, dtype, numel) + _row_words(c_keep, dtype, numel)) * \
-        wire_index_dtype(numel).itemsize
-
-
-def _row_words(pairs: int, dtype: torch.dtype, numel: int) -> int:
-    """Words of a message of ``pairs`` (index, value) slots: the indices, then the values' bytes."""
-    w = wire_index_dtype(numel).itemsize
-    return pairs + -(-pairs * dtype.itemsize // w)
-
-
 def _pack_rows(indices: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
     """(R, c) indices and values as (R, words) messages: c indices, then the values' bytes padded
-    to whole words (:func:`_row_words`)."""
+    to whole words."""
     word = wire_index_dtype(numel)
     rows, c = indices.shape
     raw = values.contiguous().view(torch.uint8).view(rows, -1)
@@ -156,7 +139,7 @@ def oktopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, numel:
         :class:`~flashsgd.comm.sparse.GTopk`: the result's values and ascending indices (the same on
         every rank) and this rank's counted picks.
     """
-    rank, world = _rank_world(group)
+    rank, world = group_info(group)
     timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     order = indices.argsort()
     indices, values = indices[order], values[order]
@@ -217,14 +200,6 @@ def _region_top(region: torch.Tensor, got_idx: torch.Tensor, lo: int, keep: int)
     repeated[1:] = candidates[1:] == candidates[:-1]
     magnitude = torch.where(repeated | (candidates == spare), -1.0, region[candidates].abs())
     return candidates[torch.topk(magnitude, keep, sorted=False).indices].sort().values
-
-
-def _rank_world(group: ProcessGroup | None) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 class Regions:
