@@ -13,7 +13,7 @@ and corrections, arXiv 1712.01887), Vogels et al. 2019 (PowerSGD, arXiv 1905.137
 ============ ======= ================== ===================================================
 exchange     family  options class      cost (alpha-beta, P ranks, n bytes; sim.costs)
 ============ ======= ================== ===================================================
-native       dense   CommonOptions      DDP's all-reduce, costed as the ring
+native       dense   CommonOptions      DDP's all-reduce: Gloo's ring, NCCL's ring or tree
 noop         none    CommonOptions      nothing sent (the benchmarks' ceiling)
 ring         dense   DenseOptions       2(P-1) a + 2(P-1)/P n b
 hierarchical dense   DenseOptions       node reduce-scatter, N-ring of n/L, node all-gather
@@ -380,7 +380,7 @@ class Exchange:
 EXCHANGES: Registry[Exchange] = Registry("exchange")
 for _e in (
     Exchange("native", "dense", CommonOptions, "DDP's built-in all-reduce (grad / P, then a sum)",
-             "Goyal et al. 2017", "the bucket, fp32/fp16/bf16 (backend's ring)", "ring"),
+             "Goyal et al. 2017", "the bucket, fp32/fp16/bf16 (backend's ring or tree)", "native"),
     Exchange("noop", "none", CommonOptions, "no exchange: every rank steps on its own gradient "
              "(the benchmarks' ceiling, never for training)", "-", "nothing", None),
     Exchange("ring", "dense", DenseOptions, "ring all-reduce (reduce-scatter + all-gather)",

@@ -67,7 +67,7 @@ def wire_s(algorithm: str, size_bytes: float, world: int, nodes: int, rate_bps: 
         return None
     free = Link(0.0, 1e9)  # loopback: taken as free (1e18 B/s)
     inter = Link(0.0, rate_bps / 8e9, None if flow_bps is None else flow_bps / 8e9)
-    cluster = ClusterModel("emulated", world // nodes, free, inter, fabric=fabric or Fabric())
+    cluster = ClusterModel("emulated", world // nodes, free, inter, fabric=fabric or Fabric(), backend="gloo")
     if grid and reads(algorithm, "grid"):  # meta.grid: "XxY" (bench allreduce) or [X, Y] (the probe)
         grid = parse_grid(grid if isinstance(grid, str) else tuple(grid), world)
     setup = CommSetup(world, cluster, grid=grid if reads(algorithm, "grid") else None)

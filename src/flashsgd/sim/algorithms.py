@@ -3,8 +3,8 @@ an exchange by name.
 
 Every name maps to a cost function ``cost(n_bytes, setup) -> Cost`` (:data:`flashsgd.sim.costs.CostFn`).
 The exchanges flashsgd runs come from :data:`flashsgd.exchanges.EXCHANGES`: each one with a ``cost``
-name gets the function of that name in :data:`COSTS` (``native`` is costed as the ring, ``noop``
-sends nothing and has none); a catalog entry whose cost is missing here fails at import. The
+name gets the function of that name in :data:`COSTS` (``native`` as its backend runs it,
+:mod:`flashsgd.sim.costs_nccl`; ``noop`` sends nothing and has none); a catalog entry whose cost is missing here fails at import. The
 simulator-only references (:data:`REFERENCES`: ``recursive_doubling``, ``rabenseifner``,
 ``binomial``, ``gtopk_tree``) are registered as references where they are defined. The CLI (``--comm``), the calibration and the
 tests read the names from :data:`SIMULATED`.
@@ -24,15 +24,15 @@ import numpy as np
 
 from flashsgd.exchanges import EXCHANGES
 from flashsgd.registry import Registry
-from flashsgd.sim import costs, costs_hier, costs_lowrank, costs_sparse
+from flashsgd.sim import costs, costs_hier, costs_lowrank, costs_nccl, costs_sparse
 from flashsgd.sim.costs import CommSetup, Cost, CostFn, zero_cost
 
 # the modules that define cost functions, for their registrations (@cost, :data:`COSTS`)
-_REGISTERING = (costs, costs_hier, costs_lowrank, costs_sparse)
+_REGISTERING = (costs, costs_hier, costs_lowrank, costs_nccl, costs_sparse)
 COSTS = costs.COSTS
 """Cost function of each ``cost`` name of the catalog (:attr:`flashsgd.exchanges.Exchange.cost`),
-registered where each is defined (``@cost("ring")``). ``native`` is costed as the ring: NCCL/Gloo
-pick a ring for large messages (a stated assumption)."""
+registered where each is defined (``@cost("ring")``). ``native`` is Gloo's ring or NCCL's ring or
+tree, whichever NCCL's tuning model finds faster (:mod:`flashsgd.sim.costs_nccl`)."""
 REFERENCES = {name: COSTS[name] for name in costs.REFERENCES}
 """Simulator-only algorithms (no hook runs them): references for the papers' figures."""
 

@@ -128,17 +128,22 @@ def load_bench(path: str | Path, statistic: Literal["time_us", "time_us_min"] = 
     return BenchFile(world, ranks_per_node, grid, meta, rows, sorted(skipped))
 
 
-def _unit_cluster(ranks_per_node: int, alpha: float, bw_gbps: float, gamma: float) -> ClusterModel:
+def bench_backend(bench: BenchFile) -> str:
+    """The collective library the bench ran ``native`` on (meta.backend; gloo when unstated)."""
+    return "nccl" if bench.meta.get("backend") == "nccl" else "gloo"
+
+
+def _unit_cluster(bench: BenchFile, alpha: float, bw_gbps: float, gamma: float) -> ClusterModel:
     link = Link(alpha_s=alpha, bandwidth_gbps=bw_gbps)
-    return ClusterModel(name="unit", ranks_per_node=ranks_per_node, intra=link, inter=link, gamma_s_per_byte=gamma,
-                   call_overhead_s=0.0)
+    return ClusterModel(name="unit", ranks_per_node=bench.ranks_per_node, intra=link, inter=link,
+                        gamma_s_per_byte=gamma, call_overhead_s=0.0, backend=bench_backend(bench))
 
 
 def design_row(algorithm: str, size_bytes: float, bench: BenchFile) -> np.ndarray:
     """(A, B, G): cost = A alpha + B beta + G gamma for this measurement on one link level."""
     out = []
     for alpha, bw, gamma in ((1.0, _TINY_BETA_GBPS, 0.0), (0.0, 1e-9, 0.0), (0.0, _TINY_BETA_GBPS, 1.0)):
-        setup = CommSetup(gpus=bench.world, cluster=_unit_cluster(bench.ranks_per_node, alpha, bw, gamma),
+        setup = CommSetup(gpus=bench.world, cluster=_unit_cluster(bench, alpha, bw, gamma),
                           grid=bench.grid if reads(algorithm, "grid") else None)
         out.append(float(SIMULATED.get(algorithm)(size_bytes, setup).total))
     return np.array(out)
@@ -203,7 +208,7 @@ def local_cluster(bench: BenchFile, alpha: float, beta: float, gamma: float) -> 
     """The ``local`` cluster from fitted parameters (one link level for intra and inter)."""
     link = Link(alpha_s=alpha, bandwidth_gbps=1.0 / max(beta, 1e-300) / 1e9)
     return ClusterModel(name="local", ranks_per_node=bench.ranks_per_node, intra=link, inter=link,
-                   gamma_s_per_byte=gamma,
+                   gamma_s_per_byte=gamma, backend=bench_backend(bench),
                    source=f"fitted to {bench.meta.get('backend', '?')} bench on "
                           f"{bench.meta.get('host', '?')}, world {bench.world}")
 

@@ -226,7 +226,7 @@ def step_cost(chunk: np.ndarray, steps: float, levels: list[tuple[float, float]]
     return best_lat, best_bw
 
 
-def _ring_levels(members: int, stride: int, setup: CommSetup) -> list[tuple[float, float]]:
+def ring_levels(members: int, stride: int, setup: CommSetup) -> list[tuple[float, float]]:
     """Links of a ring of ``members`` ranks ``stride`` apart, all such rings running at once."""
     c, lr = setup.cluster, setup.ranks_per_node_used
     intra = (c.intra.alpha_s, c.intra.flow_beta(1))
@@ -278,7 +278,7 @@ def _ring(n: np.ndarray, members: int, stride: int, setup: CommSetup, phases: in
     if members == 1:
         return zero_cost(n)
     # Each of the (members-1) steps per phase moves one chunk of n/members bytes on every hop.
-    lat, bw = step_cost(n / members, phases * (members - 1), _ring_levels(members, stride, setup))
+    lat, bw = step_cost(n / members, phases * (members - 1), ring_levels(members, stride, setup))
     red = (members - 1) / members * n * setup.cluster.gamma_s_per_byte if reduce else np.zeros_like(n)
     return Cost(lat, bw, red, np.full_like(n, setup.cluster.call_overhead_s))
 

@@ -100,7 +100,7 @@ def uplink_beta_factor(fabric: Fabric, flows: float) -> float:
 PATTERNS = ("ring", "butterfly", "tree", "fold")
 """The message patterns of one round, as ``(kind, a, b)``: ``("ring", members, stride)``: rings of
 ``members`` ranks ``stride`` apart, rank r at position ``(r // stride) % members`` sends to ``r +
-stride`` and the last back to the first (:func:`flashsgd.sim.costs._ring_levels`);
+stride`` and the last back to the first (:func:`flashsgd.sim.costs.ring_levels`);
 ``("butterfly", distance, p2)``: every rank r < p2 swaps with ``r XOR distance``; ``("tree",
 distance, 0)``: the ranks with ``r mod 2 distance == distance`` send to ``r - distance`` (a
 binomial round; the broadcast runs it back); ``("fold", p2, 0)``: the ranks ``r >= p2`` send to ``r -

@@ -106,6 +106,10 @@ class Link:
         return 1.0 + self.incast * max(senders - 1, 0)
 
 
+BACKENDS = ("nccl", "gloo")
+"""The collective libraries ``native`` is costed for (:attr:`ClusterModel.backend`)."""
+
+
 @dataclass(frozen=True)
 class ClusterModel:
     """A homogeneous GPU cluster: nodes of ``ranks_per_node`` GPUs, two link levels."""
@@ -145,6 +149,10 @@ class ClusterModel:
     """The top-k selection the sparse hooks run on that device (``exact``, ``sampled``,
     ``threshold``: ``selection="auto"`` resolved by the device, :data:`flashsgd.exchanges.SELECTION_BY_DEVICE`),
     whose cost ``select_s_per_elem`` is; "": not named."""
+    backend: str = "nccl"
+    """The collective library DDP's ``native`` all-reduce runs on: ``nccl`` (GPUs: its ring or tree,
+    whichever its tuning model finds faster for the size) or ``gloo`` (CPUs: the ring;
+    :mod:`flashsgd.sim.costs_nccl`). flashsgd's own exchanges cost the same on either."""
     step_overhead_s: float = 0.0
     """Fixed cost per step of a multi-GPU run that one GPU does not pay (seconds): the DDP reducer's
     bookkeeping, the hooks' Python, the step's host synchronization, launch gaps (Sergeev & Del
@@ -204,6 +212,8 @@ class ClusterModel:
         if self.device and self.device not in DEVICES:
             raise ValueError(f"ClusterModel.device: unknown device class {self.device!r}; known: "
                              f"{', '.join(DEVICES)} (or '' for none)")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"ClusterModel.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.selection not in ("", "exact", "sampled", "threshold"):
             raise ValueError(f"ClusterModel.selection must be exact, sampled, threshold or '' (none named), "
                              f"got {self.selection!r}")
@@ -266,6 +276,7 @@ class ClusterModel:
             f"intra alpha={self.intra.alpha_s * 1e6:.2f} us, {self.intra.bandwidth_gbps:.3g} GB/s"
             f"{_per_flow(self.intra)}; inter alpha={self.inter.alpha_s * 1e6:.2f} us, "
             f"{self.inter.bandwidth_gbps:.3g} GB/s/node{_per_flow(self.inter)}; "
+            f"native on {'NCCL (ring or tree)' if self.backend == 'nccl' else 'Gloo (ring)'}; "
             f"gamma={self.gamma_s_per_byte * 1e12:.3g} ps/B; call overhead "
             f"{self.call_overhead_s * 1e6:.3g} us; sparse exchange fixed {self.exchange_fixed_s * 1e6:.3g} us "
             f"+ {self.round_fixed_s * 1e6:.3g} us per round; "

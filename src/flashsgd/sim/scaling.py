@@ -124,7 +124,7 @@ def _unit(row: dict, *, alpha: float = 0.0, inter_gbps: float = _INF_GBPS, intra
     return ClusterModel(name="unit", ranks_per_node=row["ranks_per_node"],
                         intra=Link(alpha, intra_gbps), inter=Link(alpha, inter_gbps, inter_flow),
                         call_overhead_s=call, exchange_fixed_s=sparse, select_s_per_elem=select,
-                        flop_s=flop)
+                        flop_s=flop, backend="gloo")
 
 
 def design(row: dict, density: float) -> np.ndarray:

@@ -359,6 +359,7 @@ def measure(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch, los
                        device) if world > L else None
     cluster = ClusterModel(name="measured", ranks_per_node=L, nodes=world // L,
                            intra=intra or inter, inter=inter or intra, **dev, **STEP_STATED,
+                           backend="nccl" if device.type == "cuda" else "gloo",
                            source=f"measured by flashsgd train --comm auto on {world} ranks",
                            assumed=measured_cluster_assumptions())
     cluster = replace(cluster, **sparse_fixed_costs(cluster, numel, selection, timeout_s, device))
