@@ -46,3 +46,17 @@ def test_every_row_has_a_source_a_cluster_and_a_ranged_prediction(tmp_path, caps
     s = report["summary"]
     assert s["all"]["rows"] == len(rows)
     assert "gtopk_dense_drop" in s
+
+
+def test_measurement_spread_widens_the_published_value_not_the_target():
+    mod = _script()
+    row = {"published": 1.01, "kind": "efficiency_relative"}
+    pred = {"predicted": 0.994, "range": (0.987, 0.9994)}
+    strict = mod.judge(row, pred)
+    assert not strict["inside"] and not strict["within_spread"]  # no spread stated: the same
+    wide = mod.judge({**row, "measurement_spread": 0.0083}, pred)  # 1.01 x (1 - 0.0083) = 1.0016
+    assert not wide["inside"] and not wide["within_spread"]
+    wider = mod.judge({**row, "measurement_spread": 0.011}, pred)  # 0.9989 <= 0.9994
+    assert not wider["inside"] and wider["within_spread"] and wider["optimistic"] is False
+    s = mod.summary([{"id": "x", "new": True, "group": "g", **mod.judge({**row, "measurement_spread": 0.011}, pred)}])
+    assert s["groups"]["g"] == {**s["all"]} and s["all"]["inside"] == 0 and s["all"]["within_spread"] == 1
