@@ -44,6 +44,36 @@ _DLE_BERT_V100 = ("NVIDIA DeepLearningExamples PyTorch BERT README, 'Pre-trainin
 _DLE_RN50_A100 = "NVIDIA DeepLearningExamples PyTorch ResNet-50 v1.5 README, 'Training performance: NVIDIA DGX A100 (8x A100 80GB)', 1 GPU"
 _DLE_RN50_V100 = "NVIDIA DeepLearningExamples PyTorch ResNet-50 v1.5 README, 'Training performance: NVIDIA DGX-1 16GB (8x V100 16GB)', 1 GPU"
 
+# GPT-2 (124M, 350M; 1,024 tokens) with llm.c (C/CUDA, bf16, micro-batch 64, 524,288 tokens per step,
+# 8 GPUs of one node, so the all-reduce is inside the figure: a slight lower bound on one GPU's rate):
+# H100: KellerJordan/modded-nanogpt records/track_1_short/2024-10-13_llmc/README.md, "8x H100 HBM3 ...
+# The mean per-step time was 140ms": 524,288 / 0.140 / 8 / 1,024 = 457 sequences/s per GPU; 350M: the
+# repository's README track 2 table, "llm.c baseline (350M parameters)", 5.8 hours for llm.c's 60,000
+# steps (scripts/run_gpt2_350M.sh): 184 per GPU, a lower bound (wall clock with its evaluations).
+# A100: karpathy/llm.c scripts/run_gpt2_124M.sh "on 8X A100 80GB SXM ... steps in ~300ms/iter" (213)
+# and run_gpt2_350M.sh "~820ms/iter" (78). mosaicml/llm-foundry's benchmark table (MPT-125m / 350m, 8x
+# A100 80GB, amp_bf16: 156,468 and 64,813 tokens/s per GPU = 153 and 63 sequences/s) sits at 0.72x and
+# 0.81x of them, inside the range. TF32: FlagOpen/FlagPerf training/nvidia/gpt2-pytorch/README.md,
+# Megatron GPT-2 345M on one A100 40GB, "fp32" 14.2 samples/s at micro-batch 4 (TF32: 14.2 x 3 x 827
+# GFLOP is 35 TFLOPS, above the A100's 19.5 FP32 peak).
+_LLMC_H100 = "llm.c GPT-2 on 8x H100 SXM (modded-nanogpt's llm.c baseline record), bf16, 1,024 tokens"
+_LLMC_A100 = "llm.c scripts/run_gpt2_*.sh, 8x A100 80GB SXM, bf16, 1,024 tokens"
+_FLAGPERF_GPT2 = "FlagPerf gpt2-pytorch README, Megatron GPT-2 345M, 1x A100 40GB, 'fp32' (TF32), 1,024 tokens"
+# ViT-B/16 at 224 px: NVIDIA/JAX-Toolbox rosetta/projects/vit/README.md (JAX/T5X, bf16, 512 per GPU, 8
+# GPUs): "Samples/Sec (A100) 7200.38, (H100) 11669.52" = 900 and 1,459 per GPU (30% and 16% of the
+# dense peak with this project's FLOP count; the README: "ViT currently does not support Transformer
+# Engine"). High end: FlagPerf vit-pytorch (torchvision vit_b_16, one A100 40GB, amp per its config)
+# 1,151 images/s, 1.28x the JAX figure; the H100's high end the same 1.28x [judgement].
+_ROSETTA_VIT = "NVIDIA JAX-Toolbox Rosetta ViT-B/16 README, 8x {gpu}, bf16, 224 px"
+# H100 BERT-large: no published pre-training rate (NVIDIA's README has no H100 rows in any revision).
+# ASSUMPTION [ratio transfer]: the A100 rows above x the H100 / A100 ratio of one harness with the same
+# code and container, lambdal/deeplearning-benchmark pytorch/pytorch-train-throughput-{fp16,fp32}.csv,
+# BERT-large SQuAD fine-tuning (384 tokens): H100 80GB SXM5 301 / A100 80GB SXM4 152 = 1.98 (fp16), 141 /
+# 75 = 1.88 (fp32). Range 0.6x-1.3x [judgement: one ratio of another task carried over; its high end
+# near the 40%-of-peak derivation, 1.32x].
+_H100_BERT = ("ASSUMPTION [ratio transfer]: the A100 row (NVIDIA's BERT README) x {ratio} = H100 / A100 of "
+              "Lambda's BERT-large SQuAD benchmark ({prec}); no published H100 pre-training rate")
+
 # A published rate's range [judgement]: high 1.05x (the vendor's tuned code, fused attention and
 # optimizer kernels, is already near the fast end); low 0.6x (an unfused model, e.g. transformers'
 # modules on plain PyTorch, another container, a smaller batch).
@@ -119,6 +149,23 @@ for _r in (
     ComputeRate("a100", "resnet50", "fp32", 938.0, 256, _DLE_RN50_A100 + ", TF32"),
     ComputeRate("v100", "resnet50", "fp16", 1200.0, 256, _DLE_RN50_V100 + ", mixed precision"),
     ComputeRate("v100", "resnet50", "fp32", 367.0, 112, _DLE_RN50_V100 + ", FP32"),
+    ComputeRate("h100", "gpt2", "fp16", 457.0, 64, _LLMC_H100 + ", 140 ms per step"),
+    ComputeRate("h100", "gpt2-medium", "fp16", 184.0, 64, _LLMC_H100 + ", 350M: 5.8 h for 60,000 steps (a lower bound)",
+                low=184.0 * 0.6, high=184.0 * 1.2),
+    ComputeRate("a100", "gpt2", "fp16", 213.0, 64, _LLMC_A100 + ", ~300 ms per step"),
+    ComputeRate("a100", "gpt2-medium", "fp16", 78.0, 64, _LLMC_A100 + ", 350M: ~820 ms per step"),
+    ComputeRate("a100", "gpt2-medium", "fp32", 14.2, 4, _FLAGPERF_GPT2),
+    ComputeRate("a100", "vit-b16", "fp16", 900.0, 512, _ROSETTA_VIT.format(gpu="A100"), low=540.0, high=1151.0),
+    ComputeRate("h100", "vit-b16", "fp16", 1458.7, 512, _ROSETTA_VIT.format(gpu="H100"),
+                low=1458.7 * 0.6, high=1458.7 * 1.28),
+    ComputeRate("h100", "bert-large", "fp16", 1149.0, 256, _H100_BERT.format(ratio=1.98, prec="fp16"),
+                low=1149.0 * 0.6, high=1149.0 * 1.3),
+    ComputeRate("h100", "bert-large", "fp32", 596.0, 128, _H100_BERT.format(ratio=1.88, prec="fp32"),
+                low=596.0 * 0.6, high=596.0 * 1.3),
+    ComputeRate("h100", "bert-large-seq512", "fp16", 416.0, 32, _H100_BERT.format(ratio=1.98, prec="fp16"),
+                low=416.0 * 0.6, high=416.0 * 1.3),
+    ComputeRate("h100", "bert-large-seq512", "fp32", 207.0, 16, _H100_BERT.format(ratio=1.88, prec="fp32"),
+                low=207.0 * 0.6, high=207.0 * 1.3),
 ):
     _add(_r)
 
