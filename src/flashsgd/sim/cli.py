@@ -350,8 +350,9 @@ def plot_path(plot: str | None, out: str | None, json_path: str | None) -> Path 
     return None
 
 
-def plot_efficiency(results: list[SimResult], path: str | Path, title: str) -> None:
-    """Scaling efficiency vs GPUs, one line per algorithm (log2 x axis)."""
+def plot_efficiency(results: list[SimResult], path: str | Path, title: str, backend: str = "nccl") -> None:
+    """Scaling efficiency vs GPUs, one line per algorithm (log2 x axis); ``native`` labelled with what
+    it is costed as on ``backend`` (:mod:`flashsgd.sim.costs_nccl`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -363,7 +364,9 @@ def plot_efficiency(results: list[SimResult], path: str | Path, title: str) -> N
     for i, a in enumerate(algos):
         rs = [r for r in results if r.algorithm == a]
         ax.plot([r.gpus for r in rs], [100 * r.efficiency for r in rs], styles[i % len(styles)],
-                label=f"{a} (ring model)" if a == BUILT_IN else a, markersize=5, linewidth=1.5,
+                color=plt.get_cmap("tab20")(i % 20),  # distinct colours past the default cycle's ten
+                label=(f"{a} ({'NCCL ring or tree' if backend == 'nccl' else 'Gloo ring'})" if a == BUILT_IN
+                       else a), markersize=5, linewidth=1.5,
                 alpha=0.6 if a == BUILT_IN else 1.0)
     gpus = sorted({r.gpus for r in results})
     ax.set_xscale("log", base=2)
@@ -466,7 +469,8 @@ def _sweep(args, workload, cluster, base: SimConfig, algos: list[str], ips: floa
     png = plot_path(args.plot, args.out, args.json)
     if png is not None:
         plot_efficiency(results, png, f"{workload.name}, {args.precision}, batch "
-                        f"{args.batch_per_gpu}/GPU, {ips:g} {workload.unit}/s/GPU, cluster {cluster.name}")
+                        f"{args.batch_per_gpu}/GPU, {ips:g} {workload.unit}/s/GPU, cluster {cluster.name}",
+                        cluster.backend)
         print(f"wrote {png.resolve()}")
     else:
         print("no plot written: add --plot PATH, --out DIR or --json PATH")
