@@ -158,3 +158,74 @@ def test_published_figures_as_efficiency(capsys):
         to_efficiency("throughput", 4591, 8)
     assert _run(cli, "--to-efficiency", "throughput", "4591", "--gpus", "8", "--samples-per-s", "580") == 0
     assert "scaling efficiency 98.94%" in capsys.readouterr().out
+
+
+_NODE = """
+name = "lab"
+ranks_per_node = 8
+{top}
+[intra]
+bandwidth_gbit = 2400.0
+latency_us = 3.4
+[inter]
+bandwidth_gbit = 1600.0
+latency_us = 14.0
+{costs}
+"""
+
+
+def _file(top="", costs=""):
+    return load_cluster_text(_NODE.format(top=top, costs=costs), "lab.toml")
+
+
+def test_a_cluster_file_names_its_gpu_and_gets_the_presets_costs_for_it():
+    from flashsgd.sim.network import device_fields, device_ranges
+    c = _file('device = "a100"')
+    a100 = device_fields("a100")
+    assert c.device == "a100" and c.selection == a100["selection"] == "exact"
+    for field in ("gamma_s_per_byte", "select_s_per_elem", "exchange_fixed_s", "lowrank_s_per_elem", "flop_s"):
+        assert getattr(c, field) == a100[field], field
+    for field, bounds in device_ranges("a100").items():
+        assert c.assumed[field] == bounds, field
+    assert _file('device = "a100"\nselection = "sampled"').selection == "sampled"
+    assert _file().device == ""  # none named: the V100-class defaults, no device
+
+
+def test_the_files_own_costs_win_over_the_devices():
+    from flashsgd.sim.network import device_fields
+    c = _file('device = "a100"', "[costs]\nselect_ns_per_elem = 0.2\nexchange_fixed_us = 300.0\n"
+              "exchange_fixed_us_range = [100.0, 900.0]")
+    assert c.select_s_per_elem == pytest.approx(0.2e-9) and "select_s_per_elem" not in c.assumed  # measured
+    assert c.exchange_fixed_s == pytest.approx(300e-6)
+    assert c.assumed["exchange_fixed_s"] == pytest.approx((100e-6, 900e-6))
+    assert c.gamma_s_per_byte == device_fields("a100")["gamma_s_per_byte"]  # not given: the device's
+
+
+def test_device_selection_and_backend_are_checked_with_the_valid_names():
+    with pytest.raises(ValueError, match=r"lab.toml: device must be one of h100, a100, v100.*got 'a10'"):
+        _file('device = "a10"')
+    with pytest.raises(ValueError, match="selection needs device"):
+        _file('selection = "exact"')
+    with pytest.raises(ValueError, match="selection must be one of auto, exact, sampled, threshold, got 'top'"):
+        _file('device = "h100"\nselection = "top"')
+    with pytest.raises(ValueError, match="backend must be one of nccl, gloo .*got 'mpi'"):
+        _file('backend = "mpi"')
+    assert _file('backend = "gloo"').backend == "gloo" and _file().backend == "nccl"
+
+
+def test_a_file_that_names_its_gpu_gets_the_published_rate_without_device(tmp_path, capsys):
+    path = tmp_path / "lab.toml"
+    path.write_text(_NODE.format(top='device = "a100"', costs=""))
+    assert _run(plan_cli, "--cluster", str(path), "--gpus", "16", "--model", "bert-large", "--batch-per-gpu", "256",
+                "--precision", "fp16", "--top", "1") == 0
+    out = capsys.readouterr().out
+    assert "compute rate: 580 sequences/s/GPU [348-609] (NVIDIA DeepLearningExamples PyTorch BERT README" in out
+    assert "native on NCCL (ring or tree)" in out
+
+
+def test_device_and_backend_survive_a_round_trip():
+    from flashsgd.sim.cluster_file import to_toml
+    c = _file('device = "h100"\nbackend = "gloo"')
+    back = load_cluster_text(to_toml(c), "round trip")
+    assert (back.device, back.selection, back.backend) == (c.device, c.selection, "gloo")
+    assert back.select_s_per_elem == pytest.approx(c.select_s_per_elem)

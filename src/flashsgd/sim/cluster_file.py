@@ -8,6 +8,10 @@ per-call and compression costs of the devices. Units are in the key names::
     name = "lab"
     nodes = 4                   # optional: the most nodes a plan may use
     ranks_per_node = 2          # GPUs (ranks) per node
+    device = "a100"             # optional: the GPU class (flashsgd.sim.device_costs.DEVICES): its
+                                # compute rates, reduction speed and compression costs
+    selection = "auto"          # optional, with device: the top-k selection the sparse hooks run
+    backend = "nccl"            # optional: what DDP's native all-reduce runs on, nccl or gloo
 
     [intra]                     # GPU <-> GPU inside a node, per GPU and direction
     bandwidth_gbit = 100.0      # Gbit/s (1e9 bits per second)
@@ -43,6 +47,13 @@ per-call and compression costs of the devices. Units are in the key names::
     oversubscription = 3.0      # what a switch's nodes send over what its uplink carries (3:1)
     oversubscription_range = [1.0, 4.0]
     placement = "ordered"       # ranks numbered switch by switch; "random": in no relation to them
+
+``device`` sets what a preset on that GPU has (:func:`flashsgd.sim.network.on_device`): the
+published compute rates ``simulate`` and ``plan`` look up for it, the reduction speed, the sparse
+exchange's and PowerSGD's costs and their ranges; a ``[costs]`` key the file gives (or its range)
+keeps the file's value, which its author measured or chose. ``plan --device`` overrides the file's.
+``backend`` (default ``nccl``): ``native`` is NCCL's ring or tree, or Gloo's ring
+(:mod:`flashsgd.sim.costs_nccl`).
 
 Every bandwidth is in Gbit/s *per direction*: NVIDIA quotes NVLink as the "total" GB/s of both
 directions (A100: 600 GB/s = 300 GB/s per direction = 2400 Gbit/s here; V100: 300 GB/s = 1200
@@ -112,12 +123,15 @@ from __future__ import annotations
 import json
 import math
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 from flashsgd.sim.fabric import PLACEMENTS, Fabric
 from flashsgd.sim.link_kinds import LINK_KINDS, check_link
-from flashsgd.sim.network import (CLUSTERS, SPARSE_RANGES, STEP_RANGES, STEP_STATED, ClusterModel, Link,
-                                   highest_bandwidth)
+from flashsgd.exchanges import SELECTIONS
+from flashsgd.sim.device_costs import DEVICES
+from flashsgd.sim.network import (BACKENDS, CLUSTERS, SPARSE_RANGES, STEP_RANGES, STEP_STATED, ClusterModel, Link,
+                                   highest_bandwidth, on_device)
 
 GBIT = 1e9 / 8 / 1e9  # 1 Gbit/s in GB/s (Link.bandwidth_gbps is in 1e9 bytes per second)
 
@@ -146,7 +160,12 @@ LINK_FIELDS = {"bandwidth_gbit": ("bandwidth_gbps", GBIT), "latency_us": ("alpha
 """[intra] / [inter] key -> (Link field, factor to its unit)."""
 RANGE = "_range"
 
-_TOP = {"name", "nodes", "ranks_per_node", "intra", "inter", "costs", "fabric"}
+_TOP = {"name", "nodes", "ranks_per_node", "device", "selection", "backend", "intra", "inter", "costs", "fabric"}
+DEVICE_COSTS = {"gamma_s_per_byte": "reduce_ns_per_byte", "exchange_fixed_s": "exchange_fixed_us",
+                "round_fixed_s": "round_fixed_us", "select_s_per_elem": "select_ns_per_elem",
+                "lowrank_s_per_elem": "lowrank_ns_per_elem", "flop_s": "tflops"}
+"""The fields a ``device`` sets (:func:`flashsgd.sim.network.on_device`) and the [costs] key that, given
+in the file, keeps the file's own value instead."""
 _FABRIC = {"nodes_per_switch", "oversubscription", "oversubscription" + RANGE, "placement"}
 _LINK = {"bandwidth_gbit", "latency_us"}
 _LINK_OPTIONAL = {"flow_bandwidth_gbit", "incast", "kind", "nics"}
@@ -355,7 +374,11 @@ def load_cluster_text(text: str, where: str, default_name: str = "file") -> Clus
     name = doc.get("name", default_name)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: name must be a non-empty string, got {name!r}")
-    return ClusterModel(
+    backend = doc.get("backend", "nccl")
+    if backend not in BACKENDS:
+        raise ValueError(f"{where}: backend must be one of {', '.join(BACKENDS)} (the library DDP's native "
+                         f"all-reduce runs on), got {backend!r}")
+    cluster = ClusterModel(
         name=name, ranks_per_node=_count(where, doc, "ranks_per_node", required=True),
         nodes=_count(where, doc, "nodes", required=False),
         intra=intra, inter=inter,
@@ -366,7 +389,30 @@ def load_cluster_text(text: str, where: str, default_name: str = "file") -> Clus
         bucket_overhead_s=c["bucket_overhead_us"] * 1e-6, overlap_slowdown=c["overlap_slowdown_percent"] * 1e-2,
         input_s_per_image=c["input_us_per_image"] * 1e-6,
         flop_s=1.0 / (c["tflops"] * 1e12), fabric=fabric, source=where, assumed=assumed,
-        warnings=link_warnings(where, doc))
+        warnings=link_warnings(where, doc), backend=backend)
+    return _on_named_device(where, doc, cluster, given)
+
+
+def _on_named_device(where: str, doc: dict, cluster: ClusterModel, given: dict) -> ClusterModel:
+    """``cluster`` on the file's ``device`` (and ``selection``), as a preset on it is
+    (:func:`flashsgd.sim.network.on_device`), except the [costs] keys the file gives (a value or a
+    range): those keep the file's value and range."""
+    device, selection = doc.get("device"), doc.get("selection")
+    if device is None:
+        if selection is not None:
+            raise ValueError(f"{where}: selection needs device (the class whose selection costs apply: "
+                             f"{', '.join(DEVICES.names())})")
+        return cluster
+    if device not in DEVICES:
+        raise ValueError(f"{where}: device must be one of {', '.join(DEVICES.names())} "
+                         f"(flashsgd.sim.device_costs.DEVICES), got {device!r}")
+    if selection is not None and selection not in SELECTIONS:
+        raise ValueError(f"{where}: selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
+    on = on_device(cluster, device, selection or "auto")
+    kept = [f for f, key in DEVICE_COSTS.items() if key in given or key + RANGE in given]
+    assumed = {k: v for k, v in on.assumed.items() if k not in kept}
+    assumed.update({f: cluster.assumed[f] for f in kept if f in cluster.assumed})
+    return replace(on, **{f: getattr(cluster, f) for f in kept}, assumed=assumed)
 
 
 def load_cluster(spec: str) -> ClusterModel:
@@ -395,6 +441,12 @@ def to_toml(c: ClusterModel, comment: str = "") -> str:
     if c.nodes is not None:
         lines.append(f"nodes = {c.nodes}")
     lines.append(f"ranks_per_node = {c.ranks_per_node}")
+    if c.device:  # the costs below are written out, so they keep their values when read back
+        lines.append(f"device = {json.dumps(c.device)}")
+        if c.selection:
+            lines.append(f"selection = {json.dumps(c.selection)}")
+    if c.backend != "nccl":
+        lines.append(f"backend = {json.dumps(c.backend)}")
     for key, link in (("intra", c.intra), ("inter", c.inter)):
         lines += ["", f"[{key}]"]
         for fkey, (field, factor) in LINK_FIELDS.items():
