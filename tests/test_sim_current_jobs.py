@@ -229,3 +229,10 @@ def test_device_and_backend_survive_a_round_trip():
     back = load_cluster_text(to_toml(c), "round trip")
     assert (back.device, back.selection, back.backend) == (c.device, c.selection, "gloo")
     assert back.select_s_per_elem == pytest.approx(c.select_s_per_elem)
+
+
+def test_plan_device_overrides_the_files_device():
+    from flashsgd.sim.plan_cli import device_cluster
+    c = device_cluster(_file('device = "a100"'), "h100", None)
+    assert (c.device, c.selection) == ("h100", "exact")
+    assert device_cluster(_file('device = "a100"'), None, None).device == "a100"
