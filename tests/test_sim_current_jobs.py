@@ -236,3 +236,43 @@ def test_plan_device_overrides_the_files_device():
     c = device_cluster(_file('device = "a100"'), "h100", None)
     assert (c.device, c.selection) == ("h100", "exact")
     assert device_cluster(_file('device = "a100"'), None, None).device == "a100"
+
+
+def test_simulate_takes_the_rate_from_the_files_device_and_names_the_key_when_there_is_none(tmp_path, capsys):
+    path = tmp_path / "lab.toml"
+    argv = ("--cluster", str(path), "--gpus", "16", "--model", "bert-large", "--batch-per-gpu", "256",
+            "--precision", "fp16")
+    path.write_text(_NODE.format(top='device = "a100"', costs=""))
+    assert _run(cli, *argv) == 0
+    assert "compute rate: 580 sequences/s/GPU [348-609] (NVIDIA DeepLearningExamples" in capsys.readouterr().out
+    path.write_text(_NODE.format(top="", costs=""))
+    with pytest.raises(ValueError, match=r"names no device class \(a preset does; a cluster file: "
+                                         r"device = \"NAME\", h100, a100, v100"):
+        _run(cli, *argv)
+
+
+def test_plan_selection_alone_keeps_the_files_device():
+    from flashsgd.sim.network import device_fields
+    from flashsgd.sim.plan_cli import device_cluster
+    c = device_cluster(_file('device = "a100"'), None, "sampled")
+    assert (c.device, c.selection) == ("a100", "sampled")
+    assert c.select_s_per_elem == device_fields("a100", "sampled")["select_s_per_elem"]
+
+
+@pytest.mark.parametrize("name, device", [("dgxa100", "a100"), ("dgx1-v100", "v100"), ("dgx2-v100", "v100"),
+                                          ("dell-c4140-v100pcie-edr", "v100")])
+def test_the_published_clusters_name_their_gpu_and_keep_their_stated_costs(name, device):
+    import tomllib
+    from pathlib import Path
+
+    from flashsgd.sim.cluster_file import load_cluster
+    from flashsgd.sim.network import device_fields, device_ranges
+    path = Path(__file__).resolve().parents[1] / "docs" / "data" / "published" / f"{name}.toml"
+    costs = tomllib.loads(path.read_text())["costs"]
+    c = load_cluster(str(path))
+    assert c.device == device
+    ours = device_fields(device)
+    assert c.gamma_s_per_byte == pytest.approx(costs["reduce_ns_per_byte"] * 1e-9)  # stated: the file's
+    assert c.gamma_s_per_byte != ours["gamma_s_per_byte"] and "gamma_s_per_byte" not in c.assumed
+    assert c.select_s_per_elem == ours["select_s_per_elem"]  # not stated: the device's, and its range
+    assert c.assumed["select_s_per_elem"] == device_ranges(device)["select_s_per_elem"]

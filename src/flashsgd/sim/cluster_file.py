@@ -11,6 +11,7 @@ per-call and compression costs of the devices. Units are in the key names::
     device = "a100"             # optional: the GPU class (flashsgd.sim.device_costs.DEVICES): its
                                 # compute rates, reduction speed and compression costs
     selection = "auto"          # optional, with device: the top-k selection the sparse hooks run
+                                # (exact, sampled, threshold; auto: the one they pick on the device)
     backend = "nccl"            # optional: what DDP's native all-reduce runs on, nccl or gloo
 
     [intra]                     # GPU <-> GPU inside a node, per GPU and direction
@@ -51,7 +52,8 @@ per-call and compression costs of the devices. Units are in the key names::
 ``device`` sets what a preset on that GPU has (:func:`flashsgd.sim.network.on_device`): the
 published compute rates ``simulate`` and ``plan`` look up for it, the reduction speed, the sparse
 exchange's and PowerSGD's costs and their ranges; a ``[costs]`` key the file gives (or its range)
-keeps the file's value, which its author measured or chose. ``plan --device`` overrides the file's.
+keeps the file's value, which its author measured or chose. ``plan --device`` overrides the file's
+device (``--selection`` its selection), and sets the class's costs over those [costs] keys too.
 ``backend`` (default ``nccl``): ``native`` is NCCL's ring or tree, or Gloo's ring
 (:mod:`flashsgd.sim.costs_nccl`).
 

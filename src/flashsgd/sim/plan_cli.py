@@ -150,7 +150,8 @@ def rate_choice(args: argparse.Namespace, cluster, workload: Workload) -> RateCh
         choice = lookup(cluster.device, workload.name, args.precision, workload.forward_flops, unit) \
             if cluster.device else None
         if choice is None:
-            why = (f"cluster {cluster.name!r} names no device class (a preset does; plan --device)"
+            why = (f"cluster {cluster.name!r} names no device class (a preset does; a cluster file: device = "
+                   f"\"NAME\", {', '.join(DEVICES)}; or plan --device)"
                    if not cluster.device else
                    f"no published rate for {cluster.device}/{workload.name}/{args.precision} and "
                    f"{'no FLOP count for the model' if not workload.forward_flops else 'no peak for the device'}")
