@@ -24,7 +24,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from flashsgd.registry import Registry
@@ -65,14 +65,15 @@ _FLAGPERF_GPT2 = "FlagPerf gpt2-pytorch README, Megatron GPT-2 345M, 1x A100 40G
 # Engine"). High end: FlagPerf vit-pytorch (torchvision vit_b_16, one A100 40GB, amp per its config)
 # 1,151 images/s, 1.28x the JAX figure; the H100's high end the same 1.28x [judgement].
 _ROSETTA_VIT = "NVIDIA JAX-Toolbox Rosetta ViT-B/16 README, 8x {gpu}, bf16, 224 px"
+_FLAGPERF_VIT_A100 = 1151.0  # images/s, FlagPerf vit-pytorch, one A100 40GB: the high end's source
 # H100 BERT-large: no published pre-training rate (NVIDIA's README has no H100 rows in any revision).
 # ASSUMPTION [ratio transfer]: the A100 rows above x the H100 / A100 ratio of one harness with the same
 # code and container, lambdal/deeplearning-benchmark pytorch/pytorch-train-throughput-{fp16,fp32}.csv,
 # BERT-large SQuAD fine-tuning (384 tokens): H100 80GB SXM5 301 / A100 80GB SXM4 152 = 1.98 (fp16), 141 /
 # 75 = 1.88 (fp32). Range 0.6x-1.3x [judgement: one ratio of another task carried over; its high end
 # near the 40%-of-peak derivation, 1.32x].
-_H100_BERT = ("ASSUMPTION [ratio transfer]: the A100 row (NVIDIA's BERT README) x {ratio} = H100 / A100 of "
-              "Lambda's BERT-large SQuAD benchmark ({prec}); no published H100 pre-training rate")
+_LAMBDA_H100_OVER_A100 = {"fp16": 301 / 152, "fp32": 141 / 75}
+_RATIO_SPREAD = (0.6, 1.3)
 
 # A published rate's range [judgement]: high 1.05x (the vendor's tuned code, fused attention and
 # optimizer kernels, is already near the fast end); low 0.6x (an unfused model, e.g. transformers'
@@ -114,19 +115,24 @@ class ComputeRate:
     batch: int
     """The batch per GPU (micro-batch) it was measured at."""
     source: str
-    low: float = 0.0
-    high: float = 0.0
-    """Its plausible range (default :data:`PUBLISHED_SPREAD` around ``rate``)."""
+    spread: tuple[float, float] = PUBLISHED_SPREAD
+    """Its plausible range as factors of ``rate`` (low, high)."""
 
     def __post_init__(self) -> None:
         if not self.rate > 0 or self.batch < 1 or self.precision not in ("fp16", "fp32"):
             raise ValueError(f"ComputeRate {self.device}/{self.model}: rate > 0, batch >= 1, precision "
                              f"fp16 or fp32 needed, got {self.rate!r}, {self.batch!r}, {self.precision!r}")
-        if self.low == 0.0 and self.high == 0.0:
-            object.__setattr__(self, "low", self.rate * PUBLISHED_SPREAD[0])
-            object.__setattr__(self, "high", self.rate * PUBLISHED_SPREAD[1])
-        if not 0 < self.low <= self.rate <= self.high:
-            raise ValueError(f"ComputeRate {self.device}/{self.model}: need 0 < low <= rate <= high")
+        if not 0 < self.spread[0] <= 1 <= self.spread[1]:
+            raise ValueError(f"ComputeRate {self.device}/{self.model}: need 0 < spread low <= 1 <= high, "
+                             f"got {self.spread!r}")
+
+    @property
+    def low(self) -> float:
+        return self.rate * self.spread[0]
+
+    @property
+    def high(self) -> float:
+        return self.rate * self.spread[1]
 
 
 RATES: Registry[ComputeRate] = Registry("compute rate")
@@ -151,23 +157,29 @@ for _r in (
     ComputeRate("v100", "resnet50", "fp32", 367.0, 112, _DLE_RN50_V100 + ", FP32"),
     ComputeRate("h100", "gpt2", "fp16", 457.0, 64, _LLMC_H100 + ", 140 ms per step"),
     ComputeRate("h100", "gpt2-medium", "fp16", 184.0, 64, _LLMC_H100 + ", 350M: 5.8 h for 60,000 steps (a lower bound)",
-                low=184.0 * 0.6, high=184.0 * 1.2),
+                spread=(0.6, 1.2)),
     ComputeRate("a100", "gpt2", "fp16", 213.0, 64, _LLMC_A100 + ", ~300 ms per step"),
     ComputeRate("a100", "gpt2-medium", "fp16", 78.0, 64, _LLMC_A100 + ", 350M: ~820 ms per step"),
     ComputeRate("a100", "gpt2-medium", "fp32", 14.2, 4, _FLAGPERF_GPT2),
-    ComputeRate("a100", "vit-b16", "fp16", 900.0, 512, _ROSETTA_VIT.format(gpu="A100"), low=540.0, high=1151.0),
+    ComputeRate("a100", "vit-b16", "fp16", 900.0, 512, _ROSETTA_VIT.format(gpu="A100"),
+                spread=(0.6, _FLAGPERF_VIT_A100 / 900.0)),
     ComputeRate("h100", "vit-b16", "fp16", 1458.7, 512, _ROSETTA_VIT.format(gpu="H100"),
-                low=1458.7 * 0.6, high=1458.7 * 1.28),
-    ComputeRate("h100", "bert-large", "fp16", 1149.0, 256, _H100_BERT.format(ratio=1.98, prec="fp16"),
-                low=1149.0 * 0.6, high=1149.0 * 1.3),
-    ComputeRate("h100", "bert-large", "fp32", 596.0, 128, _H100_BERT.format(ratio=1.88, prec="fp32"),
-                low=596.0 * 0.6, high=596.0 * 1.3),
-    ComputeRate("h100", "bert-large-seq512", "fp16", 416.0, 32, _H100_BERT.format(ratio=1.98, prec="fp16"),
-                low=416.0 * 0.6, high=416.0 * 1.3),
-    ComputeRate("h100", "bert-large-seq512", "fp32", 207.0, 16, _H100_BERT.format(ratio=1.88, prec="fp32"),
-                low=207.0 * 0.6, high=207.0 * 1.3),
+                spread=(0.6, _FLAGPERF_VIT_A100 / 900.0)),
 ):
     _add(_r)
+
+
+def _ratio_transfer(a100: ComputeRate) -> ComputeRate:
+    """The H100's rate for ``a100``'s model and precision: ``a100.rate`` x Lambda's H100 / A100 ratio."""
+    ratio = _LAMBDA_H100_OVER_A100[a100.precision]
+    return replace(a100, device="h100", rate=a100.rate * ratio, spread=_RATIO_SPREAD,
+                   source=f"ASSUMPTION [ratio transfer]: the A100 row (NVIDIA's BERT README) x {ratio:.3g} = H100 / "
+                          f"A100 of Lambda's BERT-large SQuAD benchmark ({a100.precision}); no published H100 "
+                          "pre-training rate")
+
+
+for _key in ("bert-large/fp16", "bert-large/fp32", "bert-large-seq512/fp16", "bert-large-seq512/fp32"):
+    _add(_ratio_transfer(RATES[f"a100/{_key}"]))
 
 
 @dataclass(frozen=True)
